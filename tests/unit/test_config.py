@@ -1,0 +1,89 @@
+"""Argument groups: parsing, forwarding and start-up validation that names the flag."""
+
+import pytest
+
+from vime.config import ConfigError, parse_train_args
+from vime.config.passthrough import split_prefixed, to_cli
+from vime.config.vllm import check_against_vllm
+from vime.weights.policy import flush_for_sync
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def base(model_dir, *extra):
+    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
+            "--run-dir", "/tmp/vime-test-run", *extra]
+
+
+def test_defaults_and_derived_values(model_dir):
+    s = parse_train_args(base(model_dir, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"))
+    assert s.global_batch_size == 8
+    assert s.cluster.num_engines == 1 and s.cluster.num_trainers == 1
+    assert s.max_staleness == 1
+    assert s.rollout_data_dir == "/tmp/vime-test-run/rollout_data"
+    assert s.weight_dir == "/tmp/vime-test-run/weights"
+    assert s.router_args["policy"] == "round_robin"
+
+
+def test_colocate_is_synchronous(model_dir):
+    assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--advantage-estimator", "magic"], "--advantage-estimator"),
+    (["--rollout-top-p", "0"], "--rollout-top-p"),
+    (["--global-batch-size", "3"], "--global-batch-size"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
+    (["--save-interval", "2"], "--save-interval"),
+    (["--colocate", "--flush-cache-interval", "0"], "--flush-cache-interval"),
+    (["--vllm-model", "x"], "--vllm-model"),
+    (["--router-port", "1"], "--router-port"),
+    (["--router-no-such-flag", "1"], "--router-no-such-flag"),
+    (["--num-layers", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    (["--ckpt-step", "3"], "--ckpt-step"),
+])
+def test_bad_values_name_the_flag(model_dir, extra, flag):
+    with pytest.raises(ConfigError) as error:
+        parse_train_args(base(model_dir, *extra))
+    assert str(error.value).startswith(flag), str(error.value)
+
+
+def test_missing_prompt_data_and_model_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="^--prompt-data"):
+        parse_train_args(["--hf-checkpoint", str(tmp_path), "--rm-type", "f1"])
+    with pytest.raises(ConfigError, match="^--hf-checkpoint"):
+        parse_train_args(["--hf-checkpoint", str(tmp_path / "nope"), "--prompt-data", "a.jsonl", "--rm-type", "f1"])
+
+
+def test_prefixed_flags_are_split_out():
+    forwarded, rest = split_prefixed(
+        ["--vllm-max-model-len", "64", "--lr", "1", "--vllm-enforce-eager", "--vllm-dtype=float32",
+         "--vllm-router-port", "9", "--vllm-seed", "-1"], "vllm-", {"--vllm-router-port"})
+    assert forwarded == {"max-model-len": "64", "enforce-eager": None, "dtype": "float32", "seed": "-1"}
+    assert rest == ["--lr", "1", "--vllm-router-port", "9"]
+    assert to_cli(forwarded) == ["--max-model-len", "64", "--enforce-eager", "--dtype", "float32", "--seed", "-1"]
+
+
+def test_vllm_flags_are_checked_against_the_installed_vllm():
+    check_against_vllm({"max-model-len": "64", "enforce-eager": None})
+    with pytest.raises(ConfigError, match="^--vllm-no-such-thing"):
+        check_against_vllm({"no-such-thing": "1"})
+    with pytest.raises(ConfigError, match="^--vllm-max-model-len: expects a value"):
+        check_against_vllm({"max-model-len": None})
+    with pytest.raises(ConfigError, match="^--vllm-enforce-eager: is a switch"):
+        check_against_vllm({"enforce-eager": "yes"})
+
+
+@pytest.mark.parametrize("interval, flushes", [
+    (1, [True, True, True, True, True]),
+    (0, [True, False, False, False, False]),
+    (-1, [True, False, False, False, False]),
+    (2, [True, False, True, False, True]),   # the seeds: keep at version 2, flush at 3, keep at 4
+    (3, [True, False, False, True, False]),
+])
+def test_flush_cache_interval(interval, flushes):
+    assert [flush_for_sync(n, interval) for n in range(1, 6)] == flushes

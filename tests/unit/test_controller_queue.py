@@ -1,0 +1,131 @@
+"""The controller over the real straw queue (and the in-memory twin): leases, exactly-once
+acceptance, admission, scheduling order, fencing and restart."""
+
+import json
+
+import pytest
+from straw.errors import IdempotencyConflict as StrawConflict
+
+from vime.data.source import DataKeys
+from vime.queue.fence import QueueBusy
+from vime.queue.memory_queue import IdempotencyConflict as MemoryConflict
+from vime.queue.transport import ObjectStoreTransport, StrawTransport
+from vime.sample import Sample, Status
+from vime.workers.controller import Controller, ControllerSpec
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(10)))
+    return str(path)
+
+
+def make_spec(tmp_path, prompts, transport="straw", **overrides):
+    values = dict(transport=transport, data_dir=str(tmp_path / "queue"), run_id="run", lease_seconds=60,
+                  segment_mib=1, online_gc=False, prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0,
+                  shuffle=False, num_epoch=None, groups_per_rollout=2, max_staleness=1)
+    values.update(overrides)
+    return ControllerSpec(**values)
+
+
+class InlineBox:
+    """Object-store transport without Ray: the controller only stores and returns the reference."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+
+def publish(tmp_path, transport, leased, reward=1.0):
+    a = leased.assignment
+    samples = [Sample(group_index=a.task.group_index, index=i, prompt_index=a.task.prompt_index, tokens=[1, 2, 3],
+                      response_length=1, reward=reward, status=Status.COMPLETED, weight_versions=[0])
+               for i in range(2)]
+    sid = f"{a.lease.task_id}-{a.lease.attempt_id}"
+    if transport == "straw":
+        ref = StrawTransport(str(tmp_path / "queue"), "run", segment_mib=1).publish(
+            samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid)
+    else:
+        ref = InlineBox(samples)
+    return sid, ref
+
+
+@pytest.mark.parametrize("transport", ["straw", "object-store"])
+def test_exactly_once_acceptance(tmp_path, prompts, transport):
+    controller = Controller(make_spec(tmp_path, prompts, transport))
+    first = controller.lease("w", 1)[0]
+    sid, ref = publish(tmp_path, transport, first)
+    position = controller.complete(first.assignment.lease, sid, ref, 2, 2)
+    assert controller.complete(first.assignment.lease, sid, ref, 2, 2) == position  # retried: same receipt
+    assert controller.stats().accepted == 1
+    _, other = publish(tmp_path, transport, first, reward=0.0)
+    with pytest.raises((StrawConflict, MemoryConflict)):
+        controller.complete(first.assignment.lease, sid, other, 2, 2)  # same attempt, different content
+    controller.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["straw", "object-store"])
+def test_admission_bounds_outstanding_groups(tmp_path, prompts, transport):
+    controller = Controller(make_spec(tmp_path, prompts, transport, groups_per_rollout=2, max_staleness=1))
+    leased = controller.lease("w", 100)
+    assert len(leased) == 4                  # (version 0 + staleness 1 + 1) x 2 groups
+    assert controller.lease("w", 100) == []
+    for item in leased[:2]:
+        controller.complete(item.assignment.lease, *publish(tmp_path, transport, item), 2, 2)
+    assert controller.lease("w", 100) == []  # accepted-but-untrained groups still count
+    assert len(controller.take_groups(2)) == 2
+    assert controller.lease("w", 100) == []  # the trainer has not moved to version 1 yet
+    controller.set_weight_version(1)
+    assert len(controller.lease("w", 100)) == 2
+    controller.shutdown()
+
+
+def test_synchronous_admission_is_one_rollout_per_version(tmp_path, prompts):
+    controller = Controller(make_spec(tmp_path, prompts, max_staleness=0, groups_per_rollout=3))
+    assert len(controller.lease("w", 100)) == 3
+    assert controller.lease("w", 100) == []
+    controller.shutdown()
+
+
+def test_continuations_come_first_then_oldest_version(tmp_path, prompts):
+    controller = Controller(make_spec(tmp_path, prompts, groups_per_rollout=5, max_staleness=3))
+    leased = controller.lease("w", 3)
+    a, b, c = leased
+    transport = StrawTransport(str(tmp_path / "queue"), "run", segment_mib=1)
+    for item, version in ((a, 2), (b, 1)):
+        lease = item.assignment.lease
+        partial = transport.publish([Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[version])],
+                                    task_id=lease.task_id, attempt_id=lease.attempt_id,
+                                    submission_id=f"partial-{lease.attempt_id}")
+        assert controller.return_partial(lease, item.assignment.task.as_continuation(version), partial)
+    order = [x.assignment.task.task_id for x in controller.lease("w", 3)]
+    assert order[:2] == [b.assignment.task.task_id, a.assignment.task.task_id]
+    assert order[2] not in {a.assignment.task.task_id, b.assignment.task.task_id, c.assignment.task.task_id}
+    controller.shutdown()
+
+
+def test_fence_refuses_a_second_live_controller(tmp_path, prompts):
+    controller = Controller(make_spec(tmp_path, prompts))
+    with pytest.raises(QueueBusy, match="another live controller"):
+        Controller(make_spec(tmp_path, prompts))
+    controller.shutdown()
+    Controller(make_spec(tmp_path, prompts)).shutdown()  # free again once the first released it
+
+
+def test_restart_fences_old_leases_and_keeps_the_dataset_cursor(tmp_path, prompts):
+    controller = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=0))
+    leased = controller.lease("w", 2)
+    submitted_before = {t.prompt_index for t in controller.queue.pending()} | {
+        x.assignment.task.prompt_index for x in leased}
+    controller.shutdown()
+    restarted = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=0))
+    sid, ref = publish(tmp_path, "straw", leased[0])
+    assert restarted.complete(leased[0].assignment.lease, sid, ref, 2, 2) is None  # the old lease is fenced
+    again = restarted.lease("w2", 2)
+    assert {x.assignment.task.task_id for x in again} == {x.assignment.task.task_id for x in leased}
+    restarted._refill()
+    pending = [t.prompt_index for t in restarted.queue.pending()]
+    assert len(pending) == len(set(pending))
+    assert not (set(pending) & {x.assignment.task.prompt_index for x in again})
+    assert submitted_before <= set(pending) | {x.assignment.task.prompt_index for x in again}
+    restarted.shutdown()

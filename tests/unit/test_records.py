@@ -1,0 +1,95 @@
+"""Record codec: every field round-trips through real straw storage; bad captures never publish."""
+
+import os
+
+import pytest
+import torch
+from straw.errors import CorruptData
+
+from vime.queue.records import IncompleteCapture, decode_group, encode_group, expand, run_length
+from vime.queue.transport import StrawTransport
+from vime.sample import Sample, Status
+
+OWNER = {"task_id": "t", "attempt_id": "a"}
+
+
+def full_sample(index=0, response_length=3):
+    tokens = [5, 6, 7, 8, 9][: 2 + response_length]
+    return Sample(
+        group_index=4, index=index, prompt_index=17, prompt="p", label={"answer": "482"}, tokens=tokens,
+        response="xyz", response_length=response_length, loss_mask=[1, 0, 1][:response_length], reward=0.75,
+        status=Status.TRUNCATED, rollout_log_probs=[-0.5, -1.25, -2.0][:response_length],
+        weight_versions=[3, 3, 4][:response_length], metadata={"source_name": "math", "k": [1, 2]},
+        source="dyn", session_id="s-1",
+        rollout_routed_experts=torch.randint(0, 200, (len(tokens) - 1, 2, 4), dtype=torch.uint8),
+        rollout_topk_token_ids=torch.randint(0, 100, (response_length, 128), dtype=torch.int32),
+        rollout_topk_log_probs=torch.randn(response_length, 128),
+        rollout_topp_ids=torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32),
+        rollout_topp_offsets=torch.tensor([0, 2, 5, 6][: response_length + 1], dtype=torch.int64),
+        rollout_topp_log_probs=torch.randn(6),
+    )
+
+
+def assert_same(a: Sample, b: Sample):
+    for name in ("group_index", "index", "prompt_index", "label", "tokens", "response", "response_length",
+                 "loss_mask", "reward", "status", "weight_versions", "metadata", "source", "session_id"):
+        assert getattr(a, name) == getattr(b, name), name
+    assert torch.tensor(a.rollout_log_probs, dtype=torch.float32).tolist() == b.rollout_log_probs
+    for name in ("rollout_routed_experts", "rollout_topk_token_ids", "rollout_topk_log_probs", "rollout_topp_ids",
+                 "rollout_topp_offsets", "rollout_topp_log_probs"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+
+
+def test_run_length_versions():
+    assert run_length([1, 1, 2, 2, 2, 5]) == [(1, 0, 2), (2, 2, 5), (5, 5, 6)]
+    assert expand(run_length([0, 0, 1, 3, 3])) == [0, 0, 1, 3, 3]
+    assert run_length([]) == []
+
+
+def test_every_field_round_trips_through_straw(tmp_path):
+    transport = StrawTransport(str(tmp_path), "run")
+    group = [full_sample(0), full_sample(1, response_length=2)]
+    ref = transport.publish(group, task_id="t", attempt_id="a", submission_id="sub")
+    back = StrawTransport(str(tmp_path), "run").read(ref)
+    assert len(back) == 2
+    for a, b in zip(group, back):
+        assert_same(a, b)
+    assert back[0].source_name == "dyn"
+
+
+def test_minimal_sample_round_trips_in_memory():
+    sample = Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[0], reward=None)
+    (back,) = decode_group(list(encode_group([sample], "x", OWNER)))
+    assert back.loss_mask == [1] and back.rollout_log_probs is None and back.reward is None
+    assert back.source_name == "unknown"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rollout_routed_experts", torch.zeros(2, 2, 4, dtype=torch.uint8)),   # needs len(tokens) - 1 = 4 rows
+    ("rollout_topk_token_ids", torch.zeros(2, 8, dtype=torch.int32)),      # needs response_length = 3 rows
+    ("rollout_topp_offsets", torch.tensor([0, 1])),
+    ("weight_versions", [0]),
+])
+def test_incomplete_capture_is_refused(field, value):
+    sample = full_sample()
+    setattr(sample, field, value)
+    with pytest.raises(IncompleteCapture):
+        encode_group([sample], "x", OWNER)
+
+
+def test_corrupted_payload_is_detected(tmp_path):
+    transport = StrawTransport(str(tmp_path), "run")
+    sample = full_sample()
+    sample.rollout_topk_log_probs = torch.full((3, 128), 0.123456789)
+    ref = transport.publish([sample], task_id="t", attempt_id="a", submission_id="sub")
+    pack = os.path.join(str(tmp_path), ref.manifest.segment.path)
+    data = bytearray(open(pack, "rb").read())
+    needle = torch.full((4,), 0.123456789).numpy().tobytes()
+    at = data.find(needle)
+    assert at >= 0
+    data[at] ^= 0xFF
+    with open(pack, "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptData):
+        StrawTransport(str(tmp_path), "run").read(ref)

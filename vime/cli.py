@@ -1,0 +1,32 @@
+"""The ``vime`` command: ``vime train ...``, ``vime tools ...``."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: vime <command> [options]
+
+commands:
+  train                       run RL training (vime train --help)
+  tools make-tiny-model OUT   write a tiny random HF model + tokenizer (no download)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from vime.train import main as train_main
+        return train_main(rest)
+    if command == "tools" and rest and rest[0] == "make-tiny-model":
+        from vime.tools.make_tiny_model import main as tiny_main
+        return tiny_main(rest[1:]) or 0
+    print(f"vime: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

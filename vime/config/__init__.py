@@ -1,0 +1,164 @@
+"""Command-line arguments of ``vime train``: parsing, typed sections and start-up validation.
+
+Groups: the framework's own flags (``framework``), ``--vllm-*`` (``vllm``), ``--router-*``
+(``router``) and the Megatron-style model flags (``megatron``). Components receive their typed
+section; user hooks receive the whole ``args`` namespace, as the reference framework's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+
+from vime.config import router as router_args
+from vime.config import vllm as vllm_args
+from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
+from vime.config.framework import (
+    AlgorithmConfig, CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, QueueConfig, RolloutConfig,
+    RunConfig, TrainConfig, WeightSyncConfig,
+)
+from vime.config.megatron import MegatronConfig
+from vime.config.passthrough import split_prefixed
+
+__all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]
+
+SECTIONS = [
+    ("cluster", ClusterConfig, "Cluster resources"),
+    ("data", DataConfig, "Data"),
+    ("rollout", RolloutConfig, "Rollout and reward"),
+    ("algorithm", AlgorithmConfig, "RL algorithm"),
+    ("train", TrainConfig, "Training"),
+    ("queue", QueueConfig, "Sample queue"),
+    ("weights", WeightSyncConfig, "Weight synchronisation"),
+    ("checkpoint", CheckpointConfig, "Checkpoints"),
+    ("eval", EvalConfig, "Evaluation"),
+    ("run", RunConfig, "Run"),
+]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainSettings:
+    """Every typed section of one ``vime train`` invocation, plus the raw namespace for hooks."""
+
+    cluster: ClusterConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    train: TrainConfig
+    queue: QueueConfig
+    weights: WeightSyncConfig
+    checkpoint: CheckpointConfig
+    eval: EvalConfig
+    run: RunConfig
+    vllm: vllm_args.VllmConfig
+    router_args: dict
+    megatron: MegatronConfig
+    args: argparse.Namespace
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.run_dir  # resolved by finalize()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.global_batch_size or self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def max_staleness(self) -> int:
+        if self.queue.max_staleness is not None:
+            return self.queue.max_staleness
+        return 0 if self.cluster.colocate else 1
+
+    @property
+    def rollout_data_dir(self) -> str:
+        return self.queue.rollout_data_dir  # resolved by finalize()
+
+    @property
+    def weight_dir(self) -> str:
+        return self.weights.update_weight_disk_dir  # resolved by finalize()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vime train",
+        description="Fully-asynchronous RL post-training: rollout workers generate through vLLM engines behind "
+                    "vllm-router, a durable straw queue carries accepted groups, trainers update the policy and "
+                    "publish new weights to the engines.",
+        usage="%(prog)s --hf-checkpoint DIR --prompt-data FILE [options]")
+    for _, section, title in SECTIONS:
+        add_section_arguments(parser, section, title)
+    vllm_args.add_help(parser)
+    router_args.add_help(parser)
+    add_section_arguments(parser, MegatronConfig, "Megatron-style model and parallelism flags",
+                          "With --train-backend torch these are optional cross-checks of the HF config.")
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> TrainSettings:
+    """Parse and validate; raises ConfigError (naming the flag) or SystemExit for argparse errors."""
+    vllm_forwarded, rest = split_prefixed(argv, "vllm-", vllm_args.VIME_OWNED)
+    router_forwarded, rest = split_prefixed(rest, "router-", set())
+    args = build_parser().parse_args(rest)
+    args.vllm_args = vllm_forwarded
+    args.router_args = router_forwarded
+    sections = {name: section_from_args(cls, args) for name, cls, _ in SECTIONS}
+    settings = TrainSettings(
+        **sections,
+        vllm=vllm_args.VllmConfig(vllm_router_ip=args.vllm_router_ip, vllm_router_port=args.vllm_router_port,
+                                  vllm_args=vllm_forwarded),
+        router_args=router_forwarded,
+        megatron=section_from_args(MegatronConfig, args),
+        args=args,
+    )
+    validate(settings)
+    finalize(settings)
+    return settings
+
+
+def validate(settings: TrainSettings) -> None:
+    for name, _, _ in SECTIONS:
+        getattr(settings, name).validate()
+    settings.vllm.validate()
+    settings.megatron.validate()
+    settings.router_args = router_args.resolve_router_args(settings.router_args)
+    rollout, cluster = settings.rollout, settings.cluster
+    require(settings.global_batch_size % rollout.n_samples_per_prompt == 0, "--global-batch-size",
+            f"{settings.global_batch_size} must be a multiple of --n-samples-per-prompt {rollout.n_samples_per_prompt}")
+    samples_per_rollout = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    require(samples_per_rollout % settings.global_batch_size == 0, "--global-batch-size",
+            f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
+            f"--global-batch-size {settings.global_batch_size}")
+    require(settings.global_batch_size % cluster.num_trainers == 0, "--global-batch-size",
+            f"must be divisible by the {cluster.num_trainers} trainer slots")
+    require(cluster.num_trainers == 1, "--actor-num-gpus-per-node",
+            "the torch backend trains on one slot for now (actor nodes x GPUs per node must be 1)")
+    require(cluster.rollout_gpus >= 1 or settings.vllm.vllm_router_ip is not None, "--rollout-num-gpus",
+            "0 engines and no external router: nothing would generate")
+    require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
+            "values other than 1 select the fully-async rollout, which cannot run with --colocate")
+    if settings.checkpoint.load:
+        require(os.path.isdir(settings.checkpoint.load), "--load", f"{settings.checkpoint.load!r} does not exist")
+
+
+def finalize(settings: TrainSettings) -> None:
+    """Resolve defaults that depend on other flags (directories)."""
+    run = settings.run
+    if run.run_dir is None:
+        run.run_dir = settings.checkpoint.save or os.path.join(
+            "outputs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    run.run_dir = os.path.abspath(run.run_dir)
+    queue = settings.queue
+    if queue.rollout_data_dir is None:
+        base = settings.checkpoint.save or settings.checkpoint.load or run.run_dir
+        queue.rollout_data_dir = os.path.join(base, "rollout_data")
+    queue.rollout_data_dir = os.path.abspath(queue.rollout_data_dir)
+    weights = settings.weights
+    if weights.update_weight_disk_dir is None:
+        weights.update_weight_disk_dir = os.path.join(run.run_dir, "weights")
+    weights.update_weight_disk_dir = os.path.abspath(weights.update_weight_disk_dir)
+    args = settings.args
+    args.run_dir, args.rollout_data_dir = run.run_dir, queue.rollout_data_dir
+    args.update_weight_disk_dir = weights.update_weight_disk_dir
+    args.global_batch_size = settings.global_batch_size

@@ -1,0 +1,297 @@
+"""A vLLM OpenAI-compatible server as a managed child process, and a client for its RL endpoints.
+
+The server is started with ``--enable-scale-out`` (token-in/token-out ``/inference/v1/generate``
+with per-token weight versions) and ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``,
+``/collective_rpc``, ``/reset_prefix_cache``, ``/server_info``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import requests
+
+from vime.engines.http import EngineError, call, call_json
+from vime.runtime.ports import PortInUseError, free_port, port_is_free
+from vime.runtime.process import ManagedProcess
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+# vLLM flags vime derives itself; forwarding them as well would give vLLM two conflicting values.
+_DERIVED_FLAGS = ("model", "host", "port", "tensor-parallel-size")
+_LOG_TAIL_LINES = 30
+
+
+class EngineStartError(EngineError):
+    """The engine process exited or never became healthy; the message carries its log tail."""
+
+
+def build_vllm_command(
+    model: str,
+    port: int,
+    host: str = "127.0.0.1",
+    vllm_args: Mapping[str, str | None] | None = None,
+    tensor_parallel_size: int = 1,
+) -> list[str]:
+    """argv for one vLLM server. ``vllm_args`` maps flag names without ``--`` to a value, or to
+    None for a bare switch: {"max-model-len": "64", "enforce-eager": None}."""
+    vllm_args = dict(vllm_args or {})
+    for key in _DERIVED_FLAGS:
+        if key in vllm_args:
+            raise ValueError(f"vLLM flag --{key} is set by vime and cannot be forwarded")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", host,
+        "--port", str(port),
+        "--tensor-parallel-size", str(tensor_parallel_size),
+    ]
+    # Token-in/token-out generation with per-token weight versions: the rollout path needs it.
+    vllm_args.setdefault("enable-scale-out", None)
+    for key, value in vllm_args.items():
+        if key.startswith("-"):
+            raise ValueError(f"vLLM flag names are given without dashes, got {key!r}")
+        argv.append(f"--{key}")
+        if value is not None:
+            argv.append(str(value))
+    return argv
+
+
+def engine_env(token: str, cpu_cores: Sequence[int] | None = None, ranks: int = 1) -> dict[str, str]:
+    """Environment additions for an engine process.
+
+    ``cpu_cores`` pins the engine's OpenMP compute threads (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``:
+    one core list per local rank, ranks separated by ``|``, e.g. "0,1" or "0|1"). The cores are
+    split evenly over ``ranks`` (the tensor-parallel size). Without it vLLM's "auto" binding applies,
+    which on x86 reserves one core per rank for the scheduler process: on a 2-core machine the
+    engine then computes with a single OpenMP thread on core 0.
+    """
+    env = {
+        "VIME_RUN_TOKEN": token,
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB; vLLM's default would take far more of a small box
+    if cpu_cores is not None:
+        cores = list(cpu_cores)
+        if ranks < 1 or len(cores) < ranks or len(cores) % ranks:
+            raise ValueError(f"{len(cores)} cpu_cores cannot be split evenly over {ranks} rank(s)")
+        per_rank = len(cores) // ranks
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(str(c) for c in cores[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
+    return env
+
+
+class VllmServer:
+    """One vLLM server process: start, wait until it answers /health, stop (whole process tree)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        log_path: str | os.PathLike[str],
+        run_token: str,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        vllm_args: Mapping[str, str | None] | None = None,
+        tensor_parallel_size: int = 1,
+        cpu_cores: Sequence[int] | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.model = model
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        argv = build_vllm_command(model, self.port, host, vllm_args, tensor_parallel_size)
+        full_env = {**engine_env(run_token, cpu_cores, tensor_parallel_size), **(env or {})}
+        self.process = ManagedProcess(argv, log_path=log_path, run_token=run_token, env=full_env,
+                                      name=f"vllm:{self.port}")
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.url}, pid={self.process.pid})"
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+    def start(self) -> VllmServer:
+        if not port_is_free(self.host, self.port):
+            raise PortInUseError(self.host, self.port, "vLLM engine")
+        self.process.start()
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0, poll_interval: float = 0.5) -> None:
+        """Block until ``GET /health`` answers 200.
+
+        Fails fast when the process exits. On any failure the process tree is stopped (so a failed
+        start leaves nothing behind) and EngineStartError carries the log tail and the log path.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.process.alive():
+                self._fail(f"process exited with status {self.process.returncode} before becoming healthy")
+            try:
+                if requests.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass  # not listening yet
+            if time.monotonic() >= deadline:
+                self._fail(f"not healthy after {timeout:g}s")
+            time.sleep(poll_interval)
+
+    def _fail(self, reason: str) -> None:
+        self.process.stop(timeout=10)
+        raise EngineStartError(
+            self.url,
+            f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        return self.process.stop(timeout)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class EngineClient:
+    """The RL control endpoints of one engine. Every call is bounded by ``timeout`` seconds (per
+    attempt) and every error names the engine and the call."""
+
+    def __init__(self, url: str, timeout: float = 60.0, attempts: int = 3):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.attempts = attempts
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url})"
+
+    def _json(self, method: str, path: str, *, timeout: float | None = None, attempts: int | None = None,
+              **kwargs: Any) -> Any:
+        return call_json(method, self.url, path, timeout=timeout or self.timeout,
+                         attempts=attempts or self.attempts, **kwargs)
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when /health answers 200; False when it answers otherwise or cannot be reached."""
+        try:
+            return requests.get(self.url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def pause(self, mode: PauseMode = "keep", timeout: float | None = None) -> None:
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause mode must be keep, abort or wait, not {mode!r}")
+        self._json("POST", "/pause", params={"mode": mode}, timeout=timeout)
+
+    def resume(self, timeout: float | None = None) -> None:
+        self._json("POST", "/resume", timeout=timeout)
+
+    def is_paused(self) -> bool:
+        body = self._json("GET", "/is_paused")
+        return bool(_field(self.url, body, "is_paused", "GET /is_paused"))
+
+    def reload_weights(self, path: str | os.PathLike[str], timeout: float | None = None,
+                       check_local_path: bool = True) -> None:
+        """Every worker re-reads the HF safetensors in ``path`` (``collective_rpc reload_weights``).
+
+        A worker that fails makes vLLM answer 500 with the worker's exception, raised here as
+        EngineError; a worker result other than None counts as an error too. A failed reload leaves
+        vLLM's model half-loaded and the engine dies on its next forward pass, so a path that cannot
+        be right is refused before it is sent: ``check_local_path`` requires ``path`` to be a folder
+        with ``*.safetensors`` on this machine (turn it off when the engine reads another file system).
+        """
+        timeout = timeout or self.timeout
+        if check_local_path:
+            folder = Path(path)
+            if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+                raise EngineError(self.url, f"reload_weights({path}): not a folder with *.safetensors "
+                                            "here; not sent, since a failed reload kills the engine")
+        body = self._json("POST", "/collective_rpc", timeout=timeout, attempts=1, json_body={
+            "method": "reload_weights",
+            "kwargs": {"weights_path": str(path)},
+            "timeout": timeout,  # bounds the RPC inside vLLM too, not only our wait for it
+        })
+        results = (body or {}).get("results", [])
+        failures = [f"worker {i}: {r}" for i, r in enumerate(results) if r is not None]
+        if failures:
+            raise EngineError(self.url, f"reload_weights({path}) failed: " + "; ".join(failures))
+
+    def abort_requests(self, timeout: float | None = None) -> int:
+        """Abort every request in flight without pausing; returns how many were aborted."""
+        body = self._json("POST", "/abort_requests", json_body={}, timeout=timeout)
+        return int(_field(self.url, body, "aborted", "POST /abort_requests"))
+
+    def update_weight_version(self, version: int | str) -> None:
+        self._json("POST", "/update_weight_version", json_body={"new_version": str(version)})
+
+    def weight_version(self) -> str:
+        body = self._json("GET", "/weight_info")
+        return str(_field(self.url, body, "weight_version", "GET /weight_info"))
+
+    def reset_prefix_cache(self) -> None:
+        body = self._json("POST", "/reset_prefix_cache")
+        if body is not None and body.get("success") is False:
+            # vLLM refuses while cache blocks are held, e.g. by requests kept across a pause.
+            raise EngineError(self.url, "POST /reset_prefix_cache refused: blocks are still in use")
+
+    def server_info(self) -> dict[str, Any]:
+        return self._json("GET", "/server_info")
+
+    def generate(self, token_ids: Sequence[int], sampling_params: Mapping[str, Any],
+                 timeout: float | None = None) -> dict[str, Any]:
+        """One ``/inference/v1/generate`` call (token ids in); returns ``choices[0]``.
+
+        Not retried: a dropped connection may leave the request running in the engine.
+        """
+        body = self._json("POST", "/inference/v1/generate", timeout=timeout, attempts=1,
+                          json_body={"token_ids": list(token_ids), "sampling_params": dict(sampling_params)})
+        return _field(self.url, body, "choices", "POST /inference/v1/generate")[0]
+
+
+def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], version: int,
+                          flush: bool) -> None:
+    """Load the weights in ``path`` into one engine and label them ``version``.
+
+    flush=True: pause(abort) -> reload -> reset_prefix_cache -> update_weight_version -> resume.
+    flush=False: pause(keep) -> reload -> update_weight_version -> resume.
+
+    What vllm-cpu 0.32 does to requests in flight (measured, tests/e2e/test_engine.py):
+    - ``pause?mode=abort`` ends them at once. Each returns normally (HTTP 200) with
+      ``finish_reason == "abort"`` and the tokens generated so far, all of the old version; a
+      streamed request gets a final chunk with that finish reason. The caller must resubmit them.
+    - ``pause?mode=keep`` freezes them; after resume they finish normally (``finish_reason``
+      "length"/"stop") and ``weight_versions`` has two segments, e.g.
+      [{"version": "0", "start": 0, "end": 3}, {"version": "1", "start": 3, "end": 56}].
+      With /pause's default ``clear_cache=true`` vLLM also resets the prefix cache while pausing and
+      preempts the kept requests, so their KV (prompt and earlier tokens) is recomputed with the new
+      weights on resume: the log-probs after the switch equal HF transformers' on the new weights
+      for the whole context (to ~1e-7). Tokens sampled before the switch keep their old-version
+      log-probs, which is what the segments record. No old-weight KV survives either mode.
+
+    A reload that fails inside vLLM (e.g. a missing folder) leaves the model half-loaded: the next
+    forward pass kills the engine, although /health still answers 200 until then. Treat an engine
+    whose reload raised as lost. The engine is resumed whenever the pause succeeded, also when a
+    later step fails, so that it never stays paused.
+    """
+    client.pause(mode="abort" if flush else "keep")
+    try:
+        client.reload_weights(path)
+        if flush:
+            client.reset_prefix_cache()
+        client.update_weight_version(version)
+    finally:
+        client.resume()
+
+
+def _field(url: str, body: Any, key: str, what: str) -> Any:
+    if not isinstance(body, dict) or key not in body:
+        raise EngineError(url, f"{what} answered without {key!r}: {str(body)[:300]}")
+    return body[key]

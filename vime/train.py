@@ -1,0 +1,454 @@
+"""``vime train``: start every process of a run, drive the training loop, stop everything.
+
+The loop reads like the algorithm. Rollout workers generate continuously in the background; the
+driver only waits for enough accepted groups, trains on them, publishes the new weights to every
+engine, and commits the step:
+
+    for rollout_id in range(start, num_rollout):
+        groups  = controller.take_groups(rollout_batch_size)      # accepted, by reference
+        metrics = trainer.train_rollout(rollout_id, groups)        # advantages, loss, optimizer
+        path    = trainer.publish_weights(version + 1)             # weight_v{N}/ on disk
+        engines.update_weights(path, version + 1, flush=...)       # every engine, directly
+        controller.set_weight_version(version + 1)                 # admission moves on
+        checkpoint / commit the queue cursor
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+from vime.config import ConfigError, TrainSettings, parse_train_args
+from vime.config.vllm import check_against_vllm
+from vime.data.source import DataError, DataKeys, PromptDataset
+from vime.metrics import MetricsLog, plot_rewards
+from vime.rollout.generate import SamplingParams
+from vime.rollout.rewards import resolve_reward
+from vime.runtime.plugins import PluginError, absolute_plugin_path
+from vime.weights.policy import flush_for_sync
+from vime.recovery import checkpoint as ckpt
+
+POLL_SECONDS = 0.05
+
+
+class RunError(RuntimeError):
+    """A failure the user can act on; printed as one line (plus any log tail it carries)."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from vime.engines.http import EngineError
+    from vime.queue.fence import QueueBusy
+    from vime.runtime.ports import PortInUseError
+
+    return (ConfigError, DataError, PluginError, RunError, EngineError, PortInUseError, QueueBusy,
+            ckpt.CheckpointError)
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """Ray wraps an actor's exception; report the original."""
+    cause = getattr(error, "cause", None)
+    return _unwrap(cause) if isinstance(cause, BaseException) and cause is not error else error
+
+
+class TrainingRun:
+    def __init__(self, settings: TrainSettings):
+        self.s = settings
+        self.token = uuid.uuid4().hex
+        self.run_dir = settings.run.run_dir
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        self.log = MetricsLog(self.run_dir)
+        self.router = None
+        self.router_client = None
+        self.engines = None
+        self.controller = None
+        self.trainer = None
+        self.workers: list = []
+        self.worker_runs: list = []
+        self.ray_started = False
+        self.last_saved_step: int | None = None
+
+    # ================================================================== entry
+    def run(self) -> int:
+        try:
+            self._check_inputs()
+            self._start_processes()
+            start_step, version = self._restore()
+            self.before = self._evaluate(version, step=start_step, label="before training")
+            self._start_rollout_workers()
+            version = self._train(start_step, version)
+            self._finish(version)
+            return 0
+        finally:
+            self._teardown()
+
+    # ================================================================== set-up
+    def _check_inputs(self) -> None:
+        s = self.s
+        keys = DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key)
+        self.dataset = PromptDataset.load(s.data.prompt_data, keys)
+        self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
+        s.rollout.custom_rm_path = absolute_plugin_path(s.rollout.custom_rm_path)
+        s.rollout.custom_generate_function_path = absolute_plugin_path(s.rollout.custom_generate_function_path)
+        self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
+        check_against_vllm(s.vllm.vllm_args)
+        if s.checkpoint.load and s.queue.rollout_data_transport != "straw":
+            raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
+        from transformers import AutoConfig, AutoTokenizer
+
+        s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint))
+        self.tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+        with open(os.path.join(self.run_dir, "run.json"), "w") as f:
+            json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
+
+    def _start_processes(self) -> None:
+        s = self.s
+        self._start_ray()
+        self._start_router()
+        self._start_engines()
+        import ray
+
+        from vime.workers.controller import Controller, ControllerSpec
+        from vime.workers.trainer_worker import TrainerWorker, TrainerWorkerSpec
+        from vime.backends.torch_backend import TorchTrainerSpec
+
+        resume_cursor = None
+        if s.checkpoint.load:
+            _, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
+            ckpt.check_run_options(state.run_options, self._run_options())
+            resume_cursor = state.consumer_cursor
+        self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
+                     + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
+        controller_spec = ControllerSpec(
+            transport=s.queue.rollout_data_transport, data_dir=s.rollout_data_dir, run_id=s.queue.rollout_queue_run_id,
+            lease_seconds=s.queue.rollout_queue_lease_seconds, segment_mib=s.queue.rollout_queue_segment_mib,
+            online_gc=False, prompt_data=s.data.prompt_data,
+            keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key), seed=s.run.seed,
+            shuffle=s.data.rollout_shuffle, num_epoch=s.data.num_epoch,
+            groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness,
+            resume_cursor=resume_cursor)
+        self.controller = ray.remote(num_cpus=0)(Controller).remote(controller_spec)
+        threads = s.train.train_threads or max(1, (os.cpu_count() or 2) - max(1, s.cluster.num_engines))
+        backend = TorchTrainerSpec(
+            hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
+            adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
+            clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
+            global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
+            rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
+            threads=threads)
+        trainer_spec = TrainerWorkerSpec(
+            backend=backend, transport=s.queue.rollout_data_transport, data_dir=s.rollout_data_dir,
+            run_id=s.queue.rollout_queue_run_id, segment_mib=s.queue.rollout_queue_segment_mib,
+            weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
+        self.log.say(f"starting the trainer ({s.train.train_backend} backend, {threads} thread(s))")
+        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(trainer_spec)
+        ready = ray.get([self.controller.ready.remote(), self.trainer.ready.remote()], timeout=600)
+        self.log.say(f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, "
+                     f"{ready[0]['consumed']} trained")
+
+    def _start_ray(self) -> None:
+        import ray
+
+        os.environ["VIME_RUN_TOKEN"] = self.token  # every process started below inherits it
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.s.cluster.ray_address:
+            self.log.say(f"attaching to the Ray cluster at {self.s.cluster.ray_address}")
+            ray.init(address=self.s.cluster.ray_address, log_to_driver=self.s.run.log_level == "debug")
+        else:
+            self.log.say("starting Ray (in-process)")
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=self.s.run.log_level == "debug", configure_logging=False)
+        self.ray_started = True
+
+    def _start_router(self) -> None:
+        from vime.engines.router import RouterClient, RouterProcess
+        from vime.runtime.ports import free_port
+
+        s = self.s
+        if s.vllm.vllm_router_ip:
+            port = s.vllm.vllm_router_port or 30000
+            self.router_url = f"http://{s.vllm.vllm_router_ip}:{port}"
+            self.log.say(f"using the external router at {self.router_url}")
+        else:
+            port = s.vllm.vllm_router_port or free_port()
+            self.router = RouterProcess(host="127.0.0.1", port=port, router_args=s.router_args,
+                                        log_path=os.path.join(self.run_dir, "logs", "router.log"),
+                                        run_token=self.token)
+            self.log.say(f"starting vllm-router on 127.0.0.1:{port}")
+            self.router.start()
+            self.router.wait_ready(timeout=60)
+            self.router_url = self.router.url
+        self.router_client = RouterClient(self.router_url, timeout=s.run.http_timeout)
+        s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)
+
+    def _start_engines(self) -> None:
+        from vime.workers.engines import EngineGroup, EngineSpec
+
+        s = self.s
+        n = s.cluster.num_engines
+        if n == 0:
+            self.log.say("--rollout-num-gpus 0: no local engines")
+            self.engines = None
+            return
+        specs = [EngineSpec(index=i, model=s.train.hf_checkpoint, vllm_args=dict(s.vllm.vllm_args),
+                            tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
+                            log_path=os.path.join(self.run_dir, "logs", f"engine-{i}.log"),
+                            startup_timeout=s.run.engine_startup_timeout, http_timeout=s.run.http_timeout)
+                 for i in range(n)]
+        self.log.say(f"starting {n} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s for each "
+                     f"(logs in {os.path.join(self.run_dir, 'logs')})")
+        started = time.monotonic()
+        self.engines = EngineGroup.start(specs)
+        self.log.say(f"engine(s) healthy after {time.monotonic() - started:.0f}s: {', '.join(self.engines.urls)}")
+        for url in self.engines.urls:
+            self.router_client.add_worker(url)
+        self.log.say(f"registered {n} engine(s) with the router")
+
+    def _run_options(self) -> dict[str, Any]:
+        s = self.s
+        return {"prompt_data": s.data.prompt_data, "n_samples_per_prompt": s.rollout.n_samples_per_prompt,
+                "rollout_queue_run_id": s.queue.rollout_queue_run_id, "seed": s.run.seed,
+                "rollout_batch_size": s.rollout.rollout_batch_size, "input_key": s.data.input_key,
+                "label_key": s.data.label_key, "rollout_shuffle": s.data.rollout_shuffle}
+
+    def _restore(self) -> tuple[int, int]:
+        """(first rollout id, weight version) — from the checkpoint when resuming."""
+        import ray
+
+        s = self.s
+        if not s.checkpoint.load:
+            return 0, 0
+        folder, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
+        self.log.say(f"resuming from {folder}: step {state.step}, weight version {state.weight_version}, "
+                     f"{state.consumer_cursor} group(s) trained")
+        ray.get(self.trainer.load_checkpoint.remote(folder))
+        self._publish(state.weight_version, sync_number=1)
+        return state.step, state.weight_version
+
+    # ================================================================== rollout and training
+    def _rollout_spec(self, index: int):
+        from vime.workers.rollout_worker import RolloutWorkerSpec
+
+        s = self.s
+        return RolloutWorkerSpec(
+            worker_id=f"rollout-{index}-{uuid.uuid4().hex[:6]}", router_url=self.router_url,
+            hf_checkpoint=s.train.hf_checkpoint, transport=s.queue.rollout_data_transport,
+            data_dir=s.rollout_data_dir, run_id=s.queue.rollout_queue_run_id,
+            segment_mib=s.queue.rollout_queue_segment_mib, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
+            sampling=self._sampling(), max_concurrent_groups=s.rollout.max_concurrent_groups,
+            partial_rollout=s.rollout.partial_rollout, apply_chat_template=s.data.apply_chat_template,
+            rm_type=s.rollout.rm_type, custom_rm_path=s.rollout.custom_rm_path,
+            custom_generate_function_path=s.rollout.custom_generate_function_path,
+            request_timeout=s.rollout.rollout_request_timeout, lease_seconds=s.queue.rollout_queue_lease_seconds,
+            args=s.args)
+
+    def _sampling(self) -> SamplingParams:
+        r = self.s.rollout
+        return SamplingParams(max_new_tokens=r.rollout_max_response_len, temperature=r.rollout_temperature,
+                              top_p=r.rollout_top_p, top_k=r.rollout_top_k)
+
+    def _start_rollout_workers(self) -> None:
+        import ray
+
+        from vime.workers.rollout_worker import RolloutWorker
+
+        remote = ray.remote(num_cpus=0)(RolloutWorker)
+        self.workers = [remote.remote(self._rollout_spec(0), self.controller)]
+        ray.get([w.ready.remote() for w in self.workers], timeout=300)
+        self.worker_runs = [w.run.remote() for w in self.workers]
+        self.log.say(f"{len(self.workers)} rollout worker(s) generating")
+
+    def _check_workers(self) -> None:
+        import ray
+
+        done, _ = ray.wait(self.worker_runs, timeout=0)
+        for ref in done:
+            ray.get(ref)  # raises the worker's error
+            raise RunError("a rollout worker stopped unexpectedly")
+
+    def _wait_for_groups(self, count: int) -> list:
+        import ray
+
+        last_accepted, last_progress = None, time.monotonic()
+        while True:
+            groups = ray.get(self.controller.take_groups.remote(count))
+            if groups:
+                return groups
+            self._check_workers()
+            stats = ray.get(self.controller.stats.remote())
+            if stats.end_of_data:
+                raise StopIteration
+            if stats.accepted != last_accepted:
+                last_accepted, last_progress = stats.accepted, time.monotonic()
+            elif time.monotonic() - last_progress > self.s.rollout.rollout_request_timeout * 2 + 60:
+                details = ray.get(self.workers[0].get_stats.remote()) if self.workers else None
+                raise RunError(f"no group was accepted for {time.monotonic() - last_progress:.0f}s "
+                               f"(queue: {stats}); rollout worker: {details}; engine logs are in "
+                               f"{os.path.join(self.run_dir, 'logs')}")
+            time.sleep(POLL_SECONDS)
+
+    def _publish(self, version: int, *, sync_number: int) -> float:
+        import ray
+
+        started = time.monotonic()
+        path = ray.get(self.trainer.publish_weights.remote(version))
+        if self.engines is not None:
+            self.engines.update_weights(path, version, flush=flush_for_sync(sync_number,
+                                                                               self.s.weights.flush_cache_interval))
+        ray.get(self.controller.set_weight_version.remote(version))
+        return time.monotonic() - started
+
+    def _train(self, start_step: int, version: int) -> int:
+        import ray
+
+        s = self.s
+        batch = s.rollout.rollout_batch_size
+        sync_number = 1 if s.checkpoint.load else 0  # the restore already published once
+        last_time = time.monotonic()
+        last_tokens = ray.get(self.controller.stats.remote()).accepted_response_tokens
+        self.log.say(f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
+                     f"{s.rollout.n_samples_per_prompt} sample(s)")
+        for rollout_id in range(start_step, s.train.num_rollout):
+            try:
+                groups = self._wait_for_groups(batch)
+            except StopIteration:
+                self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
+                break
+            metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
+            sync_number += 1
+            version += 1
+            sync_seconds = self._publish(version, sync_number=sync_number)
+            step = rollout_id + 1
+            if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
+                self._save(step, version)
+            elif not s.checkpoint.save:
+                ray.get(self.controller.commit.remote(step))
+            stats = ray.get(self.controller.stats.remote())
+            now = time.monotonic()
+            record = {"kind": "train", "step": step, "weight_version": version, **metrics,
+                      "weight_sync_seconds": sync_seconds,
+                      "rollout_tokens_per_s": (stats.accepted_response_tokens - last_tokens) / (now - last_time),
+                      "train_tokens_per_s": metrics["train_tokens"] / max(metrics["train_seconds"], 1e-9),
+                      "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
+                      "queue_leased": stats.leased, "step_seconds": now - last_time}
+            last_time, last_tokens = now, stats.accepted_response_tokens
+            self.log.write(record)
+            self.log.progress(record, s.train.num_rollout)
+            if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
+                self._evaluate(version, step=step, label=f"step {step}")
+        return version
+
+    # ================================================================== evaluation and the end
+    def _evaluate(self, version: int, *, step: int, label: str) -> dict[str, float]:
+        from vime.rollout.evaluate import evaluate_dataset
+
+        s = self.s
+        results = {}
+        params = SamplingParams(max_new_tokens=s.eval.eval_max_response_len or s.rollout.rollout_max_response_len,
+                                temperature=s.eval.eval_temperature, top_p=1.0 if s.eval.eval_temperature == 0
+                                else s.rollout.rollout_top_p, top_k=-1)
+        for name, dataset in self.eval_sets:
+            started = time.monotonic()
+            result = asyncio.run(evaluate_dataset(
+                dataset, tokenizer=self.tokenizer, router_url=self.router_url, reward=self.reward, args=s.args,
+                params=params, n_samples=s.eval.n_samples_per_eval_prompt,
+                apply_chat_template=s.data.apply_chat_template, timeout=s.rollout.rollout_request_timeout))
+            results[name] = result["reward"]
+            self.log.write({"kind": "eval", "step": step, "weight_version": version, "dataset": name,
+                            "eval_reward": result["reward"], "eval_response_length": result["response_length"]})
+            self.log.say(f"held-out reward on {name!r} {label} (weight version {version}): {result['reward']:.3f} "
+                         f"({int(result['samples'])} samples, {time.monotonic() - started:.1f}s)")
+        return results
+
+    def _save(self, step: int, version: int) -> None:
+        import ray
+
+        cursor = ray.get(self.controller.stats.remote()).consumed
+        state = ckpt.CheckpointState(schema=1, step=step, weight_version=version, consumer_cursor=cursor,
+                                     run_options=self._run_options())
+        folder = ckpt.save_checkpoint(self.s.checkpoint.save, state,
+                                      lambda path: ray.get(self.trainer.save_checkpoint.remote(path)))
+        ray.get(self.controller.commit.remote(step, cursor))
+        self.last_saved_step = step
+        self.log.say(f"saved {folder}")
+
+    def _stop_rollout_workers(self) -> None:
+        import ray
+
+        if not self.workers:
+            return
+        ray.get([w.stop.remote() for w in self.workers], timeout=60)
+        ray.get(self.worker_runs, timeout=120)
+        self.workers, self.worker_runs = [], []
+
+    def _finish(self, version: int) -> None:
+        import ray
+
+        s = self.s
+        self._stop_rollout_workers()
+        after = self._evaluate(version, step=version, label="after training")
+        for name, before in self.before.items():
+            self.log.say(f"held-out reward on {name!r}: {before:.3f} -> {after[name]:.3f}")
+        if s.checkpoint.save and self.last_saved_step != version:
+            self._save(version, version)  # one step per weight version: the final step is the version
+        if s.checkpoint.save_hf:
+            path = os.path.join(self.run_dir, "hf_final")
+            ray.get(self.trainer.save_hf.remote(path))
+            self.log.say(f"final model: {path}")
+        png = plot_rewards(self.log.path, os.path.join(self.run_dir, "reward_curve.png"))
+        self.log.say(f"metrics: {self.log.path}; reward curve: {png}")
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump({"weight_version": version, "eval_before": self.before, "eval_after": after}, f, indent=1)
+
+    def _teardown(self) -> None:
+        """Stop every process this run started, whatever state it is in."""
+        import contextlib
+
+        from vime.runtime.process import kill_processes_with_token
+
+        for step in (self._stop_rollout_workers, lambda: self.engines and self.engines.stop(),
+                     lambda: self.router and self.router.stop(),
+                     lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30)):
+            with contextlib.suppress(Exception):
+                step()
+        if self.ray_started:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+        kill_processes_with_token(self.token, exclude_pids=[os.getpid()])
+        self.log.close()
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings = parse_train_args(argv)
+    except ConfigError as error:
+        print(f"vime train: error: {error}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return TrainingRun(settings).run()
+    except KeyboardInterrupt:
+        print("vime train: interrupted; every process started by this run was stopped", file=sys.stderr)
+        return 130
+    except Exception as error:
+        original = _unwrap(error)
+        if isinstance(original, _user_errors()):
+            print(f"vime train: error: {original}", file=sys.stderr)
+            return 1
+        raise

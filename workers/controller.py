@@ -1,0 +1,215 @@
+"""The run's controller: the one owner of the task queue (a Ray actor, restartable).
+
+It refills prompts from the dataset (the dataset cursor moves in the same journal transaction as
+the submission), hands leases to rollout workers under the staleness admission bound, accepts
+their groups exactly once, and feeds accepted groups to the trainer in order. Calls are served
+one at a time (Ray's default actor concurrency), which is what straw's single-writer Coordinator
+needs.
+
+On crash: the fence is released with the process; a new controller recovers the queue from its
+journal, every lease of the dead incarnation is fenced and its task returns to the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any
+
+from straw import Record
+
+from vime.data.source import DataKeys, DatasetCursor, PromptDataset, PromptRecord
+from vime.queue.fence import QueueFence
+from vime.queue.memory_queue import MemoryRolloutQueue
+from vime.queue.rollout_queue import StaleLease, StrawRolloutQueue
+from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+
+
+@dataclasses.dataclass(kw_only=True)
+class ControllerSpec:
+    transport: str                  # straw | object-store
+    data_dir: str
+    run_id: str
+    lease_seconds: float
+    segment_mib: int
+    online_gc: bool
+    prompt_data: str
+    keys: DataKeys
+    seed: int
+    shuffle: bool
+    num_epoch: int | None
+    groups_per_rollout: int         # --rollout-batch-size
+    max_staleness: int
+    resume_cursor: int | None = None  # trained-group cursor of the checkpoint being resumed
+
+
+@dataclasses.dataclass(frozen=True)
+class LeasedPrompt:
+    """What a rollout worker receives: the task, its lease, the prompt and a durable prefix if any."""
+
+    assignment: Assignment
+    prompt: PromptRecord
+
+
+@dataclasses.dataclass
+class ControllerStats:
+    weight_version: int
+    pending: int
+    leased: int
+    accepted: int
+    consumed: int
+    failed: int
+    accepted_response_tokens: int
+    accepted_samples: int
+    end_of_data: bool
+
+    @property
+    def queue_depth(self) -> int:
+        """Accepted groups waiting for the trainer."""
+        return self.accepted - self.consumed
+
+
+class Controller:
+    def __init__(self, spec: ControllerSpec):
+        self.spec = spec
+        self.incarnation = f"controller-{uuid.uuid4().hex[:12]}"
+        self.dataset = PromptDataset.load(spec.prompt_data, spec.keys)
+        self.fence = None
+        if spec.transport == "straw":
+            self.fence = QueueFence.acquire(spec.data_dir)
+            self.queue = StrawRolloutQueue.open(spec.data_dir, spec.run_id, owner=self.incarnation,
+                                                lease_seconds=spec.lease_seconds, segment_mib=spec.segment_mib,
+                                                online_gc=spec.online_gc)
+        else:
+            self.queue = MemoryRolloutQueue(lease_seconds=spec.lease_seconds)
+        state = self.queue.dataset_cursor() or {}
+        self.cursor = DatasetCursor(state.get("epoch", 0), state.get("offset", 0))
+        self.next_group_index = state.get("next_group_index", 0)
+        self.consumer_token = self.queue.open_consumer(self.incarnation)
+        # Groups handed to the trainer. A resumed run continues from its checkpoint's cursor, which
+        # is authoritative: the queue's own cursor may be behind it (crash between the two writes).
+        self.consumed = self.queue.consumer_cursor() if spec.resume_cursor is None else spec.resume_cursor
+        self.accepted = self._count_accepted()
+        self.weight_version = 0
+        self.accepted_response_tokens = 0
+        self.accepted_samples = 0
+        self._refill()
+
+    # ------------------------------------------------------------------ lifecycle
+    def ready(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "consumed": self.consumed, "accepted": self.accepted,
+                "dataset_size": len(self.dataset)}
+
+    def shutdown(self) -> None:
+        self.queue.close()
+        if self.fence is not None:
+            self.fence.release()
+
+    def _count_accepted(self) -> int:
+        cursor, total = 0, 0
+        while True:
+            groups, cursor = self.queue.accepted(cursor, 1000)
+            if not groups:
+                return total
+            total = groups[-1].position + 1
+
+    # ------------------------------------------------------------------ prompts
+    def _refill(self) -> None:
+        """Keep about two rollouts' worth of fresh prompts pending (and never run dry)."""
+        pending = sum(1 for t in self.queue.pending() if t.stage == "fresh")
+        want = 2 * self.spec.groups_per_rollout - pending
+        if want <= 0:
+            return
+        taken = self.cursor.take(self.dataset, want, seed=self.spec.seed, shuffle=self.spec.shuffle,
+                                 num_epoch=self.spec.num_epoch)
+        if not taken:
+            return
+        tasks = [PromptTask.make(self.next_group_index + i, epoch, row) for i, (epoch, row) in enumerate(taken)]
+        self.next_group_index += len(tasks)
+        self.queue.submit(tasks, {"epoch": self.cursor.epoch, "offset": self.cursor.offset,
+                                  "next_group_index": self.next_group_index})
+
+    # ------------------------------------------------------------------ rollout workers
+    def _admissible(self) -> int:
+        """Groups that may still start without exceeding --max-staleness.
+
+        A group leased now is trained at about step (consumed + outstanding) / B, while the policy
+        is at version ``weight_version``; the bound keeps that at most max_staleness steps ahead.
+        """
+        counts = self.queue.counts()
+        outstanding = counts.get("leased", 0) + (self.accepted - self.consumed)
+        limit = (self.weight_version + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
+        return max(0, limit - self.consumed - outstanding)
+
+    def lease(self, worker_id: str, max_tasks: int) -> list[LeasedPrompt]:
+        self._refill()
+        count = min(max_tasks, self._admissible())
+        if count <= 0:
+            return []
+        assignments = self.queue.acquire(worker_id, count)
+        return [LeasedPrompt(a, self.dataset[a.task.prompt_index]) for a in assignments]
+
+    def heartbeat(self, leases: list) -> list[bool]:
+        return self.queue.heartbeat(leases)
+
+    def complete(self, lease, submission_id: str, ref, num_samples: int, response_tokens: int) -> int | None:
+        """Accept a group. Returns its position, or None if the lease is stale (work discarded)."""
+        try:
+            position = self.queue.complete(lease, submission_id, ref)
+        except StaleLease:
+            return None
+        if position >= self.accepted:
+            self.accepted = position + 1
+            self.accepted_samples += num_samples
+            self.accepted_response_tokens += response_tokens
+        return position
+
+    def return_partial(self, lease, task: PromptTask, partial_ref) -> bool:
+        try:
+            self.queue.return_partial(lease, task, partial_ref, request_id=f"return-{uuid.uuid4().hex}")
+            return True
+        except StaleLease:
+            return False
+
+    def fail(self, lease, reason: str) -> bool:
+        try:
+            self.queue.fail(lease, reason, request_id=f"fail-{uuid.uuid4().hex}")
+            return True
+        except StaleLease:
+            return False
+
+    # ------------------------------------------------------------------ trainer
+    def take_groups(self, count: int) -> list[AcceptedGroup]:
+        """The next ``count`` accepted groups in acceptance order, or [] until that many exist."""
+        if self.accepted - self.consumed < count:
+            return []
+        groups, _ = self.queue.accepted(self.consumed, count)
+        self.consumed += len(groups)
+        return groups
+
+    def set_weight_version(self, version: int) -> None:
+        """Called once every engine serves ``version``: admission moves on with it."""
+        self.weight_version = version
+
+    def commit(self, step: int, cursor: int | None = None) -> None:
+        """Durably mark the groups handed out so far (or up to ``cursor``) as trained at ``step``."""
+        cursor = self.consumed if cursor is None else cursor
+        state_ref = None
+        if isinstance(self.queue, StrawRolloutQueue):
+            payload = json.dumps({"step": step, "cursor": cursor, "weight_version": self.weight_version}).encode()
+            state_ref = self.queue.store.publish([Record("consumer-state", payload, "json.v1")],
+                                                 submission_id=f"consumer-state-{self.incarnation}-{step}")
+        self.queue.commit_consumer(self.consumer_token, cursor, state_ref, request_id=f"commit-{step}-{cursor}")
+
+    def stats(self) -> ControllerStats:
+        counts = self.queue.counts()
+        return ControllerStats(
+            weight_version=self.weight_version, pending=counts.get("pending", 0), leased=counts.get("leased", 0),
+            accepted=self.accepted, consumed=self.consumed, failed=counts.get("failed", 0),
+            accepted_response_tokens=self.accepted_response_tokens, accepted_samples=self.accepted_samples,
+            end_of_data=self._end_of_data(counts))
+
+    def _end_of_data(self, counts: dict[str, int]) -> bool:
+        exhausted = self.spec.num_epoch is not None and self.cursor.epoch >= self.spec.num_epoch
+        return exhausted and counts.get("pending", 0) == 0 and counts.get("leased", 0) == 0

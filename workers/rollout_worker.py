@@ -1,0 +1,197 @@
+"""Rollout worker (one Ray actor per rollout node): lease prompts, generate, score, publish.
+
+It never waits for the trainer: while groups are admitted it keeps up to
+``max_concurrent_groups`` groups in flight, each sample a request through the router. A finished
+group is written to the transport (payload) and accepted by the controller (reference only).
+A sample aborted by a weight update is continued from its prefix (``--partial-rollout``) or
+regenerated. Leases are renewed by heartbeat; a lease the controller no longer honours cancels its
+group (another worker owns that prompt now).
+
+On crash: nothing of the worker's is lost — its leases expire (or are fenced) and the prompts go
+back to the queue; a group it had already accepted stays accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+import aiohttp
+
+from vime.data.prompt import render_prompt
+from vime.queue.transport import make_transport
+from vime.rollout.generate import SamplingParams, generate
+from vime.rollout.rewards import resolve_reward, score_group
+from vime.runtime.plugins import load_function
+from vime.sample import Sample, Status
+
+logger = logging.getLogger("vime.rollout")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutWorkerSpec:
+    worker_id: str
+    router_url: str
+    hf_checkpoint: str
+    transport: str
+    data_dir: str
+    run_id: str
+    segment_mib: int
+    n_samples_per_prompt: int
+    sampling: SamplingParams
+    max_concurrent_groups: int
+    partial_rollout: bool
+    apply_chat_template: bool
+    rm_type: str | None
+    custom_rm_path: str | None
+    custom_generate_function_path: str | None
+    request_timeout: float
+    lease_seconds: float
+    args: argparse.Namespace      # handed to user hooks, as the reference framework does
+
+
+@dataclasses.dataclass
+class RolloutWorkerStats:
+    groups_accepted: int = 0
+    groups_discarded: int = 0
+    samples_aborted: int = 0
+    response_tokens: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+class RolloutWorker:
+    def __init__(self, spec: RolloutWorkerSpec, controller):
+        from transformers import AutoTokenizer
+
+        self.spec, self.controller = spec, controller
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
+        self.transport = make_transport(spec.transport, spec.data_dir, spec.run_id, segment_mib=spec.segment_mib)
+        # straw allows one write in flight per store handle: a single writer thread serialises them.
+        self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
+        self.custom_generate = (load_function(spec.custom_generate_function_path, "--custom-generate-function-path",
+                                              min_params=3) if spec.custom_generate_function_path else None)
+        self.stats = RolloutWorkerStats()
+        self.active: dict[str, tuple[asyncio.Task, object]] = {}
+        self._stopping = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def ready(self) -> str:
+        return self.spec.worker_id
+
+    async def run(self) -> RolloutWorkerStats:
+        """Lease and generate until stop(); returns the worker's counters."""
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self.session = session
+            heartbeat = asyncio.create_task(self._heartbeat_loop())
+            try:
+                while not self._stopping.is_set():
+                    free = self.spec.max_concurrent_groups - len(self.active)
+                    leased = await self.controller.lease.remote(self.spec.worker_id, free) if free > 0 else []
+                    for item in leased:
+                        task = asyncio.create_task(self._process(item))
+                        self.active[item.assignment.task.task_id] = (task, item.assignment.lease)
+                        task.add_done_callback(lambda _t, key=item.assignment.task.task_id: self.active.pop(key, None))
+                    if not leased:
+                        await asyncio.sleep(0.02)
+            finally:
+                heartbeat.cancel()
+                await self._release_active()
+        return self.stats
+
+    async def stop(self) -> None:
+        self._stopping.set()
+
+    def get_stats(self) -> RolloutWorkerStats:
+        return self.stats
+
+    async def _release_active(self) -> None:
+        """Shutdown: unfinished groups go back to the queue untouched (no prompt is lost)."""
+        for task_id, (task, lease) in list(self.active.items()):
+            task.cancel()
+        for task_id, (task, lease) in list(self.active.items()):
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.active.clear()
+
+    async def _heartbeat_loop(self) -> None:
+        interval = max(0.5, self.spec.lease_seconds / 4)
+        while True:
+            await asyncio.sleep(interval)
+            items = list(self.active.items())
+            if not items:
+                continue
+            current = await self.controller.heartbeat.remote([lease for _, (_, lease) in items])
+            for (task_id, (task, _)), ok in zip(items, current):
+                if not ok:
+                    logger.warning("lease of %s is no longer current; dropping its group", task_id)
+                    self.stats.groups_discarded += 1
+                    task.cancel()
+
+    # ------------------------------------------------------------------ one group
+    def _fresh_group(self, item) -> list[Sample]:
+        task, prompt = item.assignment.task, item.prompt
+        tokens = render_prompt(self.tokenizer, prompt.prompt, apply_chat_template=self.spec.apply_chat_template)
+        return [Sample(group_index=task.group_index, index=i, prompt_index=task.prompt_index, prompt=prompt.prompt,
+                       label=prompt.label, tokens=list(tokens), metadata=dict(prompt.metadata),
+                       session_id=f"{task.task_id}-{i}")
+                for i in range(self.spec.n_samples_per_prompt)]
+
+    async def _generate_one(self, sample: Sample) -> Sample:
+        if self.custom_generate is not None:
+            return await self.custom_generate(self.spec.args, sample, self.spec.sampling.as_dict())
+        return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
+                              timeout=self.spec.request_timeout)
+
+    def _restart(self, sample: Sample) -> None:
+        """Forget an aborted sample's partial response (without --partial-rollout)."""
+        del sample.tokens[sample.prompt_length:]
+        sample.response_length, sample.weight_versions = 0, []
+        sample.rollout_log_probs, sample.loss_mask = None, None
+        sample.status = Status.PENDING
+
+    async def _process(self, item) -> None:
+        assignment = item.assignment
+        lease = assignment.lease
+        try:
+            samples = (self._fresh_group(item) if assignment.partial is None
+                       else await asyncio.get_running_loop().run_in_executor(
+                           self.writer, self.transport.read, assignment.partial))
+            while unfinished := [s for s in samples if s.status in (Status.PENDING, Status.ABORTED)]:
+                for sample in unfinished:
+                    if sample.status is Status.ABORTED:
+                        self.stats.samples_aborted += 1
+                        if not self.spec.partial_rollout:
+                            self._restart(sample)
+                await asyncio.gather(*(self._generate_one(s) for s in unfinished))
+            for sample in samples:
+                sample.response = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+            await score_group(self.reward, self.spec.args, samples)
+            submission_id = f"{lease.task_id}-{lease.attempt_id}"
+            ref = await asyncio.get_running_loop().run_in_executor(
+                self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
+                                                            attempt_id=lease.attempt_id,
+                                                            submission_id=submission_id))
+            tokens = sum(s.response_length for s in samples)
+            position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens)
+            if position is None:
+                self.stats.groups_discarded += 1
+            else:
+                self.stats.groups_accepted += 1
+                self.stats.response_tokens += tokens
+        except asyncio.CancelledError:
+            await self.controller.return_partial.remote(lease, assignment.task, None)
+            raise
+        except Exception as error:  # a failed group is reported to the queue, which retries it elsewhere
+            self.stats.errors += 1
+            self.stats.last_error = f"{type(error).__name__}: {error}"
+            logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
+            await self.controller.fail.remote(lease, self.stats.last_error)

@@ -1,0 +1,84 @@
+"""Trainer worker (a Ray actor): reads accepted groups by reference, trains, publishes weights.
+
+The trainer holds the only copy of the optimizer state between checkpoints. On crash, the run
+resumes from the last checkpoint (model, optimizer, RNG and the queue cursor of the same step) and
+retrains the accepted groups after that cursor: training is exactly-once per surviving lineage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
+from vime.queue.tasks import AcceptedGroup
+from vime.queue.transport import make_transport
+from vime.sample import Sample
+from vime.weights import disk
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerWorkerSpec:
+    backend: TorchTrainerSpec
+    transport: str
+    data_dir: str
+    run_id: str
+    segment_mib: int
+    weight_dir: str
+    keep_weight_versions: int
+
+
+class TrainerWorker:
+    def __init__(self, spec: TrainerWorkerSpec):
+        self.spec = spec
+        self.backend = TorchBackend(spec.backend)
+        self.transport = make_transport(spec.transport, spec.data_dir, spec.run_id, segment_mib=spec.segment_mib)
+
+    def ready(self) -> bool:
+        return True
+
+    def read_groups(self, groups: list[AcceptedGroup]) -> list[Sample]:
+        samples: list[Sample] = []
+        for group in groups:
+            members = sorted(self.transport.read(group.ref), key=lambda s: s.index)
+            samples.extend(members)
+        return samples
+
+    def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int) -> dict[str, float]:
+        """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics."""
+        started = time.perf_counter()
+        samples = self.read_groups(groups)
+        read_seconds = time.perf_counter() - started
+        metrics = self.backend.train_rollout(samples)
+        staleness = [policy_version - min(s.weight_versions) for s in samples if s.weight_versions]
+        metrics.update(
+            rollout_id=float(rollout_id),
+            reward_mean=statistics.fmean(s.reward for s in samples),
+            response_length_mean=statistics.fmean(s.response_length for s in samples),
+            staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+            staleness_max=float(max(staleness, default=0)),
+            samples=float(len(samples)),
+            groups=float(len(groups)),
+            read_seconds=read_seconds,
+            truncated_fraction=sum(s.status.value == "truncated" for s in samples) / len(samples),
+        )
+        return metrics
+
+    def publish_weights(self, version: int) -> str:
+        path = disk.publish_full(self.spec.weight_dir, version, self.backend.save_weights)
+        keep = set(range(version - self.spec.keep_weight_versions, version + 1))
+        disk.prune(self.spec.weight_dir, keep)
+        return path
+
+    def save_checkpoint(self, path: str) -> None:
+        self.backend.save_training_state(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.backend.load_training_state(path)
+
+    def save_hf(self, path: str) -> None:
+        self.backend.save_hf(path)
+
+    def shutdown(self) -> None:
+        self.transport.close()
