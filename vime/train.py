@@ -16,6 +16,7 @@ engine, and commits the step:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -31,7 +32,7 @@ from vime.data.source import DataError, DataKeys, PromptDataset
 from vime.metrics import MetricsLog, plot_rewards
 from vime.rollout.generate import SamplingParams
 from vime.rollout.rewards import resolve_reward
-from vime.runtime.plugins import PluginError, absolute_plugin_path
+from vime.runtime.plugins import PluginError, absolute_plugin_path, load_function
 from vime.weights.policy import flush_for_sync
 from vime.recovery import checkpoint as ckpt
 
@@ -96,6 +97,11 @@ class TrainingRun:
         self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
         s.rollout.custom_rm_path = absolute_plugin_path(s.rollout.custom_rm_path)
         s.rollout.custom_generate_function_path = absolute_plugin_path(s.rollout.custom_generate_function_path)
+        s.rollout.rollout_function_path = absolute_plugin_path(s.rollout.rollout_function_path)
+        for path, flag, params in ((s.rollout.rollout_function_path, "--rollout-function-path", 3),
+                                   (s.rollout.custom_generate_function_path, "--custom-generate-function-path", 3)):
+            if path:
+                load_function(path, flag, min_params=params)  # a bad path fails here, before any process starts
         self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
         check_against_vllm(s.vllm.vllm_args)
         if s.checkpoint.load and s.queue.rollout_data_transport != "straw":
@@ -248,6 +254,7 @@ class TrainingRun:
             partial_rollout=s.rollout.partial_rollout, apply_chat_template=s.data.apply_chat_template,
             rm_type=s.rollout.rm_type, custom_rm_path=s.rollout.custom_rm_path,
             custom_generate_function_path=s.rollout.custom_generate_function_path,
+            rollout_function_path=s.rollout.rollout_function_path,
             request_timeout=s.rollout.rollout_request_timeout, lease_seconds=s.queue.rollout_queue_lease_seconds,
             args=s.args)
 
@@ -313,8 +320,9 @@ class TrainingRun:
         s = self.s
         batch = s.rollout.rollout_batch_size
         sync_number = 1 if s.checkpoint.load else 0  # the restore already published once
-        last_time = time.monotonic()
-        last_tokens = ray.get(self.controller.stats.remote()).accepted_response_tokens
+        # Rollout throughput over the last few steps: accepted tokens arrive in bursts.
+        window = collections.deque([(time.monotonic(), ray.get(self.controller.stats.remote()).accepted_response_tokens)],
+                                   maxlen=6)
         self.log.say(f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
                      f"{s.rollout.n_samples_per_prompt} sample(s)")
         for rollout_id in range(start_step, s.train.num_rollout):
@@ -334,13 +342,14 @@ class TrainingRun:
                 ray.get(self.controller.commit.remote(step))
             stats = ray.get(self.controller.stats.remote())
             now = time.monotonic()
+            step_seconds = now - window[-1][0]
+            window.append((now, stats.accepted_response_tokens))
             record = {"kind": "train", "step": step, "weight_version": version, **metrics,
                       "weight_sync_seconds": sync_seconds,
-                      "rollout_tokens_per_s": (stats.accepted_response_tokens - last_tokens) / (now - last_time),
+                      "rollout_tokens_per_s": (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]),
                       "train_tokens_per_s": metrics["train_tokens"] / max(metrics["train_seconds"], 1e-9),
                       "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
-                      "queue_leased": stats.leased, "step_seconds": now - last_time}
-            last_time, last_tokens = now, stats.accepted_response_tokens
+                      "queue_leased": stats.leased, "step_seconds": step_seconds}
             self.log.write(record)
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:

@@ -50,6 +50,7 @@ class LeasedPrompt:
 
     assignment: Assignment
     prompt: PromptRecord
+    version: int          # weights the engines serve at lease time
 
 
 @dataclasses.dataclass
@@ -148,7 +149,7 @@ class Controller:
         if count <= 0:
             return []
         assignments = self.queue.acquire(worker_id, count)
-        return [LeasedPrompt(a, self.dataset[a.task.prompt_index]) for a in assignments]
+        return [LeasedPrompt(a, self.dataset[a.task.prompt_index], self.weight_version) for a in assignments]
 
     def heartbeat(self, leases: list) -> list[bool]:
         return self.queue.heartbeat(leases)

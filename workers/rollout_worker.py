@@ -26,6 +26,7 @@ from vime.data.prompt import render_prompt
 from vime.queue.transport import make_transport
 from vime.rollout.generate import SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
+from vime.rollout.types import RolloutFnTrainOutput
 from vime.runtime.plugins import load_function
 from vime.sample import Sample, Status
 
@@ -49,6 +50,7 @@ class RolloutWorkerSpec:
     rm_type: str | None
     custom_rm_path: str | None
     custom_generate_function_path: str | None
+    rollout_function_path: str | None
     request_timeout: float
     lease_seconds: float
     args: argparse.Namespace      # handed to user hooks, as the reference framework does
@@ -76,6 +78,8 @@ class RolloutWorker:
         self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
         self.custom_generate = (load_function(spec.custom_generate_function_path, "--custom-generate-function-path",
                                               min_params=3) if spec.custom_generate_function_path else None)
+        self.rollout_fn = (load_function(spec.rollout_function_path, "--rollout-function-path", min_params=3)
+                           if spec.rollout_function_path else None)
         self.stats = RolloutWorkerStats()
         self.active: dict[str, tuple[asyncio.Task, object]] = {}
         self._stopping = asyncio.Event()
@@ -91,6 +95,8 @@ class RolloutWorker:
             self.session = session
             heartbeat = asyncio.create_task(self._heartbeat_loop())
             try:
+                if self.rollout_fn is not None:
+                    await self._custom_rollout_loop()
                 while not self._stopping.is_set():
                     free = self.spec.max_concurrent_groups - len(self.active)
                     leased = await self.controller.lease.remote(self.spec.worker_id, free) if free > 0 else []
@@ -136,6 +142,32 @@ class RolloutWorker:
                     self.stats.groups_discarded += 1
                     task.cancel()
 
+    # ------------------------------------------------------------------ --rollout-function-path
+    async def _custom_rollout_loop(self) -> None:
+        """Call the user's generate_rollout(args, rollout_id, data_source) until stopped.
+
+        ``data_source.get_samples(n)`` leases n prompts from the queue (blocking until admitted);
+        each group the function returns is published and accepted under its lease, exactly like a
+        group of the built-in rollout; leased groups it does not return go back to the queue.
+        """
+        rollout_id = 0
+        while not self._stopping.is_set():
+            source = LeasedDataSource(self)
+            output = await asyncio.to_thread(self.rollout_fn, self.spec.args, rollout_id, source)
+            groups = output.samples if isinstance(output, RolloutFnTrainOutput) else output
+            returned = set()
+            for group in groups or []:
+                item = source.leased.get(group[0].group_index) if group else None
+                if item is None:
+                    raise ValueError("--rollout-function-path: a returned group does not come from "
+                                     "data_source.get_samples (unknown group_index)")
+                returned.add(group[0].group_index)
+                await self._finish_group(item, group)
+            for group_index, item in source.leased.items():
+                if group_index not in returned:
+                    await self.controller.return_partial.remote(item.assignment.lease, item.assignment.task, None)
+            rollout_id += 1
+
     # ------------------------------------------------------------------ one group
     def _fresh_group(self, item) -> list[Sample]:
         task, prompt = item.assignment.task, item.prompt
@@ -172,21 +204,7 @@ class RolloutWorker:
                         if not self.spec.partial_rollout:
                             self._restart(sample)
                 await asyncio.gather(*(self._generate_one(s) for s in unfinished))
-            for sample in samples:
-                sample.response = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
-            await score_group(self.reward, self.spec.args, samples)
-            submission_id = f"{lease.task_id}-{lease.attempt_id}"
-            ref = await asyncio.get_running_loop().run_in_executor(
-                self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
-                                                            attempt_id=lease.attempt_id,
-                                                            submission_id=submission_id))
-            tokens = sum(s.response_length for s in samples)
-            position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens)
-            if position is None:
-                self.stats.groups_discarded += 1
-            else:
-                self.stats.groups_accepted += 1
-                self.stats.response_tokens += tokens
+            await self._finish_group(item, samples)
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
             raise
@@ -195,3 +213,62 @@ class RolloutWorker:
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
             await self.controller.fail.remote(lease, self.stats.last_error)
+
+    async def _finish_group(self, item, samples: list[Sample]) -> None:
+        """Score (unless already scored), publish the payload, and have the controller accept it."""
+        lease = item.assignment.lease
+        for sample in samples:
+            if not sample.response:
+                sample.response = self.tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+            if len(sample.weight_versions) != sample.response_length:
+                # A custom generator that does not record versions: its tokens come from the
+                # weights current when the prompt was leased.
+                sample.weight_versions = [item.version] * sample.response_length
+        if any(s.reward is None for s in samples):
+            await score_group(self.reward, self.spec.args, samples)
+        submission_id = f"{lease.task_id}-{lease.attempt_id}"
+        ref = await asyncio.get_running_loop().run_in_executor(
+            self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
+                                                        attempt_id=lease.attempt_id,
+                                                        submission_id=submission_id))
+        tokens = sum(s.response_length for s in samples)
+        position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens)
+        if position is None:
+            self.stats.groups_discarded += 1
+        else:
+            self.stats.groups_accepted += 1
+            self.stats.response_tokens += tokens
+
+
+class LeasedDataSource:
+    """The ``data_source`` a custom rollout function receives: prompts leased from the queue."""
+
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+        self.leased: dict[int, object] = {}
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """``num_samples`` groups of --n-samples-per-prompt fresh samples (blocks until admitted)."""
+        import ray
+
+        groups: list[list[Sample]] = []
+        while len(groups) < num_samples:
+            if self.worker._stopping.is_set():
+                break
+            items = ray.get(self.worker.controller.lease.remote(self.worker.spec.worker_id, num_samples - len(groups)))
+            for item in items:
+                self.leased[item.assignment.task.group_index] = item
+                groups.append(self.worker._fresh_group(item))
+            if not items:
+                time.sleep(0.05)
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        """Unfinished groups go back to the queue (they are regenerated from the prompt)."""
+        import ray
+
+        for group in samples:
+            item = self.leased.pop(group[0].group_index, None)
+            if item is not None:
+                ray.get(self.worker.controller.return_partial.remote(item.assignment.lease, item.assignment.task,
+                                                                      None))

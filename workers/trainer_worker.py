@@ -50,7 +50,7 @@ class TrainerWorker:
         started = time.perf_counter()
         samples = self.read_groups(groups)
         read_seconds = time.perf_counter() - started
-        metrics = self.backend.train_rollout(samples)
+        metrics = self.backend.train_rollout(samples, policy_version)
         staleness = [policy_version - min(s.weight_versions) for s in samples if s.weight_versions]
         metrics.update(
             rollout_id=float(rollout_id),

@@ -118,36 +118,44 @@ class InFlightResult:
     load_finish: set[tuple[str, int]]  # (finish_reason, n_tokens) of the background request's choices
 
 
-def _run_across(url: str, action: Callable[[], None], load_n: int = 96) -> InFlightResult:
+def _run_across(url: str, action: Callable[[], None], load_n: int = 160) -> InFlightResult:
     """Run ``action`` while a greedy streamed request is generating.
 
     The tiny model decodes ~700 tokens/s alone, faster than a pause reaches the engine, so a
-    background request with ``load_n`` parallel samples is generating at the same time: it makes each
-    decoding step take a few ms, giving the action a window of a few hundred ms. The action starts
+    background request with ``load_n`` parallel samples is decoding first: batched with it, every
+    step takes several ms, which gives the action a window of a few hundred ms. The action starts
     only once the streamed request has produced its first token, so that request is in flight.
     """
     sampling = {"max_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True, "logprobs": 0}
-    load: dict = {}
+    load_started = threading.Event()
+    load_tokens: dict[int, int] = {}
+    load_finish: dict[int, str] = {}
 
     def background() -> None:
-        load["body"] = requests.post(url + "/inference/v1/generate", timeout=120, json={
-            "token_ids": PROMPT, "sampling_params": {**sampling, "temperature": 1.0, "n": load_n}}).json()
+        for chunk in _stream(url, PROMPT, {**sampling, "temperature": 1.0, "n": load_n}):
+            for choice in chunk["choices"]:
+                index = choice["index"]
+                load_tokens[index] = load_tokens.get(index, 0) + len(choice.get("token_ids") or [])
+                if choice.get("finish_reason"):
+                    load_finish[index] = choice["finish_reason"]
+            load_started.set()
 
     thread = threading.Thread(target=background)
     thread.start()
-    time.sleep(0.05)
+    assert load_started.wait(timeout=60), "the background request produced nothing"
     chunks = _stream(url, PROMPT, {**sampling, "temperature": 0.0})
     received = [next(chunks)]
     action()
     received.extend(chunks)
     thread.join(timeout=120)
+    assert not thread.is_alive()
     choices = [chunk["choices"][0] for chunk in received]
     return InFlightResult(
         token_ids=[t for c in choices for t in (c.get("token_ids") or [])],
         logprobs=[e["logprob"] for c in choices for e in ((c.get("logprobs") or {}).get("content") or [])],
         finish_reason=choices[-1]["finish_reason"],
         weight_versions=choices[-1]["weight_versions"],
-        load_finish={(c["finish_reason"], len(c["token_ids"])) for c in load["body"]["choices"]},
+        load_finish={(load_finish.get(i), n) for i, n in load_tokens.items()},
     )
 
 
@@ -227,7 +235,7 @@ def test_request_in_flight_across_keep_update_spans_two_versions(vllm_engine, pe
     client = vllm_engine.client()
     old_folder, old_model = perturbed[1]
     new_folder, new_model = perturbed[3]
-    for attempt in range(3):
+    for attempt in range(1):
         old, new = _next_version(), _next_version()
         update_engine_weights(client, old_folder, old, flush=True)
         result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=False))
@@ -259,7 +267,7 @@ def test_flush_update_aborts_requests_in_flight(vllm_engine, perturbed):
     client = vllm_engine.client()
     old_folder, _ = perturbed[1]
     new_folder, new_model = perturbed[2]
-    for attempt in range(3):
+    for attempt in range(1):
         old, new = _next_version(), _next_version()
         update_engine_weights(client, old_folder, old, flush=True)
         result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=True))

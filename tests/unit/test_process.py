@@ -112,25 +112,63 @@ def test_log_tail_returns_last_lines_of_stdout_and_stderr(tmp_path: Path, token:
     assert not proc.alive() and proc.returncode == 0
 
 
-def test_child_dies_when_its_parent_is_sigkilled(tmp_path: Path, token: str):
-    # A parent process starts a ManagedProcess child, reports its pid, and is then SIGKILLed: it
-    # gets no chance to clean up, so only PR_SET_PDEATHSIG can end the child.
-    parent_code = textwrap.dedent(f"""
+def _start_parent(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+
+
+def test_child_dies_when_its_parent_is_sigkilled_and_sweep_finds_grandchild(tmp_path: Path, token: str):
+    # A parent process starts a ManagedProcess tree and is then SIGKILLed: it gets no chance to clean
+    # up. PR_SET_PDEATHSIG ends the direct child; the grandchild (like vLLM's EngineCore, measured)
+    # is re-parented and lives on, and only the token sweep finds it.
+    parent = _start_parent(f"""
         import sys, time
         from vime.runtime.process import ManagedProcess
-        child = ManagedProcess([sys.executable, "-c", "import time; time.sleep(600)"],
-                               log_path={str(tmp_path / 'orphan.log')!r}, run_token={token!r}).start()
+        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / 'orphan.log')!r},
+                               run_token={token!r}).start()
         print(child.pid, flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([PY, "-c", parent_code], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
     try:
         child_pid = int(parent.stdout.readline())
-        assert not _gone(child_pid)
+        assert _wait_for(lambda: "tree" in (tmp_path / "orphan.log").read_text(), 10)
+        grandchild = int((tmp_path / "orphan.log").read_text().split("tree", 1)[1].split()[0])
         parent.kill()
         parent.wait(timeout=10)
         assert _wait_for(lambda: _gone(child_pid), 5), "child outlived its SIGKILLed parent"
+        time.sleep(0.5)
+        assert not _gone(grandchild)  # what PDEATHSIG cannot reach ...
+        assert kill_processes_with_token(token) == [grandchild]  # ... the sweep does
+        assert _wait_for(lambda: _gone(grandchild), 5)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
+def test_children_are_stopped_when_the_parent_exits_on_an_exception(tmp_path: Path, token: str):
+    # Normal interpreter exit (here: an unhandled exception) runs stop() for children still running,
+    # which also ends the SIGTERM-ignoring grandchild that PDEATHSIG would not reach.
+    parent = _start_parent(f"""
+        import sys
+        from vime.runtime.process import ManagedProcess
+        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / 'exc.log')!r},
+                               run_token={token!r}).start()
+        print(child.pid, flush=True)
+        import time
+        for _ in range(200):
+            if "tree" in child.log_tail():
+                break
+            time.sleep(0.05)
+        print(child.log_tail().split("tree", 1)[1].split()[0], flush=True)
+        raise RuntimeError("driver crashed")
+    """)
+    try:
+        child_pid = int(parent.stdout.readline())
+        grandchild = int(parent.stdout.readline())
+        assert parent.wait(timeout=30) == 1
+        assert _gone(child_pid)
+        assert _wait_for(lambda: _gone(grandchild), 5), "grandchild outlived the crashed driver"
     finally:
         parent.kill()
         parent.wait()

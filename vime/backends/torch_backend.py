@@ -95,8 +95,13 @@ class TorchBackend:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
 
     # ------------------------------------------------------------------ one rollout
-    def train_rollout(self, samples: list[Sample]) -> dict[str, float]:
-        """Advantages over the rollout, then one optimizer step per global batch."""
+    def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
+        """Advantages over the rollout, then one optimizer step per global batch.
+
+        ``policy_version`` (the version of the weights being trained) lets the metrics compare the
+        sampler's log-probs with the trainer's on the samples generated entirely by those weights:
+        ``onpolicy_logprob_abs_diff`` is ~0 exactly when the engines serve what the trainer holds.
+        """
         started = time.perf_counter()
         algo = self.spec.algorithm
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -119,7 +124,11 @@ class TorchBackend:
             token_adv = [w.view_as(a) for w, a in zip(whitened, token_adv)]
 
         metrics: dict[str, list[float]] = {k: [] for k in ("loss", "pg_clipfrac", "ppo_kl", "grad_norm",
-                                                           "train_rollout_logprob_abs_diff")}
+                                                           "train_rollout_logprob_abs_diff",
+                                                           "onpolicy_logprob_abs_diff")}
+        on_policy = [torch.tensor([float(bool(s.weight_versions) and min(s.weight_versions) == policy_version
+                                         == max(s.weight_versions)) for s in mb]).unsqueeze(1)
+                     for mb in micro_batches]
         per_step = max(1, self.spec.global_batch_size // self.spec.micro_batch_size)
         for first in range(0, len(packed), per_step):
             steps = range(first, min(first + per_step, len(packed)))
@@ -143,6 +152,9 @@ class TorchBackend:
                 if batch.rollout_log_probs.abs().sum() > 0:
                     diff = (batch.rollout_log_probs - log_probs.detach()).abs() * mask
                     metrics["train_rollout_logprob_abs_diff"].append(float(diff.sum()) / denominator)
+                    on_mask = mask * on_policy[i]
+                    if on_mask.sum() > 0:
+                        metrics["onpolicy_logprob_abs_diff"].append(float((diff * on_policy[i]).sum() / on_mask.sum()))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                        self.spec.clip_grad if self.spec.clip_grad > 0 else math.inf)
             self.optimizer.step()

@@ -134,8 +134,6 @@ def validate(settings: TrainSettings) -> None:
             f"must be divisible by the {cluster.num_trainers} trainer slots")
     require(cluster.num_trainers == 1, "--actor-num-gpus-per-node",
             "the torch backend trains on one slot for now (actor nodes x GPUs per node must be 1)")
-    require(cluster.rollout_gpus >= 1 or settings.vllm.vllm_router_ip is not None, "--rollout-num-gpus",
-            "0 engines and no external router: nothing would generate")
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
     if settings.checkpoint.load:

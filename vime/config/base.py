@@ -19,8 +19,11 @@ class ConfigError(ValueError):
     """A user error in the command line; the message names the offending flag."""
 
     def __init__(self, flag: str, message: str):
-        self.flag = flag
+        self.flag, self.message = flag, message
         super().__init__(f"{flag}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.flag, self.message)
 
 
 def option(default: Any = None, help: str = "", *, choices=None, flag: str | None = None,

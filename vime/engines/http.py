@@ -35,6 +35,9 @@ class EngineError(RuntimeError):
         self.message = message
         super().__init__(f"{self.role} {url}: {message}")
 
+    def __reduce__(self):  # errors cross Ray actor boundaries: keep them picklable
+        return type(self), (self.url, self.message)
+
 
 class _RetryableStatus(Exception):
     def __init__(self, response: requests.Response):

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import requests
 
@@ -121,7 +122,7 @@ class RouterProcess:
                 self._fail(f"not serving after {timeout:g}s")
             time.sleep(poll_interval)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         self.process.stop(timeout=5)
         raise RouterError(
             self.url, f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}")

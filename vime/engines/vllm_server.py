@@ -12,11 +12,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import requests
 
-from vime.engines.http import EngineError, call, call_json
+from vime.engines.http import EngineError, call_json
 from vime.runtime.ports import PortInUseError, free_port, port_is_free
 from vime.runtime.process import ManagedProcess
 
@@ -68,10 +68,20 @@ def engine_env(token: str, cpu_cores: Sequence[int] | None = None, ranks: int = 
     """Environment additions for an engine process.
 
     ``cpu_cores`` pins the engine's OpenMP compute threads (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``:
-    one core list per local rank, ranks separated by ``|``, e.g. "0,1" or "0|1"). The cores are
-    split evenly over ``ranks`` (the tensor-parallel size). Without it vLLM's "auto" binding applies,
-    which on x86 reserves one core per rank for the scheduler process: on a 2-core machine the
-    engine then computes with a single OpenMP thread on core 0.
+    one core list per local rank, ranks separated by ``|``, e.g. "0", "0,1", "0-1" or "0|1"); the
+    cores are split evenly over ``ranks`` (the tensor-parallel size). None keeps vLLM's "auto"
+    binding, which on x86 reserves one core per rank for vLLM's other processes: on a 2-core machine
+    the engine computes with one OpenMP thread on core 0.
+
+    Measured on 2 cores (vllm-cpu 0.32, a 17M-parameter model, 32 parallel samples; other work on
+    the machine made the numbers noisy, the ratios held): auto or "0" ~2,900 tok/s alone and
+    ~2,750 with a 1-thread trainer pinned to core 1; "0,1" ~3,000 alone but ~900 with that trainer
+    (each OpenMP step waits for the thread whose core the trainer holds); "nobind" was worse still.
+    A 1-thread trainer on core 1 lost ~25-40% against running alone in every case (vLLM's API server
+    and scheduler run on the "reserved" core); a 2-thread torch trainer was several times slower than
+    a 1-thread one even alone here, and slower still beside the engine.
+    So when a trainer shares the machine: give the engine its own cores (auto or an explicit list)
+    and run the trainer single-threaded on the others; never let the two overlap.
     """
     env = {
         "VIME_RUN_TOKEN": token,
@@ -146,7 +156,7 @@ class VllmServer:
                 self._fail(f"not healthy after {timeout:g}s")
             time.sleep(poll_interval)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         self.process.stop(timeout=10)
         raise EngineStartError(
             self.url,

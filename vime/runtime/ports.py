@@ -11,7 +11,11 @@ class PortInUseError(RuntimeError):
     def __init__(self, host: str, port: int, what: str = "server"):
         self.host = host
         self.port = port
+        self.what = what
         super().__init__(f"cannot start {what}: port {port} on {host} is already in use")
+
+    def __reduce__(self):  # errors cross Ray actor boundaries: keep them picklable
+        return type(self), (self.host, self.port, self.what)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

