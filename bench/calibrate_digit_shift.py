@@ -15,7 +15,7 @@ asynchronous system, where rollouts come from weights one or more versions older
 One thread (``torch.set_num_threads(1)``): in the real system the other core runs the vLLM engine.
 Output: one JSON line per evaluation and a final summary line, to stdout and ``--log``.
 
-    python bench/calibrate_digit_shift.py --lr 2e-3 --batch 16 --n 8 --steps 300 --log out.jsonl
+    python bench/calibrate_digit_shift.py --lr 1e-3 --batch 64 --n 8 --steps 300 --log out.jsonl
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Sample:
 @dataclasses.dataclass
 class Config:
     lr: float = 1e-3
-    batch: int = 16  # prompts per step
+    batch: int = 64  # prompts per step (defaults = the recommended recipe)
     n: int = 8  # samples per prompt
     steps: int = 300
     hidden_size: int = 128
@@ -167,6 +167,7 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
     log = open(log_path, "a") if log_path else None
     curve: dict[int, float] = {}
     step_times: list[float] = []
+    rollout_times: list[float] = []  # sampling + reward: what the vLLM engine side does in vime
 
     def emit(rec: dict):
         line = json.dumps(rec)
@@ -200,6 +201,7 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
         texts = decode(tokens, mask, id_to_char)
         rewards = torch.tensor([reward_fn(None, Sample(t, y)) for t, y in zip(texts, labels)]).view(cfg.batch, cfg.n)
         adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
+        rollout_times.append(time.perf_counter() - t0)
 
         model.train()
         loss = grpo_loss(model, prompts, tokens, mask, adv)
@@ -215,6 +217,7 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
         "cfg": dataclasses.asdict(cfg),
         "curve": {str(k): round(v, 4) for k, v in curve.items()},
         "s_per_step": round(sum(step_times) / len(step_times), 4),
+        "s_rollout_per_step": round(sum(rollout_times) / len(rollout_times), 4),
         "first_step_ge_0.5": next((s for s, v in sorted(curve.items()) if v >= 0.5), None),
         "first_step_ge_0.6": next((s for s, v in sorted(curve.items()) if v >= 0.6), None),
         "summary": True,

@@ -140,14 +140,14 @@ class TrainingRun:
             groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness,
             resume_cursor=resume_cursor)
         self.controller = ray.remote(num_cpus=0)(Controller).remote(controller_spec)
-        threads = s.train.train_threads or max(1, (os.cpu_count() or 2) - max(1, s.cluster.num_engines))
+        threads, affinity = self._trainer_cpus()
         backend = TorchTrainerSpec(
             hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
             adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
             clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
             global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
             rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
-            threads=threads)
+            threads=threads, cpu_affinity=affinity)
         trainer_spec = TrainerWorkerSpec(
             backend=backend, transport=s.queue.rollout_data_transport, data_dir=s.rollout_data_dir,
             run_id=s.queue.rollout_queue_run_id, segment_mib=s.queue.rollout_queue_segment_mib,
@@ -157,6 +157,20 @@ class TrainingRun:
         ready = ray.get([self.controller.ready.remote(), self.trainer.ready.remote()], timeout=600)
         self.log.say(f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, "
                      f"{ready[0]['consumed']} trained")
+
+    def _trainer_cpus(self) -> tuple[int, list[int] | None]:
+        """(torch threads, cores) for the trainer on a CPU-only single node.
+
+        vLLM's CPU engine binds its compute threads to the first cores (one per engine by default);
+        the trainer gets the cores after them, one thread each. Attached to a Ray cluster, or with
+        --train-threads, vime leaves placement alone.
+        """
+        s = self.s
+        if s.train.train_threads or s.cluster.ray_address:
+            return s.train.train_threads or 1, None
+        cores = sorted(os.sched_getaffinity(0))
+        spare = cores[s.cluster.num_engines * s.cluster.rollout_num_gpus_per_engine:]
+        return (len(spare), spare) if spare else (1, None)
 
     def _start_ray(self) -> None:
         import ray

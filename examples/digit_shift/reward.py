@@ -1,7 +1,8 @@
 """Reward for the digit-shift task: the fraction of the 3 answer positions that are right.
 
-Partial credit matters: with an exact-match reward a random-initialised model almost never sees a
-non-zero reward, and GRPO gets no signal (see docs/calibration-digit-shift.md).
+Partial credit gives GRPO a signal from the first step: a random-initialised model rarely gets all
+three digits right, so an exact-match reward would leave most groups with zero advantage.
+The recipe calibrated for this task is in docs/calibration-digit-shift.md.
 """
 
 from __future__ import annotations

@@ -118,45 +118,54 @@ class InFlightResult:
     load_finish: set[tuple[str, int]]  # (finish_reason, n_tokens) of the background request's choices
 
 
-def _run_across(url: str, action: Callable[[], None], load_n: int = 160) -> InFlightResult:
-    """Run ``action`` while a greedy streamed request is generating.
+def _run_across(url: str, action: Callable[[], None], load_n: int = 32) -> InFlightResult:
+    """Run ``action`` while a greedy streamed request is generating, beside a background request
+    with ``load_n`` parallel samples (so that the action meets a whole batch in flight).
 
-    The tiny model decodes ~700 tokens/s alone, faster than a pause reaches the engine, so a
-    background request with ``load_n`` parallel samples is decoding first: batched with it, every
-    step takes several ms, which gives the action a window of a few hundred ms. The action starts
-    only once the streamed request has produced its first token, so that request is in flight.
+    The action starts once the watched request has streamed its first token, so that request is in
+    flight; the tiny model decodes a token in ~1-2 ms, and a pause sent at that moment typically
+    lands after 2-8 tokens of the 56 (measured). Under heavy CPU load it can land after the last
+    one; callers retry (see _until). The background request is not streamed: streaming its many
+    samples would keep the API server busy and delay the watched request's first chunk.
     """
     sampling = {"max_tokens": IN_FLIGHT_TOKENS, "ignore_eos": True, "logprobs": 0}
-    load_started = threading.Event()
-    load_tokens: dict[int, int] = {}
-    load_finish: dict[int, str] = {}
+    load: dict = {}
 
     def background() -> None:
-        for chunk in _stream(url, PROMPT, {**sampling, "temperature": 1.0, "n": load_n}):
-            for choice in chunk["choices"]:
-                index = choice["index"]
-                load_tokens[index] = load_tokens.get(index, 0) + len(choice.get("token_ids") or [])
-                if choice.get("finish_reason"):
-                    load_finish[index] = choice["finish_reason"]
-            load_started.set()
+        try:
+            load["body"] = requests.post(url + "/inference/v1/generate", timeout=120, json={
+                "token_ids": PROMPT, "sampling_params": {**sampling, "temperature": 1.0, "n": load_n}}).json()
+        except BaseException as exc:  # handed to the test thread, which re-raises it
+            load["error"] = exc
 
     thread = threading.Thread(target=background)
     thread.start()
-    assert load_started.wait(timeout=60), "the background request produced nothing"
     chunks = _stream(url, PROMPT, {**sampling, "temperature": 0.0})
     received = [next(chunks)]
     action()
     received.extend(chunks)
     thread.join(timeout=120)
     assert not thread.is_alive()
+    if "error" in load:
+        raise load["error"]
     choices = [chunk["choices"][0] for chunk in received]
     return InFlightResult(
         token_ids=[t for c in choices for t in (c.get("token_ids") or [])],
         logprobs=[e["logprob"] for c in choices for e in ((c.get("logprobs") or {}).get("content") or [])],
         finish_reason=choices[-1]["finish_reason"],
         weight_versions=choices[-1]["weight_versions"],
-        load_finish={(load_finish.get(i), n) for i, n in load_tokens.items()},
+        load_finish={(c["finish_reason"], len(c["token_ids"])) for c in load["body"]["choices"]},
     )
+
+
+def _until(condition: Callable[[InFlightResult], bool], attempt: Callable[[], InFlightResult],
+           attempts: int = 10) -> InFlightResult:
+    """Repeat an in-flight scenario until the race it depends on went the intended way."""
+    for _ in range(attempts):
+        result = attempt()
+        if condition(result):
+            return result
+    pytest.fail(f"in {attempts} attempts the action never met the requests in flight; last: {result}")
 
 
 @pytest.fixture(scope="module")
@@ -235,14 +244,16 @@ def test_request_in_flight_across_keep_update_spans_two_versions(vllm_engine, pe
     client = vllm_engine.client()
     old_folder, old_model = perturbed[1]
     new_folder, new_model = perturbed[3]
-    for attempt in range(1):
+    versions: list[tuple[int, int]] = []
+
+    def attempt() -> InFlightResult:
         old, new = _next_version(), _next_version()
+        versions.append((old, new))
         update_engine_weights(client, old_folder, old, flush=True)
-        result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=False))
-        if len(result.weight_versions) == 2:
-            break  # else the request finished before the pause landed: try again
-    else:
-        pytest.fail(f"the streamed request never spanned the update: {result.weight_versions}")
+        return _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=False))
+
+    result = _until(lambda r: len(r.weight_versions) == 2, attempt)
+    old, new = versions[-1]
 
     # The request survived the update and finished normally, in two version segments.
     assert result.finish_reason == "length"
@@ -267,14 +278,17 @@ def test_flush_update_aborts_requests_in_flight(vllm_engine, perturbed):
     client = vllm_engine.client()
     old_folder, _ = perturbed[1]
     new_folder, new_model = perturbed[2]
-    for attempt in range(1):
+    versions: list[tuple[int, int]] = []
+
+    def attempt() -> InFlightResult:
         old, new = _next_version(), _next_version()
+        versions.append((old, new))
         update_engine_weights(client, old_folder, old, flush=True)
-        result = _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=True))
-        if result.finish_reason == "abort":
-            break
-    else:
-        pytest.fail(f"the streamed request was never in flight at the abort: {result.finish_reason}")
+        return _run_across(vllm_engine.url, lambda: update_engine_weights(client, new_folder, new, flush=True))
+
+    # Both the watched request and the background one must have been in flight at the abort.
+    result = _until(lambda r: r.finish_reason == "abort" and {f for f, _ in r.load_finish} == {"abort"}, attempt)
+    old, new = versions[-1]
 
     assert 0 < len(result.token_ids) < IN_FLIGHT_TOKENS
     assert result.weight_versions == [{"version": str(old), "start": 0, "end": len(result.token_ids)}]

@@ -36,6 +36,7 @@ class TorchTrainerSpec:
     algorithm: AlgorithmConfig
     seed: int
     threads: int | None = None
+    cpu_affinity: list[int] | None = None   # CPU cores the trainer may use (None: any)
 
 
 @dataclasses.dataclass
@@ -71,6 +72,9 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.spec = spec
+        if spec.cpu_affinity:
+            # Measured on 2 cores: a trainer sharing the engine's core slows both several-fold.
+            os.sched_setaffinity(0, spec.cpu_affinity)
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self._seed(spec.seed)
