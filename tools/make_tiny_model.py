@@ -114,6 +114,9 @@ def make_tiny_model(
         tie_word_embeddings=False,
         dtype="float32",
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)

@@ -70,7 +70,9 @@ def pack(samples: list[Sample], pad_id: int) -> PackedBatch:
 class TorchBackend:
     def __init__(self, spec: TorchTrainerSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # a bar per weight publication would drown the progress lines
         self.spec = spec
         if spec.cpu_affinity:
             # Measured on 2 cores: a trainer sharing the engine's core slows both several-fold.
