@@ -30,6 +30,7 @@ class CheckpointState(msgspec.Struct, frozen=True):
     weight_version: int
     consumer_cursor: int            # accepted groups trained (queue positions < cursor)
     run_options: dict[str, Any]     # options a resumed run must not change
+    step_cursors: list[int] = []    # consumer cursor after each step of this lineage
 
 
 def iteration_dir(root: str, step: int) -> str:

@@ -8,6 +8,7 @@ USAGE = """usage: vime <command> [options]
 
 commands:
   train                       run RL training (vime train --help)
+  queue inspect|gc ...        look into a run's durable queue, reclaim its storage (vime queue -h)
   tools make-tiny-model OUT   write a tiny random HF model + tokenizer (no download)
 """
 
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         from vime.train import main as train_main
         return train_main(rest)
+    if command == "queue":
+        from vime.tools.queue_cli import main as queue_main
+        return queue_main(rest)
     if command == "tools" and rest and rest[0] == "make-tiny-model":
         from vime.tools.make_tiny_model import main as tiny_main
         return tiny_main(rest[1:]) or 0

@@ -5,12 +5,12 @@ driver only waits for enough accepted groups, trains on them, publishes the new 
 engine, and commits the step:
 
     for rollout_id in range(start, num_rollout):
-        groups  = controller.take_groups(rollout_batch_size)      # accepted, by reference
-        metrics = trainer.train_rollout(rollout_id, groups)        # advantages, loss, optimizer
-        path    = trainer.publish_weights(version + 1)             # weight_v{N}/ on disk
-        engines.update_weights(path, version + 1, flush=...)       # every engine, directly
-        controller.set_weight_version(version + 1)                 # admission moves on
-        checkpoint / commit the queue cursor
+        groups  = controller.take_groups(cursor, rollout_batch_size)  # accepted, by reference
+        metrics = trainer.train_rollout(rollout_id, groups)           # advantages, loss, optimizer
+        path    = trainer.publish_weights(version + 1)                # weight_v{N}/ on disk
+        engines.update_weights(path, version + 1, flush=...)          # every engine, directly
+        controller.sync(version + 1, cursor + len(groups))            # admission moves on
+        checkpoint (model + optimizer + cursor) / commit the queue cursor
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class TrainingRun:
         self.worker_runs: list = []
         self.ray_started = False
         self.last_saved_step: int | None = None
+        self.cursor = 0                      # accepted groups handed to the trainer so far
+        self.step_cursors: list[int] = []    # the cursor after each step of this lineage
 
     # ================================================================== entry
     def run(self) -> int:
@@ -124,11 +126,9 @@ class TrainingRun:
         from vime.workers.trainer_worker import TrainerWorker, TrainerWorkerSpec
         from vime.backends.torch_backend import TorchTrainerSpec
 
-        resume_cursor = None
         if s.checkpoint.load:
             _, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
             ckpt.check_run_options(state.run_options, self._run_options())
-            resume_cursor = state.consumer_cursor
         self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
                      + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
         controller_spec = ControllerSpec(
@@ -137,8 +137,7 @@ class TrainingRun:
             online_gc=False, prompt_data=s.data.prompt_data,
             keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key), seed=s.run.seed,
             shuffle=s.data.rollout_shuffle, num_epoch=s.data.num_epoch,
-            groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness,
-            resume_cursor=resume_cursor)
+            groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness)
         self.controller = ray.remote(num_cpus=0)(Controller).remote(controller_spec)
         threads, affinity = self._trainer_cpus()
         backend = TorchTrainerSpec(
@@ -251,6 +250,9 @@ class TrainingRun:
         self.log.say(f"resuming from {folder}: step {state.step}, weight version {state.weight_version}, "
                      f"{state.consumer_cursor} group(s) trained")
         ray.get(self.trainer.load_checkpoint.remote(folder))
+        # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
+        # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
+        self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
         self._publish(state.weight_version, sync_number=1)
         return state.step, state.weight_version
 
@@ -301,12 +303,16 @@ class TrainingRun:
 
         last_accepted, last_progress = None, time.monotonic()
         while True:
-            groups = ray.get(self.controller.take_groups.remote(count))
+            groups = ray.get(self.controller.take_groups.remote(self.cursor, count))
             if groups:
                 return groups
             self._check_workers()
             stats = ray.get(self.controller.stats.remote())
             if stats.end_of_data:
+                # The prompts are exhausted: the last step trains whatever was accepted.
+                groups = ray.get(self.controller.take_groups.remote(self.cursor, count, allow_partial=True))
+                if groups:
+                    return groups
                 raise StopIteration
             if stats.accepted != last_accepted:
                 last_accepted, last_progress = stats.accepted, time.monotonic()
@@ -325,7 +331,7 @@ class TrainingRun:
         if self.engines is not None:
             self.engines.update_weights(path, version, flush=flush_for_sync(sync_number,
                                                                                self.s.weights.flush_cache_interval))
-        ray.get(self.controller.set_weight_version.remote(version))
+        ray.get(self.controller.sync.remote(version, self.cursor))
         return time.monotonic() - started
 
     def _train(self, start_step: int, version: int) -> int:
@@ -346,6 +352,8 @@ class TrainingRun:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
             metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
+            self.cursor += len(groups)
+            self.step_cursors.append(self.cursor)
             sync_number += 1
             version += 1
             sync_seconds = self._publish(version, sync_number=sync_number)
@@ -353,7 +361,7 @@ class TrainingRun:
             if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
                 self._save(step, version)
             elif not s.checkpoint.save:
-                ray.get(self.controller.commit.remote(step))
+                ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors))
             stats = ray.get(self.controller.stats.remote())
             now = time.monotonic()
             step_seconds = now - window[-1][0]
@@ -395,12 +403,11 @@ class TrainingRun:
     def _save(self, step: int, version: int) -> None:
         import ray
 
-        cursor = ray.get(self.controller.stats.remote()).consumed
-        state = ckpt.CheckpointState(schema=1, step=step, weight_version=version, consumer_cursor=cursor,
-                                     run_options=self._run_options())
+        state = ckpt.CheckpointState(schema=1, step=step, weight_version=version, consumer_cursor=self.cursor,
+                                     run_options=self._run_options(), step_cursors=list(self.step_cursors))
         folder = ckpt.save_checkpoint(self.s.checkpoint.save, state,
                                       lambda path: ray.get(self.trainer.save_checkpoint.remote(path)))
-        ray.get(self.controller.commit.remote(step, cursor))
+        ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors))
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
 

@@ -41,7 +41,6 @@ class ControllerSpec:
     num_epoch: int | None
     groups_per_rollout: int         # --rollout-batch-size
     max_staleness: int
-    resume_cursor: int | None = None  # trained-group cursor of the checkpoint being resumed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +87,10 @@ class Controller:
         self.cursor = DatasetCursor(state.get("epoch", 0), state.get("offset", 0))
         self.next_group_index = state.get("next_group_index", 0)
         self.consumer_token = self.queue.open_consumer(self.incarnation)
-        # Groups handed to the trainer. A resumed run continues from its checkpoint's cursor, which
-        # is authoritative: the queue's own cursor may be behind it (crash between the two writes).
-        self.consumed = self.queue.consumer_cursor() if spec.resume_cursor is None else spec.resume_cursor
+        # Groups handed to the trainer. The driver owns the real cursor and states it with every
+        # take_groups()/sync() call (a restarted controller learns it from the next call); until then
+        # the queue's committed cursor is the best lower bound.
+        self.consumed = self.queue.consumer_cursor()
         self.accepted = self._count_accepted()
         self.weight_version = 0
         self.accepted_response_tokens = 0
@@ -181,24 +181,32 @@ class Controller:
             return False
 
     # ------------------------------------------------------------------ trainer
-    def take_groups(self, count: int) -> list[AcceptedGroup]:
-        """The next ``count`` accepted groups in acceptance order, or [] until that many exist."""
-        if self.accepted - self.consumed < count:
+    def sync(self, weight_version: int, cursor: int) -> None:
+        """The driver's view: every engine serves ``weight_version``, and the groups before
+        ``cursor`` were handed to the trainer. Admission moves on with them. Idempotent."""
+        self.weight_version = weight_version
+        self.consumed = cursor
+
+    def take_groups(self, cursor: int, count: int, *, allow_partial: bool = False) -> list[AcceptedGroup]:
+        """The accepted groups at positions [cursor, cursor + count) in acceptance order, or []
+        until that many exist (``allow_partial``: whatever exists, for the last step of the data)."""
+        self.consumed = max(self.consumed, cursor)
+        available = self.accepted - cursor
+        if available <= 0 or (available < count and not allow_partial):
             return []
-        groups, _ = self.queue.accepted(self.consumed, count)
-        self.consumed += len(groups)
+        groups, _ = self.queue.accepted(cursor, min(count, available))
         return groups
 
-    def set_weight_version(self, version: int) -> None:
-        """Called once every engine serves ``version``: admission moves on with it."""
-        self.weight_version = version
+    def commit(self, step: int, cursor: int, step_cursors: list[int]) -> None:
+        """Durably mark the accepted groups before ``cursor`` as trained by step ``step``.
 
-    def commit(self, step: int, cursor: int | None = None) -> None:
-        """Durably mark the groups handed out so far (or up to ``cursor``) as trained at ``step``."""
-        cursor = self.consumed if cursor is None else cursor
+        ``step_cursors[i]`` is the cursor after step i + 1 of the surviving lineage: which step
+        trained which group, for inspection.
+        """
         state_ref = None
         if isinstance(self.queue, StrawRolloutQueue):
-            payload = json.dumps({"step": step, "cursor": cursor, "weight_version": self.weight_version}).encode()
+            payload = json.dumps({"step": step, "cursor": cursor, "weight_version": self.weight_version,
+                                  "step_cursors": step_cursors}).encode()
             state_ref = self.queue.store.publish([Record("consumer-state", payload, "json.v1")],
                                                  submission_id=f"consumer-state-{self.incarnation}-{step}")
         self.queue.commit_consumer(self.consumer_token, cursor, state_ref, request_id=f"commit-{step}-{cursor}")

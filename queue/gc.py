@@ -1,0 +1,97 @@
+"""Reclaiming queue storage: orphaned publications of dead producers, and packs nobody owns.
+
+A rollout worker publishes a group's payload (durable) and then asks the controller to accept it.
+If it dies in between, straw keeps the payload's pack alive under the writer's staging ownership.
+Rollout workers lease under the id ``<name>@<straw writer id>``, so from the journal alone one can
+find every attempt a dead writer held; its staged publications are looked up by their
+deterministic submission ids and released. Accepted groups and continuations are owned by the
+queue as well, so releasing their staging frees nothing that is still needed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+from straw.errors import WriterBusy
+
+from vime.queue.journal_view import JournalView
+
+
+def group_submission_id(task_id: str, attempt_id: str) -> str:
+    return f"{task_id}-{attempt_id}"
+
+
+def partial_submission_id(task_id: str, attempt_id: str) -> str:
+    return f"{task_id}-{attempt_id}-partial"
+
+
+def writer_of(worker_id: str) -> str | None:
+    return worker_id.rsplit("@", 1)[1] if "@" in worker_id else None
+
+
+def writer_ids(data_dir: str) -> list[str]:
+    root = os.path.join(data_dir, "control", "writers")
+    if not os.path.isdir(root):
+        return []
+    return sorted(name for shard in os.listdir(root) for name in os.listdir(os.path.join(root, shard)))
+
+
+def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
+    attempts: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for event in view.of_type("Leased"):
+        for lease in event["leases"]:
+            writer = writer_of(lease["worker_id"])
+            if writer:
+                attempts[writer].append((lease["task_id"], lease["attempt_id"]))
+    return attempts
+
+
+def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
+    """Fence the given (dead) writers and release their staged publications.
+
+    A writer that is still alive raises WriterBusy inside straw and is skipped.
+    """
+    attempts = attempts_by_writer(JournalView.read(data_dir))
+    retired = released = 0
+    for writer in dead:
+        try:
+            store.retire_writer(writer, policy="recover")
+        except WriterBusy:
+            continue
+        retired += 1
+        for task_id, attempt_id in attempts.get(writer, []):
+            for submission in (group_submission_id(task_id, attempt_id), partial_submission_id(task_id, attempt_id)):
+                refs = store.publication_receipt(writer, api="publish", submission_id=submission)
+                if refs:
+                    store.release_publications(refs)
+                    released += 1
+    return {"writers_retired": retired, "publications_released": released}
+
+
+def collect_stopped(data_dir: str, run_id: str) -> dict[str, int]:
+    """GC of a stopped run: retire every writer, release orphans, reclaim unowned sealed packs."""
+    from vime.queue.fence import QueueFence
+    from vime.queue.rollout_queue import StrawRolloutQueue
+
+    fence = QueueFence.acquire(data_dir)  # refuses while the run's controller is alive
+    try:
+        import json
+
+        with open(os.path.join(data_dir, "run.json")) as f:
+            lease_seconds = json.load(f)["lease_seconds"]
+        queue = StrawRolloutQueue.open(data_dir, run_id, owner="vime-queue-gc", lease_seconds=lease_seconds,
+                                       segment_mib=64, online_gc=True)
+        try:
+            own = queue.store.writer_id
+            report = reap_writers(queue.store, data_dir, [w for w in writer_ids(data_dir) if w != own])
+            before = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(data_dir) for f in fs)
+            queue.store.seal()
+            gc = queue.coordinator.collect_garbage()
+            report.update(reclaimed_files=gc.get("reclaimed_files", 0), reclaimed_bytes=gc.get("reclaimed_bytes", 0),
+                          disk_bytes_before=before)
+            return report
+        finally:
+            queue.close()
+    finally:
+        fence.release()
