@@ -48,11 +48,16 @@ def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
 
 
 def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
-    """Fence the given (dead) writers and release their staged publications.
+    """Fence the given (dead) writers and release the publications the queue never adopted.
 
-    A writer that is still alive raises WriterBusy inside straw and is skipped.
+    A group publication is adopted when its attempt completed; a continuation prefix when a
+    Yielded event names it as the task's input. A writer that is still busy raises WriterBusy
+    inside straw and is skipped.
     """
-    attempts = attempts_by_writer(JournalView.read(data_dir))
+    view = JournalView.read(data_dir)
+    attempts = attempts_by_writer(view)
+    completed = {(e["lease"]["task_id"], e["lease"]["attempt_id"]) for e in view.of_type("Completed")}
+    inputs = {e["input_ref"]["digest"] for e in view.of_type("Yielded") if e.get("input_ref")}
     retired = released = 0
     for writer in dead:
         try:
@@ -61,11 +66,14 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
             continue
         retired += 1
         for task_id, attempt_id in attempts.get(writer, []):
-            for submission in (group_submission_id(task_id, attempt_id), partial_submission_id(task_id, attempt_id)):
+            candidates = [] if (task_id, attempt_id) in completed else [group_submission_id(task_id, attempt_id)]
+            candidates.append(partial_submission_id(task_id, attempt_id))
+            for submission in candidates:
                 refs = store.publication_receipt(writer, api="publish", submission_id=submission)
-                if refs:
-                    store.release_publications(refs)
-                    released += 1
+                orphans = [r for r in refs or [] if r.digest not in inputs]
+                if orphans:
+                    store.release_publications(orphans)
+                    released += len(orphans)
     return {"writers_retired": retired, "publications_released": released}
 
 

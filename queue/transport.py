@@ -20,6 +20,7 @@ from vime.sample import Sample
 class GroupTransport(Protocol):
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> Any: ...
     def read(self, ref: Any) -> list[Sample]: ...
+    def discard(self, ref: Any) -> None: ...
     def close(self) -> None: ...
 
 
@@ -33,6 +34,14 @@ class StrawTransport:
 
     def read(self, ref: RecordSetRef) -> list[Sample]:
         return decode_group(list(self.store.read(ref)))
+
+    def discard(self, ref: RecordSetRef) -> None:
+        """Give up a publication no queue entry adopted (its pack becomes reclaimable)."""
+        self.store.release_publications([ref])
+
+    @property
+    def writer_id(self) -> str:
+        return self.store.writer_id
 
     def close(self) -> None:
         self.store.close()
@@ -53,6 +62,9 @@ class ObjectStoreTransport:
     def read(self, ref: ObjectRefBox) -> list[Sample]:
         import ray
         return ray.get(ref.ref, timeout=120)
+
+    def discard(self, ref: ObjectRefBox) -> None:
+        pass  # the object store frees it when the last reference goes
 
     def close(self) -> None:
         pass

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from vime.recovery.faults import fault_point
+
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "vime_state.json"
 
@@ -61,6 +63,7 @@ def save_checkpoint(root: str, state: CheckpointState, write_trainer_state: Call
     staging = os.path.join(root, f".iter_{state.step:07d}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         write_trainer_state(staging)
+        fault_point("checkpoint.mid_write", scope="group")  # the whole job dies while writing
         _atomic_write(os.path.join(staging, STATE), msgspec.json.encode(state))
         if os.path.exists(final):
             shutil.rmtree(final)  # a re-save of the same step after a crash replaces the old one

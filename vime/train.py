@@ -37,6 +37,7 @@ from vime.weights.policy import flush_for_sync
 from vime.recovery import checkpoint as ckpt
 
 POLL_SECONDS = 0.05
+MAX_WORKER_RESTARTS = 5
 
 
 class RunError(RuntimeError):
@@ -72,8 +73,11 @@ class TrainingRun:
         self.trainer = None
         self.workers: list = []
         self.worker_runs: list = []
+        self.worker_writers: list = []      # straw writer id of each rollout worker
+        self.worker_restarts = 0
         self.ray_started = False
         self.last_saved_step: int | None = None
+        self.version = 0                     # the weight version every engine serves
         self.cursor = 0                      # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []    # the cursor after each step of this lineage
 
@@ -83,6 +87,7 @@ class TrainingRun:
             self._check_inputs()
             self._start_processes()
             start_step, version = self._restore()
+            self._reap_dead_producers()
             self.before = self._evaluate(version, step=start_step, label="before training")
             self._start_rollout_workers()
             version = self._train(start_step, version)
@@ -106,8 +111,20 @@ class TrainingRun:
                 load_function(path, flag, min_params=params)  # a bad path fails here, before any process starts
         self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
         check_against_vllm(s.vllm.vllm_args)
-        if s.checkpoint.load and s.queue.rollout_data_transport != "straw":
-            raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
+        if s.queue.rollout_data_transport == "straw":
+            from vime.queue.fence import QueueFence
+
+            QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
+        self.resume = None  # (folder, CheckpointState) when resuming
+        if s.checkpoint.load:
+            if ckpt.latest_step(s.checkpoint.load) is None and s.checkpoint.ckpt_step is None:
+                # As the reference framework does: a --load without a checkpoint starts afresh.
+                self.log.say(f"--load {s.checkpoint.load} holds no checkpoint yet: starting from --hf-checkpoint")
+            else:
+                self.resume = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
+                ckpt.check_run_options(self.resume[1].run_options, self._run_options())
+                if s.queue.rollout_data_transport != "straw":
+                    raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
         from transformers import AutoConfig, AutoTokenizer
 
         s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint))
@@ -126,9 +143,6 @@ class TrainingRun:
         from vime.workers.trainer_worker import TrainerWorker, TrainerWorkerSpec
         from vime.backends.torch_backend import TorchTrainerSpec
 
-        if s.checkpoint.load:
-            _, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
-            ckpt.check_run_options(state.run_options, self._run_options())
         self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
                      + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
         controller_spec = ControllerSpec(
@@ -138,7 +152,10 @@ class TrainingRun:
             keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key), seed=s.run.seed,
             shuffle=s.data.rollout_shuffle, num_epoch=s.data.num_epoch,
             groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness)
-        self.controller = ray.remote(num_cpus=0)(Controller).remote(controller_spec)
+        # The controller is restartable: a new incarnation recovers the queue from its journal (every
+        # lease of the old one fenced) and calls in flight are retried against it.
+        self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1)(Controller).remote(
+            controller_spec)
         threads, affinity = self._trainer_cpus()
         backend = TorchTrainerSpec(
             hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
@@ -243,10 +260,9 @@ class TrainingRun:
         """(first rollout id, weight version) — from the checkpoint when resuming."""
         import ray
 
-        s = self.s
-        if not s.checkpoint.load:
+        if self.resume is None:
             return 0, 0
-        folder, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
+        folder, state = self.resume
         self.log.say(f"resuming from {folder}: step {state.step}, weight version {state.weight_version}, "
                      f"{state.consumer_cursor} group(s) trained")
         ray.get(self.trainer.load_checkpoint.remote(folder))
@@ -255,6 +271,15 @@ class TrainingRun:
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
         self._publish(state.weight_version, sync_number=1)
         return state.step, state.weight_version
+
+    def _reap_dead_producers(self) -> None:
+        """Publications left unaccepted by producers of an earlier (dead) incarnation."""
+        import ray
+
+        report = ray.get(self.controller.reap_writers.remote([]))
+        if report.get("publications_released"):
+            self.log.say(f"released {report['publications_released']} orphaned publication(s) of "
+                         f"{report['writers_retired']} dead producer(s)")
 
     # ================================================================== rollout and training
     def _rollout_spec(self, index: int):
@@ -280,37 +305,63 @@ class TrainingRun:
                               top_p=r.rollout_top_p, top_k=r.rollout_top_k)
 
     def _start_rollout_workers(self) -> None:
+        self.workers, self.worker_runs, self.worker_writers = [], [], []
+        self.worker_restarts = 0
+        self._launch_worker(0)
+        self.log.say(f"{len(self.workers)} rollout worker(s) generating")
+
+    def _launch_worker(self, index: int) -> None:
         import ray
 
         from vime.workers.rollout_worker import RolloutWorker
 
-        remote = ray.remote(num_cpus=0)(RolloutWorker)
-        self.workers = [remote.remote(self._rollout_spec(0), self.controller)]
-        ray.get([w.ready.remote() for w in self.workers], timeout=300)
-        self.worker_runs = [w.run.remote() for w in self.workers]
-        self.log.say(f"{len(self.workers)} rollout worker(s) generating")
+        worker = ray.remote(num_cpus=0)(RolloutWorker).remote(self._rollout_spec(index), self.controller)
+        identity = ray.get(worker.ready.remote(), timeout=300)
+        run = worker.run.remote()
+        if index < len(self.workers):
+            self.workers[index], self.worker_runs[index], self.worker_writers[index] = worker, run, identity["writer_id"]
+        else:
+            self.workers.append(worker)
+            self.worker_runs.append(run)
+            self.worker_writers.append(identity["writer_id"])
 
     def _check_workers(self) -> None:
+        """A rollout worker whose process died is replaced (its leases return to the queue, its
+        unaccepted publications are released); one whose code failed fails the run."""
         import ray
 
         done, _ = ray.wait(self.worker_runs, timeout=0)
         for ref in done:
-            ray.get(ref)  # raises the worker's error
-            raise RunError("a rollout worker stopped unexpectedly")
+            index = self.worker_runs.index(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                self.worker_restarts += 1
+                if self.worker_restarts > MAX_WORKER_RESTARTS:
+                    raise RunError(f"rollout workers died {self.worker_restarts} times; last: {error}") from None
+                self.log.say(f"rollout worker {index} died; starting a new one "
+                             f"({self.worker_restarts}/{MAX_WORKER_RESTARTS})")
+                self._launch_worker(index)
+                report = ray.get(self.controller.reap_writers.remote([w for w in self.worker_writers if w]))
+                self.log.say(f"released {report.get('publications_released', 0)} unaccepted publication(s) "
+                             "of the dead worker")
+                continue
+            raise RunError(f"rollout worker {index} stopped unexpectedly")
 
     def _wait_for_groups(self, count: int) -> list:
         import ray
 
         last_accepted, last_progress = None, time.monotonic()
         while True:
-            groups = ray.get(self.controller.take_groups.remote(self.cursor, count))
+            groups = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version))
             if groups:
                 return groups
             self._check_workers()
             stats = ray.get(self.controller.stats.remote())
             if stats.end_of_data:
                 # The prompts are exhausted: the last step trains whatever was accepted.
-                groups = ray.get(self.controller.take_groups.remote(self.cursor, count, allow_partial=True))
+                groups = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version,
+                                                                    allow_partial=True))
                 if groups:
                     return groups
                 raise StopIteration
@@ -331,6 +382,7 @@ class TrainingRun:
         if self.engines is not None:
             self.engines.update_weights(path, version, flush=flush_for_sync(sync_number,
                                                                                self.s.weights.flush_cache_interval))
+        self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor))
         return time.monotonic() - started
 
@@ -339,7 +391,7 @@ class TrainingRun:
 
         s = self.s
         batch = s.rollout.rollout_batch_size
-        sync_number = 1 if s.checkpoint.load else 0  # the restore already published once
+        sync_number = 1 if self.resume else 0  # the restore already published once
         # Rollout throughput over the last few steps: accepted tokens arrive in bursts.
         window = collections.deque([(time.monotonic(), ray.get(self.controller.stats.remote()).accepted_response_tokens)],
                                    maxlen=6)
@@ -351,7 +403,12 @@ class TrainingRun:
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
-            metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
+            try:
+                metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
+            except ray.exceptions.RayActorError as error:
+                where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
+                raise RunError(f"the trainer process died during step {rollout_id + 1}; its state since the last "
+                               f"checkpoint is lost; {where} (no accepted sample is lost). Cause: {error}") from None
             self.cursor += len(groups)
             self.step_cursors.append(self.cursor)
             sync_number += 1
@@ -416,8 +473,12 @@ class TrainingRun:
 
         if not self.workers:
             return
-        ray.get([w.stop.remote() for w in self.workers], timeout=60)
-        ray.get(self.worker_runs, timeout=120)
+        for worker in self.workers:
+            try:
+                ray.get(worker.stop.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # already dead: its leases expire or are fenced
+        ray.wait(self.worker_runs, num_returns=len(self.worker_runs), timeout=120)
         self.workers, self.worker_runs = [], []
 
     def _finish(self, version: int) -> None:

@@ -21,6 +21,8 @@ from straw import Record
 
 from vime.data.source import DataKeys, DatasetCursor, PromptDataset, PromptRecord
 from vime.queue.fence import QueueFence
+from vime.queue.gc import reap_writers, writer_ids
+from vime.recovery.faults import fault_point
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import StaleLease, StrawRolloutQueue
 from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
@@ -108,7 +110,8 @@ class Controller:
             self.fence.release()
 
     def _count_accepted(self) -> int:
-        cursor, total = 0, 0
+        # History before the committed cursor may already be reclaimed; count from there.
+        cursor = total = self.queue.consumer_cursor()
         while True:
             groups, cursor = self.queue.accepted(cursor, 1000)
             if not groups:
@@ -187,10 +190,15 @@ class Controller:
         self.weight_version = weight_version
         self.consumed = cursor
 
-    def take_groups(self, cursor: int, count: int, *, allow_partial: bool = False) -> list[AcceptedGroup]:
+    def take_groups(self, cursor: int, count: int, weight_version: int, *,
+                    allow_partial: bool = False) -> list[AcceptedGroup]:
         """The accepted groups at positions [cursor, cursor + count) in acceptance order, or []
-        until that many exist (``allow_partial``: whatever exists, for the last step of the data)."""
-        self.consumed = max(self.consumed, cursor)
+        until that many exist (``allow_partial``: whatever exists, for the last step of the data).
+
+        Every call restates the driver's view (as sync() does), so a restarted controller admits
+        work again as soon as the trainer asks for it.
+        """
+        self.sync(weight_version, cursor)
         available = self.accepted - cursor
         if available <= 0 or (available < count and not allow_partial):
             return []
@@ -209,7 +217,21 @@ class Controller:
                                   "step_cursors": step_cursors}).encode()
             state_ref = self.queue.store.publish([Record("consumer-state", payload, "json.v1")],
                                                  submission_id=f"consumer-state-{self.incarnation}-{step}")
-        self.queue.commit_consumer(self.consumer_token, cursor, state_ref, request_id=f"commit-{step}-{cursor}")
+        fault_point("controller.mid_commit")
+        # Request ids are unique per incarnation: a resumed (older) lineage re-commits steps an
+        # earlier one committed with other content, and a commit retried after a controller restart
+        # comes from a new incarnation. The cursor may move backward (resuming an older checkpoint).
+        self.queue.commit_consumer(self.consumer_token, cursor, state_ref,
+                                   request_id=f"commit-{self.incarnation}-{step}-{cursor}")
+
+    def reap_writers(self, alive: list[str]) -> dict[str, int]:
+        """Release what dead producers published but never got accepted (every straw writer of
+        this queue except ours and those in ``alive``)."""
+        if not isinstance(self.queue, StrawRolloutQueue):
+            return {}
+        keep = set(alive) | {self.queue.store.writer_id}
+        dead = [w for w in writer_ids(self.spec.data_dir) if w not in keep]
+        return reap_writers(self.queue.store, self.spec.data_dir, dead)
 
     def stats(self) -> ControllerStats:
         counts = self.queue.counts()

@@ -23,6 +23,8 @@ import time
 import aiohttp
 
 from vime.data.prompt import render_prompt
+from vime.queue.gc import group_submission_id
+from vime.recovery.faults import fault_point
 from vime.queue.transport import make_transport
 from vime.rollout.generate import SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
@@ -73,6 +75,10 @@ class RolloutWorker:
         self.spec, self.controller = spec, controller
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.transport = make_transport(spec.transport, spec.data_dir, spec.run_id, segment_mib=spec.segment_mib)
+        # Leasing under "<name>@<straw writer id>" lets a later controller find, from the journal
+        # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
+        self.writer_id = getattr(self.transport, "writer_id", None)
+        self.lease_id = f"{spec.worker_id}@{self.writer_id}" if self.writer_id else spec.worker_id
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
@@ -85,8 +91,8 @@ class RolloutWorker:
         self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
-    def ready(self) -> str:
-        return self.spec.worker_id
+    def ready(self) -> dict[str, str | None]:
+        return {"worker_id": self.spec.worker_id, "lease_id": self.lease_id, "writer_id": self.writer_id}
 
     async def run(self) -> RolloutWorkerStats:
         """Lease and generate until stop(); returns the worker's counters."""
@@ -99,7 +105,7 @@ class RolloutWorker:
                     await self._custom_rollout_loop()
                 while not self._stopping.is_set():
                     free = self.spec.max_concurrent_groups - len(self.active)
-                    leased = await self.controller.lease.remote(self.spec.worker_id, free) if free > 0 else []
+                    leased = await self.controller.lease.remote(self.lease_id, free) if free > 0 else []
                     for item in leased:
                         task = asyncio.create_task(self._process(item))
                         self.active[item.assignment.task.task_id] = (task, item.assignment.lease)
@@ -154,6 +160,7 @@ class RolloutWorker:
         while not self._stopping.is_set():
             source = LeasedDataSource(self)
             output = await asyncio.to_thread(self.rollout_fn, self.spec.args, rollout_id, source)
+            fault_point("rollout.mid_generation")
             groups = output.samples if isinstance(output, RolloutFnTrainOutput) else output
             returned = set()
             for group in groups or []:
@@ -204,6 +211,7 @@ class RolloutWorker:
                         if not self.spec.partial_rollout:
                             self._restart(sample)
                 await asyncio.gather(*(self._generate_one(s) for s in unfinished))
+                fault_point("rollout.mid_generation")
             await self._finish_group(item, samples)
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
@@ -226,14 +234,16 @@ class RolloutWorker:
                 sample.weight_versions = [item.version] * sample.response_length
         if any(s.reward is None for s in samples):
             await score_group(self.reward, self.spec.args, samples)
-        submission_id = f"{lease.task_id}-{lease.attempt_id}"
+        submission_id = group_submission_id(lease.task_id, lease.attempt_id)
         ref = await asyncio.get_running_loop().run_in_executor(
             self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
                                                         attempt_id=lease.attempt_id,
                                                         submission_id=submission_id))
+        fault_point("rollout.after_publish")  # payload durable, not yet accepted
         tokens = sum(s.response_length for s in samples)
         position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens)
-        if position is None:
+        if position is None:  # the lease moved on: this payload will never be referenced
+            await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
             self.stats.groups_discarded += 1
         else:
             self.stats.groups_accepted += 1
@@ -255,7 +265,7 @@ class LeasedDataSource:
         while len(groups) < num_samples:
             if self.worker._stopping.is_set():
                 break
-            items = ray.get(self.worker.controller.lease.remote(self.worker.spec.worker_id, num_samples - len(groups)))
+            items = ray.get(self.worker.controller.lease.remote(self.worker.lease_id, num_samples - len(groups)))
             for item in items:
                 self.leased[item.assignment.task.group_index] = item
                 groups.append(self.worker._fresh_group(item))

@@ -14,6 +14,7 @@ import time
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.queue.tasks import AcceptedGroup
 from vime.queue.transport import make_transport
+from vime.recovery.faults import fault_point
 from vime.sample import Sample
 from vime.weights import disk
 
@@ -50,6 +51,7 @@ class TrainerWorker:
         started = time.perf_counter()
         samples = self.read_groups(groups)
         read_seconds = time.perf_counter() - started
+        fault_point("trainer.mid_step")
         metrics = self.backend.train_rollout(samples, policy_version)
         staleness = [policy_version - min(s.weight_versions) for s in samples if s.weight_versions]
         metrics.update(

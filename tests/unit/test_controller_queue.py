@@ -73,8 +73,8 @@ def test_admission_bounds_outstanding_groups(tmp_path, prompts, transport):
     for item in leased[:2]:
         controller.complete(item.assignment.lease, *publish(tmp_path, transport, item), 2, 2)
     assert controller.lease("w", 100) == []  # accepted-but-untrained groups still count
-    assert controller.take_groups(0, 3) == []   # only two accepted so far
-    assert len(controller.take_groups(0, 2)) == 2
+    assert controller.take_groups(0, 3, 0) == []   # only two accepted so far
+    assert len(controller.take_groups(0, 2, 0)) == 2
     assert controller.lease("w", 100) == []  # the trainer has not moved to version 1 yet
     controller.sync(1, 2)
     assert len(controller.lease("w", 100)) == 2

@@ -136,8 +136,6 @@ def validate(settings: TrainSettings) -> None:
             "the torch backend trains on one slot for now (actor nodes x GPUs per node must be 1)")
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
-    if settings.checkpoint.load:
-        require(os.path.isdir(settings.checkpoint.load), "--load", f"{settings.checkpoint.load!r} does not exist")
 
 
 def finalize(settings: TrainSettings) -> None:

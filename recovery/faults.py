@@ -1,0 +1,52 @@
+"""Fault injection: SIGKILL a real process at a named point, for the fault-injection tests.
+
+Enabled only through the environment (inherited by every process of a run, Ray actors included):
+
+    VIME_FAULTS="rollout.after_publish@3,controller.mid_commit"   # fire at the 3rd / 1st hit
+    VIME_FAULT_STATE=/some/dir                                    # one-shot markers live here
+
+A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` behind, so a restarted
+process does not kill itself again. ``scope`` says what dies: the calling process, or its whole
+process group (the "whole job" when the driver leads the group, as the tests arrange).
+Without VIME_FAULTS every call is a dictionary lookup and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+_hits: Counter[str] = Counter()
+
+
+def _armed() -> dict[str, int]:
+    spec = os.environ.get("VIME_FAULTS", "")
+    armed = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, nth = item.partition("@")
+        armed[name] = int(nth or 1)
+    return armed
+
+
+def fault_point(name: str, *, scope: str = "process") -> None:
+    """SIGKILL here if ``name`` is armed and this is its n-th hit (once per run)."""
+    armed = _armed()
+    if name not in armed:
+        return
+    _hits[name] += 1
+    if _hits[name] < armed[name]:
+        return
+    state = os.environ.get("VIME_FAULT_STATE")
+    if state:
+        marker = os.path.join(state, f"{name}.fired")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, str(os.getpid()).encode())
+        os.fsync(fd)
+        os.close(fd)
+    if scope == "group":
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

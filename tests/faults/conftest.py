@@ -1,0 +1,140 @@
+"""Fault-injection harness: real `vime train` processes, real SIGKILLs, invariants read from disk.
+
+Runs use the engine-free rollout function in tests/plugins/steady_rollout.py (--rollout-num-gpus 0),
+so each start costs seconds: the subject here is the queue and recovery, and every other part
+(Ray actors, the router process, straw, the trainer, checkpoints) is the real one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+from vime.runtime.process import kill_processes_with_token
+
+EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
+PLUGIN = os.path.join(REPO, "tests", "plugins", "steady_rollout.py") + ":generate_rollout"
+NUM_PROMPTS = 24
+
+
+@dataclasses.dataclass
+class Job:
+    root: str
+    model: str
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.root, "run")
+
+    @property
+    def save(self) -> str:
+        return os.path.join(self.root, "save")
+
+    @property
+    def data_dir(self) -> str:
+        return os.path.join(self.save, "rollout_data")
+
+    @property
+    def prompts(self) -> str:
+        return os.path.join(self.root, "prompts.jsonl")
+
+    def args(self, *extra: str, epochs: int = 1) -> list[str]:
+        return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", self.model,
+                "--prompt-data", self.prompts, "--input-key", "prompt", "--label-key", "label",
+                "--rollout-function-path", PLUGIN, "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
+                "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                "--num-rollout", "1000", "--lr", "1e-3", "--rollout-shuffle",
+                "--save", self.save, "--save-interval", "2", "--load", self.save, "--run-dir", self.run_dir,
+                "--rollout-queue-segment-mib", "1", "--rollout-queue-lease-seconds", "20",
+                "--num-epoch", str(epochs), *extra]
+
+    def start(self, *extra: str, faults: str = "", epochs: int = 1) -> subprocess.Popen:
+        env = dict(os.environ)
+        if faults:
+            env.update(VIME_FAULTS=faults, VIME_FAULT_STATE=self.root)
+        log = open(os.path.join(self.root, f"job-{time.time_ns()}.log"), "w")
+        # Its own session: the job's process group can be killed at once, as a lost machine would.
+        return subprocess.Popen(self.args(*extra, epochs=epochs), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def run(self, *extra: str, faults: str = "", timeout: float = 240) -> tuple[int, str]:
+        proc = self.start(*extra, faults=faults)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            self.kill(proc)
+        return proc.returncode, self.last_log()
+
+    def last_log(self) -> str:
+        logs = sorted(f for f in os.listdir(self.root) if f.startswith("job-"))
+        with open(os.path.join(self.root, logs[-1])) as f:
+            return f.read()
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the whole job, then anything of it that left the process group."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        try:
+            with open(os.path.join(self.run_dir, "run.json")) as f:
+                token = json.load(f)["run_token"]
+        except FileNotFoundError:
+            return
+        kill_processes_with_token(token)
+
+
+@pytest.fixture(scope="session")
+def fault_model(tmp_path_factory) -> str:
+    from vime.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("fault_model")))
+
+
+@pytest.fixture
+def job(tmp_path, fault_model) -> Job:
+    with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
+        lines = f.readlines()[:NUM_PROMPTS]
+    (tmp_path / "prompts.jsonl").write_text("".join(lines))
+    return Job(str(tmp_path), fault_model)
+
+
+def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1) -> dict:
+    """From the files on disk: the surviving lineage trained every accepted group exactly once,
+    no accepted group is lost, and (when the run completed) every prompt exactly once."""
+    from vime.queue.journal_view import JournalView
+    from vime.queue.transport import StrawTransport
+    from vime.recovery import checkpoint as ckpt
+
+    _, state = ckpt.load_state(job.save)
+    accepted = JournalView.read(job.data_dir).accepted()
+    assert [g.position for g in accepted] == list(range(len(accepted))), "accepted positions have holes"
+    cursors = state.step_cursors
+    assert cursors == sorted(set(cursors)) and (not cursors or cursors[-1] == state.consumer_cursor)
+    assert len(cursors) == state.step, "one cursor per step of the surviving lineage"
+    trained = accepted[:state.consumer_cursor]
+    transport = StrawTransport(job.data_dir, "vime")
+    prompts = []
+    for group in trained:
+        samples = transport.read(group.ref)  # every trained group is still readable
+        assert [s.index for s in samples] == [0, 1]
+        assert len({s.prompt_index for s in samples}) == 1
+        prompts.append(samples[0].prompt_index)
+    transport.close()
+    counts = collections.Counter(prompts)
+    assert max(counts.values(), default=0) <= epochs, "a prompt was trained too often in the surviving lineage"
+    if complete:
+        assert sorted(counts) == list(range(NUM_PROMPTS)) and set(counts.values()) == {epochs}, \
+            "every prompt of every epoch is trained exactly once"
+        assert state.consumer_cursor == len(accepted), "accepted groups were left untrained"
+    return {"state": state, "accepted": len(accepted), "prompts": prompts}

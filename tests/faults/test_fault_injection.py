@@ -1,0 +1,109 @@
+"""Kill real processes at chosen points (and at random instants); check the invariants on disk."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from tests.faults.conftest import check_invariants
+
+pytestmark = pytest.mark.integration
+
+
+def test_clean_run_trains_every_prompt_once(job):
+    code, log = job.run()
+    assert code == 0, log[-3000:]
+    assert "exhausted the prompts" in log
+    facts = check_invariants(job)
+    assert facts["state"].step == 12
+
+
+def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
+    code, log = job.run(faults="trainer.mid_step@5")
+    assert code == 1, log[-3000:]
+    assert "the trainer process died during step 5" in log and "resume with --load" in log
+    check_invariants(job, complete=False)
+    code, log = job.run()
+    assert code == 0, log[-3000:]
+    assert "resuming from" in log and "step 4" in log
+    check_invariants(job)
+
+
+def test_producer_killed_after_durable_publish_before_acceptance(job):
+    code, log = job.run(faults="rollout.after_publish@3")
+    assert code == 0, log[-3000:]
+    assert "rollout worker 0 died" in log
+    assert "released 1 unaccepted publication(s)" in log
+    check_invariants(job)
+
+
+def test_rollout_worker_killed_mid_generation(job):
+    code, log = job.run(faults="rollout.mid_generation@4")
+    assert code == 0, log[-3000:]
+    assert "rollout worker 0 died" in log
+    check_invariants(job)
+
+
+def test_controller_killed_mid_commit_is_restarted(job):
+    code, log = job.run(faults="controller.mid_commit@2")
+    assert code == 0, log[-3000:]
+    assert os.path.exists(os.path.join(job.root, "controller.mid_commit.fired"))
+    check_invariants(job)
+
+
+def test_whole_job_killed_while_writing_a_checkpoint(job):
+    proc = job.start(faults="checkpoint.mid_write@3")
+    proc.wait(timeout=240)
+    job.kill(proc)
+    assert os.path.exists(os.path.join(job.root, "checkpoint.mid_write.fired"))
+    from vime.recovery import checkpoint as ckpt
+
+    assert ckpt.latest_step(job.save) == 4  # the third save (step 6) never became visible
+    assert not os.path.exists(ckpt.iteration_dir(job.save, 6))
+    code, log = job.run()
+    assert code == 0, log[-3000:]
+    check_invariants(job)
+
+
+def test_second_run_on_a_live_queue_is_refused(job):
+    first = job.start(epochs=4)
+    try:
+        deadline = time.monotonic() + 120
+        while "training:" not in job.last_log():
+            assert first.poll() is None and time.monotonic() < deadline, job.last_log()[-2000:]
+            time.sleep(0.5)
+        import subprocess
+        import sys
+
+        from tests.conftest import REPO
+        args = job.args(epochs=4)
+        args[args.index("--run-dir") + 1] = os.path.join(job.root, "second")
+        second = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "driven by another live controller" in second.stderr
+        assert first.wait(timeout=240) == 0, job.last_log()[-3000:]
+    finally:
+        job.kill(first)
+    check_invariants(job, epochs=4)
+
+
+def test_whole_job_killed_at_random_instants(job):
+    rng = random.Random(int(os.environ.get("VIME_FAULT_SEED", "7")))
+    kills = 0
+    for _ in range(4):
+        proc = job.start()
+        time.sleep(rng.uniform(4.0, 11.0))
+        finished = proc.poll() is not None
+        job.kill(proc)
+        if finished:
+            break
+        kills += 1
+        if os.path.exists(os.path.join(job.save, "latest_checkpointed_iteration.txt")):
+            check_invariants(job, complete=False)
+    code, log = job.run()
+    assert code == 0, log[-3000:]
+    check_invariants(job)
+    assert kills >= 1
