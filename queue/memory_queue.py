@@ -147,6 +147,12 @@ class MemoryRolloutQueue:
             if group is not None:
                 self._accepted[group.position] = AcceptedGroup(group.position, group.task_id, None)
 
+    def history_available(self, cursor: int) -> bool:
+        return all(g.ref is not None for g in self._accepted[cursor:])
+
+    def collect_garbage(self) -> dict[str, int]:
+        return {}
+
     def counts(self) -> dict[str, int]:
         self._expire()
         counts: dict[str, int] = {}

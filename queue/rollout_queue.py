@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from straw import Coordinator, RecordSetRef, SharedFilesystemStore, TaskSpec
-from straw.errors import IdempotencyConflict, LeaseExpired, StaleAttempt
+from straw.errors import IdempotencyConflict, InvalidReference, LeaseExpired, StaleAttempt
 
 from vime.queue.records import CODECS
 from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
@@ -22,16 +22,29 @@ QUEUE_ID = "rollout"
 DATASET_PRODUCER = "dataset"
 TRAINING_CONSUMER = "training"
 
-__all__ = ["StrawRolloutQueue", "open_store", "StaleLease", "IdempotencyConflict"]
+__all__ = ["StrawRolloutQueue", "StoreOptions", "open_store", "StaleLease", "IdempotencyConflict"]
 
 
 class StaleLease(RuntimeError):
     """The lease is no longer current (expired, fenced by a restart, or already reassigned)."""
 
 
-def open_store(data_dir: str, run_id: str, *, segment_mib: int = 64, online_gc: bool = False) -> SharedFilesystemStore:
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """Where and how a run's queue storage lives; every process opens its own handle from it."""
+
+    data_dir: str
+    run_id: str = "vime"
+    segment_mib: float = 64.0     # packs are sealed (and become reclaimable) at about this size
+    online_gc: bool = False
+
+    def open(self) -> SharedFilesystemStore:
+        return open_store(self.data_dir, self.run_id, segment_mib=self.segment_mib, online_gc=self.online_gc)
+
+
+def open_store(data_dir: str, run_id: str, *, segment_mib: float = 64, online_gc: bool = False) -> SharedFilesystemStore:
     """One writer/reader handle; each process opens its own (a handle must not cross a fork)."""
-    return SharedFilesystemStore(data_dir, run_id, codecs=CODECS, segment_target_bytes=segment_mib * 1024**2,
+    return SharedFilesystemStore(data_dir, run_id, codecs=CODECS, segment_target_bytes=int(segment_mib * 1024**2),
                                  online_gc=online_gc)
 
 
@@ -42,11 +55,11 @@ class StrawRolloutQueue:
     max_attempts: int = 3
 
     @classmethod
-    def open(cls, data_dir: str, run_id: str, *, owner: str, lease_seconds: float, segment_mib: int,
-             online_gc: bool, max_attempts: int = 3) -> "StrawRolloutQueue":
+    def open(cls, options: StoreOptions, *, owner: str, lease_seconds: float,
+             max_attempts: int = 3) -> "StrawRolloutQueue":
         """Open (or recover, when a journal exists) the queue. The caller must hold the fence."""
-        store = open_store(data_dir, run_id, segment_mib=segment_mib, online_gc=online_gc)
-        recover = os.path.exists(os.path.join(data_dir, "control", "journal.log"))
+        store = options.open()
+        recover = os.path.exists(os.path.join(options.data_dir, "control", "journal.log"))
         coordinator = Coordinator(store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover,
                                   lease_seconds=lease_seconds)
         return cls(store, coordinator, max_attempts)
@@ -123,6 +136,19 @@ class StrawRolloutQueue:
         """Durably mark every accepted group before ``cursor`` as trained."""
         self.coordinator.save_consumer_state(TRAINING_CONSUMER, token=token, request_id=request_id,
                                              state_ref=state_ref, fetch_cursor=cursor, processed_cursor=cursor)
+
+    def history_available(self, cursor: int) -> bool:
+        """Whether the accepted groups from ``cursor`` on can still be read (GC keeps only what
+        lies at or after the committed cursor)."""
+        try:
+            self.coordinator.read_commits(cursor, 1)
+            return True
+        except InvalidReference:
+            return False
+
+    def collect_garbage(self) -> dict[str, int]:
+        """Reclaim sealed packs no owner references (trained groups, released orphans)."""
+        return self.coordinator.collect_garbage()
 
     # ----------------------------------------------------------------- inspection
     def counts(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from straw import RecordSetRef
 
 from vime.queue.records import decode_group, encode_group
-from vime.queue.rollout_queue import open_store
+from vime.queue.rollout_queue import StoreOptions
 from vime.sample import Sample
 
 
@@ -25,8 +25,8 @@ class GroupTransport(Protocol):
 
 
 class StrawTransport:
-    def __init__(self, data_dir: str, run_id: str, *, segment_mib: int = 64):
-        self.store = open_store(data_dir, run_id, segment_mib=segment_mib)
+    def __init__(self, options: StoreOptions):
+        self.store = options.open()
 
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> RecordSetRef:
         owner = {"task_id": task_id, "attempt_id": attempt_id}
@@ -70,9 +70,9 @@ class ObjectStoreTransport:
         pass
 
 
-def make_transport(kind: str, data_dir: str, run_id: str, *, segment_mib: int = 64) -> GroupTransport:
+def make_transport(kind: str, store: StoreOptions) -> GroupTransport:
     if kind == "straw":
-        return StrawTransport(data_dir, run_id, segment_mib=segment_mib)
+        return StrawTransport(store)
     if kind == "object-store":
         return ObjectStoreTransport()
     raise ValueError(f"unknown transport {kind!r}")

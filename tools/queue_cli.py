@@ -85,6 +85,7 @@ def disk_bytes(path: str) -> int:
 
 
 def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
+    from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
 
     view = JournalView.read(data_dir)
@@ -97,7 +98,7 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
     trained_ids = {g.task_id for g in accepted if g.position < cursor}
     counts["accepted"] -= len(trained_ids)
     counts["trained"] = len(trained_ids)
-    transport = StrawTransport(data_dir, run_id)
+    transport = StrawTransport(StoreOptions(data_dir, run_id))
     groups = []
     for group in accepted:
         if group.position >= cursor:

@@ -132,6 +132,14 @@ class TrainingRun:
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
 
+    @property
+    def store_options(self):
+        from vime.queue.rollout_queue import StoreOptions
+
+        q = self.s.queue
+        return StoreOptions(self.s.rollout_data_dir, q.rollout_queue_run_id, q.rollout_queue_segment_mib,
+                            q.rollout_queue_online_gc)
+
     def _start_processes(self) -> None:
         s = self.s
         self._start_ray()
@@ -146,9 +154,8 @@ class TrainingRun:
         self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
                      + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
         controller_spec = ControllerSpec(
-            transport=s.queue.rollout_data_transport, data_dir=s.rollout_data_dir, run_id=s.queue.rollout_queue_run_id,
-            lease_seconds=s.queue.rollout_queue_lease_seconds, segment_mib=s.queue.rollout_queue_segment_mib,
-            online_gc=False, prompt_data=s.data.prompt_data,
+            transport=s.queue.rollout_data_transport, store=self.store_options,
+            lease_seconds=s.queue.rollout_queue_lease_seconds, prompt_data=s.data.prompt_data,
             keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key), seed=s.run.seed,
             shuffle=s.data.rollout_shuffle, num_epoch=s.data.num_epoch,
             groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness)
@@ -165,8 +172,7 @@ class TrainingRun:
             rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
             threads=threads, cpu_affinity=affinity)
         trainer_spec = TrainerWorkerSpec(
-            backend=backend, transport=s.queue.rollout_data_transport, data_dir=s.rollout_data_dir,
-            run_id=s.queue.rollout_queue_run_id, segment_mib=s.queue.rollout_queue_segment_mib,
+            backend=backend, transport=s.queue.rollout_data_transport, store=self.store_options,
             weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
         self.log.say(f"starting the trainer ({s.train.train_backend} backend, {threads} thread(s))")
         self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(trainer_spec)
@@ -265,6 +271,10 @@ class TrainingRun:
         folder, state = self.resume
         self.log.say(f"resuming from {folder}: step {state.step}, weight version {state.weight_version}, "
                      f"{state.consumer_cursor} group(s) trained")
+        if not ray.get(self.controller.history_available.remote(state.consumer_cursor)):
+            raise RunError(f"the accepted groups after step {state.step} were reclaimed by "
+                           "--rollout-queue-online-gc; only the latest checkpoint can be resumed "
+                           f"(see {ckpt.LATEST} in {self.s.checkpoint.load})")
         ray.get(self.trainer.load_checkpoint.remote(folder))
         # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
@@ -289,8 +299,7 @@ class TrainingRun:
         return RolloutWorkerSpec(
             worker_id=f"rollout-{index}-{uuid.uuid4().hex[:6]}", router_url=self.router_url,
             hf_checkpoint=s.train.hf_checkpoint, transport=s.queue.rollout_data_transport,
-            data_dir=s.rollout_data_dir, run_id=s.queue.rollout_queue_run_id,
-            segment_mib=s.queue.rollout_queue_segment_mib, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
+            store=self.store_options, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
             sampling=self._sampling(), max_concurrent_groups=s.rollout.max_concurrent_groups,
             partial_rollout=s.rollout.partial_rollout, apply_chat_template=s.data.apply_chat_template,
             rm_type=s.rollout.rm_type, custom_rm_path=s.rollout.custom_rm_path,
@@ -428,7 +437,8 @@ class TrainingRun:
                       "rollout_tokens_per_s": (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]),
                       "train_tokens_per_s": metrics["train_tokens"] / max(metrics["train_seconds"], 1e-9),
                       "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
-                      "queue_leased": stats.leased, "step_seconds": step_seconds}
+                      "queue_leased": stats.leased, "step_seconds": step_seconds,
+                      "queue_reclaimed_bytes": stats.reclaimed_bytes}
             self.log.write(record)
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:

@@ -24,18 +24,15 @@ from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
 from vime.recovery.faults import fault_point
 from vime.queue.memory_queue import MemoryRolloutQueue
-from vime.queue.rollout_queue import StaleLease, StrawRolloutQueue
+from vime.queue.rollout_queue import StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
 
 
 @dataclasses.dataclass(kw_only=True)
 class ControllerSpec:
     transport: str                  # straw | object-store
-    data_dir: str
-    run_id: str
+    store: StoreOptions
     lease_seconds: float
-    segment_mib: int
-    online_gc: bool
     prompt_data: str
     keys: DataKeys
     seed: int
@@ -65,6 +62,7 @@ class ControllerStats:
     accepted_response_tokens: int
     accepted_samples: int
     end_of_data: bool
+    reclaimed_bytes: int
 
     @property
     def queue_depth(self) -> int:
@@ -79,10 +77,8 @@ class Controller:
         self.dataset = PromptDataset.load(spec.prompt_data, spec.keys)
         self.fence = None
         if spec.transport == "straw":
-            self.fence = QueueFence.acquire(spec.data_dir)
-            self.queue = StrawRolloutQueue.open(spec.data_dir, spec.run_id, owner=self.incarnation,
-                                                lease_seconds=spec.lease_seconds, segment_mib=spec.segment_mib,
-                                                online_gc=spec.online_gc)
+            self.fence = QueueFence.acquire(spec.store.data_dir)
+            self.queue = StrawRolloutQueue.open(spec.store, owner=self.incarnation, lease_seconds=spec.lease_seconds)
         else:
             self.queue = MemoryRolloutQueue(lease_seconds=spec.lease_seconds)
         state = self.queue.dataset_cursor() or {}
@@ -97,6 +93,7 @@ class Controller:
         self.weight_version = 0
         self.accepted_response_tokens = 0
         self.accepted_samples = 0
+        self.reclaimed_bytes = 0
         self._refill()
 
     # ------------------------------------------------------------------ lifecycle
@@ -223,6 +220,12 @@ class Controller:
         # comes from a new incarnation. The cursor may move backward (resuming an older checkpoint).
         self.queue.commit_consumer(self.consumer_token, cursor, state_ref,
                                    request_id=f"commit-{self.incarnation}-{step}-{cursor}")
+        if self.spec.store.online_gc:
+            report = self.queue.collect_garbage()
+            self.reclaimed_bytes += report.get("reclaimed_bytes", 0)
+
+    def history_available(self, cursor: int) -> bool:
+        return self.queue.history_available(cursor)
 
     def reap_writers(self, alive: list[str]) -> dict[str, int]:
         """Release what dead producers published but never got accepted (every straw writer of
@@ -230,8 +233,8 @@ class Controller:
         if not isinstance(self.queue, StrawRolloutQueue):
             return {}
         keep = set(alive) | {self.queue.store.writer_id}
-        dead = [w for w in writer_ids(self.spec.data_dir) if w not in keep]
-        return reap_writers(self.queue.store, self.spec.data_dir, dead)
+        dead = [w for w in writer_ids(self.spec.store.data_dir) if w not in keep]
+        return reap_writers(self.queue.store, self.spec.store.data_dir, dead)
 
     def stats(self) -> ControllerStats:
         counts = self.queue.counts()
@@ -239,7 +242,7 @@ class Controller:
             weight_version=self.weight_version, pending=counts.get("pending", 0), leased=counts.get("leased", 0),
             accepted=self.accepted, consumed=self.consumed, failed=counts.get("failed", 0),
             accepted_response_tokens=self.accepted_response_tokens, accepted_samples=self.accepted_samples,
-            end_of_data=self._end_of_data(counts))
+            end_of_data=self._end_of_data(counts), reclaimed_bytes=self.reclaimed_bytes)
 
     def _end_of_data(self, counts: dict[str, int]) -> bool:
         exhausted = self.spec.num_epoch is not None and self.cursor.epoch >= self.spec.num_epoch

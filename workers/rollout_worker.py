@@ -25,6 +25,7 @@ import aiohttp
 from vime.data.prompt import render_prompt
 from vime.queue.gc import group_submission_id
 from vime.recovery.faults import fault_point
+from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.rollout.generate import SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
@@ -41,9 +42,7 @@ class RolloutWorkerSpec:
     router_url: str
     hf_checkpoint: str
     transport: str
-    data_dir: str
-    run_id: str
-    segment_mib: int
+    store: StoreOptions
     n_samples_per_prompt: int
     sampling: SamplingParams
     max_concurrent_groups: int
@@ -74,7 +73,7 @@ class RolloutWorker:
 
         self.spec, self.controller = spec, controller
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
-        self.transport = make_transport(spec.transport, spec.data_dir, spec.run_id, segment_mib=spec.segment_mib)
+        self.transport = make_transport(spec.transport, spec.store)
         # Leasing under "<name>@<straw writer id>" lets a later controller find, from the journal
         # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
         self.writer_id = getattr(self.transport, "writer_id", None)

@@ -13,6 +13,7 @@ import time
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.queue.tasks import AcceptedGroup
+from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
 from vime.sample import Sample
@@ -23,9 +24,7 @@ from vime.weights import disk
 class TrainerWorkerSpec:
     backend: TorchTrainerSpec
     transport: str
-    data_dir: str
-    run_id: str
-    segment_mib: int
+    store: StoreOptions
     weight_dir: str
     keep_weight_versions: int
 
@@ -34,7 +33,7 @@ class TrainerWorker:
     def __init__(self, spec: TrainerWorkerSpec):
         self.spec = spec
         self.backend = TorchBackend(spec.backend)
-        self.transport = make_transport(spec.transport, spec.data_dir, spec.run_id, segment_mib=spec.segment_mib)
+        self.transport = make_transport(spec.transport, spec.store)
 
     def ready(self) -> bool:
         return True

@@ -62,10 +62,11 @@ def assert_nothing_left(run_dir: str) -> None:
 def read_accepted_groups(run_dir: str):
     """Every accepted group in the run's straw queue, decoded from disk (read-only)."""
     from vime.queue.journal_view import JournalView
+    from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
 
     data_dir = os.path.join(run_dir, "rollout_data")
-    transport = StrawTransport(data_dir, "vime")
+    transport = StrawTransport(StoreOptions(data_dir, "vime"))
     return [transport.read(group.ref) for group in JournalView.read(data_dir).accepted()]
 
 

@@ -66,8 +66,8 @@ class Job:
         return subprocess.Popen(self.args(*extra, epochs=epochs), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
-    def run(self, *extra: str, faults: str = "", timeout: float = 240) -> tuple[int, str]:
-        proc = self.start(*extra, faults=faults)
+    def run(self, *extra: str, faults: str = "", timeout: float = 240, epochs: int = 1) -> tuple[int, str]:
+        proc = self.start(*extra, faults=faults, epochs=epochs)
         try:
             proc.wait(timeout=timeout)
         finally:
@@ -113,6 +113,7 @@ def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1) -> dic
     """From the files on disk: the surviving lineage trained every accepted group exactly once,
     no accepted group is lost, and (when the run completed) every prompt exactly once."""
     from vime.queue.journal_view import JournalView
+    from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
     from vime.recovery import checkpoint as ckpt
 
@@ -123,7 +124,7 @@ def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1) -> dic
     assert cursors == sorted(set(cursors)) and (not cursors or cursors[-1] == state.consumer_cursor)
     assert len(cursors) == state.step, "one cursor per step of the surviving lineage"
     trained = accepted[:state.consumer_cursor]
-    transport = StrawTransport(job.data_dir, "vime")
+    transport = StrawTransport(StoreOptions(job.data_dir, "vime"))
     prompts = []
     for group in trained:
         samples = transport.read(group.ref)  # every trained group is still readable

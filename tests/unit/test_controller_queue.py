@@ -9,6 +9,7 @@ from straw.errors import IdempotencyConflict as StrawConflict
 from vime.data.source import DataKeys
 from vime.queue.fence import QueueBusy
 from vime.queue.memory_queue import IdempotencyConflict as MemoryConflict
+from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import ObjectStoreTransport, StrawTransport
 from vime.sample import Sample, Status
 from vime.workers.controller import Controller, ControllerSpec
@@ -22,8 +23,8 @@ def prompts(tmp_path):
 
 
 def make_spec(tmp_path, prompts, transport="straw", **overrides):
-    values = dict(transport=transport, data_dir=str(tmp_path / "queue"), run_id="run", lease_seconds=60,
-                  segment_mib=1, online_gc=False, prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0,
+    values = dict(transport=transport, store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
+                  lease_seconds=60, prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0,
                   shuffle=False, num_epoch=None, groups_per_rollout=2, max_staleness=1)
     values.update(overrides)
     return ControllerSpec(**values)
@@ -43,7 +44,7 @@ def publish(tmp_path, transport, leased, reward=1.0):
                for i in range(2)]
     sid = f"{a.lease.task_id}-{a.lease.attempt_id}"
     if transport == "straw":
-        ref = StrawTransport(str(tmp_path / "queue"), "run", segment_mib=1).publish(
+        ref = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run")).publish(
             samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid)
     else:
         ref = InlineBox(samples)
@@ -92,7 +93,7 @@ def test_continuations_come_first_then_oldest_version(tmp_path, prompts):
     controller = Controller(make_spec(tmp_path, prompts, groups_per_rollout=5, max_staleness=3))
     leased = controller.lease("w", 3)
     a, b, c = leased
-    transport = StrawTransport(str(tmp_path / "queue"), "run", segment_mib=1)
+    transport = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run"))
     for item, version in ((a, 2), (b, 1)):
         lease = item.assignment.lease
         partial = transport.publish([Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[version])],

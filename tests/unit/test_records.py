@@ -7,6 +7,7 @@ import torch
 from straw.errors import CorruptData
 
 from vime.queue.records import IncompleteCapture, decode_group, encode_group, expand, run_length
+from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
 
@@ -48,10 +49,10 @@ def test_run_length_versions():
 
 
 def test_every_field_round_trips_through_straw(tmp_path):
-    transport = StrawTransport(str(tmp_path), "run")
+    transport = StrawTransport(StoreOptions(str(tmp_path), "run"))
     group = [full_sample(0), full_sample(1, response_length=2)]
     ref = transport.publish(group, task_id="t", attempt_id="a", submission_id="sub")
-    back = StrawTransport(str(tmp_path), "run").read(ref)
+    back = StrawTransport(StoreOptions(str(tmp_path), "run")).read(ref)
     assert len(back) == 2
     for a, b in zip(group, back):
         assert_same(a, b)
@@ -79,7 +80,7 @@ def test_incomplete_capture_is_refused(field, value):
 
 
 def test_corrupted_payload_is_detected(tmp_path):
-    transport = StrawTransport(str(tmp_path), "run")
+    transport = StrawTransport(StoreOptions(str(tmp_path), "run"))
     sample = full_sample()
     sample.rollout_topk_log_probs = torch.full((3, 128), 0.123456789)
     ref = transport.publish([sample], task_id="t", attempt_id="a", submission_id="sub")
@@ -92,4 +93,4 @@ def test_corrupted_payload_is_detected(tmp_path):
     with open(pack, "wb") as f:
         f.write(data)
     with pytest.raises(CorruptData):
-        StrawTransport(str(tmp_path), "run").read(ref)
+        StrawTransport(StoreOptions(str(tmp_path), "run")).read(ref)

@@ -179,7 +179,11 @@ class QueueConfig:
     rollout_queue_run_id: str = option("vime", "Identity of the queue inside --rollout-data-dir.")
     rollout_queue_lease_seconds: float = option(
         120.0, "A rollout lease not renewed for this long returns its prompt to the queue.")
-    rollout_queue_segment_mib: int = option(64, "Target size of one storage pack (MiB).")
+    rollout_queue_segment_mib: float = option(
+        64.0, "Target size of one storage pack (MiB); a full pack is sealed and can then be reclaimed.")
+    rollout_queue_online_gc: bool = option(
+        False, "Reclaim queue storage nobody needs any more while the run goes on (trained groups, "
+        "orphaned payloads). Checkpoints older than the latest one may then no longer be resumable.")
     rollout_storage_profile: str = option("local", "Filesystem profile of --rollout-data-dir.",
                                           choices=["local", "juicefs"])
     max_staleness: int | None = option(
@@ -188,7 +192,7 @@ class QueueConfig:
 
     def validate(self) -> None:
         require(self.rollout_queue_lease_seconds >= 1, "--rollout-queue-lease-seconds", "must be >= 1")
-        require(self.rollout_queue_segment_mib >= 1, "--rollout-queue-segment-mib", "must be >= 1")
+        require(self.rollout_queue_segment_mib > 0, "--rollout-queue-segment-mib", "must be > 0")
         require(self.max_staleness is None or self.max_staleness >= 0, "--max-staleness", "must be >= 0")
         require(self.rollout_storage_profile == "local", "--rollout-storage-profile",
                 "'juicefs' is not implemented yet; use 'local'")
