@@ -488,7 +488,14 @@ class TrainingRun:
                 ray.get(worker.stop.remote(), timeout=60)
             except ray.exceptions.RayActorError:
                 pass  # already dead: its leases expire or are fenced
-        ray.wait(self.worker_runs, num_returns=len(self.worker_runs), timeout=120)
+        if self.engines is not None:
+            # Requests in flight end now (finish_reason "abort"): their groups go back to the queue
+            # as continuations carrying what was generated, instead of being waited for. The
+            # engines resume at once: a request that reaches them later simply completes.
+            self.engines.pause("abort")
+            self.engines.resume()
+        ray.wait(self.worker_runs, num_returns=len(self.worker_runs),
+                 timeout=self.s.rollout.rollout_request_timeout + 60)
         self.workers, self.worker_runs = [], []
 
     def _finish(self, version: int) -> None:

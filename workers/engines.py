@@ -61,6 +61,12 @@ class EngineActor:
         self.version = version
         return time.monotonic() - started
 
+    def pause(self, mode: str) -> None:
+        self.client.pause(mode=mode)
+
+    def resume(self) -> None:
+        self.client.resume()
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -90,6 +96,16 @@ class EngineGroup:
         seconds = ray.get([actor.update_weights.remote(path, version, flush) for actor in self.actors])
         self.syncs += 1
         return max(seconds, default=0.0)
+
+    def pause(self, mode: str) -> None:
+        import ray
+
+        ray.get([actor.pause.remote(mode) for actor in self.actors])
+
+    def resume(self) -> None:
+        import ray
+
+        ray.get([actor.resume.remote() for actor in self.actors])
 
     def stop(self) -> None:
         import ray

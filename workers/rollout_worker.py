@@ -23,7 +23,7 @@ import time
 import aiohttp
 
 from vime.data.prompt import render_prompt
-from vime.queue.gc import group_submission_id
+from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.recovery.faults import fault_point
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
@@ -61,6 +61,7 @@ class RolloutWorkerSpec:
 class RolloutWorkerStats:
     groups_accepted: int = 0
     groups_discarded: int = 0
+    groups_yielded: int = 0
     samples_aborted: int = 0
     response_tokens: int = 0
     errors: int = 0
@@ -112,8 +113,8 @@ class RolloutWorker:
                     if not leased:
                         await asyncio.sleep(0.02)
             finally:
+                await self._drain_active()
                 heartbeat.cancel()
-                await self._release_active()
         return self.stats
 
     async def stop(self) -> None:
@@ -122,15 +123,16 @@ class RolloutWorker:
     def get_stats(self) -> RolloutWorkerStats:
         return self.stats
 
-    async def _release_active(self) -> None:
-        """Shutdown: unfinished groups go back to the queue untouched (no prompt is lost)."""
-        for task_id, (task, lease) in list(self.active.items()):
-            task.cancel()
-        for task_id, (task, lease) in list(self.active.items()):
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+    async def _drain_active(self) -> None:
+        """Shutdown: groups in flight end as continuations with their prefixes (the driver aborts the
+        engines' requests after stop(), so they return at once); whatever does not end within the
+        request timeout goes back to the queue without a prefix. No prompt is lost either way."""
+        tasks = [task for task, _ in self.active.values()]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=self.spec.request_timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         self.active.clear()
 
     async def _heartbeat_loop(self) -> None:
@@ -184,6 +186,8 @@ class RolloutWorker:
                 for i in range(self.spec.n_samples_per_prompt)]
 
     async def _generate_one(self, sample: Sample) -> Sample:
+        if self._stopping.is_set():
+            return sample  # draining: not started, stays PENDING and goes back with the group
         if self.custom_generate is not None:
             return await self.custom_generate(self.spec.args, sample, self.spec.sampling.as_dict())
         return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
@@ -200,17 +204,26 @@ class RolloutWorker:
         assignment = item.assignment
         lease = assignment.lease
         try:
-            samples = (self._fresh_group(item) if assignment.partial is None
-                       else await asyncio.get_running_loop().run_in_executor(
-                           self.writer, self.transport.read, assignment.partial))
-            while unfinished := [s for s in samples if s.status in (Status.PENDING, Status.ABORTED)]:
-                for sample in unfinished:
-                    if sample.status is Status.ABORTED:
-                        self.stats.samples_aborted += 1
-                        if not self.spec.partial_rollout:
-                            self._restart(sample)
-                await asyncio.gather(*(self._generate_one(s) for s in unfinished))
-                fault_point("rollout.mid_generation")
+            if assignment.partial is None:
+                samples = self._fresh_group(item)
+            else:
+                samples = await asyncio.get_running_loop().run_in_executor(
+                    self.writer, self.transport.read, assignment.partial)
+                for sample in samples:
+                    sample.prompt = item.prompt.prompt  # not stored with the records: the dataset has it
+            for sample in samples:
+                if sample.status is Status.ABORTED and not self.spec.partial_rollout:
+                    self._restart(sample)  # a continuation keeps its prefix only with --partial-rollout
+            unfinished = [s for s in samples if s.status in (Status.PENDING, Status.ABORTED)]
+            await asyncio.gather(*(self._generate_one(s) for s in unfinished))
+            fault_point("rollout.mid_generation")
+            aborted = sum(s.status is Status.ABORTED for s in samples)
+            if aborted or any(s.status is Status.PENDING for s in samples):
+                # A weight update (flush) or shutdown interrupted the group: it goes back to the
+                # queue as a continuation with everything generated so far.
+                self.stats.samples_aborted += aborted
+                await self._yield_continuation(item, samples)
+                return
             await self._finish_group(item, samples)
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
@@ -220,6 +233,21 @@ class RolloutWorker:
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
             await self.controller.fail.remote(lease, self.stats.last_error)
+
+    async def _yield_continuation(self, item, samples: list[Sample]) -> None:
+        assignment = item.assignment
+        lease = assignment.lease
+        versions = [v for s in samples for v in s.weight_versions]
+        task = assignment.task.as_continuation(min(versions, default=item.version))
+        submission_id = partial_submission_id(lease.task_id, lease.attempt_id)
+        ref = await asyncio.get_running_loop().run_in_executor(
+            self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id, attempt_id=lease.attempt_id,
+                                                        submission_id=submission_id))
+        if await self.controller.return_partial.remote(lease, task, ref):
+            self.stats.groups_yielded += 1
+        else:  # the lease moved on meanwhile
+            await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
+            self.stats.groups_discarded += 1
 
     async def _finish_group(self, item, samples: list[Sample]) -> None:
         """Score (unless already scored), publish the payload, and have the controller accept it."""

@@ -30,7 +30,7 @@ def vime_args(model: str, run_dir: str, *extra: str) -> list[str]:
             "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
             "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
             "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-            "--lr", "2e-3", "--run-dir", run_dir,
+            "--lr", "2e-3", "--run-dir", run_dir, "--rollout-data-dir", os.path.join(run_dir, "rollout_data"),
             "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
             "--engine-startup-timeout", "240", *extra]
 
@@ -70,6 +70,19 @@ def read_accepted_groups(run_dir: str):
     return [transport.read(group.ref) for group in JournalView.read(data_dir).accepted()]
 
 
+def continuation_prefixes(run_dir: str) -> list[tuple[str, list]]:
+    """(task id, partial samples) of every group a flush sent back to the queue."""
+    from vime.queue.journal_view import JournalView
+    from vime.queue.rollout_queue import StoreOptions
+    from vime.queue.transport import StrawTransport
+    from straw import RecordSetRef
+
+    data_dir = os.path.join(run_dir, "rollout_data")
+    transport = StrawTransport(StoreOptions(data_dir, "vime"))
+    return [(e["task_id"], transport.read(RecordSetRef.from_dict(e["input_ref"])))
+            for e in JournalView.read(data_dir).of_type("Yielded") if e.get("input_ref")]
+
+
 def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     run_dir = str(tmp_path / "run")
     result = subprocess.run(
@@ -106,11 +119,14 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     assert_nothing_left(run_dir)
 
 
-def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir):
-    run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen(vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000",
-                                      "--rollout-data-transport", "object-store"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir):
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    # Long responses and two rollouts of look-ahead keep requests in flight when Ctrl-C comes:
+    # they end as continuations carrying their prefix, which the resumed run continues.
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--save", save, "--save-interval", "1",
+                     "--load", save, "--partial-rollout", "--max-staleness", "2")
+    args[args.index("--rollout-max-response-len") + 1] = "40"
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:
         deadline = time.monotonic() + 400
@@ -128,6 +144,28 @@ def test_ctrl_c_stops_every_process(tmp_path, tiny_model_dir):
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted" in rest
     assert_nothing_left(run_dir)
+    interrupted = [(task, group) for task, group in continuation_prefixes(run_dir)
+                   if any(s.response_length for s in group)]
+    assert interrupted, "no request was in flight at Ctrl-C"
+
+    from vime.recovery import checkpoint as ckpt
+
+    done = ckpt.latest_step(save)
+    args[args.index("--num-rollout") + 1] = str(done + 2)
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"resuming from {ckpt.iteration_dir(save, done)}" in result.stdout
+    assert_nothing_left(run_dir)
+    # Every interrupted group that was resumed kept its prefix: tokens, versions and log-probs.
+    final = {f"g{g[0].group_index:09d}": g for g in read_accepted_groups(run_dir)}
+    resumed = [(task, group) for task, group in interrupted if task in final]
+    assert resumed, "no continuation was resumed"
+    for task, partial in resumed:
+        for before, after in zip(partial, final[task]):
+            n = before.response_length
+            assert after.tokens[:len(before.tokens)] == before.tokens
+            assert after.weight_versions[:n] == before.weight_versions
+            assert after.rollout_log_probs[:n] == before.rollout_log_probs
 
 
 def test_engine_that_fails_to_start_is_reported_with_its_log(tmp_path, tiny_model_dir):
