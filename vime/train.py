@@ -48,8 +48,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vime.engines.http import EngineError
     from vime.queue.fence import QueueBusy
     from vime.runtime.ports import PortInUseError
+    from vime.workers.trainer_worker import CorruptGroup
 
-    return (ConfigError, DataError, PluginError, RunError, EngineError, PortInUseError, QueueBusy,
+    return (ConfigError, CorruptGroup, DataError, PluginError, RunError, EngineError, PortInUseError, QueueBusy,
             ckpt.CheckpointError)
 
 

@@ -11,6 +11,8 @@ import dataclasses
 import statistics
 import time
 
+from straw.errors import CorruptData, InvalidReference
+
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.queue.tasks import AcceptedGroup
 from vime.queue.rollout_queue import StoreOptions
@@ -18,6 +20,10 @@ from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
 from vime.sample import Sample
 from vime.weights import disk
+
+
+class CorruptGroup(RuntimeError):
+    """An accepted group's payload does not verify; the run stops rather than train on it."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -41,8 +47,13 @@ class TrainerWorker:
     def read_groups(self, groups: list[AcceptedGroup]) -> list[Sample]:
         samples: list[Sample] = []
         for group in groups:
-            members = sorted(self.transport.read(group.ref), key=lambda s: s.index)
-            samples.extend(members)
+            try:
+                members = self.transport.read(group.ref)
+            except (CorruptData, InvalidReference) as error:
+                raise CorruptGroup(f"accepted group {group.task_id} (queue position {group.position}) cannot be "
+                                   f"read: {type(error).__name__}: {error}. It was not trained; the payload on disk "
+                                   "fails its checksum or was reclaimed") from None
+            samples.extend(sorted(members, key=lambda s: s.index))
         return samples
 
     def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int) -> dict[str, float]:

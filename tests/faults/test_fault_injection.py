@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from tests.faults.conftest import check_invariants
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+from tests.faults.conftest import NUM_PROMPTS, check_invariants
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +80,6 @@ def test_second_run_on_a_live_queue_is_refused(job):
         while "training:" not in job.last_log():
             assert first.poll() is None and time.monotonic() < deadline, job.last_log()[-2000:]
             time.sleep(0.5)
-        import subprocess
-        import sys
-
-        from tests.conftest import REPO
         args = job.args(epochs=4)
         args[args.index("--run-dir") + 1] = os.path.join(job.root, "second")
         second = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -107,3 +108,35 @@ def test_whole_job_killed_at_random_instants(job):
     assert code == 0, log[-3000:]
     check_invariants(job)
     assert kills >= 1
+    # The user's view of the same facts: `vime queue inspect --json` on the killed-and-resumed run.
+    result = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir", job.data_dir,
+                             "--save", job.save, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    trained = report["trained_groups"]
+    assert sorted(g["prompt_index"] for g in trained) == list(range(NUM_PROMPTS))
+    assert [g["step"] for g in trained] == sorted(g["step"] for g in trained) and trained[-1]["step"] == 12
+    assert all(g["n_samples"] == 2 and g["min_weight_version"] <= g["max_weight_version"] for g in trained)
+    assert report["counts"]["trained"] == NUM_PROMPTS and report["counts"]["accepted"] == 0
+
+
+def test_a_corrupted_accepted_group_stops_the_run_naming_it(job):
+    code, log = job.run("--num-rollout", "4")
+    assert code == 0, log[-3000:]
+    from vime.queue.journal_view import JournalView
+    from vime.recovery import checkpoint as ckpt
+
+    _, state = ckpt.load_state(job.save)
+    untrained = [g for g in JournalView.read(job.data_dir).accepted() if g.position >= state.consumer_cursor]
+    assert untrained, "the look-ahead left no accepted-but-untrained group"
+    victim = untrained[0]
+    pack = os.path.join(job.data_dir, victim.ref.manifest.segment.path)
+    with open(pack, "r+b") as f:  # flip one byte inside the group's payload
+        f.seek(victim.ref.manifest.segment.offset + 64)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    code, log = job.run("--num-rollout", "8")
+    assert code == 1, log[-3000:]
+    assert f"accepted group {victim.task_id} (queue position {victim.position}) cannot be read" in log
+    assert "Traceback" not in log
