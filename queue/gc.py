@@ -77,19 +77,20 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
     return {"writers_retired": retired, "publications_released": released}
 
 
-def collect_stopped(data_dir: str, run_id: str) -> dict[str, int]:
+def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None) -> dict[str, int]:
     """GC of a stopped run: retire every writer, release orphans, reclaim unowned sealed packs."""
+    import json
+
     from vime.queue.fence import QueueFence
-    from vime.queue.rollout_queue import StrawRolloutQueue
+    from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 
     fence = QueueFence.acquire(data_dir)  # refuses while the run's controller is alive
     try:
-        import json
-
         with open(os.path.join(data_dir, "run.json")) as f:
-            lease_seconds = json.load(f)["lease_seconds"]
-        queue = StrawRolloutQueue.open(data_dir, run_id, owner="vime-queue-gc", lease_seconds=lease_seconds,
-                                       segment_mib=64, online_gc=True)
+            identity = json.load(f)
+        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"),
+                               declaration=declaration)
+        queue = StrawRolloutQueue.open(options, owner="vime-queue-gc", lease_seconds=identity["lease_seconds"])
         try:
             own = queue.store.writer_id
             report = reap_writers(queue.store, data_dir, [w for w in writer_ids(data_dir) if w != own])

@@ -1,9 +1,13 @@
 """Record codec: a group of samples <-> straw records (DESIGN §3).
 
-Each sample becomes one header record (codec ``vime.sample.v1``: a msgspec struct with the scalar
-fields, the metadata and the run-length weight versions) followed by its tensors as ``tensor.v1``
-records (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering captures).
-straw checksums every record, so a corrupted payload fails loudly when it is read.
+Each sample has one header record (codec ``vime.sample.v1``: a msgspec struct with the scalar
+fields, metadata, label, response text, run-length weight versions and, per tensor field, the
+rows that belong to it). Its tensors are straw ``tensor.v1`` records, one per field for the whole
+group (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering captures),
+the samples' rows one after another: a group is a handful of records instead of a few per sample,
+which is what straw's per-record cost and its advice (batch small writes) call for, and one
+sample's rows can still be read alone. straw checksums every record, so a corrupted payload fails
+loudly when it is read.
 
 A capture whose rows do not match the tokens (R3 rows != len(tokens) - 1, score-centering rows !=
 response_length) is refused here: it is never published, and the task retries from its last
@@ -55,7 +59,7 @@ class SampleHeader(msgspec.Struct, frozen=True):
     session_id: str | None
     label: Any
     response: str
-    tensors: list[str]
+    rows: dict[str, tuple[int, int]]              # tensor field -> this sample's rows [start, end)
     source: str | None = None
 
 
@@ -104,10 +108,7 @@ def check_capture(sample: Sample) -> None:
         raise IncompleteCapture("rollout_log_probs must have one entry per response token")
 
 
-def encode_sample(sample: Sample, record_prefix: str, owner: dict[str, str]) -> list[Record]:
-    """Header + tensor records of one sample. ``owner`` (task_id, attempt_id) is stamped on each
-    record: straw accepts a result only if every record belongs to the completing attempt."""
-    check_capture(sample)
+def _sample_tensors(sample: Sample) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(sample.tokens, dtype=torch.int32)}
     loss_mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
     tensors["loss_mask"] = torch.tensor(loss_mask, dtype=torch.uint8)
@@ -117,25 +118,41 @@ def encode_sample(sample: Sample, record_prefix: str, owner: dict[str, str]) -> 
         value = getattr(sample, name)
         if value is not None:
             tensors[name] = _as_tensor(value)
-    header = SampleHeader(
-        schema=1, group_index=sample.group_index, index=sample.index, prompt_index=sample.prompt_index,
-        source_name=sample.source_name, response_length=sample.response_length,
-        reward=None if sample.reward is None else float(sample.reward), status=sample.status.value,
-        version_segments=run_length(sample.weight_versions), metadata=sample.metadata,
-        session_id=sample.session_id, label=sample.label, response=sample.response,
-        tensors=list(tensors), source=sample.source,
-    )
-    records = [Record(f"{record_prefix}:header", msgspec.msgpack.encode(header), HEADER_CODEC, dict(owner))]
-    for name, value in tensors.items():
-        record = tensor_record(value, f"{record_prefix}:{name}", kind=name)
-        records.append(Record(record.record_id, record.payload, record.codec, {**record.metadata, **owner}))
-    return records
+    return tensors
 
 
 def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> list[Record]:
-    records: list[Record] = []
+    """Header records (one per sample) then one tensor record per field. ``owner`` (task_id,
+    attempt_id) is stamped on each record: straw accepts a result only if every record belongs to
+    the completing attempt."""
     for sample in samples:
-        records.extend(encode_sample(sample, f"{prefix}:s{sample.index}", owner))
+        check_capture(sample)
+    per_sample = [_sample_tensors(sample) for sample in samples]
+    fields = list(dict.fromkeys(name for tensors in per_sample for name in tensors))
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in fields}
+    offsets = {name: 0 for name in fields}
+    records = []
+    for sample, tensors in zip(samples, per_sample):
+        rows = {}
+        for name, value in tensors.items():
+            rows[name] = (offsets[name], offsets[name] + len(value))
+            offsets[name] += len(value)
+            parts[name].append(value)
+        header = SampleHeader(
+            schema=2, group_index=sample.group_index, index=sample.index, prompt_index=sample.prompt_index,
+            source_name=sample.source_name, response_length=sample.response_length,
+            reward=None if sample.reward is None else float(sample.reward), status=sample.status.value,
+            version_segments=run_length(sample.weight_versions), metadata=sample.metadata,
+            session_id=sample.session_id, label=sample.label, response=sample.response, rows=rows,
+            source=sample.source)
+        records.append(Record(f"{prefix}:s{sample.index}", msgspec.msgpack.encode(header), HEADER_CODEC, dict(owner)))
+    for name in fields:
+        try:
+            value = torch.cat(parts[name])
+        except RuntimeError as error:  # e.g. R3 captures of different layer counts in one group
+            raise IncompleteCapture(f"{name}: the samples of a group disagree on its shape ({error})") from None
+        record = tensor_record(value, f"{prefix}:{name}", kind=name)
+        records.append(Record(record.record_id, record.payload, record.codec, {**record.metadata, **owner}))
     return records
 
 
@@ -144,29 +161,35 @@ def _tensor_from_record(record: Record) -> torch.Tensor:
     dtype = getattr(torch, meta["dtype"])
     if not record.payload:
         return torch.empty(meta["shape"], dtype=dtype)
-    return torch.frombuffer(bytearray(record.payload), dtype=dtype).reshape(meta["shape"]).clone()
+    return torch.frombuffer(bytearray(record.payload), dtype=dtype).reshape(meta["shape"])
 
 
 def decode_group(records: list[Record]) -> list[Sample]:
     """Inverse of encode_group. Raises CorruptData on anything that does not parse as written."""
-    samples: list[Sample] = []
-    position = 0
-    while position < len(records):
-        record = records[position]
-        if record.codec != HEADER_CODEC:
-            raise CorruptData(f"record {record.record_id}: expected a {HEADER_CODEC} header, got {record.codec}")
-        try:
-            header = msgspec.msgpack.decode(record.payload, type=SampleHeader)
-        except msgspec.DecodeError as error:
-            raise CorruptData(f"record {record.record_id}: unreadable sample header ({error})") from None
-        if header.schema != 1:
-            raise CorruptData(f"record {record.record_id}: unsupported sample schema {header.schema}")
+    headers: list[tuple[str, SampleHeader]] = []
+    fields: dict[str, torch.Tensor] = {}
+    for record in records:
+        if record.codec == HEADER_CODEC:
+            try:
+                header = msgspec.msgpack.decode(record.payload, type=SampleHeader)
+            except msgspec.DecodeError as error:
+                raise CorruptData(f"record {record.record_id}: unreadable sample header ({error})") from None
+            if header.schema != 2:
+                raise CorruptData(f"record {record.record_id}: unsupported sample schema {header.schema}")
+            headers.append((record.record_id, header))
+        elif record.codec == "tensor.v1":
+            fields[record.metadata.get("kind")] = _tensor_from_record(record)
+        else:
+            raise CorruptData(f"record {record.record_id}: unexpected codec {record.codec}")
+    samples = []
+    for record_id, header in headers:
         tensors = {}
-        for offset, name in enumerate(header.tensors, start=1):
-            if position + offset >= len(records) or records[position + offset].codec != "tensor.v1":
-                raise CorruptData(f"record {record.record_id}: tensor {name!r} is missing")
-            tensors[name] = _tensor_from_record(records[position + offset])
-        position += 1 + len(header.tensors)
+        for name, (start, end) in header.rows.items():
+            if name not in fields or end > len(fields[name]):
+                raise CorruptData(f"record {record_id}: tensor {name!r} rows [{start}, {end}) are missing")
+            tensors[name] = fields[name][start:end].clone()
+        if "tokens" not in tensors or "loss_mask" not in tensors:
+            raise CorruptData(f"record {record_id}: tokens or loss mask missing")
         sample = Sample(
             group_index=header.group_index, index=header.index, prompt_index=header.prompt_index,
             label=header.label, tokens=tensors["tokens"].tolist(), response=header.response,

@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         command = sub.add_parser(name, help=text)
         command.add_argument("--rollout-data-dir", required=True, help="the run's queue directory")
         command.add_argument("--rollout-queue-run-id", default="vime", help="queue identity (default: vime)")
+        if name == "gc":
+            command.add_argument("--rollout-storage-declaration", help="JSON (inline or @file) of a JuiceFS mount")
         if name == "inspect":
             command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
             command.add_argument("--json", action="store_true", help="machine-readable output")
@@ -140,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gc":
         from vime.queue.gc import collect_stopped
 
-        print(json.dumps(collect_stopped(data_dir, args.rollout_queue_run_id), indent=1))
+        from vime.config.framework import QueueConfig
+
+        declaration = QueueConfig(rollout_storage_declaration=args.rollout_storage_declaration).storage_declaration()
+        print(json.dumps(collect_stopped(data_dir, args.rollout_queue_run_id, declaration), indent=1))
         return 0
     report = inspect(data_dir, args.save, args.rollout_queue_run_id)
     if args.json:

@@ -139,7 +139,7 @@ class TrainingRun:
 
         q = self.s.queue
         return StoreOptions(self.s.rollout_data_dir, q.rollout_queue_run_id, q.rollout_queue_segment_mib,
-                            q.rollout_queue_online_gc)
+                            q.rollout_queue_online_gc, q.rollout_storage_profile, q.storage_declaration())
 
     def _start_processes(self) -> None:
         s = self.s
@@ -174,6 +174,7 @@ class TrainingRun:
             threads=threads, cpu_affinity=affinity)
         trainer_spec = TrainerWorkerSpec(
             backend=backend, transport=s.queue.rollout_data_transport, store=self.store_options,
+            io_concurrency=s.queue.rollout_io_concurrency,
             weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
         self.log.say(f"starting the trainer ({s.train.train_backend} backend, {threads} thread(s))")
         self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(trainer_spec)

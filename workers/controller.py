@@ -220,7 +220,7 @@ class Controller:
         # comes from a new incarnation. The cursor may move backward (resuming an older checkpoint).
         self.queue.commit_consumer(self.consumer_token, cursor, state_ref,
                                    request_id=f"commit-{self.incarnation}-{step}-{cursor}")
-        if self.spec.store.online_gc:
+        if self.spec.store.collect_online:
             report = self.queue.collect_garbage()
             self.reclaimed_bytes += report.get("reclaimed_bytes", 0)
 

@@ -7,6 +7,7 @@ retrains the accepted groups after that cursor: training is exactly-once per sur
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import statistics
 import time
@@ -31,6 +32,7 @@ class TrainerWorkerSpec:
     backend: TorchTrainerSpec
     transport: str
     store: StoreOptions
+    io_concurrency: int = 1
     weight_dir: str
     keep_weight_versions: int
 
@@ -39,22 +41,29 @@ class TrainerWorker:
     def __init__(self, spec: TrainerWorkerSpec):
         self.spec = spec
         self.backend = TorchBackend(spec.backend)
-        self.transport = make_transport(spec.transport, spec.store)
+        # One transport (store handle) per reader thread: a straw handle serialises its calls.
+        self.readers = [make_transport(spec.transport, spec.store) for _ in range(max(1, spec.io_concurrency))]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.readers),
+                                                          thread_name_prefix="queue-read")
 
     def ready(self) -> bool:
         return True
 
+    def _read_group(self, index: int, group: AcceptedGroup) -> list[Sample]:
+        try:
+            members = self.readers[index % len(self.readers)].read(group.ref)
+        except (CorruptData, InvalidReference) as error:
+            raise CorruptGroup(f"accepted group {group.task_id} (queue position {group.position}) cannot be "
+                               f"read: {type(error).__name__}: {error}. It was not trained; the payload on disk "
+                               "fails its checksum or was reclaimed") from None
+        return sorted(members, key=lambda s: s.index)
+
     def read_groups(self, groups: list[AcceptedGroup]) -> list[Sample]:
-        samples: list[Sample] = []
-        for group in groups:
-            try:
-                members = self.transport.read(group.ref)
-            except (CorruptData, InvalidReference) as error:
-                raise CorruptGroup(f"accepted group {group.task_id} (queue position {group.position}) cannot be "
-                                   f"read: {type(error).__name__}: {error}. It was not trained; the payload on disk "
-                                   "fails its checksum or was reclaimed") from None
-            samples.extend(sorted(members, key=lambda s: s.index))
-        return samples
+        """All samples of ``groups``, in group order (--rollout-io-concurrency reads at once)."""
+        batches = [groups[i::len(self.readers)] for i in range(len(self.readers))]
+        read = self.pool.map(lambda i: [self._read_group(i, g) for g in batches[i]], range(len(self.readers)))
+        by_position = {g.position: members for batch, result in zip(batches, read) for g, members in zip(batch, result)}
+        return [sample for group in groups for sample in by_position[group.position]]
 
     def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int) -> dict[str, float]:
         """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics."""
@@ -93,4 +102,6 @@ class TrainerWorker:
         self.backend.save_hf(path)
 
     def shutdown(self) -> None:
-        self.transport.close()
+        self.pool.shutdown()
+        for reader in self.readers:
+            reader.close()

@@ -44,3 +44,32 @@ def test_online_gc_bounds_disk_use_and_keeps_the_resumable_state(job):
     code, log = job.run(*common, "--rollout-queue-online-gc", "--ckpt-step", "2", epochs=4)
     assert code == 1
     assert "were reclaimed by --rollout-queue-online-gc" in log
+
+
+def test_queue_gc_on_a_killed_run_reclaims_and_keeps_it_resumable(job):
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+    from tests.faults.conftest import check_invariants
+
+    common = ("--rollout-queue-segment-mib", "0.02")
+    proc = job.start(*common, epochs=3)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(job.save, "iter_0000010")):
+        assert proc.poll() is None and time.monotonic() < deadline, job.last_log()[-2000:]
+        time.sleep(0.2)
+    job.kill(proc)  # the whole job, as a lost machine: its writers die with unfinished work
+    before = pack_bytes(job.data_dir)
+    result = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "gc", "--rollout-data-dir", job.data_dir],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["writers_retired"] >= 1
+    assert report["reclaimed_bytes"] > 0 and pack_bytes(job.data_dir) < before
+    code, log = job.run(*common, epochs=3)
+    assert code == 0, log[-3000:]
+    check_invariants(job, epochs=3, readable_before_cursor=False)

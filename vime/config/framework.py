@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from vime.config.base import option, require
+from vime.config.base import ConfigError, option, require
 
 CPU_NOTE = " Without GPUs this counts CPU slots."
 
@@ -184,8 +184,14 @@ class QueueConfig:
     rollout_queue_online_gc: bool = option(
         False, "Reclaim queue storage nobody needs any more while the run goes on (trained groups, "
         "orphaned payloads). Checkpoints older than the latest one may then no longer be resumable.")
-    rollout_storage_profile: str = option("local", "Filesystem profile of --rollout-data-dir.",
-                                          choices=["local", "juicefs"])
+    rollout_storage_profile: str = option(
+        "local", "Filesystem profile of --rollout-data-dir: 'local' (one machine, development) or 'juicefs' "
+        "(a shared JuiceFS mount; needs --rollout-storage-declaration).", choices=["local", "juicefs"])
+    rollout_storage_declaration: str | None = option(
+        None, "JSON (inline or @file) describing the JuiceFS mount as straw requires: direct_mount true, writeback "
+        "false, open_cache 0, readdir_cache false, client_version, durability_description. vime-specific.")
+    rollout_io_concurrency: int = option(
+        4, "Accepted groups the trainer reads from the queue in parallel (each reader has its own handle).")
     max_staleness: int | None = option(
         None, "Admission bound (vime-specific): rollout workers never start more groups than the trainer "
         "consumes within this many weight versions. Default: 1 (0 with --colocate).")
@@ -194,8 +200,27 @@ class QueueConfig:
         require(self.rollout_queue_lease_seconds >= 1, "--rollout-queue-lease-seconds", "must be >= 1")
         require(self.rollout_queue_segment_mib > 0, "--rollout-queue-segment-mib", "must be > 0")
         require(self.max_staleness is None or self.max_staleness >= 0, "--max-staleness", "must be >= 0")
-        require(self.rollout_storage_profile == "local", "--rollout-storage-profile",
-                "'juicefs' is not implemented yet; use 'local'")
+        require(self.rollout_io_concurrency >= 1, "--rollout-io-concurrency", "must be >= 1")
+        require(self.rollout_storage_profile == "local" or self.rollout_storage_declaration is not None,
+                "--rollout-storage-declaration", "is required with --rollout-storage-profile juicefs")
+        if self.rollout_storage_declaration is not None:
+            self.storage_declaration()  # validated here: a bad file or JSON fails at start-up
+
+    def storage_declaration(self) -> dict | None:
+        import json
+
+        text = self.rollout_storage_declaration
+        if text is None:
+            return None
+        try:
+            if text.startswith("@"):
+                with open(text[1:]) as f:
+                    text = f.read()
+            value = json.loads(text)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError("--rollout-storage-declaration", f"not readable JSON: {error}") from None
+        require(isinstance(value, dict), "--rollout-storage-declaration", "must be a JSON object")
+        return value
         require(bool(self.rollout_queue_run_id.replace("-", "").replace("_", "").isalnum()),
                 "--rollout-queue-run-id", "use letters, digits, '-' and '_' only")
 
