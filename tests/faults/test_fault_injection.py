@@ -24,6 +24,10 @@ def test_clean_run_trains_every_prompt_once(job):
     assert "exhausted the prompts" in log
     facts = check_invariants(job)
     assert facts["state"].step == 12
+    # resuming with a run-defining option changed is refused, naming it, before anything starts
+    code, log = job.run("--n-samples-per-prompt", "4", "--global-batch-size", "8")
+    assert code == 1 and "--n-samples-per-prompt: the checkpoint was made with 2, this run has 4" in log
+    assert "starting Ray" not in log
 
 
 def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
