@@ -561,4 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(original, _user_errors()):
             print(f"vime train: error: {original}", file=sys.stderr)
             return 1
+        if getattr(original, "actor_init_failed", False):  # Ray keeps only the text of such a cause
+            print(f"vime train: error: a worker failed to start: {str(original).strip().splitlines()[-1]}",
+                  file=sys.stderr)
+            return 1
         raise

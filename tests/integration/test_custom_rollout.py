@@ -61,3 +61,33 @@ def test_bad_rollout_function_path_is_named(tmp_path, model_dir):
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "--rollout-function-path" in result.stderr and "has no attribute 'nope'" in result.stderr
+
+
+def test_attaches_to_a_running_ray_cluster(tmp_path, model_dir):
+    from vime.runtime.ports import free_port
+
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = free_port()
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    started = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2",
+                              "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
+                              "--ray-client-server-port", str(free_port()), "--min-worker-port", "20000",
+                              "--max-worker-port", "20100"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        run_dir = str(tmp_path / "run")
+        # relative paths on purpose: the cluster's workers run elsewhere, vime makes them absolute
+        prompts = os.path.relpath(os.path.join(EXAMPLE, "train.jsonl"), REPO)
+        args = [sys.executable, "-m", "vime.cli", "train", "--ray-address", f"127.0.0.1:{port}",
+                "--hf-checkpoint", model_dir, "--prompt-data", prompts, "--input-key", "prompt",
+                "--label-key", "label", "--rollout-function-path",
+                os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
+                "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward", "--rollout-num-gpus", "0",
+                "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--num-rollout", "2", "--run-dir", run_dir]
+        result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"attaching to the Ray cluster at 127.0.0.1:{port}" in result.stdout
+        assert "step    2/2" in result.stdout
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)

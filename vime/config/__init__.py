@@ -138,8 +138,25 @@ def validate(settings: TrainSettings) -> None:
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
 
 
+def _absolute(path: str | None) -> str | None:
+    """Local paths become absolute: actors of an attached Ray cluster run in other directories."""
+    if path is None or "://" in path:
+        return path
+    return os.path.abspath(path)
+
+
 def finalize(settings: TrainSettings) -> None:
-    """Resolve defaults that depend on other flags (directories)."""
+    """Resolve defaults that depend on other flags (directories), and make local paths absolute."""
+    settings.data.prompt_data = _absolute(settings.data.prompt_data)
+    settings.train.hf_checkpoint = _absolute(settings.train.hf_checkpoint)
+    settings.checkpoint.save = _absolute(settings.checkpoint.save)
+    settings.checkpoint.load = _absolute(settings.checkpoint.load)
+    if settings.eval.eval_prompt_data:
+        settings.eval.eval_prompt_data = [item if i % 2 == 0 else _absolute(item)
+                                          for i, item in enumerate(settings.eval.eval_prompt_data)]
+    for name in ("prompt_data", "hf_checkpoint", "save", "load", "eval_prompt_data"):
+        section = next(getattr(settings, s) for s, cls, _ in SECTIONS if name in cls.__dataclass_fields__)
+        setattr(settings.args, name, getattr(section, name))
     run = settings.run
     if run.run_dir is None:
         run.run_dir = settings.checkpoint.save or os.path.join(
