@@ -58,6 +58,13 @@ class MemoryRolloutQueue:
             self._entries[task.task_id] = _Entry(task, order=next(self._order))
         self._cursor = dict(cursor)
 
+    def task(self, task_id: str) -> PromptTask:
+        return self._entries[task_id].task
+
+    def regenerate(self, task: PromptTask, request_id: str) -> None:
+        if task.task_id not in self._entries:
+            self._entries[task.task_id] = _Entry(task, order=next(self._order))
+
     def dataset_cursor(self) -> dict[str, Any] | None:
         return self._cursor
 

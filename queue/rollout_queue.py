@@ -87,6 +87,16 @@ class StrawRolloutQueue:
         request = f"refill-{tasks[0].task_id}" if tasks else f"refill-empty-{cursor}"
         self.coordinator.submit_tasks(request, specs, producer_id=DATASET_PRODUCER, producer_state=cursor)
 
+    def task(self, task_id: str) -> PromptTask:
+        spec = self.coordinator.task_status(task_id)["spec"]
+        return PromptTask.from_metadata(task_id, spec["metadata"])
+
+    def regenerate(self, task: PromptTask, request_id: str) -> None:
+        """Submit a prompt again without moving the dataset cursor (idempotent per request id)."""
+        spec = TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=self.max_attempts,
+                        priority=task.priority, scheduling_key=task.min_version)
+        self.coordinator.submit_tasks(request_id, [spec])
+
     def dataset_cursor(self) -> dict[str, Any] | None:
         return self.coordinator.producer_state(DATASET_PRODUCER)
 

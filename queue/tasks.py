@@ -37,6 +37,11 @@ class PromptTask:
         return PromptTask(task_id, metadata["group_index"], metadata["epoch"], metadata["prompt_index"],
                           metadata.get("stage", "fresh"), metadata.get("min_version", 0))
 
+    def regenerated(self, position: int) -> "PromptTask":
+        """The same prompt again, for the stale group accepted at ``position`` (a deterministic id
+        makes the resubmission idempotent)."""
+        return PromptTask(f"r{position:09d}", self.group_index, self.epoch, self.prompt_index)
+
     def as_continuation(self, min_version: int) -> "PromptTask":
         return dataclasses.replace(self, stage="continuation", min_version=min_version)
 

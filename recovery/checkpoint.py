@@ -33,6 +33,7 @@ class CheckpointState(msgspec.Struct, frozen=True):
     consumer_cursor: int            # accepted groups trained (queue positions < cursor)
     run_options: dict[str, Any]     # options a resumed run must not change
     step_cursors: list[int] = []    # consumer cursor after each step of this lineage
+    skipped: list[int] = []         # positions before the cursor not trained (too stale; regenerated)
 
 
 def iteration_dir(root: str, step: int) -> str:

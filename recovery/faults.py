@@ -5,16 +5,20 @@ Enabled only through the environment (inherited by every process of a run, Ray a
     VIME_FAULTS="rollout.after_publish@3,controller.mid_commit"   # fire at the 3rd / 1st hit
     VIME_FAULT_STATE=/some/dir                                    # one-shot markers live here
 
+    VIME_FAULT_DELAYS="trainer.mid_step=3"                        # sleep 3 s at every hit
+
 A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` behind, so a restarted
 process does not kill itself again. ``scope`` says what dies: the calling process, or its whole
 process group (the "whole job" when the driver leads the group, as the tests arrange).
-Without VIME_FAULTS every call is a dictionary lookup and nothing else.
+Delays make one component artificially slow (a slow trainer, a slow producer) without killing it.
+Without VIME_FAULTS / VIME_FAULT_DELAYS every call is a dictionary lookup and nothing else.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 
 _hits: Counter[str] = Counter()
@@ -29,8 +33,20 @@ def _armed() -> dict[str, int]:
     return armed
 
 
+def _delays() -> dict[str, float]:
+    spec = os.environ.get("VIME_FAULT_DELAYS", "")
+    delays = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, seconds = item.partition("=")
+        delays[name] = float(seconds)
+    return delays
+
+
 def fault_point(name: str, *, scope: str = "process") -> None:
-    """SIGKILL here if ``name`` is armed and this is its n-th hit (once per run)."""
+    """Sleep here if ``name`` has a delay; SIGKILL if it is armed and this is its n-th hit (once per run)."""
+    delay = _delays().get(name)
+    if delay:
+        time.sleep(delay)
     armed = _armed()
     if name not in armed:
         return

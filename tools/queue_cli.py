@@ -2,10 +2,15 @@
 
     vime queue inspect --rollout-data-dir D [--save S] [--json]
     vime queue gc --rollout-data-dir D
+    vime queue export --rollout-data-dir D [--save S] [--format jsonl|parquet] [--hf-checkpoint H] OUT
 
 ``inspect`` replays the queue's journal without writing to it, so it is safe on a live run. Groups
 count as trained when they lie before the surviving lineage's cursor: the latest checkpoint in
 ``--save`` if given, else the queue's own committed cursor.
+
+``export`` writes one row per sample of every accepted group (same lineage rule: ``stage`` is
+trained, stale or accepted), with the token ids, reward, per-token weight versions, metadata,
+source name, group position and, with ``--hf-checkpoint``, the decoded prompt and response.
 """
 
 from __future__ import annotations
@@ -56,17 +61,19 @@ def task_stages(view: JournalView) -> dict[str, str]:
     return stage
 
 
-def lineage(data_dir: str, save: str | None, view: JournalView, run_id: str) -> tuple[int, list[int], str]:
-    """(trained cursor, cursor after each step, where it came from)."""
+def lineage(data_dir: str, save: str | None, view: JournalView,
+            run_id: str) -> tuple[int, list[int], set[int], str]:
+    """(trained cursor, cursor after each step, positions skipped as stale, where it came from)."""
     if save:
         from vime.recovery import checkpoint as ckpt
 
         if ckpt.latest_step(save) is not None:
             _, state = ckpt.load_state(save)
-            return state.consumer_cursor, list(state.step_cursors), f"checkpoint step {state.step} in {save}"
+            return (state.consumer_cursor, list(state.step_cursors), set(state.skipped),
+                    f"checkpoint step {state.step} in {save}")
     states = view.of_type("ConsumerState")
     if not states:
-        return 0, [], "nothing trained"
+        return 0, [], set(), "nothing trained"
     response = states[-1]["response"]
     from straw import RecordSetRef
 
@@ -77,7 +84,8 @@ def lineage(data_dir: str, save: str | None, view: JournalView, run_id: str) -> 
         payload = json.loads(next(store.read(RecordSetRef.from_dict(response["state_ref"]))).payload)
     finally:
         store.close()
-    return response["processed_cursor"], payload.get("step_cursors", []), "the queue's committed cursor"
+    return (response["processed_cursor"], payload.get("step_cursors", []), set(payload.get("skipped", [])),
+            "the queue's committed cursor")
 
 
 def disk_bytes(path: str) -> int:
@@ -90,19 +98,22 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
 
     view = JournalView.read(data_dir)
     stages = task_stages(view)
-    cursor, step_cursors, source = lineage(data_dir, save, view, run_id)
+    cursor, step_cursors, skipped, source = lineage(data_dir, save, view, run_id)
     accepted = view.accepted()
     counts = {name: 0 for name in STAGES}
     for value in stages.values():
         counts[value] += 1
-    trained_ids = {g.task_id for g in accepted if g.position < cursor}
-    counts["accepted"] -= len(trained_ids)
-    counts["trained"] = len(trained_ids)
+    passed = [g for g in accepted if g.position < cursor]
+    counts["accepted"] -= len(passed)
+    counts["trained"] = sum(g.position not in skipped for g in passed)
+    counts["rejected"] += sum(g.position in skipped for g in passed)  # too stale: prompt regenerated
     transport = StrawTransport(StoreOptions(data_dir, run_id))
     groups = []
     for group in accepted:
         if group.position >= cursor:
             break
+        if group.position in skipped:
+            continue
         step = next((i + 1 for i, c in enumerate(step_cursors) if group.position < c), None)
         entry: dict[str, Any] = {"step": step, "position": group.position, "task_id": group.task_id}
         try:
@@ -121,11 +132,168 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
             "disk_bytes": disk_bytes(data_dir), "trained_groups": groups}
 
 
+
+# ----------------------------------------------------------------------------- export
+# One row per sample of every accepted group, in acceptance order. ``stage``: trained (before the
+# surviving lineage's cursor), stale (passed over as too stale; its prompt was regenerated) or
+# accepted (waiting for the trainer). Optional captures are {dtype, shape, data (flat)}.
+# EXPORT_TENSORS is queue/records.py's OPTIONAL_TENSORS (not imported: `vime queue` stays torch-free
+# until it needs torch; tests/unit/test_debug_replay.py keeps the two equal).
+EXPORT_TENSORS = ("rollout_routed_experts", "rollout_topk_token_ids", "rollout_topk_log_probs",
+                  "rollout_topp_ids", "rollout_topp_offsets", "rollout_topp_log_probs")
+JSON_COLUMNS = ("label", "metadata")  # free-form: JSON text in parquet, plain values in jsonl
+
+
+def _tensor_cell(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    import torch
+
+    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": tensor.flatten().tolist()}
+
+
+def export_rows(data_dir: str, save: str | None, run_id: str, tokenizer=None, report: dict | None = None):
+    """Yield one dict per sample of every accepted group (read-only, like ``inspect``)."""
+    from vime.queue.rollout_queue import StoreOptions
+    from vime.queue.transport import StrawTransport
+
+    view = JournalView.read(data_dir)
+    cursor, step_cursors, skipped, _ = lineage(data_dir, save, view, run_id)
+    report = {} if report is None else report
+    report.update(groups=0, samples=0, unreadable=0, trained=0, stale=0, accepted=0)
+    transport = StrawTransport(StoreOptions(data_dir, run_id))
+    try:
+        for group in view.accepted():
+            try:
+                samples = transport.read(group.ref)
+            except Exception:  # reclaimed by GC or unreadable: counted, not fatal (as in inspect)
+                report["unreadable"] += 1
+                continue
+            if group.position in skipped:
+                stage, step = "stale", None
+            elif group.position < cursor:
+                stage = "trained"
+                step = next((i + 1 for i, c in enumerate(step_cursors) if group.position < c), None)
+            else:
+                stage, step = "accepted", None
+            report["groups"] += 1
+            report[stage] += 1
+            for sample in sorted(samples, key=lambda s: s.index):
+                row = {"position": group.position, "task_id": group.task_id, "stage": stage, "step": step,
+                       "group_index": sample.group_index, "index": sample.index, "prompt_index": sample.prompt_index,
+                       "source_name": sample.source_name, "source": sample.source, "session_id": sample.session_id,
+                       "status": sample.status.value, "reward": sample.reward, "label": sample.label,
+                       "metadata": sample.metadata, "tokens": list(sample.tokens),
+                       "prompt_length": sample.prompt_length, "response_length": sample.response_length,
+                       "loss_mask": sample.loss_mask, "rollout_log_probs": sample.rollout_log_probs,
+                       "weight_versions": list(sample.weight_versions), "response": sample.response}
+                if tokenizer is not None:
+                    row["prompt_text"] = tokenizer.decode(sample.tokens[:sample.prompt_length])
+                    row["response_text"] = tokenizer.decode(sample.response_tokens)
+                for name in EXPORT_TENSORS:
+                    row[name] = _tensor_cell(getattr(sample, name))
+                report["samples"] += 1
+                yield row
+    finally:
+        transport.close()
+
+
+def _parquet_schema(with_text: bool):
+    import pyarrow as pa
+
+    tensor = pa.struct([("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.list_(pa.float64()))])
+    fields = [("position", pa.int64()), ("task_id", pa.string()), ("stage", pa.string()), ("step", pa.int64()),
+              ("group_index", pa.int64()), ("index", pa.int64()), ("prompt_index", pa.int64()),
+              ("source_name", pa.string()), ("source", pa.string()), ("session_id", pa.string()),
+              ("status", pa.string()), ("reward", pa.float64()), ("label", pa.string()), ("metadata", pa.string()),
+              ("tokens", pa.list_(pa.int64())), ("prompt_length", pa.int64()), ("response_length", pa.int64()),
+              ("loss_mask", pa.list_(pa.int64())), ("rollout_log_probs", pa.list_(pa.float64())),
+              ("weight_versions", pa.list_(pa.int64())), ("response", pa.string())]
+    if with_text:
+        fields += [("prompt_text", pa.string()), ("response_text", pa.string())]
+    return pa.schema(fields + [(name, tensor) for name in EXPORT_TENSORS])
+
+
+def write_export(rows, out: str, fmt: str, *, with_text: bool) -> None:
+    """Write rows as jsonl or parquet, under a temporary name renamed into place when complete."""
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        if fmt == "jsonl":
+            with open(tmp, "w") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            schema = _parquet_schema(with_text)
+            with pq.ParquetWriter(tmp, schema) as writer:
+                batch: list[dict[str, Any]] = []
+                for row in rows:
+                    batch.append({**row, **{k: json.dumps(row[k]) for k in JSON_COLUMNS}})
+                    if len(batch) >= 1024:
+                        writer.write_table(pa.Table.from_pylist(batch, schema))
+                        batch = []
+                writer.write_table(pa.Table.from_pylist(batch, schema))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_export(path: str) -> list[dict[str, Any]]:
+    """The rows of an export, in the form export_rows yields them (either format)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+        for row in rows:
+            for key in JSON_COLUMNS:
+                row[key] = json.loads(row[key])
+        return rows
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sample_from_row(row: dict[str, Any]):
+    """Rebuild the queue's Sample from an exported row (every stored field)."""
+    import torch
+
+    from vime.sample import Sample, Status
+
+    sample = Sample(group_index=row["group_index"], index=row["index"], prompt_index=row["prompt_index"],
+                    label=row["label"], tokens=list(row["tokens"]), response=row["response"],
+                    response_length=row["response_length"], loss_mask=row["loss_mask"], reward=row["reward"],
+                    status=Status(row["status"]), rollout_log_probs=row["rollout_log_probs"],
+                    weight_versions=list(row["weight_versions"]), metadata=row["metadata"], source=row["source"],
+                    session_id=row["session_id"])
+    for name in EXPORT_TENSORS:
+        cell = row.get(name)
+        if cell is not None:
+            dtype = getattr(torch, cell["dtype"])
+            wide = torch.float64 if dtype.is_floating_point else torch.int64
+            setattr(sample, name, torch.tensor(cell["data"], dtype=wide).to(dtype).reshape(cell["shape"]))
+    return sample
+
+
+def export(data_dir: str, save: str | None, run_id: str, out: str, fmt: str, hf_checkpoint: str | None) -> dict:
+    tokenizer = None
+    if hf_checkpoint:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
+    report: dict[str, Any] = {}
+    write_export(export_rows(data_dir, save, run_id, tokenizer, report), out, fmt, with_text=tokenizer is not None)
+    return report
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vime queue", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("inspect", "counts per stage, disk use and the trained groups"),
-                       ("gc", "reclaim storage nothing references any more (stopped runs only)")):
+                       ("gc", "reclaim storage nothing references any more (stopped runs only)"),
+                       ("export", "every accepted sample as jsonl or parquet, for analysis")):
         command = sub.add_parser(name, help=text)
         command.add_argument("--rollout-data-dir", required=True, help="the run's queue directory")
         command.add_argument("--rollout-queue-run-id", default="vime", help="queue identity (default: vime)")
@@ -134,11 +302,28 @@ def main(argv: list[str] | None = None) -> int:
         if name == "inspect":
             command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
             command.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "export":
+            command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
+            command.add_argument("--format", choices=["jsonl", "parquet"],
+                                 help="output format (default: from OUT's extension)")
+            command.add_argument("--hf-checkpoint", help="decode prompts and responses with this model's tokenizer")
+            command.add_argument("out", metavar="OUT", help="the file to write")
     args = parser.parse_args(argv)
     data_dir = os.path.abspath(args.rollout_data_dir)
     if not os.path.exists(os.path.join(data_dir, "run.json")):
         print(f"vime queue: error: --rollout-data-dir {data_dir} holds no queue", file=sys.stderr)
         return 2
+    if args.command == "export":
+        fmt = args.format or {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(args.out)[1])
+        if fmt is None:
+            print(f"vime queue: error: --format: give jsonl or parquet (OUT {args.out!r} has neither extension)",
+                  file=sys.stderr)
+            return 2
+        report = export(data_dir, args.save, args.rollout_queue_run_id, args.out, fmt, args.hf_checkpoint)
+        print(f"exported {report['samples']} sample(s) of {report['groups']} accepted group(s) "
+              f"({report['trained']} trained, {report['accepted']} waiting, {report['stale']} stale; "
+              f"{report['unreadable']} unreadable) to {args.out}")
+        return 0
     if args.command == "gc":
         from vime.queue.gc import collect_stopped
 

@@ -8,7 +8,8 @@ USAGE = """usage: vime <command> [options]
 
 commands:
   train                       run RL training (vime train --help)
-  queue inspect|gc ...        look into a run's durable queue, reclaim its storage (vime queue -h)
+  queue inspect|gc|export ... look into a run's durable queue, reclaim or export it (vime queue -h)
+  engines list|add|remove ... the engines of a running job (vime engines -h)
   tools make-tiny-model OUT   write a tiny random HF model + tokenizer (no download)
 """
 
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "queue":
         from vime.tools.queue_cli import main as queue_main
         return queue_main(rest)
+    if command == "engines":
+        from vime.tools.engines_cli import main as engines_main
+        return engines_main(rest)
     if command == "tools" and rest and rest[0] == "make-tiny-model":
         from vime.tools.make_tiny_model import main as tiny_main
         return tiny_main(rest[1:]) or 0

@@ -9,7 +9,7 @@ engine, and commits the step:
         metrics = trainer.train_rollout(rollout_id, groups)           # advantages, loss, optimizer
         path    = trainer.publish_weights(version + 1)                # weight_v{N}/ on disk
         engines.update_weights(path, version + 1, flush=...)          # every engine, directly
-        controller.sync(version + 1, cursor + len(groups))            # admission moves on
+        controller.sync(version + 1, cursor, trained)                 # admission moves on
         checkpoint (model + optimizer + cursor) / commit the queue cursor
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 
 from vime.config import ConfigError, TrainSettings, parse_train_args
 from vime.config.vllm import check_against_vllm
-from vime.data.source import DataError, DataKeys, PromptDataset
+from vime.data.source import DataError, DataKeys, PromptDataset, open_prompt_source
 from vime.metrics import MetricsLog, plot_rewards
 from vime.rollout.generate import SamplingParams
 from vime.rollout.rewards import resolve_reward
-from vime.runtime.plugins import PluginError, absolute_plugin_path, load_function
+from vime.runtime.plugins import PluginError, absolute_plugin_path, load_hook
 from vime.weights.policy import flush_for_sync
 from vime.recovery import checkpoint as ckpt
 
@@ -69,21 +69,30 @@ class TrainingRun:
         self.log = MetricsLog(self.run_dir)
         self.router = None
         self.router_client = None
-        self.engines = None
+        self.engines = None                 # vime.workers.engines.EngineGroup: the engines that serve
+        self.engine_manager = None          # vime.workers.engine_manager.EngineManager (docs/elastic.md)
+        self.ray_namespace = f"vime-{self.token[:12]}"  # `vime engines` finds the run's registry there
         self.controller = None
         self.trainer = None
+        self.weight_sync = None             # vime.workers.engines.WeightSync, built at the first publication
         self.workers: list = []
         self.worker_runs: list = []
         self.worker_writers: list = []      # straw writer id of each rollout worker
+        self.worker_leases: list = []       # the id each rollout worker leases under (fenced when it dies)
+        self.worker_nodes: list = []        # the node a rollout worker was placed on (None: anywhere)
         self.worker_restarts = 0
         self.ray_started = False
         self.last_saved_step: int | None = None
         self.version = 0                     # the weight version every engine serves
         self.cursor = 0                      # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []    # the cursor after each step of this lineage
+        self.skipped: list[int] = []         # positions passed over as too stale (prompts regenerated)
 
     # ================================================================== entry
     def run(self) -> int:
+        if self.s.debug.load_debug_rollout_data:  # debug replay: recorded batches, no engines (vime/replay.py)
+            from vime.replay import replay
+            return replay(self.s, self.log)
         try:
             self._check_inputs()
             self._start_processes()
@@ -101,21 +110,26 @@ class TrainingRun:
     def _check_inputs(self) -> None:
         s = self.s
         keys = DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key)
-        self.dataset = PromptDataset.load(s.data.prompt_data, keys)
+        # -- user hooks: absolute paths (workers may run elsewhere); each is loaded and its signature
+        #    checked here, so that a bad path fails before any process starts (vime/runtime/plugins.py) --
+        for section, flag in ((s.rollout, "--custom-rm-path"), (s.rollout, "--custom-generate-function-path"),
+                              (s.rollout, "--rollout-function-path"), (s.rollout, "--dynamic-sampling-filter-path"),
+                              (s.eval, "--eval-function-path"), (s.data, "--data-source-path")):
+            name = flag[2:].replace("-", "_")
+            setattr(section, name, absolute_plugin_path(getattr(section, name)))
+            if getattr(section, name):
+                load_hook(flag, getattr(section, name))
+        self.dataset = open_prompt_source(s.data.prompt_data, keys, data_source_path=s.data.data_source_path,
+                                          args=s.args)
         self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
-        s.rollout.custom_rm_path = absolute_plugin_path(s.rollout.custom_rm_path)
-        s.rollout.custom_generate_function_path = absolute_plugin_path(s.rollout.custom_generate_function_path)
-        s.rollout.rollout_function_path = absolute_plugin_path(s.rollout.rollout_function_path)
-        for path, flag, params in ((s.rollout.rollout_function_path, "--rollout-function-path", 3),
-                                   (s.rollout.custom_generate_function_path, "--custom-generate-function-path", 3)):
-            if path:
-                load_function(path, flag, min_params=params)  # a bad path fails here, before any process starts
+        # --
         self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
         check_against_vllm(s.vllm.vllm_args)
         if s.queue.rollout_data_transport == "straw":
             from vime.queue.fence import QueueFence
 
             QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
+            self._check_queue_identity()
         self.resume = None  # (folder, CheckpointState) when resuming
         if s.checkpoint.load:
             if ckpt.latest_step(s.checkpoint.load) is None and s.checkpoint.ckpt_step is None:
@@ -150,7 +164,6 @@ class TrainingRun:
 
         from vime.workers.controller import Controller, ControllerSpec
         from vime.workers.trainer_worker import TrainerWorker, TrainerWorkerSpec
-        from vime.backends.torch_backend import TorchTrainerSpec
 
         self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
                      + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
@@ -159,23 +172,16 @@ class TrainingRun:
             lease_seconds=s.queue.rollout_queue_lease_seconds, prompt_data=s.data.prompt_data,
             keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key), seed=s.run.seed,
             shuffle=s.data.rollout_shuffle, num_epoch=s.data.num_epoch,
-            groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness)
+            groups_per_rollout=s.rollout.rollout_batch_size, max_staleness=s.max_staleness,
+            data_source_path=s.data.data_source_path, args=s.args)
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
         # lease of the old one fenced) and calls in flight are retried against it.
         self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1)(Controller).remote(
             controller_spec)
         threads, affinity = self._trainer_cpus()
-        backend = TorchTrainerSpec(
-            hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
-            adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
-            clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
-            global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
-            rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
-            threads=threads, cpu_affinity=affinity)
-        trainer_spec = TrainerWorkerSpec(
-            backend=backend, transport=s.queue.rollout_data_transport, store=self.store_options,
-            io_concurrency=s.queue.rollout_io_concurrency,
-            weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
+        trainer_spec = TrainerWorkerSpec.from_settings(s, transport=s.queue.rollout_data_transport,
+                                                       store=self.store_options, threads=threads,
+                                                       cpu_affinity=affinity)
         self.log.say(f"starting the trainer ({s.train.train_backend} backend, {threads} thread(s))")
         self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(trainer_spec)
         ready = ray.get([self.controller.ready.remote(), self.trainer.ready.remote()], timeout=600)
@@ -206,12 +212,27 @@ class TrainingRun:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if self.s.cluster.ray_address:
             self.log.say(f"attaching to the Ray cluster at {self.s.cluster.ray_address}")
-            ray.init(address=self.s.cluster.ray_address, log_to_driver=self.s.run.log_level == "debug")
+            ray.init(address=self.s.cluster.ray_address, log_to_driver=self.s.run.log_level == "debug",
+                     namespace=self.ray_namespace)
         else:
             self.log.say("starting Ray (in-process)")
-            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     log_to_driver=self.s.run.log_level == "debug", configure_logging=False)
+            # address="local": always a cluster of our own, never one someone else started here.
+            ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False,
+                     _node_ip_address="127.0.0.1",
+                     log_to_driver=self.s.run.log_level == "debug", configure_logging=False,
+                     namespace=self.ray_namespace)
         self.ray_started = True
+        # `vime engines --run RUN_DIR` attaches to this Ray cluster and namespace (docs/elastic.md).
+        self._update_run_json(ray_address=ray.get_runtime_context().gcs_address, ray_namespace=self.ray_namespace)
+
+    def _update_run_json(self, **fields) -> None:
+        path = os.path.join(self.run_dir, "run.json")
+        with open(path) as f:
+            info = json.load(f)
+        info.update(fields)
+        with open(path + ".tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(path + ".tmp", path)
 
     def _start_router(self) -> None:
         from vime.engines.router import RouterClient, RouterProcess
@@ -235,27 +256,73 @@ class TrainingRun:
         s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)
 
     def _start_engines(self) -> None:
-        from vime.workers.engines import EngineGroup, EngineSpec
+        """The engines at launch (vime's own, or --rollout-external-engine-addrs), the engine
+        registry `vime engines` talks to, and the health monitor (workers/engine_manager.py)."""
+        from vime.workers.engine_manager import EngineManager, EngineTemplate
 
         s = self.s
-        n = s.cluster.num_engines
-        if n == 0:
-            self.log.say("--rollout-num-gpus 0: no local engines")
-            self.engines = None
-            return
-        specs = [EngineSpec(index=i, model=s.train.hf_checkpoint, vllm_args=dict(s.vllm.vllm_args),
-                            tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
-                            log_path=os.path.join(self.run_dir, "logs", f"engine-{i}.log"),
-                            startup_timeout=s.run.engine_startup_timeout, http_timeout=s.run.http_timeout)
-                 for i in range(n)]
-        self.log.say(f"starting {n} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s for each "
-                     f"(logs in {os.path.join(self.run_dir, 'logs')})")
+        external = getattr(s.args, "rollout_external_engine_addrs", None) or []
+        template = EngineTemplate(
+            model=s.train.hf_checkpoint, vllm_args=s.weights.engine_vllm_args(s.vllm.vllm_args),
+            tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
+            log_dir=os.path.join(self.run_dir, "logs"), startup_timeout=s.run.engine_startup_timeout,
+            http_timeout=s.run.http_timeout, weight_dir=s.weight_dir,
+            weight_transport=s.weights.update_weight_transport)
+        self.engine_manager = EngineManager(template=template, config=s.elastic, router=self.router_client,
+                                            say=self.log.say, record=self.log.write,
+                                            register_with_router=self.router is not None or not external)
+        self.engines = self.engine_manager.group
         started = time.monotonic()
-        self.engines = EngineGroup.start(specs)
-        self.log.say(f"engine(s) healthy after {time.monotonic() - started:.0f}s: {', '.join(self.engines.urls)}")
-        for url in self.engines.urls:
-            self.router_client.add_worker(url)
-        self.log.say(f"registered {n} engine(s) with the router")
+        if external:
+            self.log.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
+            self.engine_manager.attach_external(external)
+        elif s.cluster.num_engines:
+            n = s.cluster.num_engines
+            self.log.say(f"starting {n} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s for each "
+                         f"(logs in {os.path.join(self.run_dir, 'logs')})")
+            self.engine_manager.start_owned(n)
+        else:
+            self.log.say("--rollout-num-gpus 0: no local engines")
+        if len(self.engines):
+            self.log.say(f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s, "
+                         f"registered with the router: {', '.join(self.engines.urls)}")
+        self.engine_manager.open_registry(self.ray_namespace)
+        self.engine_manager.start_monitor()
+
+    def _poll_engines(self) -> None:
+        """Membership changes (health, restarts, `vime engines`, nodes that join or leave); a new
+        node's rollout worker starts once its first engine serves the current weights."""
+        from vime.workers.engine_manager import EnginesLost
+
+        if self.engine_manager is None:
+            return
+        try:
+            events = self.engine_manager.poll(self.version)
+        except EnginesLost as error:
+            raise RunError(str(error)) from None
+        for event in events:
+            if event.kind == "ready" and self.controller is not None and self.workers:
+                index = len(self.workers)
+                self._launch_worker(index, node_id=event.node_id)
+                if index < len(self.workers):
+                    self.log.say(f"rollout worker {index} generating on node {event.node_id[:12]}")
+
+    def _check_queue_identity(self) -> None:
+        """An existing queue keeps the identity it was created with (straw refuses to recover it
+        otherwise): say which flag differs instead."""
+        path = os.path.join(self.s.rollout_data_dir, "run.json")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            identity = json.load(f)
+        q = self.s.queue
+        for flag, created, now in (("--rollout-queue-run-id", identity.get("run_id"), q.rollout_queue_run_id),
+                                   ("--rollout-queue-lease-seconds", identity.get("lease_seconds"),
+                                    q.rollout_queue_lease_seconds),
+                                   ("--rollout-storage-profile", identity.get("profile"), q.rollout_storage_profile)):
+            if created is not None and created != now:
+                raise ConfigError(flag, f"the queue in {self.s.rollout_data_dir} was created with {created!r}, "
+                                        f"this run has {now!r}; keep it, or use another --rollout-data-dir")
 
     def _run_options(self) -> dict[str, Any]:
         s = self.s
@@ -281,6 +348,7 @@ class TrainingRun:
         # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
+        self.skipped = list(state.skipped)
         self._publish(state.weight_version, sync_number=1)
         return state.step, state.weight_version
 
@@ -307,6 +375,7 @@ class TrainingRun:
             rm_type=s.rollout.rm_type, custom_rm_path=s.rollout.custom_rm_path,
             custom_generate_function_path=s.rollout.custom_generate_function_path,
             rollout_function_path=s.rollout.rollout_function_path,
+            dynamic_sampling_filter_path=s.rollout.dynamic_sampling_filter_path,
             request_timeout=s.rollout.rollout_request_timeout, lease_seconds=s.queue.rollout_queue_lease_seconds,
             args=s.args)
 
@@ -317,28 +386,50 @@ class TrainingRun:
 
     def _start_rollout_workers(self) -> None:
         self.workers, self.worker_runs, self.worker_writers = [], [], []
+        self.worker_leases, self.worker_nodes = [], []
         self.worker_restarts = 0
         self._launch_worker(0)
         self.log.say(f"{len(self.workers)} rollout worker(s) generating")
 
-    def _launch_worker(self, index: int) -> None:
+    def _launch_worker(self, index: int, node_id: str | None = None) -> None:
+        """Start rollout worker ``index`` (anywhere, or on ``node_id``: a node that joined; a
+        worker that cannot start there within a minute is given up, its node's engines stay)."""
         import ray
 
         from vime.workers.rollout_worker import RolloutWorker
 
-        worker = ray.remote(num_cpus=0)(RolloutWorker).remote(self._rollout_spec(index), self.controller)
-        identity = ray.get(worker.ready.remote(), timeout=300)
+        options = {}
+        if node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        worker = ray.remote(num_cpus=0)(RolloutWorker).options(**options).remote(self._rollout_spec(index),
+                                                                                 self.controller)
+        try:
+            identity = ray.get(worker.ready.remote(), timeout=300 if node_id is None else 60)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as error:
+            if node_id is None:
+                raise
+            ray.kill(worker)
+            self.log.say(f"rollout worker {index} could not start on node {node_id[:12]}: {error}")
+            if index < len(self.workers):  # a replacement: the dead worker's entry goes
+                for items in (self.workers, self.worker_runs, self.worker_writers, self.worker_leases,
+                              self.worker_nodes):
+                    del items[index]
+            return
         run = worker.run.remote()
-        if index < len(self.workers):
-            self.workers[index], self.worker_runs[index], self.worker_writers[index] = worker, run, identity["writer_id"]
-        else:
-            self.workers.append(worker)
-            self.worker_runs.append(run)
-            self.worker_writers.append(identity["writer_id"])
+        entry = (worker, run, identity["writer_id"], identity["lease_id"], node_id)
+        lists = (self.workers, self.worker_runs, self.worker_writers, self.worker_leases, self.worker_nodes)
+        for items, value in zip(lists, entry):
+            if index < len(items):
+                items[index] = value
+            else:
+                items.append(value)
 
     def _check_workers(self) -> None:
-        """A rollout worker whose process died is replaced (its leases return to the queue, its
-        unaccepted publications are released); one whose code failed fails the run."""
+        """A rollout worker whose process died is replaced (its leases are fenced at once, so its
+        tasks return to the queue; its unaccepted publications are released); one whose node left
+        the cluster is not; one whose code failed fails the run."""
         import ray
 
         done, _ = ray.wait(self.worker_runs, timeout=0)
@@ -347,34 +438,53 @@ class TrainingRun:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as error:
-                self.worker_restarts += 1
-                if self.worker_restarts > MAX_WORKER_RESTARTS:
-                    raise RunError(f"rollout workers died {self.worker_restarts} times; last: {error}") from None
-                self.log.say(f"rollout worker {index} died; starting a new one "
-                             f"({self.worker_restarts}/{MAX_WORKER_RESTARTS})")
-                self._launch_worker(index)
-                report = ray.get(self.controller.reap_writers.remote([w for w in self.worker_writers if w]))
+                ray.get(self.controller.retire_worker.remote(self.worker_leases[index]), timeout=60)
+                node = self.worker_nodes[index]
+                if node is not None and not any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes()):
+                    for items in (self.workers, self.worker_runs, self.worker_writers, self.worker_leases,
+                                  self.worker_nodes):
+                        del items[index]
+                    self.log.say(f"rollout worker {index} left with its node {node[:12]}; its leases were fenced "
+                                 "and its tasks returned to the queue")
+                else:
+                    self.worker_restarts += 1
+                    if self.worker_restarts > MAX_WORKER_RESTARTS:
+                        raise RunError(f"rollout workers died {self.worker_restarts} times; last: {error}") from None
+                    self.log.say(f"rollout worker {index} died; starting a new one "
+                                 f"({self.worker_restarts}/{MAX_WORKER_RESTARTS})")
+                    self._launch_worker(index, node_id=node)
+                report = ray.get(self.controller.reap_writers.remote([w for w in self.worker_writers if w]), timeout=120)
                 self.log.say(f"released {report.get('publications_released', 0)} unaccepted publication(s) "
                              "of the dead worker")
                 continue
             raise RunError(f"rollout worker {index} stopped unexpectedly")
 
-    def _wait_for_groups(self, count: int) -> list:
+    @property
+    def trained(self) -> int:
+        """Accepted groups trained in this lineage (the cursor minus those skipped as stale)."""
+        return self.cursor - len(self.skipped)
+
+    def _wait_for_groups(self, count: int):
         import ray
 
         last_accepted, last_progress = None, time.monotonic()
         while True:
-            groups = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version))
-            if groups:
-                return groups
+            self._poll_engines()  # engine membership and health (docs/elastic.md); never blocks long
+            taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained))
+            if taken.groups:
+                return taken
             self._check_workers()
             stats = ray.get(self.controller.stats.remote())
             if stats.end_of_data:
                 # The prompts are exhausted: the last step trains whatever was accepted.
-                groups = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version,
-                                                                    allow_partial=True))
-                if groups:
-                    return groups
+                taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained,
+                                                                   allow_partial=True))
+                if taken.groups:
+                    return taken
+                if taken.skipped:  # only stale groups were left: their prompts are being regenerated
+                    self.cursor = taken.next_cursor
+                    self.skipped.extend(taken.skipped)
+                    continue
                 raise StopIteration
             if stats.accepted != last_accepted:
                 last_accepted, last_progress = stats.accepted, time.monotonic()
@@ -389,12 +499,17 @@ class TrainingRun:
         import ray
 
         started = time.monotonic()
-        path = ray.get(self.trainer.publish_weights.remote(version))
-        if self.engines is not None:
-            self.engines.update_weights(path, version, flush=flush_for_sync(sync_number,
-                                                                               self.s.weights.flush_cache_interval))
+        # -- weight synchronisation (vime.workers.engines.WeightSync; docs/weights.md) --
+        if self.weight_sync is None:
+            from vime.workers.engines import WeightSync
+
+            self.weight_sync = WeightSync(self.trainer, self.engines, self.s.weights)
+        flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
+        report = self.weight_sync.sync(version, flush=flush)
+        self.log.write({"kind": "weight_sync", **report})
+        # --
         self.version = version
-        ray.get(self.controller.sync.remote(version, self.cursor))
+        ray.get(self.controller.sync.remote(version, self.cursor, self.trained))
         return time.monotonic() - started
 
     def _train(self, start_step: int, version: int) -> int:
@@ -410,17 +525,22 @@ class TrainingRun:
                      f"{s.rollout.n_samples_per_prompt} sample(s)")
         for rollout_id in range(start_step, s.train.num_rollout):
             try:
-                groups = self._wait_for_groups(batch)
+                taken = self._wait_for_groups(batch)
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
+            groups = taken.groups
             try:
                 metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
             except ray.exceptions.RayActorError as error:
                 where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
                 raise RunError(f"the trainer process died during step {rollout_id + 1}; its state since the last "
                                f"checkpoint is lost; {where} (no accepted sample is lost). Cause: {error}") from None
-            self.cursor += len(groups)
+            if s.debug.save_debug_rollout_data:  # debug replay: archive the batch just trained (vime/replay.py)
+                from vime.replay import save_trained_batch
+                save_trained_batch(self, rollout_id, groups, version, metrics)
+            self.cursor = taken.next_cursor
+            self.skipped.extend(taken.skipped)
             self.step_cursors.append(self.cursor)
             sync_number += 1
             version += 1
@@ -429,7 +549,7 @@ class TrainingRun:
             if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
                 self._save(step, version)
             elif not s.checkpoint.save:
-                ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors))
+                ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
             stats = ray.get(self.controller.stats.remote())
             now = time.monotonic()
             step_seconds = now - window[-1][0]
@@ -439,8 +559,9 @@ class TrainingRun:
                       "rollout_tokens_per_s": (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]),
                       "train_tokens_per_s": metrics["train_tokens"] / max(metrics["train_seconds"], 1e-9),
                       "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
-                      "queue_leased": stats.leased, "step_seconds": step_seconds,
-                      "queue_reclaimed_bytes": stats.reclaimed_bytes}
+                      "queue_leased": stats.leased, "queue_filtered": stats.rejected, "step_seconds": step_seconds,
+                      "queue_reclaimed_bytes": stats.reclaimed_bytes,
+                      "groups_regenerated": len(taken.skipped)}
             self.log.write(record)
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
@@ -461,7 +582,8 @@ class TrainingRun:
             result = asyncio.run(evaluate_dataset(
                 dataset, tokenizer=self.tokenizer, router_url=self.router_url, reward=self.reward, args=s.args,
                 params=params, n_samples=s.eval.n_samples_per_eval_prompt,
-                apply_chat_template=s.data.apply_chat_template, timeout=s.rollout.rollout_request_timeout))
+                apply_chat_template=s.data.apply_chat_template, timeout=s.rollout.rollout_request_timeout,
+                name=name, rollout_id=step, eval_function_path=s.eval.eval_function_path))
             results[name] = result["reward"]
             self.log.write({"kind": "eval", "step": step, "weight_version": version, "dataset": name,
                             "eval_reward": result["reward"], "eval_response_length": result["response_length"]})
@@ -473,10 +595,11 @@ class TrainingRun:
         import ray
 
         state = ckpt.CheckpointState(schema=1, step=step, weight_version=version, consumer_cursor=self.cursor,
-                                     run_options=self._run_options(), step_cursors=list(self.step_cursors))
+                                     run_options=self._run_options(), step_cursors=list(self.step_cursors),
+                                     skipped=list(self.skipped))
         folder = ckpt.save_checkpoint(self.s.checkpoint.save, state,
                                       lambda path: ray.get(self.trainer.save_checkpoint.remote(path)))
-        ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors))
+        ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
 
@@ -485,6 +608,8 @@ class TrainingRun:
 
         if not self.workers:
             return
+        if self.engine_manager is not None:
+            self.engine_manager.frozen = True  # the run is ending: an engine lost now is not restarted
         for worker in self.workers:
             try:
                 ray.get(worker.stop.remote(), timeout=60)
@@ -496,8 +621,18 @@ class TrainingRun:
             # engines resume at once: a request that reaches them later simply completes.
             self.engines.pause("abort")
             self.engines.resume()
-        ray.wait(self.worker_runs, num_returns=len(self.worker_runs),
-                 timeout=self.s.rollout.rollout_request_timeout + 60)
+        done, _ = ray.wait(self.worker_runs, num_returns=len(self.worker_runs),
+                           timeout=self.s.rollout.rollout_request_timeout + 60)
+        for index, ref in enumerate(self.worker_runs):  # what each worker contributed (docs/elastic.md)
+            if ref in done:
+                try:
+                    stats = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue
+                self.log.write({"kind": "rollout_worker", "worker": index, "node_id": self.worker_nodes[index]
+                                if index < len(self.worker_nodes) else None,
+                                "groups_accepted": stats.groups_accepted, "groups_yielded": stats.groups_yielded,
+                                "response_tokens": stats.response_tokens, "errors": stats.errors})
         self.workers, self.worker_runs = [], []
 
     def _finish(self, version: int) -> None:
@@ -525,7 +660,7 @@ class TrainingRun:
 
         from vime.runtime.process import kill_processes_with_token
 
-        for step in (self._stop_rollout_workers, lambda: self.engines and self.engines.stop(),
+        for step in (self._stop_rollout_workers, lambda: self.engine_manager and self.engine_manager.stop(),
                      lambda: self.router and self.router.stop(),
                      lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30)):
             with contextlib.suppress(Exception):

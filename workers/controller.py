@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from typing import Any
 
 from straw import Record
 
-from vime.data.source import DataKeys, DatasetCursor, PromptDataset, PromptRecord
+from vime.data.source import DataKeys, DatasetCursor, PromptRecord, open_prompt_source
 from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
 from vime.recovery.faults import fault_point
 from vime.queue.memory_queue import MemoryRolloutQueue
-from vime.queue.rollout_queue import StaleLease, StoreOptions, StrawRolloutQueue
+from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
+from vime.queue.records import decode_group
 from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+from vime.queue.transport import ObjectStoreTransport
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,6 +45,8 @@ class ControllerSpec:
     num_epoch: int | None
     groups_per_rollout: int         # --rollout-batch-size
     max_staleness: int
+    data_source_path: str | None = None   # --data-source-path: a custom source instead of prompt_data
+    args: Any = None                      # handed to the custom source's constructor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,13 @@ class LeasedPrompt:
     assignment: Assignment
     prompt: PromptRecord
     version: int          # weights the engines serve at lease time
+
+
+@dataclasses.dataclass(frozen=True)
+class TakenGroups:
+    groups: list[AcceptedGroup]   # to train, in acceptance order
+    skipped: list[int]            # positions too stale to train (their prompts were submitted again)
+    next_cursor: int              # the cursor after this batch
 
 
 @dataclasses.dataclass
@@ -63,6 +77,8 @@ class ControllerStats:
     accepted_samples: int
     end_of_data: bool
     reclaimed_bytes: int
+    regenerated: int
+    rejected: int = 0     # groups the dynamic filter dropped (this controller incarnation; also in failed)
 
     @property
     def queue_depth(self) -> int:
@@ -74,7 +90,8 @@ class Controller:
     def __init__(self, spec: ControllerSpec):
         self.spec = spec
         self.incarnation = f"controller-{uuid.uuid4().hex[:12]}"
-        self.dataset = PromptDataset.load(spec.prompt_data, spec.keys)
+        self.dataset = open_prompt_source(spec.prompt_data, spec.keys, data_source_path=spec.data_source_path,
+                                          args=spec.args)
         self.fence = None
         if spec.transport == "straw":
             self.fence = QueueFence.acquire(spec.store.data_dir)
@@ -89,11 +106,15 @@ class Controller:
         # take_groups()/sync() call (a restarted controller learns it from the next call); until then
         # the queue's committed cursor is the best lower bound.
         self.consumed = self.queue.consumer_cursor()
+        self.trained = self.consumed      # groups trained: consumed minus those skipped as stale
         self.accepted = self._count_accepted()
         self.weight_version = 0
         self.accepted_response_tokens = 0
         self.accepted_samples = 0
         self.reclaimed_bytes = 0
+        self.rejected: set[str] = set()          # task ids the dynamic filter dropped (this incarnation)
+        self.min_versions: dict[int, int] = {}   # oldest token version of each accepted group
+        self.regenerated: set[int] = set()       # positions whose prompt was submitted again
         self._refill()
 
     # ------------------------------------------------------------------ lifecycle
@@ -135,13 +156,15 @@ class Controller:
     def _admissible(self) -> int:
         """Groups that may still start without exceeding --max-staleness.
 
-        A group leased now is trained at about step (consumed + outstanding) / B, while the policy
+        A group leased now is trained at about step (trained + outstanding) / B, while the policy
         is at version ``weight_version``; the bound keeps that at most max_staleness steps ahead.
+        Groups found too stale count for nothing: they will never be trained (their prompts run again).
         """
         counts = self.queue.counts()
-        outstanding = counts.get("leased", 0) + (self.accepted - self.consumed)
+        stale_ahead = sum(1 for position in self.regenerated if position >= self.consumed)
+        outstanding = counts.get("leased", 0) + (self.accepted - self.consumed - stale_ahead)
         limit = (self.weight_version + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
-        return max(0, limit - self.consumed - outstanding)
+        return max(0, limit - self.trained - outstanding)
 
     def lease(self, worker_id: str, max_tasks: int) -> list[LeasedPrompt]:
         self._refill()
@@ -154,12 +177,14 @@ class Controller:
     def heartbeat(self, leases: list) -> list[bool]:
         return self.queue.heartbeat(leases)
 
-    def complete(self, lease, submission_id: str, ref, num_samples: int, response_tokens: int) -> int | None:
+    def complete(self, lease, submission_id: str, ref, num_samples: int, response_tokens: int,
+                 min_version: int) -> int | None:
         """Accept a group. Returns its position, or None if the lease is stale (work discarded)."""
         try:
             position = self.queue.complete(lease, submission_id, ref)
         except StaleLease:
             return None
+        self.min_versions[position] = min_version
         if position >= self.accepted:
             self.accepted = position + 1
             self.accepted_samples += num_samples
@@ -180,29 +205,77 @@ class Controller:
         except StaleLease:
             return False
 
+    def reject(self, lease, reason: str) -> bool:
+        """End a task whose group --dynamic-sampling-filter-path dropped: terminal stage *rejected*
+        (a non-retryable failure whose reason starts with 'rejected:'), never trained, prompt not
+        regenerated. False if the lease is no longer current."""
+        try:
+            self.queue.fail(lease, f"rejected: {reason}", request_id=f"reject-{lease.task_id}-{lease.attempt_id}",
+                            retryable=False)
+        except (StaleLease, IdempotencyConflict):  # IdempotencyConflict: rejected before, for another reason
+            return False
+        self.rejected.add(lease.task_id)  # a replayed call (same request id) counts once
+        return True
+
     # ------------------------------------------------------------------ trainer
-    def sync(self, weight_version: int, cursor: int) -> None:
-        """The driver's view: every engine serves ``weight_version``, and the groups before
-        ``cursor`` were handed to the trainer. Admission moves on with them. Idempotent."""
+    def sync(self, weight_version: int, cursor: int, trained: int) -> None:
+        """The driver's view: every engine serves ``weight_version``, the groups before ``cursor``
+        are done with, ``trained`` of them were trained. Admission moves on with them. Idempotent."""
         self.weight_version = weight_version
-        self.consumed = cursor
+        self.consumed, self.trained = cursor, trained
 
-    def take_groups(self, cursor: int, count: int, weight_version: int, *,
-                    allow_partial: bool = False) -> list[AcceptedGroup]:
-        """The accepted groups at positions [cursor, cursor + count) in acceptance order, or []
-        until that many exist (``allow_partial``: whatever exists, for the last step of the data).
+    def take_groups(self, cursor: int, count: int, weight_version: int, trained: int, *,
+                    allow_partial: bool = False) -> TakenGroups:
+        """The next ``count`` trainable accepted groups from ``cursor`` on, in acceptance order, or
+        none until that many exist (``allow_partial``: whatever exists, for the last step).
 
-        Every call restates the driver's view (as sync() does), so a restarted controller admits
-        work again as soon as the trainer asks for it.
+        A group whose oldest token is more than --max-staleness versions older than
+        ``weight_version`` (the policy that would train it) is skipped and its prompt submitted
+        again: it is never trained, and never lost. Every call restates the driver's view (as
+        sync() does), so a restarted controller admits work again as soon as the trainer asks.
         """
-        self.sync(weight_version, cursor)
-        available = self.accepted - cursor
-        if available <= 0 or (available < count and not allow_partial):
-            return []
-        groups, _ = self.queue.accepted(cursor, min(count, available))
-        return groups
+        self.sync(weight_version, cursor, trained)
+        groups, skipped, position = [], [], cursor
+        while len(groups) < count and position < self.accepted:
+            page, _ = self.queue.accepted(position, min(count - len(groups), self.accepted - position))
+            if not page:
+                break
+            for group in page:
+                oldest = self._min_version(group)
+                if oldest is not None and weight_version - oldest > self.spec.max_staleness:
+                    skipped.append(group.position)
+                    self._regenerate(group)
+                else:
+                    groups.append(group)
+            position = page[-1].position + 1
+        if len(groups) < count and not (allow_partial and position >= self.accepted):
+            return TakenGroups([], [], cursor)
+        return TakenGroups(groups, skipped, position)
 
-    def commit(self, step: int, cursor: int, step_cursors: list[int]) -> None:
+    def _min_version(self, group: AcceptedGroup) -> int | None:
+        """The oldest token version of an accepted group; None when its payload cannot be read
+        here (the trainer then reads it and stops the run naming the group)."""
+        if group.position not in self.min_versions:  # accepted before a controller restart
+            try:
+                if isinstance(self.queue, StrawRolloutQueue):
+                    samples = decode_group(list(self.queue.store.read(group.ref)))
+                else:
+                    samples = ObjectStoreTransport().read(group.ref)
+            except Exception as error:  # corrupt or reclaimed: not the controller's call to make
+                logger.warning("accepted group %s: payload unreadable (%s); leaving it to the trainer",
+                               group.task_id, error)
+                return None
+            self.min_versions[group.position] = min((v for s in samples for v in s.weight_versions), default=0)
+        return self.min_versions[group.position]
+
+    def _regenerate(self, group: AcceptedGroup) -> None:
+        if group.position in self.regenerated:
+            return
+        task = self.queue.task(group.task_id).regenerated(group.position)
+        self.queue.regenerate(task, request_id=f"regenerate-{group.position}")  # idempotent across restarts
+        self.regenerated.add(group.position)
+
+    def commit(self, step: int, cursor: int, step_cursors: list[int], skipped: list[int]) -> None:
         """Durably mark the accepted groups before ``cursor`` as trained by step ``step``.
 
         ``step_cursors[i]`` is the cursor after step i + 1 of the surviving lineage: which step
@@ -211,7 +284,7 @@ class Controller:
         state_ref = None
         if isinstance(self.queue, StrawRolloutQueue):
             payload = json.dumps({"step": step, "cursor": cursor, "weight_version": self.weight_version,
-                                  "step_cursors": step_cursors}).encode()
+                                  "step_cursors": step_cursors, "skipped": skipped}).encode()
             state_ref = self.queue.store.publish([Record("consumer-state", payload, "json.v1")],
                                                  submission_id=f"consumer-state-{self.incarnation}-{step}")
         fault_point("controller.mid_commit")
@@ -226,6 +299,13 @@ class Controller:
 
     def history_available(self, cursor: int) -> bool:
         return self.queue.history_available(cursor)
+
+    def retire_worker(self, lease_id: str) -> None:
+        """Fence every lease of a rollout worker known to be dead (its process, or its node, is
+        gone): its tasks return to the queue now instead of when their leases expire, and the id
+        can never lease again. The in-memory queue lets the leases expire."""
+        if isinstance(self.queue, StrawRolloutQueue):
+            self.queue.coordinator.retire_worker(lease_id)
 
     def reap_writers(self, alive: list[str]) -> dict[str, int]:
         """Release what dead producers published but never got accepted (every straw writer of
@@ -242,7 +322,8 @@ class Controller:
             weight_version=self.weight_version, pending=counts.get("pending", 0), leased=counts.get("leased", 0),
             accepted=self.accepted, consumed=self.consumed, failed=counts.get("failed", 0),
             accepted_response_tokens=self.accepted_response_tokens, accepted_samples=self.accepted_samples,
-            end_of_data=self._end_of_data(counts), reclaimed_bytes=self.reclaimed_bytes)
+            end_of_data=self._end_of_data(counts), reclaimed_bytes=self.reclaimed_bytes,
+            regenerated=len(self.regenerated), rejected=len(self.rejected))
 
     def _end_of_data(self, counts: dict[str, int]) -> bool:
         exhausted = self.spec.num_epoch is not None and self.cursor.epoch >= self.spec.num_epoch

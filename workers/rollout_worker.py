@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import re
 import time
 
 import aiohttp
@@ -27,13 +28,23 @@ from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.recovery.faults import fault_point
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
-from vime.rollout.generate import SamplingParams, generate
+from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
+from vime.rollout.generate import GenerateError, SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
 from vime.rollout.types import RolloutFnTrainOutput
-from vime.runtime.plugins import load_function
+from vime.runtime.plugins import call_maybe_async, load_hook
 from vime.sample import Sample, Status
 
 logger = logging.getLogger("vime.rollout")
+GET_SAMPLES_GRACE_SECONDS = 0.5
+ENGINE_RETRY_SECONDS = 1.0
+
+
+def engine_unavailable(error: GenerateError) -> bool:
+    """A request that failed because no engine could serve it (5xx from the router or engine, a
+    dropped connection, a timeout), as opposed to one the engine refused (4xx: retrying cannot help)."""
+    status = re.search(r" answered (\d{3})", str(error))
+    return status is None or int(status[1]) >= 500
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,6 +66,7 @@ class RolloutWorkerSpec:
     request_timeout: float
     lease_seconds: float
     args: argparse.Namespace      # handed to user hooks, as the reference framework does
+    dynamic_sampling_filter_path: str | None = None
 
 
 @dataclasses.dataclass
@@ -62,6 +74,8 @@ class RolloutWorkerStats:
     groups_accepted: int = 0
     groups_discarded: int = 0
     groups_yielded: int = 0
+    groups_rejected: int = 0      # dropped by --dynamic-sampling-filter-path (never trained)
+    rejected_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     samples_aborted: int = 0
     response_tokens: int = 0
     errors: int = 0
@@ -82,10 +96,12 @@ class RolloutWorker:
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
-        self.custom_generate = (load_function(spec.custom_generate_function_path, "--custom-generate-function-path",
-                                              min_params=3) if spec.custom_generate_function_path else None)
-        self.rollout_fn = (load_function(spec.rollout_function_path, "--rollout-function-path", min_params=3)
+        self.custom_generate = (load_hook("--custom-generate-function-path", spec.custom_generate_function_path)
+                                if spec.custom_generate_function_path else None)
+        self.rollout_fn = (load_hook("--rollout-function-path", spec.rollout_function_path)
                            if spec.rollout_function_path else None)
+        self.dynamic_filter = (load_hook(FILTER_FLAG, spec.dynamic_sampling_filter_path)
+                               if spec.dynamic_sampling_filter_path else None)
         self.stats = RolloutWorkerStats()
         self.active: dict[str, tuple[asyncio.Task, object]] = {}
         self._stopping = asyncio.Event()
@@ -180,8 +196,10 @@ class RolloutWorker:
     def _fresh_group(self, item) -> list[Sample]:
         task, prompt = item.assignment.task, item.prompt
         tokens = render_prompt(self.tokenizer, prompt.prompt, apply_chat_template=self.spec.apply_chat_template)
+        # One session per sample: every request of it (each turn of a multi-turn custom generate,
+        # a continuation after a weight update) carries this id as x-session-id (vime.rollout.generate).
         return [Sample(group_index=task.group_index, index=i, prompt_index=task.prompt_index, prompt=prompt.prompt,
-                       label=prompt.label, tokens=list(tokens), metadata=dict(prompt.metadata),
+                       label=prompt.label, tokens=list(tokens), metadata=dict(prompt.metadata), source=prompt.source,
                        session_id=f"{task.task_id}-{i}")
                 for i in range(self.spec.n_samples_per_prompt)]
 
@@ -189,9 +207,24 @@ class RolloutWorker:
         if self._stopping.is_set():
             return sample  # draining: not started, stays PENDING and goes back with the group
         if self.custom_generate is not None:
-            return await self.custom_generate(self.spec.args, sample, self.spec.sampling.as_dict())
-        return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
-                              timeout=self.spec.request_timeout)
+            result = await call_maybe_async(self.custom_generate, self.spec.args, sample, self.spec.sampling.as_dict())
+            if not isinstance(result, Sample):
+                raise TypeError(f"--custom-generate-function-path {self.spec.custom_generate_function_path} returned "
+                                f"{type(result).__name__}; it must return the Sample")
+            return result
+        try:
+            return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
+                                  timeout=self.spec.request_timeout)
+        except GenerateError as error:
+            if not engine_unavailable(error):
+                raise
+            # The engine serving this request died, hung or was removed (docs/elastic.md): the
+            # sample keeps what it had and its group returns to the queue as a continuation, to be
+            # resumed on another engine. The pause keeps a router without engines from spinning us.
+            self.stats.errors += 1
+            self.stats.last_error = f"GenerateError: {error}"
+            await asyncio.sleep(ENGINE_RETRY_SECONDS)
+            return sample
 
     def _restart(self, sample: Sample) -> None:
         """Forget an aborted sample's partial response (without --partial-rollout)."""
@@ -261,6 +294,12 @@ class RolloutWorker:
                 sample.weight_versions = [item.version] * sample.response_length
         if any(s.reward is None for s in samples):
             await score_group(self.reward, self.spec.args, samples)
+        if self.dynamic_filter is not None:
+            verdict = interpret_filter(await call_maybe_async(self.dynamic_filter, self.spec.args, samples),
+                                       self.spec.dynamic_sampling_filter_path)
+            if not verdict.keep:
+                await self._reject_group(item, verdict.reason)
+                return
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)
         ref = await asyncio.get_running_loop().run_in_executor(
             self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
@@ -268,13 +307,23 @@ class RolloutWorker:
                                                         submission_id=submission_id))
         fault_point("rollout.after_publish")  # payload durable, not yet accepted
         tokens = sum(s.response_length for s in samples)
-        position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens)
+        min_version = min((v for s in samples for v in s.weight_versions), default=item.version)
+        position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens, min_version)
         if position is None:  # the lease moved on: this payload will never be referenced
             await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
             self.stats.groups_discarded += 1
         else:
             self.stats.groups_accepted += 1
             self.stats.response_tokens += tokens
+
+    async def _reject_group(self, item, reason: str) -> None:
+        """A group the dynamic filter dropped: its task ends as *rejected* in the queue (journaled
+        with the reason; never trained, not regenerated). Nothing is published."""
+        if await self.controller.reject.remote(item.assignment.lease, reason):
+            self.stats.groups_rejected += 1
+            self.stats.rejected_reasons[reason] = self.stats.rejected_reasons.get(reason, 0) + 1
+        else:  # the lease moved on meanwhile: another attempt owns the prompt now
+            self.stats.groups_discarded += 1
 
 
 class LeasedDataSource:
@@ -285,17 +334,25 @@ class LeasedDataSource:
         self.leased: dict[int, object] = {}
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
-        """``num_samples`` groups of --n-samples-per-prompt fresh samples (blocks until admitted)."""
+        """Up to ``num_samples`` groups of --n-samples-per-prompt fresh samples.
+
+        Blocks until at least one prompt is admitted, then takes what the staleness bound admits
+        within a short grace period: insisting on all of them could wait on the trainer, which
+        waits on these very groups.
+        """
         import ray
 
         groups: list[list[Sample]] = []
-        while len(groups) < num_samples:
-            if self.worker._stopping.is_set():
-                break
+        grace_until = None
+        while len(groups) < num_samples and not self.worker._stopping.is_set():
             items = ray.get(self.worker.controller.lease.remote(self.worker.lease_id, num_samples - len(groups)))
             for item in items:
                 self.leased[item.assignment.task.group_index] = item
                 groups.append(self.worker._fresh_group(item))
+            if groups and grace_until is None:
+                grace_until = time.monotonic() + GET_SAMPLES_GRACE_SECONDS
+            if grace_until is not None and time.monotonic() >= grace_until:
+                break
             if not items:
                 time.sleep(0.05)
         return groups

@@ -7,6 +7,7 @@ retrains the accepted groups after that cursor: training is exactly-once per sur
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import statistics
@@ -19,8 +20,15 @@ from vime.queue.tasks import AcceptedGroup
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
+from vime.rollout.rewards import reward_by_source
 from vime.sample import Sample
-from vime.weights import disk
+from vime.weights.publisher import Publication, WeightPublisher
+
+
+def tokens_per_version(samples: list[Sample]) -> dict[str, int]:
+    """Trained response tokens by the weight version that generated them (keys are versions)."""
+    counts = collections.Counter(v for s in samples for v in s.weight_versions)
+    return {str(version): counts[version] for version in sorted(counts)}
 
 
 class CorruptGroup(RuntimeError):
@@ -36,6 +44,20 @@ class TrainerWorkerSpec:
     weight_dir: str
     keep_weight_versions: int
 
+    @classmethod
+    def from_settings(cls, s, *, transport: str, store: StoreOptions, threads: int | None,
+                      cpu_affinity: list[int] | None) -> "TrainerWorkerSpec":
+        """The trainer of a ``vime train`` run (also what debug replay rebuilds, so both agree)."""
+        backend = TorchTrainerSpec(
+            hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
+            adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
+            clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
+            global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
+            rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
+            threads=threads, cpu_affinity=cpu_affinity)
+        return cls(backend=backend, transport=transport, store=store, io_concurrency=s.queue.rollout_io_concurrency,
+                   weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
+
 
 class TrainerWorker:
     def __init__(self, spec: TrainerWorkerSpec):
@@ -45,6 +67,9 @@ class TrainerWorker:
         self.readers = [make_transport(spec.transport, spec.store) for _ in range(max(1, spec.io_concurrency))]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.readers),
                                                           thread_name_prefix="queue-read")
+        self.publisher: WeightPublisher | None = None  # built at the first publication
+        self.sender = None                             # NcclWeightSender with --update-weight-transport nccl
+        self.nccl_metadata: list = []                  # what the engines receive, in broadcast order
 
     def ready(self) -> bool:
         return True
@@ -75,7 +100,7 @@ class TrainerWorker:
         staleness = [policy_version - min(s.weight_versions) for s in samples if s.weight_versions]
         metrics.update(
             rollout_id=float(rollout_id),
-            reward_mean=statistics.fmean(s.reward for s in samples),
+            reward_mean=statistics.fmean(s.reward or 0.0 for s in samples),  # SFT samples carry no reward
             response_length_mean=statistics.fmean(s.response_length for s in samples),
             staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
             staleness_max=float(max(staleness, default=0)),
@@ -84,13 +109,50 @@ class TrainerWorker:
             read_seconds=read_seconds,
             truncated_fraction=sum(s.status.value == "truncated" for s in samples) / len(samples),
         )
+        metrics["tokens_per_version"] = tokens_per_version(samples)
+        if len({s.source_name for s in samples}) > 1:  # one source: reward_mean says it all
+            metrics.update(reward_by_source(samples))
         return metrics
 
-    def publish_weights(self, version: int) -> str:
-        path = disk.publish_full(self.spec.weight_dir, version, self.backend.save_weights)
-        keep = set(range(version - self.spec.keep_weight_versions, version + 1))
-        disk.prune(self.spec.weight_dir, keep)
-        return path
+    # ------------------------------------------------------------------ weights (docs/weights.md)
+    def publish_weights(self, version: int, *, mode: str = "full", full_interval: int = 10,
+                        force_full: bool = False) -> Publication:
+        """Write ``weight_v{N}/``: the full weights, or (mode "delta") a delta against the version this
+        process published just before, when there is one; older versions are pruned."""
+        if self.publisher is None:
+            self.publisher = WeightPublisher(self.spec.weight_dir, keep=self.spec.keep_weight_versions)
+        return self.publisher.publish(version, self.backend.save_weights, mode=mode, full_interval=full_interval,
+                                      force_full=force_full)
+
+    def _named_weights(self) -> list:
+        """What the engines load: the model's parameters (a tied one once, under its first name)."""
+        return list(self.backend.model.named_parameters())
+
+    def nccl_endpoint(self) -> tuple[str, int]:
+        """(address, free port) on this node for the NCCL group's rendezvous (the trainer is rank 0)."""
+        import ray
+
+        from vime.runtime.ports import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def nccl_open(self, address: str, port: int, world_size: int) -> str:
+        """Open the group as rank 0 (blocks until every engine worker joined); returns the metadata
+        (names, dtypes, shapes, in broadcast order) the engines receive by."""
+        from vime.weights import nccl
+
+        self.sender = nccl.NcclWeightSender()
+        self.sender.open(address, port, world_size)
+        self.nccl_metadata = nccl.tensor_metadata(self._named_weights())
+        return nccl.encode_metadata(self.nccl_metadata)
+
+    def nccl_send(self) -> dict[str, float]:
+        """Broadcast the current weights in the order of the metadata sent at ``nccl_open`` (each
+        tensor checked against it); the engines receive them at the same time."""
+        started = time.perf_counter()
+        report = self.sender.send(self._named_weights(), self.nccl_metadata)
+        return {**report, "seconds": time.perf_counter() - started}
 
     def save_checkpoint(self, path: str) -> None:
         self.backend.save_training_state(path)
@@ -103,5 +165,9 @@ class TrainerWorker:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        if self.sender is not None:
+            self.sender.close()
+        if self.publisher is not None:
+            self.publisher.close()
         for reader in self.readers:
             reader.close()

@@ -124,7 +124,7 @@ def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1,
     cursors = state.step_cursors
     assert cursors == sorted(set(cursors)) and (not cursors or cursors[-1] == state.consumer_cursor)
     assert len(cursors) == state.step, "one cursor per step of the surviving lineage"
-    trained = accepted[:state.consumer_cursor]
+    trained = [g for g in accepted[:state.consumer_cursor] if g.position not in set(state.skipped)]
     transport = StrawTransport(StoreOptions(job.data_dir, "vime"))
     prompts = []
     if not readable_before_cursor:  # GC reclaimed trained groups: their prompts come from the lineage log

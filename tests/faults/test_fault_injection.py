@@ -28,6 +28,9 @@ def test_clean_run_trains_every_prompt_once(job):
     code, log = job.run("--n-samples-per-prompt", "4", "--global-batch-size", "8")
     assert code == 1 and "--n-samples-per-prompt: the checkpoint was made with 2, this run has 4" in log
     assert "starting Ray" not in log
+    code, log = job.run("--rollout-queue-lease-seconds", "30")
+    assert code == 2 or code == 1
+    assert "--rollout-queue-lease-seconds: the queue in" in log and "was created with 20.0" in log
 
 
 def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
@@ -144,3 +147,22 @@ def test_a_corrupted_accepted_group_stops_the_run_naming_it(job):
     assert code == 1, log[-3000:]
     assert f"accepted group {victim.task_id} (queue position {victim.position}) cannot be read" in log
     assert "Traceback" not in log
+
+
+def test_groups_older_than_max_staleness_are_never_trained(job):
+    stale_plugin = os.path.join(REPO, "tests", "plugins", "stale_rollout.py") + ":generate_rollout"
+    args = job.args("--max-staleness", "1")
+    args[args.index("--rollout-function-path") + 1] = stale_plugin
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    facts = check_invariants(job)  # every prompt still trained exactly once
+    assert facts["state"].skipped, "no group was stale"
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir", job.data_dir, "--save", job.save,
+         "--json"], cwd=REPO, capture_output=True, text=True, timeout=120).stdout)
+    for group in report["trained_groups"]:
+        policy = group["step"] - 1  # step s trains the weights of version s - 1
+        assert policy - group["min_weight_version"] <= 1, group
+    assert report["counts"]["rejected"] == len(facts["state"].skipped)
+    records = [json.loads(line) for line in open(os.path.join(job.run_dir, "metrics.jsonl"))]
+    assert sum(r.get("groups_regenerated", 0) for r in records) == len(facts["state"].skipped)

@@ -210,3 +210,30 @@ def test_stop_leaves_no_process(tmp_path: Path):
     assert kill_processes_with_token(own_token) == []  # nothing left for the sweep
     with pytest.raises(requests.ConnectionError):
         requests.get(proc.url + "/liveness", timeout=2)
+
+
+def test_consistent_hash_keeps_each_session_on_one_worker(tmp_path: Path, token: str,
+                                                          workers: list[StandInWorker]):
+    """The contract vime's session affinity relies on: with --policy consistent_hash the router
+    picks the worker from the x-session-id header (vime.rollout.generate.SESSION_HEADER), not from
+    the body, so every turn of a session (a longer body each time) reaches the same worker."""
+    from vime.rollout.generate import SESSION_HEADER, session_headers
+
+    args = {**ROUTER_ARGS, "policy": "consistent_hash"}
+    with RouterProcess(free_port(), log_path=tmp_path / "ch.log", run_token=token, router_args=args).start() as proc:
+        proc.wait_ready(timeout=30)
+        client = RouterClient(proc.url, timeout=15)
+        for worker in workers:
+            client.add_worker(worker.url)
+        placement: dict[str, set[str]] = {}
+        for session in range(16):
+            tokens: list[int] = []
+            for turn in range(3):
+                tokens += [session, turn]
+                reply = requests.post(proc.url + "/inference/v1/generate", headers=session_headers(f"g{session}-0"),
+                                      json={"token_ids": tokens, "sampling_params": {"max_tokens": 1}}, timeout=10)
+                reply.raise_for_status()
+                placement.setdefault(f"g{session}-0", set()).add(reply.json()["worker"])
+        assert all(len(seen) == 1 for seen in placement.values()), placement
+        assert {w for seen in placement.values() for w in seen} == {"a", "b"}  # sessions spread over both
+        assert SESSION_HEADER == "x-session-id"

@@ -56,12 +56,12 @@ def test_exactly_once_acceptance(tmp_path, prompts, transport):
     controller = Controller(make_spec(tmp_path, prompts, transport))
     first = controller.lease("w", 1)[0]
     sid, ref = publish(tmp_path, transport, first)
-    position = controller.complete(first.assignment.lease, sid, ref, 2, 2)
-    assert controller.complete(first.assignment.lease, sid, ref, 2, 2) == position  # retried: same receipt
+    position = controller.complete(first.assignment.lease, sid, ref, 2, 2, 0)
+    assert controller.complete(first.assignment.lease, sid, ref, 2, 2, 0) == position  # retried: same receipt
     assert controller.stats().accepted == 1
     _, other = publish(tmp_path, transport, first, reward=0.0)
     with pytest.raises((StrawConflict, MemoryConflict)):
-        controller.complete(first.assignment.lease, sid, other, 2, 2)  # same attempt, different content
+        controller.complete(first.assignment.lease, sid, other, 2, 2, 0)  # same attempt, different content
     controller.shutdown()
 
 
@@ -72,12 +72,12 @@ def test_admission_bounds_outstanding_groups(tmp_path, prompts, transport):
     assert len(leased) == 4                  # (version 0 + staleness 1 + 1) x 2 groups
     assert controller.lease("w", 100) == []
     for item in leased[:2]:
-        controller.complete(item.assignment.lease, *publish(tmp_path, transport, item), 2, 2)
+        controller.complete(item.assignment.lease, *publish(tmp_path, transport, item), 2, 2, 0)
     assert controller.lease("w", 100) == []  # accepted-but-untrained groups still count
-    assert controller.take_groups(0, 3, 0) == []   # only two accepted so far
-    assert len(controller.take_groups(0, 2, 0)) == 2
+    assert controller.take_groups(0, 3, 0, 0).groups == []   # only two accepted so far
+    assert len(controller.take_groups(0, 2, 0, 0).groups) == 2
     assert controller.lease("w", 100) == []  # the trainer has not moved to version 1 yet
-    controller.sync(1, 2)
+    controller.sync(1, 2, 2)
     assert len(controller.lease("w", 100)) == 2
     controller.shutdown()
 
@@ -122,7 +122,7 @@ def test_restart_fences_old_leases_and_keeps_the_dataset_cursor(tmp_path, prompt
     controller.shutdown()
     restarted = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=0))
     sid, ref = publish(tmp_path, "straw", leased[0])
-    assert restarted.complete(leased[0].assignment.lease, sid, ref, 2, 2) is None  # the old lease is fenced
+    assert restarted.complete(leased[0].assignment.lease, sid, ref, 2, 2, 0) is None  # the old lease is fenced
     again = restarted.lease("w2", 2)
     assert {x.assignment.task.task_id for x in again} == {x.assignment.task.task_id for x in leased}
     restarted._refill()
@@ -131,3 +131,19 @@ def test_restart_fences_old_leases_and_keeps_the_dataset_cursor(tmp_path, prompt
     assert not (set(pending) & {x.assignment.task.prompt_index for x in again})
     assert submitted_before <= set(pending) | {x.assignment.task.prompt_index for x in again}
     restarted.shutdown()
+
+
+def test_stale_groups_are_skipped_and_their_prompts_regenerated_once(tmp_path, prompts):
+    controller = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=1))
+    leased = controller.lease("w", 4)
+    for item, min_version in zip(leased, (0, 2, 0, 2)):
+        controller.complete(item.assignment.lease, *publish(tmp_path, "straw", item), 2, 2, min_version)
+    taken = controller.take_groups(0, 2, 2, 0)    # policy 2: groups from version 0 are 2 versions old
+    assert [g.position for g in taken.groups] == [1, 3] and taken.skipped == [0, 2] and taken.next_cursor == 4
+    again = controller.take_groups(0, 2, 2, 0)    # re-asking is idempotent: no duplicate resubmission
+    assert again.skipped == [0, 2]
+    regenerated = [t for t in controller.queue.pending() if t.task_id.startswith("r")]
+    assert sorted(t.prompt_index for t in regenerated) == sorted(
+        leased[i].assignment.task.prompt_index for i in (0, 2))
+    assert controller.stats().regenerated == 2
+    controller.shutdown()

@@ -19,8 +19,11 @@ from vime.config.framework import (
     AlgorithmConfig, CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, QueueConfig, RolloutConfig,
     RunConfig, TrainConfig, WeightSyncConfig,
 )
+from vime.config.framework import DebugConfig
+from vime.config.framework import ElasticConfig
 from vime.config.megatron import MegatronConfig
 from vime.config.passthrough import split_prefixed
+from vime.rl.algorithm_checks import check_algorithm_with_run
 
 __all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]
 
@@ -35,6 +38,8 @@ SECTIONS = [
     ("checkpoint", CheckpointConfig, "Checkpoints"),
     ("eval", EvalConfig, "Evaluation"),
     ("run", RunConfig, "Run"),
+    ("debug", DebugConfig, "Debug replay"),
+    ("elastic", ElasticConfig, "Engine health and elastic rollout"),
 ]
 
 
@@ -52,6 +57,8 @@ class TrainSettings:
     checkpoint: CheckpointConfig
     eval: EvalConfig
     run: RunConfig
+    debug: DebugConfig
+    elastic: ElasticConfig
     vllm: vllm_args.VllmConfig
     router_args: dict
     megatron: MegatronConfig
@@ -136,6 +143,11 @@ def validate(settings: TrainSettings) -> None:
             "the torch backend trains on one slot for now (actor nodes x GPUs per node must be 1)")
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
+    check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
+    vllm_args.resolve_topology(settings)  # --vllm-config & co.; sets args.vllm_deployment
+    require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
+                 and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",
+            "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'")
 
 
 def _absolute(path: str | None) -> str | None:

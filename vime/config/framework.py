@@ -55,19 +55,31 @@ class ClusterConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
-    prompt_data: str | None = option(None, "Prompt dataset: a .jsonl or .parquet file, local or any fsspec URL.")
-    input_key: str = option("input", "Record field holding the prompt (a string or a list of chat messages).")
+    prompt_data: str | None = option(
+        None, "Prompt dataset: a .jsonl or .parquet file (Parquet needs pyarrow), local or any fsspec URL "
+        "(s3://, gs://, hf://, memory://, ...).")
+    input_key: str = option(
+        "input", "Record field holding the prompt: a string, or a list of chat messages ({role, content}, "
+        "optionally step_loss_mask 0/1: 0 keeps that turn out of an SFT loss).")
     label_key: str | None = option(None, "Record field holding the label passed to the reward function.")
-    metadata_key: str = option("metadata", "Record field holding per-sample metadata (a JSON object).")
+    metadata_key: str = option(
+        "metadata", "Record field holding per-sample metadata (a JSON object, or a JSON string). "
+        "metadata['source_name'] names the sample's data source (sample.source_name).")
     apply_chat_template: bool = option(False, "Render the prompt with the tokenizer's chat template.")
+    data_source_path: str | None = option(
+        None, "A custom data source class instead of --prompt-data, 'module.Class' or 'file.py:Class', built as "
+        "DataSource(args): map-style, __len__() rows and __getitem__(i) -> a record dict, a Sample or a "
+        "PromptRecord; row i must always be the same prompt (the queue journals row indices). "
+        "See docs/data-and-hooks.md.")
     rollout_shuffle: bool = option(False, "Shuffle prompts each epoch (seeded by --seed and the epoch).")
     num_epoch: int | None = option(
         None, "Stop after this many passes over --prompt-data (default: run --num-rollout steps).")
 
     def validate(self) -> None:
-        require(bool(self.prompt_data), "--prompt-data", "is required (a .jsonl or .parquet prompt file)")
-        require(self.prompt_data.split("?")[0].endswith((".jsonl", ".parquet")), "--prompt-data",
-                f"expected a .jsonl or .parquet file, got {self.prompt_data!r}")
+        require(bool(self.prompt_data) or bool(self.data_source_path), "--prompt-data",
+                "is required (a .jsonl or .parquet prompt file), unless --data-source-path gives a custom source")
+        require(not self.prompt_data or self.prompt_data.split("?")[0].endswith((".jsonl", ".parquet")),
+                "--prompt-data", f"expected a .jsonl or .parquet file, got {self.prompt_data!r}")
         require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch", "must be >= 1")
 
 
@@ -83,7 +95,14 @@ class RolloutConfig:
         None, "Replace the default fully-async rollout with generate_rollout(args, rollout_id, data_source, "
         "evaluation=False), given as 'module.attr' or 'file.py:attr'.")
     custom_generate_function_path: str | None = option(
-        None, "Async generate(args, sample, sampling_params) -> Sample used for every sample.")
+        None, "Async generate(args, sample, sampling_params) -> Sample used for every sample. Multi-turn "
+        "functions continue the sample with vime.rollout.generate.generate_turn, which sends the sample's "
+        "session id (x-session-id) with every turn.")
+    dynamic_sampling_filter_path: str | None = option(
+        None, "filter(args, samples) -> DynamicFilterOutput(keep, reason) | bool, called on every scored group; "
+        "a dropped group is never trained: its task ends as 'rejected' in the queue and fresh prompts are "
+        "generated instead. Built-in: vime.rollout.filters.check_reward_nonzero_std (drop groups whose rewards "
+        "are all equal).")
     rm_type: str | None = option(None, "Built-in reward: exact_match, f1 or char_accuracy.",
                                  choices=["exact_match", "f1", "char_accuracy"])
     custom_rm_path: str | None = option(
@@ -113,27 +132,89 @@ class RolloutConfig:
                 "--rollout-max-concurrent-groups", "must be >= 1")
 
 
-ADVANTAGE_ESTIMATORS = ["grpo"]
+ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
 
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
+    """The RL objective: advantages, policy loss, KL and off-policy corrections (docs/algorithms.md)."""
+
     advantage_estimator: str = option(
-        "grpo", "RL algorithm computing advantages. Implemented: " + ", ".join(ADVANTAGE_ESTIMATORS) + ".")
-    normalize_advantages: bool = option(False, "Whiten advantages across the whole batch.")
-    disable_grpo_std_normalization: bool = option(False, "GRPO: subtract the group mean only.")
-    eps_clip: float = option(0.2, "PPO-style lower clip range of the importance ratio.")
-    eps_clip_high: float | None = option(None, "Upper clip range (default: --eps-clip).")
+        "grpo", "RL algorithm computing advantages: " + ", ".join(ADVANTAGE_ESTIMATORS) + ". 'ppo' needs a "
+        "critic, which vime does not have yet.")
+    loss_type: str = option(
+        "policy_loss", "policy_loss: the RL objective; sft_loss: negative log-likelihood of the loss-masked "
+        "response tokens (rewards are ignored).", choices=["policy_loss", "sft_loss"])
+    pg_loss_type: str | None = option(
+        None, "Policy-gradient objective: 'ppo' (clipped ratio) or 'reinforce' (-A log p). Default: 'reinforce' "
+        "with --use-score-centering, else 'ppo' (CISPO and GSPO bring their own objective).",
+        choices=["ppo", "reinforce"])
+    normalize_advantages: bool = option(False, "Whiten advantages over the loss-masked tokens of the whole rollout.")
+    disable_grpo_std_normalization: bool = option(
+        False, "GRPO/GSPO/CISPO: subtract the group mean only, without dividing by the group std (Dr. GRPO).")
+    gamma: float = option(1.0, "Discount factor of REINFORCE++ returns and PPO's GAE.")
+    lambd: float = option(1.0, "GAE lambda (PPO).")
+    eps_clip: float = option(0.2, "Lower clip range of the importance ratio: ratios below 1 - eps are clipped.")
+    eps_clip_high: float | None = option(None, "Upper clip range: ratios above 1 + eps_high are clipped "
+                                         "(default: --eps-clip).")
+    eps_clip_c: float | None = option(
+        None, "Dual-clip PPO: for negative advantages the loss is bounded by -c A (c > 1; arXiv:1912.09729).")
+    kl_coef: float = option(
+        0.0, "KL penalty coefficient for reward shaping: -kl_coef x KL(policy || reference) is folded into the "
+        "token rewards before advantages (reinforce_plus_plus, reinforce_plus_plus_baseline, ppo).")
+    use_kl_loss: bool = option(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
+    kl_loss_coef: float = option(0.0, "Weight of the KL loss term (needs --use-kl-loss).")
+    kl_loss_type: str = option(
+        "k1", "KL estimator of the KL loss and of the reward shaping: k1 (log-ratio), k2 (half squared "
+        "log-ratio), k3 (exp(-x) - 1 + x), low_var_kl (k3 clamped to [-10, 10]).",
+        choices=["k1", "k2", "k3", "low_var_kl"])
+    ref_load: str | None = option(
+        None, "Reference model for the KL terms: an HF model folder, loaded frozen (default: --hf-checkpoint, "
+        "the initial policy).")
+    entropy_coef: float = option(0.0, "Entropy bonus: the loss is reduced by this times the mean token entropy.")
     calculate_per_token_loss: bool = option(
-        False, "Average the loss over all tokens of the batch instead of per sample, then over samples.")
+        False, "Loss over tokens: sum(sum(sample_i)) / sum(len(sample_i)) instead of the default per-sample "
+        "mean(sum(sample_i) / len(sample_i)).")
     use_rollout_logprobs: bool = option(
         False, "Use the sampler's log-probs as the old policy instead of recomputing them with the trainer.")
+    use_tis: bool = option(
+        False, "Truncated importance sampling: weight each token's loss by clip(pi_old_trainer / pi_sampler, "
+        "--tis-clip-low, --tis-clip) to correct the training-inference mismatch.")
+    tis_clip: float = option(2.0, "Upper bound of the TIS weight.")
+    tis_clip_low: float = option(0.0, "Lower bound of the TIS weight.")
+    custom_tis_function_path: str | None = option(
+        None, "Replace the TIS weighting: f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+        "total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics). Built-in: "
+        "vime.rl.tis.icepop_function (keep ratios inside the bounds, zero the others).")
+    mask_offpolicy_in_partial_rollout: bool = option(
+        False, "Train only on tokens generated by the policy version being trained: response tokens of older "
+        "weight versions get loss mask 0.")
+    use_score_centering: bool = option(
+        False, "Score centering (arXiv:2609.20807): subtract the sampler-expected score from the REINFORCE "
+        "gradient, computed from the sampler's recorded top-k heads.")
+    score_centering_top_k: int = option(
+        128, "Sampler top-k token ids and log-probs kept per response token for score centering (rollout "
+        "top-p 1 only); must fit the vocabulary.")
+
+    @property
+    def policy_loss(self) -> str:
+        """The objective actually optimised: 'ppo', 'reinforce', 'gspo', 'cispo' or 'sft'."""
+        if self.loss_type == "sft_loss":
+            return "sft"
+        if self.advantage_estimator in ("gspo", "cispo"):
+            return self.advantage_estimator
+        if self.pg_loss_type is not None:
+            return self.pg_loss_type
+        return "reinforce" if self.use_score_centering else "ppo"
+
+    @property
+    def needs_reference_model(self) -> bool:
+        return self.loss_type == "policy_loss" and (self.use_kl_loss or self.kl_coef != 0)
 
     def validate(self) -> None:
-        require(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "--advantage-estimator",
-                f"unknown estimator {self.advantage_estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-        require(self.eps_clip > 0, "--eps-clip", "must be > 0")
-        require(self.eps_clip_high is None or self.eps_clip_high > 0, "--eps-clip-high", "must be > 0")
+        from vime.rl.algorithm_checks import check_algorithm_flags
+
+        check_algorithm_flags(self)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -227,20 +308,48 @@ class QueueConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class WeightSyncConfig:
-    update_weight_mode: str = option("full", "Publish full weights or only what changed.", choices=["full", "delta"])
-    update_weight_transport: str = option("disk", "How engines receive weights.", choices=["disk", "nccl"])
+    """How new weights reach the engines (docs/weights.md)."""
+
+    update_weight_mode: str = option(
+        "full", "Publish full weights, or (disk transport) a compressed XOR delta against the previous version. "
+        "In delta mode a process's first publication, one to an engine without the parent version and every "
+        "--update-weight-full-interval-th one are full.", choices=["full", "delta"])
+    update_weight_transport: str = option(
+        "disk", "How engines receive weights: weight_v{N:06d}/ folders they reload, or an NCCL broadcast from the "
+        "trainer (GPUs only; the trainer and the engines on different GPUs).", choices=["disk", "nccl"])
     update_weight_disk_dir: str | None = option(
         None, "Where weight_v{N:06d}/ folders are written (default: <run-dir>/weights).")
+    update_weight_full_interval: int = option(
+        10, "With --update-weight-mode delta: every this-many-th publication is full, which bounds the delta chain "
+        "a reader replays (1: always full). vime-specific.")
     flush_cache_interval: int = option(
         1, "1: abort in-flight requests, flush KV, update, resume. <=0: pause in place, update, continue "
         "with the existing KV. N>1: flush every N-th synchronisation.")
-    keep_weight_versions: int = option(2, "Published versions kept on disk besides the newest. vime-specific.")
+    keep_weight_versions: int = option(
+        2, "Published versions kept on disk besides the newest (and the delta chains they need). vime-specific.")
 
     def validate(self) -> None:
-        require(self.update_weight_transport == "disk", "--update-weight-transport",
-                "'nccl' is not implemented yet; use 'disk'")
-        require(self.update_weight_mode == "full", "--update-weight-mode", "'delta' is not implemented yet")
         require(self.keep_weight_versions >= 1, "--keep-weight-versions", "must be >= 1")
+        require(self.update_weight_full_interval >= 1, "--update-weight-full-interval", "must be >= 1")
+        if self.update_weight_transport == "nccl":
+            require(self.update_weight_mode == "full", "--update-weight-mode",
+                    "'delta' applies to the disk transport; nccl broadcasts every tensor")
+            from vime.weights.nccl import cuda_available
+
+            require(cuda_available(), "--update-weight-transport",
+                    "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'")
+
+    def engine_vllm_args(self, vllm_args: dict) -> dict:
+        """The engines' vLLM flags plus what this transport needs (nccl: vime's worker extension)."""
+        args = dict(vllm_args)
+        if self.update_weight_transport == "nccl":
+            from vime.weights.nccl import WORKER_EXTENSION
+
+            other = args.get("worker-extension-cls")
+            require(other in (None, WORKER_EXTENSION), "--vllm-worker-extension-cls",
+                    f"--update-weight-transport nccl needs vLLM's worker extension {WORKER_EXTENSION}, not {other}")
+            args["worker-extension-cls"] = WORKER_EXTENSION
+        return args
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -268,6 +377,10 @@ class EvalConfig:
     eval_temperature: float = option(0.0, "Sampling temperature for evaluation (0 = greedy).")
     eval_max_response_len: int | None = option(None, "Maximum response tokens in evaluation "
                                                "(default: --rollout-max-response-len).")
+    eval_function_path: str | None = option(
+        None, "Replace the built-in evaluation with generate_rollout(args, rollout_id, data_source, evaluation=True) "
+        "-> RolloutFnEvalOutput(data={name: {'rewards': [...]}}), called once per --eval-prompt-data set; "
+        "data_source.get_samples(n) hands out that set's prompts.")
 
     @property
     def datasets(self) -> list[tuple[str, str]]:
@@ -294,3 +407,60 @@ class RunConfig:
     def validate(self) -> None:
         require(self.engine_startup_timeout > 0, "--engine-startup-timeout", "must be > 0")
         require(self.http_timeout > 0, "--http-timeout", "must be > 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DebugConfig:
+    save_debug_rollout_data: str | None = option(
+        None, "After each trained step, keep an immutable archive of exactly the batch trained (every sample "
+        "field, the policy version, the step's loss and gradient norm) at this path, which must contain "
+        "'{rollout_id}' (e.g. debug/{rollout_id}.vdr). An existing archive is never replaced: a step retrained "
+        "after a resume accepts an identical one, anything else stops the run. See docs/replay.md.", metavar="PATH")
+    load_debug_rollout_data: str | None = option(
+        None, "Train on the batches recorded with --save-debug-rollout-data (the same '{rollout_id}' path) "
+        "without engines, router or rollout workers; on CPU with the same flags it reproduces the recorded "
+        "losses and gradient norms bit for bit. Writes no checkpoint.", metavar="PATH")
+
+    def validate(self) -> None:
+        require(not (self.save_debug_rollout_data and self.load_debug_rollout_data), "--load-debug-rollout-data",
+                "cannot be combined with --save-debug-rollout-data (a replay trains on archives, it records none)")
+        if self.save_debug_rollout_data is None and self.load_debug_rollout_data is None:
+            return
+        from vime.recovery.debug_archive import check_template, existing_archives
+
+        if self.save_debug_rollout_data is not None:
+            check_template(self.save_debug_rollout_data, "--save-debug-rollout-data")
+        if self.load_debug_rollout_data is not None:
+            check_template(self.load_debug_rollout_data, "--load-debug-rollout-data")
+            require(bool(existing_archives(self.load_debug_rollout_data)), "--load-debug-rollout-data",
+                    f"no archive matches {self.load_debug_rollout_data!r} (nothing was recorded there)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ElasticConfig:
+    """Engine health checks, restarts and elastic membership (docs/elastic.md)."""
+
+    rollout_health_check_interval: float = option(
+        10.0, "Seconds between two /health checks of each rollout engine (a monitor thread of the driver).")
+    rollout_health_check_timeout: float = option(
+        10.0, "Seconds one /health check may take; a check that times out counts as failed.")
+    rollout_health_check_first_wait: float = option(
+        0.0, "Grace period in seconds after an engine starts serving before its health is checked (time to "
+        "compile and warm up).")
+    rollout_health_check_failures: int = option(
+        2, "Consecutive failed checks after which an engine is declared dead: it is unregistered from the router "
+        "at once and, if vime started it, restarted at the current weight version. vime-specific.")
+    rollout_engine_restart_budget: int = option(
+        3, "Restarts allowed per engine vime started; an engine that dies more often is dropped (the run goes on "
+        "while some engine serves). vime-specific.")
+    rollout_elastic_resource: str = option(
+        "vime_rollout", "Ray custom resource that marks a rollout node: every alive node that has it and hosts no "
+        "engine of this run gets max(1, amount / --rollout-num-gpus-per-engine) engines and a rollout worker, "
+        "while the run goes on. '' turns node watching off. vime-specific.")
+
+    def validate(self) -> None:
+        require(self.rollout_health_check_interval > 0, "--rollout-health-check-interval", "must be > 0")
+        require(self.rollout_health_check_timeout > 0, "--rollout-health-check-timeout", "must be > 0")
+        require(self.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
+        require(self.rollout_health_check_failures >= 1, "--rollout-health-check-failures", "must be >= 1")
+        require(self.rollout_engine_restart_budget >= 0, "--rollout-engine-restart-budget", "must be >= 0")

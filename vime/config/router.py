@@ -1,7 +1,12 @@
 """``--router-*``: vllm-router flags, forwarded with the prefix removed.
 
-Checked at start-up against the installed ``vllm-router --help`` so that a typo fails before any
-process starts. vime owns the router's address and its worker list.
+Checked at start-up against the installed ``vllm-router --help`` so that a typo (a flag, or a
+policy name) fails before any process starts. vime owns the router's address and its worker list.
+
+Policies (``--router-policy``): vime's default is ``round_robin`` (even load; vllm-router's own
+default ``cache_aware`` sent every request of a small run to one engine). For multi-turn sessions
+choose ``consistent_hash``: vime sends every request of a sample with ``x-session-id: <session_id>``
+(vime.rollout.generate), the first key that policy hashes, so all turns of a session reach one engine.
 """
 
 from __future__ import annotations
@@ -26,24 +31,37 @@ DEFAULTS = {
     "request-timeout-secs": "600",
     "log-level": "warning",
 }
+POLICY_FLAGS = ("policy", "prefill-policy", "decode-policy")
+# Policies that keep a session on one engine by the x-session-id header vime sends.
+SESSION_AFFINITY_POLICIES = ("consistent_hash",)
 
 
 def add_help(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group(
         "vllm-router (--router-*)",
-        "Any vllm-router flag with the prefix --router-, e.g. --router-policy consistent_hash, "
+        "Any vllm-router flag with the prefix --router-, e.g. --router-policy consistent_hash (session "
+        "affinity: every request of a sample carries its session id as x-session-id), "
         "--router-balance-abs-threshold 0. vime's defaults: "
         + ", ".join(f"--router-{k} {v}" for k, v in DEFAULTS.items()) + ".")
 
 
 @functools.lru_cache(maxsize=1)
-def router_flags() -> frozenset[str]:
+def router_help() -> str:
     try:
         binary = router_binary()
     except FileNotFoundError:
-        return frozenset()
-    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
-    return frozenset(re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", out.stdout))
+        return ""
+    return subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+
+
+def router_flags() -> frozenset[str]:
+    return frozenset(re.findall(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)", router_help()))
+
+
+def flag_choices(flag: str) -> tuple[str, ...]:
+    """The values ``vllm-router --help`` lists for ``--flag {a,b,...}`` (empty when unknown)."""
+    match = re.search(rf"(?<![\w-])--{re.escape(flag)} \{{([^}}]+)\}}", router_help())
+    return tuple(match[1].split(",")) if match else ()
 
 
 def resolve_router_args(forwarded: dict[str, str | None]) -> dict[str, str | None]:
@@ -55,4 +73,10 @@ def resolve_router_args(forwarded: dict[str, str | None]) -> dict[str, str | Non
         for key in forwarded:
             if key not in known:
                 raise ConfigError(f"--router-{key}", f"vllm-router has no flag --{key}")
-    return {**DEFAULTS, **forwarded}
+    resolved = {**DEFAULTS, **forwarded}
+    for key in POLICY_FLAGS:
+        choices = flag_choices(key)
+        if key in resolved and choices and resolved[key] not in choices:
+            raise ConfigError(f"--router-{key}", f"unknown policy {resolved[key]!r}; vllm-router has "
+                                                 f"{', '.join(choices)}")
+    return resolved

@@ -12,10 +12,16 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
-from vime.config.base import ConfigError, add_section_arguments, option
+from vime.config import vllm_config
+from vime.config.base import ConfigError, add_section_arguments, option, section_from_args
+
+if TYPE_CHECKING:
+    from vime.config import TrainSettings
 
 # vLLM flags vime derives; the value says which vime flag sets it.
 DERIVED = {
@@ -43,12 +49,83 @@ class VllmConfig:
             raise ConfigError("--vllm-router-port", "must be in 1..65535")
 
 
+@dataclasses.dataclass(kw_only=True)
+class EngineTopologyConfig:
+    """Which engines serve the run: vime's own (one model, a --vllm-config YAML, or the legacy PD
+    split) or engines started elsewhere. The three ways exclude each other."""
+
+    vllm_config: str | None = option(
+        None, "YAML describing the served models and their server groups: several models each behind its "
+        "own router, prefill/decode (PD) and encoder (EPD) disaggregation, per-group vLLM overrides, "
+        "selective weight updates. See docs/vllm-config.md.", metavar="YAML")
+    prefill_num_servers: int | None = option(
+        None, "Legacy PD disaggregation: this many engines are prefill servers and the remaining rollout GPUs "
+        "decode servers, behind one router. Prefer --vllm-config.")
+    rollout_external_engine_addrs: list[str] | None = option(
+        None, "Use vLLM engines already running at these addresses instead of starting any.",
+        metavar="HOST:PORT")
+
+    def validate(self) -> None:
+        if self.vllm_config and self.prefill_num_servers is not None:
+            raise ConfigError("--vllm-config", "cannot be combined with --prefill-num-servers: configure PD "
+                              "disaggregation with prefill and decode server_groups in the YAML")
+        if self.vllm_config and self.rollout_external_engine_addrs:
+            raise ConfigError("--vllm-config", "cannot be combined with --rollout-external-engine-addrs: external "
+                              "engines have their own topology, --vllm-config describes engines vime starts")
+        if self.prefill_num_servers is not None:
+            if self.rollout_external_engine_addrs:
+                raise ConfigError("--prefill-num-servers", "cannot be combined with --rollout-external-engine-addrs: "
+                                  "external engines report their own prefill/decode roles")
+            if self.prefill_num_servers < 1:
+                raise ConfigError("--prefill-num-servers", "must be >= 1")
+        for address in self.rollout_external_engine_addrs or ():
+            match = _HOST_PORT.fullmatch(address)
+            if not match or not 0 < int(match[3]) < 65536:
+                raise ConfigError("--rollout-external-engine-addrs", f"{address!r} is not host:port")
+
+
+_HOST_PORT = re.compile(r"(https?://)?([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):(\d+)/?")
+
+
 def add_help(parser: argparse.ArgumentParser) -> None:
     add_section_arguments(
         parser, VllmConfig, "vLLM engines (--vllm-*)",
         "Any vLLM server flag with the prefix --vllm-, e.g. --vllm-max-model-len 2048, --vllm-enforce-eager, "
         "--vllm-gpu-memory-utilization 0.7, --vllm-dtype float32. vime sets --model (from --hf-checkpoint), "
         "--host, --port and --tensor-parallel-size.")
+    add_section_arguments(parser, EngineTopologyConfig, "Engine topology")
+
+
+def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
+    """Check the topology flags and resolve the engines vime will start, at start-up.
+
+    Returns the :class:`~vime.config.vllm_config.Deployment` (also stored as
+    ``args.vllm_deployment`` for the driver), or None with --rollout-external-engine-addrs (those
+    engines' topology is read from them at run time).
+    """
+    topology = section_from_args(EngineTopologyConfig, settings.args)
+    topology.validate()
+    deployment = None
+    if not topology.rollout_external_engine_addrs:
+        flags = vllm_config.GlobalFlags(
+            hf_checkpoint=settings.train.hf_checkpoint, rollout_num_gpus=settings.cluster.rollout_gpus,
+            rollout_num_gpus_per_engine=settings.cluster.rollout_num_gpus_per_engine,
+            vllm_args=settings.vllm.vllm_args)
+        if topology.vllm_config:
+            deployment = vllm_config.resolve(vllm_config.load_vllm_config(topology.vllm_config), flags)
+        else:
+            deployment = vllm_config.default_deployment(flags, prefill_num_servers=topology.prefill_num_servers)
+        if settings.vllm.vllm_router_ip and len(deployment.models) > 1:
+            raise ConfigError("--vllm-router-ip", f"one external router cannot serve the {len(deployment.models)} "
+                              "models of --vllm-config; leave it out and vime starts a router per model")
+    settings.args.vllm_deployment = deployment
+    return deployment
+
+
+def check_topology_against_vllm(deployment: vllm_config.Deployment | None) -> None:
+    """Refuse --vllm-config overrides the installed vLLM does not know (next to check_against_vllm)."""
+    if deployment is not None:
+        vllm_config.check_overrides_against_vllm(deployment, _vllm_flag_table())
 
 
 def _vllm_flag_table() -> dict[str, bool]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -218,21 +218,28 @@ class EngineClient:
         be right is refused before it is sent: ``check_local_path`` requires ``path`` to be a folder
         with ``*.safetensors`` on this machine (turn it off when the engine reads another file system).
         """
-        timeout = timeout or self.timeout
         if check_local_path:
             folder = Path(path)
             if not folder.is_dir() or not any(folder.glob("*.safetensors")):
                 raise EngineError(self.url, f"reload_weights({path}): not a folder with *.safetensors "
                                             "here; not sent, since a failed reload kills the engine")
-        body = self._json("POST", "/collective_rpc", timeout=timeout, attempts=1, json_body={
-            "method": "reload_weights",
-            "kwargs": {"weights_path": str(path)},
-            "timeout": timeout,  # bounds the RPC inside vLLM too, not only our wait for it
-        })
-        results = (body or {}).get("results", [])
+        results = self.collective_rpc("reload_weights", {"weights_path": str(path)}, timeout=timeout)
         failures = [f"worker {i}: {r}" for i, r in enumerate(results) if r is not None]
         if failures:
             raise EngineError(self.url, f"reload_weights({path}) failed: " + "; ".join(failures))
+
+    def collective_rpc(self, method: str, kwargs: Mapping[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run ``method`` on every worker of the engine (a worker method, or one of the worker
+        extension's); returns each worker's result (None, a dict or a list; other values as text).
+        Not retried: the call may have run."""
+        timeout = timeout or self.timeout
+        body = self._json("POST", "/collective_rpc", timeout=timeout, attempts=1, json_body={
+            "method": method,
+            "kwargs": dict(kwargs or {}),
+            "timeout": timeout,  # bounds the RPC inside vLLM too, not only our wait for it
+        })
+        return list((body or {}).get("results", []))
 
     def abort_requests(self, timeout: float | None = None) -> int:
         """Abort every request in flight without pausing; returns how many were aborted."""
@@ -291,14 +298,23 @@ def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], ve
     whose reload raised as lost. The engine is resumed whenever the pause succeeded, also when a
     later step fails, so that it never stays paused.
     """
+    swap_engine_weights(client, version, flush, lambda: client.reload_weights(path))
+
+
+def swap_engine_weights(client: EngineClient, version: int, flush: bool, load: Callable[[], Any]) -> Any:
+    """``update_engine_weights`` with any way of loading: pause, ``load()``, (flush), label, resume.
+
+    Returns what ``load`` returned. The engine is resumed whenever the pause succeeded.
+    """
     client.pause(mode="abort" if flush else "keep")
     try:
-        client.reload_weights(path)
+        result = load()
         if flush:
             client.reset_prefix_cache()
         client.update_weight_version(version)
     finally:
         client.resume()
+    return result
 
 
 def _field(url: str, body: Any, key: str, what: str) -> Any:

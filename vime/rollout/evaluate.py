@@ -1,28 +1,118 @@
-"""Held-out evaluation through the router: generate for every prompt, score, average."""
+"""Held-out evaluation through the router: generate for every prompt, score, average.
+
+``--eval-function-path`` replaces the built-in loop with a user function called as
+``generate_rollout(args, rollout_id, data_source, evaluation=True)``, once per held-out set;
+``data_source.get_samples(n)`` hands out that set's prompts (each a group of
+--n-samples-per-eval-prompt fresh samples) until it is exhausted.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+from typing import Any
 
 import aiohttp
 
 from vime.data.prompt import render_prompt
-from vime.data.source import PromptDataset
+from vime.data.source import PromptSource
 from vime.rollout.generate import SamplingParams, generate
 from vime.rollout.rewards import RewardFn
+from vime.rollout.types import RolloutFnEvalOutput
 from vime.sample import Sample
 
+EVAL_FLAG = "--eval-function-path"
 
-async def evaluate_dataset(dataset: PromptDataset, *, tokenizer, router_url: str, reward: RewardFn, args,
+
+class EvalDataSource:
+    """The ``data_source`` an eval function receives: one held-out set, handed out once."""
+
+    def __init__(self, name: str, dataset: PromptSource, *, tokenizer, n_samples: int, apply_chat_template: bool):
+        self.name, self.dataset, self.n_samples = name, dataset, n_samples
+        self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
+        self.offset = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def group(self, record) -> list[Sample]:
+        tokens = render_prompt(self.tokenizer, record.prompt, apply_chat_template=self.apply_chat_template)
+        return [Sample(group_index=record.index, index=i, prompt_index=record.index, prompt=record.prompt,
+                       label=record.label, tokens=list(tokens), metadata=dict(record.metadata), source=record.source,
+                       session_id=f"eval-{self.name}-{record.index}-{i}")
+                for i in range(self.n_samples)]
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """The next ``num_samples`` prompts of the set (fewer at its end, none after it)."""
+        end = min(len(self.dataset), self.offset + num_samples)
+        groups = [self.group(self.dataset[i]) for i in range(self.offset, end)]
+        self.offset = end
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        """Nothing to keep: an evaluation does not resume."""
+
+
+def summarize(samples: list[Sample]) -> dict[str, float]:
+    """Mean reward and response length, and the mean reward of each source (``reward/<source>``)."""
+    result = {"reward": statistics.fmean(float(s.reward) for s in samples),
+              "response_length": statistics.fmean(s.response_length for s in samples),
+              "samples": float(len(samples))}
+    by_source: dict[str, list[float]] = {}
+    for sample in samples:
+        by_source.setdefault(sample.source_name, []).append(float(sample.reward))
+    if len(by_source) > 1:
+        result.update({f"reward/{name}": statistics.fmean(values) for name, values in sorted(by_source.items())})
+    return result
+
+
+def interpret_eval_output(output: Any, name: str, path: str) -> dict[str, float]:
+    """An eval function's answer as {"reward", "response_length", "samples", ...}.
+
+    Accepted: ``RolloutFnEvalOutput(data={name: {"rewards": [...], "samples": [Sample, ...]}})``
+    (the reference framework's form; "truncated" and "response_lengths" lists are optional), the
+    same dict without the wrapper, or a list of scored Samples.
+    """
+    metrics = {}
+    if isinstance(output, RolloutFnEvalOutput):
+        metrics = {k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, (int, float))}
+        output = output.data
+    if isinstance(output, list) and all(isinstance(s, Sample) for s in output) and output:
+        return {**summarize(output), **metrics}
+    if isinstance(output, dict):
+        entry = output.get(name, output)
+        if isinstance(entry, dict) and isinstance(entry.get("samples"), list) and entry["samples"] and all(
+                isinstance(s, Sample) and s.reward is not None for s in entry["samples"]):
+            return {**summarize(entry["samples"]), **metrics}
+        rewards = entry.get("rewards") if isinstance(entry, dict) else None
+        if isinstance(rewards, list) and rewards:
+            lengths = entry.get("response_lengths") or [0]
+            return {"reward": statistics.fmean(float(r) for r in rewards),
+                    "response_length": statistics.fmean(float(n) for n in lengths),
+                    "samples": float(len(rewards)), **metrics}
+    raise TypeError(f"{EVAL_FLAG} {path}: for held-out set {name!r} it returned {type(output).__name__} "
+                    f"{str(output)[:200]!r}; expected RolloutFnEvalOutput(data={{{name!r}: {{'rewards': [...]}}}}) "
+                    "or a list of scored Samples")
+
+
+async def evaluate_dataset(dataset: PromptSource, *, tokenizer, router_url: str, reward: RewardFn, args,
                            params: SamplingParams, n_samples: int, apply_chat_template: bool,
-                           timeout: float, concurrency: int = 64) -> dict[str, float]:
-    limit = asyncio.Semaphore(concurrency)
+                           timeout: float, concurrency: int = 64, name: str = "eval", rollout_id: int = 0,
+                           eval_function_path: str | None = None) -> dict[str, float]:
+    if eval_function_path:
+        from vime.runtime.plugins import call_maybe_async, load_hook
 
-    async def one(session, record, index) -> Sample:
-        tokens = render_prompt(tokenizer, record.prompt, apply_chat_template=apply_chat_template)
-        sample = Sample(index=index, prompt_index=record.index, prompt=record.prompt, label=record.label,
-                        tokens=list(tokens), metadata=dict(record.metadata), session_id=f"eval-{record.index}-{index}")
+        function = load_hook(EVAL_FLAG, eval_function_path)
+        source = EvalDataSource(name, dataset, tokenizer=tokenizer, n_samples=n_samples,
+                                apply_chat_template=apply_chat_template)
+        output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
+        return interpret_eval_output(output, name, eval_function_path)
+
+    limit = asyncio.Semaphore(concurrency)
+    source = EvalDataSource(name, dataset, tokenizer=tokenizer, n_samples=n_samples,
+                            apply_chat_template=apply_chat_template)
+
+    async def one(session, sample: Sample) -> Sample:
         async with limit:
             await generate(session, router_url, sample, params, timeout=timeout)
         sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
@@ -30,8 +120,6 @@ async def evaluate_dataset(dataset: PromptDataset, *, tokenizer, router_url: str
         return sample
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        samples = await asyncio.gather(*(one(session, record, i) for record in dataset.records
-                                         for i in range(n_samples)))
-    return {"reward": statistics.fmean(s.reward for s in samples),
-            "response_length": statistics.fmean(s.response_length for s in samples),
-            "samples": float(len(samples))}
+        samples = await asyncio.gather(*(one(session, sample) for group in source.get_samples(len(dataset))
+                                         for sample in group))
+    return summarize(samples)

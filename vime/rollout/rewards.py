@@ -65,3 +65,12 @@ async def score_group(reward: RewardFn, args, samples: list[Sample]) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"reward function returned {value!r} ({type(value).__name__}); expected a float")
         sample.reward = float(value)
+
+
+def reward_by_source(samples: list[Sample]) -> dict[str, float]:
+    """``{"reward_mean/<source>": mean reward}`` per ``sample.source_name`` (for per-source metrics)."""
+    totals: dict[str, list[float]] = {}
+    for sample in samples:
+        if sample.reward is not None:
+            totals.setdefault(sample.source_name, []).append(float(sample.reward))
+    return {f"reward_mean/{name}": sum(values) / len(values) for name, values in sorted(totals.items())}

@@ -1,0 +1,132 @@
+"""Benchmark: what fully-asynchronous training buys over synchronous RL, on the main job.
+
+    .venv/bin/python bench/async/run.py [--steps 24] [--warmup 4]
+
+One invocation runs the digit-shift main job (64 prompts x 8 samples per step, no evaluation, no
+checkpoints) several times on the same machine, one after the other:
+
+  sync         --max-staleness 0: the rollout workers only start the groups of the next step once
+               the previous one is trained and published (generate, then train, then sync);
+  async-flush  --flush-cache-interval 1 (default): rollouts run one version ahead of training,
+               every update aborts in-flight requests and resumes them as continuations;
+  async-keep   --flush-cache-interval 0 --partial-rollout: updates pause in place and keep the KV;
+  delta        as async-flush with --update-weight-mode delta (skipped if the build refuses it).
+
+Printed: samples trained per second over the steady-state steps of each run, the ratios against
+sync, the weight-sync latency of full vs delta publication, and the ideal bound
+(T_gen + T_train) / max(T_gen, T_train) measured from the sync run, where T_train is the trainer's
+serial path of a step (read + train + weight sync, which the engines wait for too) and T_gen the
+rest of the step. Goal (issue 4): async >= 1.3x sync on 2 cores and >= 80% of the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "examples", "digit_shift"))
+
+MODES = {
+    "sync": ["--max-staleness", "0"],
+    "async-flush": ["--flush-cache-interval", "1"],
+    "async-keep": ["--flush-cache-interval", "0", "--partial-rollout"],
+    "delta": ["--flush-cache-interval", "1", "--update-weight-mode", "delta"],
+}
+
+
+def job_args(run_dir: str, model: str, steps: int, extra: list[str]) -> list[str]:
+    from run_demo import demo_args
+
+    args = demo_args(run_dir, model)
+    args[args.index("--num-rollout") + 1] = str(steps)
+    for flag, width in (("--eval-prompt-data", 3), ("--save", 2), ("--save-interval", 2), ("--eval-interval", 2)):
+        i = args.index(flag)
+        del args[i:i + width]
+    return args + ["--no-save-hf"] + extra
+
+
+def supported(args: list[str]) -> bool:
+    from vime.config import ConfigError, parse_train_args
+
+    try:
+        parse_train_args(args)
+    except ConfigError as error:
+        print(f"  (skipped: {error})")
+        return False
+    return True
+
+
+def steady_state(run_dir: str, warmup: int) -> dict[str, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if '"kind": "train"' in line]
+    if len(records) <= warmup + 1:
+        raise SystemExit(f"{run_dir}: only {len(records)} steps recorded; raise --steps")
+    steady = records[warmup:]
+    seconds = steady[-1]["time"] - records[warmup - 1]["time"]
+    trainer_path = [r["read_seconds"] + r["train_seconds"] + r["weight_sync_seconds"] for r in steady]
+    return {
+        "samples_per_s": sum(r["samples"] for r in steady) / seconds,
+        "step_seconds": seconds / len(steady),
+        "trainer_path_seconds": statistics.fmean(trainer_path),
+        "weight_sync_seconds": statistics.fmean(r["weight_sync_seconds"] for r in steady),
+        "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in steady),
+        "reward_last": steady[-1]["reward_mean"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    options = parser.parse_args()
+
+    from vime.tools.make_tiny_model import make_tiny_model
+    from vime.train import main as train_main
+
+    out = tempfile.mkdtemp(prefix="vime-bench-async-")
+    results: dict[str, dict[str, float]] = {}
+    try:
+        model = make_tiny_model(os.path.join(out, "model"))
+        for mode in options.modes:
+            run_dir = os.path.join(out, mode)
+            args = job_args(run_dir, model, options.steps, MODES[mode])
+            print(f"\n== {mode}: vime train ... {' '.join(MODES[mode])}", flush=True)
+            if not supported(args):
+                continue
+            if train_main(args) != 0:
+                raise SystemExit(f"the {mode} run failed (see {run_dir})")
+            results[mode] = steady_state(run_dir, options.warmup)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+    print("\n== bench/async: digit shift, 64 prompts x 8 samples per step, steady-state steps")
+    for mode, r in results.items():
+        print(f"  {mode:12s} {r['samples_per_s']:7.1f} samples trained/s   step {r['step_seconds']:.2f}s   "
+              f"weight sync {r['weight_sync_seconds']:.3f}s   staleness {r['staleness_mean']:.2f}   "
+              f"last reward {r['reward_last']:.3f}")
+    if "sync" in results:
+        sync = results["sync"]
+        t_train = sync["trainer_path_seconds"]
+        t_gen = max(sync["step_seconds"] - t_train, 0.0)
+        bound = (t_gen + t_train) / max(t_gen, t_train)
+        print(f"  sync run: T_gen {t_gen:.2f}s, T_train (read + train + sync) {t_train:.2f}s -> ideal bound {bound:.2f}x")
+        for mode in ("async-flush", "async-keep", "delta"):
+            if mode in results:
+                ratio = results[mode]["samples_per_s"] / sync["samples_per_s"]
+                print(f"  {mode} / sync = {ratio:.2f}x  ({ratio / bound:.0%} of the bound; goal >= 1.3x and >= 80%)")
+    if "delta" in results and "async-flush" in results:
+        full, delta = results["async-flush"]["weight_sync_seconds"], results["delta"]["weight_sync_seconds"]
+        print(f"  weight sync latency: full {full:.3f}s, delta {delta:.3f}s (delta / full = {delta / full:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

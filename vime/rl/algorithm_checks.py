@@ -1,0 +1,125 @@
+"""Start-up checks of the RL algorithm flags: every error names the flag to change.
+
+``check_algorithm_flags`` needs only the algorithm section (it runs from
+``AlgorithmConfig.validate``). ``check_algorithm_with_run`` also reads the rollout and model
+settings (sampling parameters, vocabulary size); it belongs with the cross-section checks of
+``vime.config.validate``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import TYPE_CHECKING
+
+from vime.config.base import require
+
+if TYPE_CHECKING:
+    from vime.config import TrainSettings
+    from vime.config.framework import AlgorithmConfig
+
+# Estimators that fold the --kl-coef penalty into the rewards.
+KL_SHAPED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+
+def check_algorithm_flags(algo: AlgorithmConfig) -> None:
+    from vime.config.framework import ADVANTAGE_ESTIMATORS
+
+    estimator = algo.advantage_estimator
+    require(estimator in ADVANTAGE_ESTIMATORS, "--advantage-estimator",
+            f"unknown estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    require(estimator != "ppo", "--advantage-estimator",
+            "'ppo' needs a critic (value model), which vime does not have yet; use grpo, gspo, cispo, "
+            "reinforce_plus_plus or reinforce_plus_plus_baseline")
+    require(0 <= algo.gamma <= 1, "--gamma", "must be in [0, 1]")
+    require(0 <= algo.lambd <= 1, "--lambd", "must be in [0, 1]")
+
+    # Clipping.
+    require(algo.eps_clip > 0, "--eps-clip", "must be > 0")
+    require(algo.eps_clip_high is None or algo.eps_clip_high > 0, "--eps-clip-high", "must be > 0")
+    require(algo.eps_clip_c is None or algo.eps_clip_c > 1, "--eps-clip-c", "must be > 1 (dual-clip bound)")
+    require(algo.eps_clip_c is None or algo.policy_loss == "ppo", "--eps-clip-c",
+            f"dual clipping applies to the PPO objective only, not to {algo.policy_loss!r}")
+    require(algo.pg_loss_type is None or estimator not in ("gspo", "cispo"), "--pg-loss-type",
+            f"--advantage-estimator {estimator} defines its own objective; drop --pg-loss-type")
+
+    # Advantages.
+    require(estimator not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") or algo.normalize_advantages,
+            "--normalize-advantages",
+            f"--advantage-estimator {estimator} whitens its advantages over the batch; add --normalize-advantages")
+    require(not algo.disable_grpo_std_normalization or estimator in ("grpo", "gspo", "cispo"),
+            "--disable-grpo-std-normalization", f"has no effect with --advantage-estimator {estimator}")
+
+    # KL to the reference model.
+    require(math.isfinite(algo.kl_coef) and algo.kl_coef >= 0, "--kl-coef", "must be >= 0")
+    require(math.isfinite(algo.kl_loss_coef) and algo.kl_loss_coef >= 0, "--kl-loss-coef", "must be >= 0")
+    require(algo.kl_coef == 0 or estimator in KL_SHAPED_ESTIMATORS, "--kl-coef",
+            f"--advantage-estimator {estimator} does not shape rewards with a KL penalty; use --use-kl-loss "
+            "--kl-loss-coef instead")
+    require(algo.kl_loss_coef == 0 or algo.use_kl_loss, "--kl-loss-coef", "has no effect without --use-kl-loss")
+    require(algo.kl_coef == 0 or algo.kl_loss_coef == 0, "--kl-coef",
+            "set either --kl-coef (reward shaping) or --kl-loss-coef (loss term), not both")
+    require(algo.ref_load is None or algo.needs_reference_model, "--ref-load",
+            "the reference model is only used with --use-kl-loss or --kl-coef")
+    if algo.ref_load is not None and "://" not in algo.ref_load:
+        require(os.path.isfile(os.path.join(algo.ref_load, "config.json")), "--ref-load",
+                f"{algo.ref_load!r} is not an HF model folder (no config.json)")
+    require(math.isfinite(algo.entropy_coef), "--entropy-coef", "must be finite")
+
+    # Off-policy corrections.
+    require(algo.tis_clip > 0, "--tis-clip", "must be > 0")
+    require(0 <= algo.tis_clip_low <= algo.tis_clip, "--tis-clip-low", "must be in [0, --tis-clip]")
+    require(not (algo.use_tis and algo.use_rollout_logprobs), "--use-tis",
+            "TIS weighs the trainer's old log-probs against the sampler's; with --use-rollout-logprobs they "
+            "are the same and every weight is 1")
+    require(algo.custom_tis_function_path is None or algo.use_tis, "--custom-tis-function-path",
+            "has no effect without --use-tis")
+
+    # Supervised fine-tuning ignores rewards, so the RL-only options cannot apply.
+    if algo.loss_type == "sft_loss":
+        for flag, on in (("--use-tis", algo.use_tis), ("--use-kl-loss", algo.use_kl_loss),
+                         ("--kl-coef", algo.kl_coef != 0), ("--use-score-centering", algo.use_score_centering),
+                         ("--pg-loss-type", algo.pg_loss_type is not None),
+                         ("--entropy-coef", algo.entropy_coef != 0)):
+            require(not on, flag, "does not apply to --loss-type sft_loss")
+
+    # Score centering.
+    if algo.use_score_centering:
+        from vime.rl.tis import builtin_tis_mode
+
+        require(algo.score_centering_top_k >= 1, "--score-centering-top-k", "must be >= 1")
+        require(algo.pg_loss_type != "ppo", "--pg-loss-type",
+                "score centering centres the REINFORCE objective; use --pg-loss-type reinforce (or omit it)")
+        require(estimator not in ("gspo", "cispo"), "--advantage-estimator",
+                f"score centering uses a REINFORCE objective and cannot combine with {estimator}; use grpo, "
+                "reinforce_plus_plus or reinforce_plus_plus_baseline")
+        require(not algo.use_tis or builtin_tis_mode(algo.custom_tis_function_path) is not None,
+                "--custom-tis-function-path",
+                "score centering supports the built-in TIS and icepop_function only: a custom callback cannot "
+                "weigh the head and tail scores")
+
+
+def check_algorithm_with_run(settings: TrainSettings) -> None:
+    """Checks that need the sampling flags or the model (run by ``vime.config.validate``)."""
+    algo, rollout = settings.algorithm, settings.rollout
+    if algo.use_score_centering:
+        # The correction compares trainer and sampler distributions token by token: the sampler must draw
+        # from the same (temperature-scaled, untruncated or top-p-replayed) distribution the trainer scores.
+        require(rollout.rollout_temperature > 0, "--rollout-temperature",
+                "score centering needs stochastic sampling (temperature > 0)")
+        require(rollout.rollout_top_k == -1, "--rollout-top-k",
+                "score centering needs untruncated sampling: use --rollout-top-k -1")
+        vocab = _vocab_size(settings.train.hf_checkpoint)
+        require(vocab is None or rollout.rollout_top_p < 1 or algo.score_centering_top_k <= vocab,
+                "--score-centering-top-k", f"{algo.score_centering_top_k} exceeds the vocabulary ({vocab} tokens)")
+
+
+def _vocab_size(model_dir: str | None) -> int | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, TypeError, ValueError):
+        return None
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if size else None

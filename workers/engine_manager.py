@@ -1,0 +1,586 @@
+"""Which engines serve a run, while it runs: start, join, health, restart, drain, elastic nodes.
+
+The driver owns one ``EngineManager`` and calls :meth:`EngineManager.poll` between its own steps
+(it never blocks: everything slow runs in engine actors and is collected later). The manager keeps
+one :class:`Member` per engine and the :class:`~vime.workers.engines.EngineGroup` of those that
+serve (what weight synchronisation updates). docs/elastic.md describes the behaviour; in short:
+
+- **joining** (engines started at launch, on a node that joins the Ray cluster, restarted, or
+  external ones attached with ``vime engines add``): the engine loads the *current* weight
+  version, reads its label back, and only then is registered with the router; a version published
+  meanwhile is loaded before registration. For a new node, the driver starts that node's rollout
+  worker once its first engine serves (the ``ready`` :class:`NodeEvent`).
+- **health**: a monitor thread (workers/health.py) checks every serving engine; a dead one is
+  unregistered from the router at once; here it is restarted at the current version (engines vime
+  started, up to ``--rollout-engine-restart-budget`` times each) or dropped (external engines, a
+  lost node, an exhausted budget). A weight update that fails on an engine counts the same.
+- **removing** (``vime engines remove``): unregister, abort its requests in flight (their groups
+  return to the queue as continuations), then stop it (vime's own) or detach from it (external).
+- **nodes**: every ``NODE_POLL_SECONDS`` the alive Ray nodes are listed; a node with the ``--rollout-elastic-resource`` resource that hosts no engine
+  of this run gets engines (NodeAffinitySchedulingStrategy); a node that disappears takes its
+  engines and its rollout worker with it (``lost`` event).
+
+When no engine serves or is on its way any more although the run had some, :meth:`poll` raises
+:class:`EnginesLost` naming why each one went: the job cannot make progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vime.config.framework import ElasticConfig
+from vime.engines.external import engine_url
+from vime.engines.http import EngineError
+from vime.engines.router import RouterClient
+from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
+from vime.workers.engines import EngineActor, EngineGroup, EngineSpec
+from vime.workers.health import HealthMonitor
+
+NODE_POLL_SECONDS = 2.0
+REQUEST_POLL_SECONDS = 0.5
+SNAPSHOT_SECONDS = 1.0
+JOIN_SLACK_SECONDS = 120.0   # on top of --engine-startup-timeout: scheduling the actor, loading weights
+
+
+class EnginesLost(RuntimeError):
+    """Every engine of the run is gone and none is starting: generation cannot go on."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineTemplate:
+    """What every engine vime starts has in common (the per-engine spec adds index, host, log)."""
+
+    model: str
+    vllm_args: dict
+    tensor_parallel_size: int
+    run_token: str
+    log_dir: str
+    startup_timeout: float
+    http_timeout: float
+    weight_dir: str
+    weight_transport: str = "disk"
+
+    def spec(self, index: int, *, host: str = "127.0.0.1", external_url: str | None = None,
+             startup_timeout: float | None = None) -> EngineSpec:
+        return EngineSpec(index=index, model=self.model, vllm_args=dict(self.vllm_args),
+                          tensor_parallel_size=self.tensor_parallel_size, run_token=self.run_token,
+                          log_path=os.path.join(self.log_dir, f"engine-{index}.log"),
+                          startup_timeout=startup_timeout or self.startup_timeout, http_timeout=self.http_timeout,
+                          host=host, external_url=external_url)
+
+
+@dataclasses.dataclass
+class Member:
+    index: int
+    origin: str                 # start | node | external (--rollout-external-engine-addrs) | added (vime engines add)
+    actor: Any
+    spec: EngineSpec
+    node_id: str | None = None  # where its actor runs
+    url: str | None = None
+    gpus: int = 1
+    worker_type: str = "regular"
+    state: str = "starting"     # starting | serving | restarting | draining | removed | lost
+    version: int = 0
+    restarts: int = 0
+    pending: Any = None         # ObjectRef of the join / restart / catch-up / drain in progress
+    pending_what: str = ""
+    pending_since: float = 0.0
+    deadline: float = 0.0
+    request: str | None = None  # the `vime engines` request waiting for this member
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"engine-{self.index}"
+
+    @property
+    def owned(self) -> bool:
+        return self.spec.external_url is None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeEvent:
+    kind: str          # ready: a new node's first engine serves (start its rollout worker) | lost
+    node_id: str
+    host: str | None = None
+
+
+class EngineManager:
+    def __init__(self, *, template: EngineTemplate, config: ElasticConfig, router: RouterClient,
+                 say: Callable[[str], None] = print, record: Callable[[dict], None] = lambda r: None,
+                 register_with_router: bool = True):
+        self.template, self.config, self.router = template, config, router
+        self.say, self.record = say, record
+        self.register_with_router = register_with_router
+        self.members: list[Member] = []
+        self.group = EngineGroup([], [], on_failure=self._on_call_failure,
+                                 call_timeout=max(600.0, 10 * template.http_timeout))
+        self.monitor = HealthMonitor(interval=config.rollout_health_check_interval,
+                                     timeout=config.rollout_health_check_timeout,
+                                     failures=config.rollout_health_check_failures,
+                                     on_dead=lambda url, _reason: self._unregister_quietly(url))
+        self.registry = None
+        self.version = 0
+        self.nodes_handled: set[str] = set()
+        self.nodes_lost: set[str] = set()
+        self.events: list[NodeEvent] = []
+        self._next_index = 0
+        self._nodes_ready: set[str] = set()
+        self.frozen = False         # the run is ending: lost engines are not restarted any more
+        self._last = {"requests": 0.0, "nodes": 0.0, "snapshot": 0.0}
+        self._remote = None
+
+    # ================================================================== at start-up (blocking)
+    def start_owned(self, count: int) -> None:
+        """Start ``count`` engines (vime's own), wait until each serves version 0, register them."""
+        members = [self._spawn("start") for _ in range(count)]
+        self._wait_joined(members, self.template.startup_timeout + JOIN_SLACK_SECONDS)
+
+    def attach_external(self, addresses: list[str]) -> None:
+        """Use engines started elsewhere (--rollout-external-engine-addrs): read their /server_info,
+        load version 0 (--hf-checkpoint) into them, register the regular ones with the router."""
+        members = [self._spawn("external", external_url=engine_url(a)) for a in addresses]
+        self._wait_joined(members, self.template.startup_timeout + JOIN_SLACK_SECONDS)
+
+    def _wait_joined(self, members: list[Member], timeout: float) -> None:
+        import ray
+
+        refs = [m.pending for m in members]
+        done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if late:
+            slow = [m for m in members if m.pending in late]
+            raise EngineError(slow[0].spec.external_url or slow[0].name,
+                              f"not serving after {timeout:.0f}s (log: {slow[0].spec.log_path})")
+        for m in members:
+            info = ray.get(m.pending)  # raises the engine's own error (with its log tail)
+            m.pending = None
+            self._joined(m, info)
+            if m.state != "serving":
+                raise EngineError(m.url or m.name, m.last_error)
+
+    # ================================================================== the driver's poll
+    def open_registry(self, namespace: str | None = None) -> None:
+        """Create the run's named registry actor (the way in for `vime engines`)."""
+        import ray
+
+        self.registry = ray.remote(num_cpus=0)(EngineRegistry).options(
+            name=REGISTRY_NAME, namespace=namespace, lifetime=None).remote()
+        ray.get(self.registry.engines.remote(), timeout=60)
+        self._publish_snapshot(force=True)
+
+    def start_monitor(self) -> None:
+        self.monitor.start()
+
+    def poll(self, version: int) -> list[NodeEvent]:
+        """Advance every membership change; returns node events for the driver. Never blocks long:
+        each Ray call here is a bounded, quick one."""
+        self.version = version
+        now = time.monotonic()
+        for url, reason in self.monitor.take_dead():
+            member = self._serving(url)
+            if member is not None:
+                self._lose(member, f"failed its health checks: {reason}")
+        self._advance()
+        if self.registry is not None and now - self._last["requests"] >= REQUEST_POLL_SECONDS:
+            self._last["requests"] = now
+            self._take_requests()
+        if self.config.rollout_elastic_resource and now - self._last["nodes"] >= NODE_POLL_SECONDS:
+            self._last["nodes"] = now
+            self._watch_nodes()
+        self._publish_snapshot()
+        self._check_progress_possible()
+        events, self.events = self.events, []
+        return events
+
+    def node_alive(self, node_id: str | None) -> bool:
+        """Whether ``node_id`` (None: the driver's choice) is still in the cluster, asked now."""
+        if node_id is None:
+            return True
+        if node_id in self.nodes_lost:
+            return False
+        import ray
+
+        try:
+            return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+        except Exception:  # noqa: BLE001 - unknown: assume alive, the node watch will tell
+            return True
+
+    def stop(self) -> None:
+        """Stop the monitor, every engine vime started, and detach from external ones."""
+        import ray
+
+        self.monitor.stop()
+        live = [m for m in self.members if m.state not in ("removed", "lost")]
+        refs = [m.actor.stop.remote() for m in live]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=60)
+        for m in self.members:
+            ray.kill(m.actor)
+        self.members = []
+
+    # ================================================================== membership
+    def _actor_class(self):
+        import ray
+
+        if self._remote is None:
+            self._remote = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
+        return self._remote
+
+    def _spawn(self, origin: str, *, node_id: str | None = None, host: str = "127.0.0.1",
+               external_url: str | None = None, request: str | None = None,
+               startup_timeout: float | None = None) -> Member:
+        index, self._next_index = self._next_index, self._next_index + 1
+        spec = self.template.spec(index, host=host, external_url=external_url, startup_timeout=startup_timeout)
+        member = Member(index=index, origin=origin, actor=None, spec=spec, node_id=node_id, url=external_url,
+                        request=request, gpus=spec.tensor_parallel_size)
+        self._create_actor(member)
+        self.members.append(member)
+        return member
+
+    def _create_actor(self, member: Member) -> None:
+        options: dict[str, Any] = {}
+        if member.node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(member.node_id, soft=False)
+        member.actor = self._actor_class().options(**options).remote(member.spec)
+        self._pend(member, member.actor.join.remote(self.template.weight_dir, self.version), "join",
+                   member.spec.startup_timeout + JOIN_SLACK_SECONDS)
+
+    def _pend(self, member: Member, ref, what: str, timeout: float) -> None:
+        member.pending, member.pending_what = ref, what
+        member.pending_since = time.monotonic()
+        member.deadline = member.pending_since + timeout
+
+    def _advance(self) -> None:
+        """Collect every finished join / restart / catch-up / drain (non-blocking)."""
+        import ray
+
+        waiting = [m for m in self.members if m.pending is not None]
+        if not waiting:
+            return
+        done, _ = ray.wait([m.pending for m in waiting], num_returns=len(waiting), timeout=0)
+        done = set(done)
+        now = time.monotonic()
+        for m in waiting:
+            if m.pending in done:
+                ref, what = m.pending, m.pending_what
+                m.pending = None
+                try:
+                    result = ray.get(ref)
+                except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
+                    self._failed(m, what, _reason(error))
+                    continue
+                if what == "drain":
+                    self._drained(m, result)
+                else:
+                    self._joined(m, result)
+            elif now > m.deadline:
+                m.pending = None
+                self._failed(m, m.pending_what, f"{m.pending_what} did not finish within "
+                                                f"{m.deadline - m.pending_since:.0f}s")
+
+    def _joined(self, m: Member, info: dict) -> None:
+        """A join / restart / catch-up finished: catch up again, or register and serve."""
+        m.url, m.version = info["url"], info["version"]
+        m.node_id = info.get("node_id") or m.node_id
+        m.gpus, m.worker_type = info.get("gpus") or m.gpus, info.get("worker_type") or "regular"
+        if m.version != self.version:
+            # Versions were published while it joined: load the current one now, synchronously
+            # like a weight synchronisation (seconds at most), so that no newer version can be
+            # published before it is registered (polls come once per training step).
+            import ray
+
+            try:
+                info = ray.get(m.actor.catch_up.remote(self.template.weight_dir, self.version),
+                               timeout=self.group.call_timeout)
+            except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
+                self._failed(m, "catch-up", _reason(error))
+                return
+            m.version = info["version"]
+            if m.version != self.version:
+                self._failed(m, "catch-up", f"it serves version {m.version}, not the current {self.version}")
+                return
+        problem = self._check_role(m)
+        if problem:
+            self._give_up(m, problem)
+            return
+        if self.register_with_router and m.worker_type == "regular":
+            try:
+                self.router.add_worker(m.url)
+            except EngineError as error:
+                self._failed(m, "registration", str(error))
+                return
+        restarted = m.state == "restarting"
+        m.state, m.since, m.last_error = "serving", time.monotonic(), ""
+        self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
+        self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
+        seconds = info.get("startup_seconds")
+        self.say(f"{m.name} ({m.origin}{', restarted' if restarted else ''}) serves weight version {m.version} at "
+                 f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "") + "; registered with the router")
+        self.record({"kind": "engine", "event": "restarted" if restarted else "serving", "engine": m.name,
+                     "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
+                     "current_version": self.version, "join_seconds": seconds})
+        if m.request:
+            self._finish(m, True, f"{m.name} serves weight version {m.version} at {m.url}")
+        if m.origin == "node" and m.node_id and m.node_id not in self._nodes_ready:
+            self._nodes_ready.add(m.node_id)
+            self.events.append(NodeEvent("ready", m.node_id, m.spec.host))
+
+    def _check_role(self, m: Member) -> str | None:
+        if m.worker_type == "regular":
+            return None
+        if m.worker_type in ("prefill", "decode") and not self.register_with_router:
+            if m.url in self.router.workers():
+                return None
+            return (f"{m.url} is a {m.worker_type} engine but the router at {self.router.url} does not list it; "
+                    "register it with your PD router first")
+        return (f"{m.url} is a {m.worker_type} engine; vime attaches regular engines, and prefill/decode engines "
+                "only behind your own PD router (--vllm-router-ip)")
+
+    def _failed(self, m: Member, what: str, reason: str) -> None:
+        """A join / restart / catch-up / registration / drain failed."""
+        if what == "drain":
+            self._drained(m, None, reason)
+            return
+        m.last_error = f"{what} failed: {reason}"
+        if m.request or not m.owned:
+            self._give_up(m, m.last_error)
+        else:
+            self._restart(m, m.last_error)
+
+    def _lose(self, m: Member, reason: str, *, restart: bool = True) -> None:
+        """A serving engine is gone (health checks, a failed call, its node)."""
+        self.group.remove(m.url)
+        self.monitor.unwatch(m.url)
+        self._unregister_quietly(m.url)
+        self.record({"kind": "engine", "event": "down", "engine": m.name, "url": m.url, "reason": reason})
+        m.last_error = reason
+        if restart and m.owned:
+            self._restart(m, reason)
+        else:
+            self._give_up(m, reason)
+
+    def _restart(self, m: Member, reason: str) -> None:
+        budget = self.config.rollout_engine_restart_budget
+        if self.frozen:
+            self._give_up(m, f"{reason}; not restarted: the run is ending")
+            return
+        if not self.node_alive(m.node_id):
+            self._give_up(m, f"{reason}; its node left the cluster")
+            return
+        if m.restarts >= budget:
+            self._give_up(m, f"{reason}; restart budget used up ({m.restarts}/{budget}, "
+                             "--rollout-engine-restart-budget)")
+            return
+        m.restarts += 1
+        m.state, m.since = "restarting", time.monotonic()
+        self.say(f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
+                 f"{self.version}")
+        if _actor_alive(m.actor):
+            self._pend(m, m.actor.restart.remote(self.template.weight_dir, self.version), "restart",
+                       m.spec.startup_timeout + JOIN_SLACK_SECONDS)
+        else:  # the actor died (or hangs) with its process: a new one on the same node
+            import ray
+
+            ray.kill(m.actor)
+            self._create_actor(m)
+
+    def _give_up(self, m: Member, reason: str) -> None:
+        if m.state == "serving":
+            self.group.remove(m.url)
+            self.monitor.unwatch(m.url)
+            self._unregister_quietly(m.url)
+        m.state, m.last_error = "lost", reason
+        self.say(f"{m.name} ({m.url or m.spec.external_url}) dropped: {reason}")
+        self.record({"kind": "engine", "event": "lost", "engine": m.name, "url": m.url, "reason": reason})
+        if m.request:
+            self._finish(m, False, reason)
+        self._dispose(m)
+
+    def _dispose(self, m: Member) -> None:
+        """Stop vime's own process (detach from an external one), end the actor; never blocks."""
+        import ray
+
+        try:
+            ray.wait([m.actor.stop.remote()], timeout=30)  # a dead actor's call fails at once
+        finally:
+            ray.kill(m.actor)
+
+    def _on_call_failure(self, url: str, error: BaseException) -> None:
+        """A weight update or pause failed on one engine (EngineGroup has taken it out already)."""
+        member = self._serving(url)
+        if member is not None:
+            self._lose(member, f"a call failed: {_reason(error)}")
+
+    def _unregister_quietly(self, url: str | None) -> None:
+        if url and self.register_with_router:
+            try:
+                self.router.remove_worker(url)
+            except EngineError:
+                pass  # the router checks health too: a dead engine leaves its rotation anyway
+
+    def _serving(self, url: str) -> Member | None:
+        return next((m for m in self.members if m.url == url and m.state == "serving"), None)
+
+    def _check_progress_possible(self) -> None:
+        if not self.members or any(m.state in ("starting", "serving", "restarting", "draining")
+                                   for m in self.members):
+            return
+        if all(m.state == "removed" for m in self.members):
+            return
+        why = "; ".join(f"{m.name} ({m.origin}): {m.last_error}" for m in self.members if m.state == "lost")
+        raise EnginesLost(f"every rollout engine is gone and none is starting, so no sample can be generated: {why}. "
+                          f"Engine logs are in {self.template.log_dir}")
+
+    # ================================================================== `vime engines` requests
+    def _take_requests(self) -> None:
+        import ray
+
+        try:
+            requests = ray.get(self.registry.take.remote(), timeout=10)
+        except Exception as error:  # noqa: BLE001 - the registry is not vital to the run
+            self.say(f"engine registry unreachable: {_reason(error)}")
+            return
+        for request in requests:
+            try:
+                {"add": self._request_add, "remove": self._request_remove}[request["op"]](request)
+            except Exception as error:  # noqa: BLE001 - a bad request fails alone, never the run
+                message = str(error) if isinstance(error, ValueError) else _reason(error)
+                self.registry.finish.remote(request["id"], False, message)
+
+    def _request_add(self, request: dict) -> None:
+        url = engine_url(request["target"])
+        if self.template.weight_transport != "disk":
+            raise ValueError("engines can join a running job with --update-weight-transport disk only")
+        taken = next((m for m in self.members if m.url == url and m.state not in ("removed", "lost")), None)
+        if taken is not None:
+            raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
+        member = self._spawn("added", external_url=url, request=request["id"],
+                             startup_timeout=self.template.http_timeout)
+        self.say(f"vime engines add {url}: {member.name} loads weight version {self.version}")
+
+    def _request_remove(self, request: dict) -> None:
+        target = request["target"]
+        url = target if target.startswith("engine-") else engine_url(target)
+        member = next((m for m in self.members if (m.url == url or m.name == url) and m.state == "serving"), None)
+        if member is None:
+            raise ValueError(f"no serving engine {target} in this run (see `vime engines list`)")
+        if sum(m.state == "serving" for m in self.members) == 1:
+            raise ValueError(f"{member.name} is the only serving engine of the run; add another one first")
+        self.group.remove(member.url)
+        self.monitor.unwatch(member.url)
+        if self.register_with_router:
+            self.router.remove_worker(member.url)
+        member.state, member.request = "draining", request["id"]
+        self._pend(member, member.actor.drain.remote(), "drain", self.group.call_timeout)
+        self.say(f"vime engines remove {target}: {member.name} unregistered, draining its requests")
+
+    def _drained(self, m: Member, aborted: int | None, error: str | None = None) -> None:
+        m.state = "removed"
+        self._dispose(m)
+        what = (f"{aborted} request(s) in flight returned to the queue as continuations" if aborted is not None
+                else f"draining failed ({error}); its groups return to the queue when their requests fail")
+        message = f"{m.name} ({m.url}) removed; {what}" + ("" if m.owned else "; the external engine keeps running")
+        self.say(message)
+        self.record({"kind": "engine", "event": "removed", "engine": m.name, "url": m.url, "aborted": aborted})
+        if m.request:
+            self._finish(m, True, message)
+
+    def _finish(self, m: Member, ok: bool, message: str) -> None:
+        if self.registry is not None and m.request:
+            self.registry.finish.remote(m.request, ok, message, {"engine": m.name, "url": m.url})
+        m.request = None
+
+    # ================================================================== nodes
+    def _watch_nodes(self) -> None:
+        import ray
+
+        resource = self.config.rollout_elastic_resource
+        try:
+            nodes = ray.nodes()
+        except Exception as error:  # noqa: BLE001 - try again at the next poll
+            self.say(f"listing Ray nodes failed: {_reason(error)}")
+            return
+        alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+        for node_id in sorted(self.nodes_handled - alive - self.nodes_lost):
+            self.nodes_lost.add(node_id)
+            self.say(f"node {node_id[:12]} left the Ray cluster")
+            for m in self.members:
+                if m.node_id == node_id and m.state in ("starting", "serving", "restarting"):
+                    m.pending = None
+                    if m.state == "serving":
+                        self._lose(m, f"its node {node_id[:12]} left the cluster", restart=False)
+                    else:
+                        self._give_up(m, f"its node {node_id[:12]} left the cluster")
+            self.events.append(NodeEvent("lost", node_id))
+        for node in nodes:
+            amount = (node.get("Resources") or {}).get(resource, 0)
+            node_id = node["NodeID"]
+            if not node.get("Alive") or amount <= 0 or node_id in self.nodes_handled:
+                continue
+            self.nodes_handled.add(node_id)
+            if any(m.node_id == node_id for m in self.members):
+                continue  # it already hosts an engine of this run (e.g. one started at launch)
+            if self.template.weight_transport != "disk":
+                self.say(f"node {node_id[:12]} ({resource}={amount:g}) joined; engines can join a running job with "
+                         "--update-weight-transport disk only: not used")
+                continue
+            count = max(1, int(amount) // self.template.tensor_parallel_size)
+            host = node.get("NodeManagerAddress") or "127.0.0.1"
+            self.say(f"node {node_id[:12]} at {host} joined with {resource}={amount:g}: starting {count} engine(s) "
+                     f"there at weight version {self.version}")
+            for _ in range(count):
+                self._spawn("node", node_id=node_id, host=host)
+
+    def mark_nodes_handled(self, node_ids) -> None:
+        """Nodes that must not get engines of their own (e.g. the driver's, already served)."""
+        self.nodes_handled.update(n for n in node_ids if n)
+
+    # ================================================================== `vime engines list`
+    def snapshot(self) -> dict:
+        health = self.monitor.status()
+        served = dict(zip(self.group.urls, self.group.versions))
+        engines = []
+        for m in self.members:
+            h = health.get(m.url or "", {})
+            if m.state == "serving" and m.url in served:
+                m.version = served[m.url]
+            engines.append({"name": m.name, "url": m.url or m.spec.external_url, "origin": m.origin,
+                            "owned": m.owned, "node_id": m.node_id, "state": m.state, "weight_version": m.version,
+                            "restarts": m.restarts, "gpus": m.gpus, "worker_type": m.worker_type,
+                            "healthy": h.get("healthy"), "failed_checks": h.get("failures", 0),
+                            "seconds_since_ok": h.get("seconds_since_ok"), "last_error": m.last_error})
+        return {"weight_version": self.version, "engines": engines}
+
+    def _publish_snapshot(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.registry is None or (not force and now - self._last["snapshot"] < SNAPSHOT_SECONDS):
+            return
+        self._last["snapshot"] = now
+        self.registry.publish.remote(self.snapshot())  # fire and forget: the registry never blocks
+
+
+def _actor_alive(actor) -> bool:
+    """Whether a Ray actor still lives (a dead one answers nothing, ever)."""
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+        return True
+    except Exception:  # noqa: BLE001 - dead, or unreachable: treated alike
+        return False
+
+
+def _reason(error: BaseException) -> str:
+    """The original error of a Ray-wrapped one, in one line."""
+    cause = error
+    while isinstance(getattr(cause, "cause", None), BaseException) and cause.cause is not cause:
+        cause = cause.cause
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}" if not isinstance(cause, EngineError) else str(cause)
