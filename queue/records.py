@@ -3,15 +3,15 @@
 Each sample has one header record (codec ``vime.sample.v1``: a msgspec struct with the scalar
 fields, metadata, label, response text, run-length weight versions and, per tensor field, the
 rows that belong to it). Its tensors are straw ``tensor.v1`` records, one per field for the whole
-group (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering captures),
-the samples' rows one after another: a group is a handful of records instead of a few per sample,
+group (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering / OPD teacher
+captures), the samples' rows one after another: a group is a handful of records instead of a few per sample,
 which is what straw's per-record cost and its advice (batch small writes) call for, and one
 sample's rows can still be read alone. straw checksums every record, so a corrupted payload fails
 loudly when it is read.
 
-A capture whose rows do not match the tokens (R3 rows != len(tokens) - 1, score-centering rows !=
-response_length) is refused here: it is never published, and the task retries from its last
-durable prefix instead.
+A capture whose rows do not match the tokens (R3 rows != len(tokens) - 1, score-centering or teacher
+log-prob rows != response_length) is refused here: it is never published, and the task retries from
+its last durable prefix instead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ OPTIONAL_TENSORS = (
     "rollout_topp_ids",
     "rollout_topp_offsets",
     "rollout_topp_log_probs",
+    "teacher_log_probs",
 )
 
 
@@ -92,7 +93,7 @@ def check_capture(sample: Sample) -> None:
         rows = len(sample.rollout_routed_experts)
         if rows != len(sample.tokens) - 1:
             raise IncompleteCapture(f"R3 capture has {rows} rows, expected len(tokens) - 1 = {len(sample.tokens) - 1}")
-    for name in ("rollout_topk_token_ids", "rollout_topk_log_probs"):
+    for name in ("rollout_topk_token_ids", "rollout_topk_log_probs", "teacher_log_probs"):
         value = getattr(sample, name)
         if value is not None and len(value) != sample.response_length:
             raise IncompleteCapture(f"{name} has {len(value)} rows, expected response_length = "

@@ -140,7 +140,7 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
 # EXPORT_TENSORS is queue/records.py's OPTIONAL_TENSORS (not imported: `vime queue` stays torch-free
 # until it needs torch; tests/unit/test_debug_replay.py keeps the two equal).
 EXPORT_TENSORS = ("rollout_routed_experts", "rollout_topk_token_ids", "rollout_topk_log_probs",
-                  "rollout_topp_ids", "rollout_topp_offsets", "rollout_topp_log_probs")
+                  "rollout_topp_ids", "rollout_topp_offsets", "rollout_topp_log_probs", "teacher_log_probs")
 JSON_COLUMNS = ("label", "metadata")  # free-form: JSON text in parquet, plain values in jsonl
 
 

@@ -11,6 +11,8 @@ commands:
   queue inspect|gc|export ... look into a run's durable queue, reclaim or export it (vime queue -h)
   engines list|add|remove ... the engines of a running job (vime engines -h)
   tools make-tiny-model OUT   write a tiny random HF model + tokenizer (no download)
+  tools convert-hf-to-megatron --hf-checkpoint HF --save OUT [--ckpt-format torch_dist|torch]
+  tools convert-megatron-to-hf --load MEGATRON --save OUT --hf-config HF [--ckpt-step N]
 """
 
 
@@ -32,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "tools" and rest and rest[0] == "make-tiny-model":
         from vime.tools.make_tiny_model import main as tiny_main
         return tiny_main(rest[1:]) or 0
+    if command == "tools" and rest and rest[0] == "convert-hf-to-megatron":
+        from vime.tools.convert_checkpoint import main_hf_to_megatron
+        return main_hf_to_megatron(rest[1:])
+    if command == "tools" and rest and rest[0] == "convert-megatron-to-hf":
+        from vime.tools.convert_checkpoint import main_megatron_to_hf
+        return main_megatron_to_hf(rest[1:])
     print(f"vime: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -52,6 +52,7 @@ class Sample:
     rollout_topp_ids: Any = None           # score centering, top-p support: flat ids ...
     rollout_topp_offsets: Any = None       # ... [response_length + 1] offsets into them ...
     rollout_topp_log_probs: Any = None     # ... and the normalised sampler log-probs
+    teacher_log_probs: Any = None          # OPD: the teacher's log-prob of each response token [response_length]
 
     @property
     def prompt_length(self) -> int:

@@ -113,8 +113,9 @@ class NodeEvent:
 class EngineManager:
     def __init__(self, *, template: EngineTemplate, config: ElasticConfig, router: RouterClient,
                  say: Callable[[str], None] = print, record: Callable[[dict], None] = lambda r: None,
-                 register_with_router: bool = True):
+                 register_with_router: bool = True, actor_class: type = EngineActor):
         self.template, self.config, self.router = template, config, router
+        self.actor_class = actor_class
         self.say, self.record = say, record
         self.register_with_router = register_with_router
         self.members: list[Member] = []
@@ -220,7 +221,10 @@ class EngineManager:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=60)
         for m in self.members:
-            ray.kill(m.actor)
+            try:
+                ray.kill(m.actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         self.members = []
 
     # ================================================================== membership
@@ -228,7 +232,7 @@ class EngineManager:
         import ray
 
         if self._remote is None:
-            self._remote = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
+            self._remote = ray.remote(num_cpus=0, max_restarts=0)(self.actor_class)
         return self._remote
 
     def _spawn(self, origin: str, *, node_id: str | None = None, host: str = "127.0.0.1",
@@ -327,7 +331,8 @@ class EngineManager:
                      "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
                      "current_version": self.version, "join_seconds": seconds})
         if m.request:
-            self._finish(m, True, f"{m.name} serves weight version {m.version} at {m.url}")
+            self._finish(m, True, f"{m.name} serves weight version {m.version} at {m.url}"
+                                  + (f" (joined in {seconds:.1f}s)" if seconds else ""))
         if m.origin == "node" and m.node_id and m.node_id not in self._nodes_ready:
             self._nodes_ready.add(m.node_id)
             self.events.append(NodeEvent("ready", m.node_id, m.spec.host))

@@ -38,6 +38,7 @@ class CorruptGroup(RuntimeError):
 @dataclasses.dataclass(kw_only=True)
 class TrainerWorkerSpec:
     backend: TorchTrainerSpec
+    megatron: "MegatronBackendSpec | None" = None   # --train-backend megatron: the Megatron backend's own spec
     transport: str
     store: StoreOptions
     io_concurrency: int = 1
@@ -55,14 +56,25 @@ class TrainerWorkerSpec:
             global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
             rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
             threads=threads, cpu_affinity=cpu_affinity)
-        return cls(backend=backend, transport=transport, store=store, io_concurrency=s.queue.rollout_io_concurrency,
-                   weight_dir=s.weight_dir, keep_weight_versions=s.weights.keep_weight_versions)
+        megatron = None
+        if s.train.train_backend == "megatron":
+            from vime.backends.megatron_backend import MegatronBackendSpec
+
+            megatron = MegatronBackendSpec.from_settings(s)
+        return cls(backend=backend, megatron=megatron, transport=transport, store=store,
+                   io_concurrency=s.queue.rollout_io_concurrency, weight_dir=s.weight_dir,
+                   keep_weight_versions=s.weights.keep_weight_versions)
 
 
 class TrainerWorker:
     def __init__(self, spec: TrainerWorkerSpec):
         self.spec = spec
-        self.backend = TorchBackend(spec.backend)
+        if spec.megatron is not None:
+            from vime.backends.megatron_backend import MegatronBackend
+
+            self.backend = MegatronBackend(spec.backend, spec.megatron)
+        else:
+            self.backend = TorchBackend(spec.backend)
         # One transport (store handle) per reader thread: a straw handle serialises its calls.
         self.readers = [make_transport(spec.transport, spec.store) for _ in range(max(1, spec.io_concurrency))]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.readers),
@@ -126,7 +138,8 @@ class TrainerWorker:
 
     def _named_weights(self) -> list:
         """What the engines load: the model's parameters (a tied one once, under its first name)."""
-        return list(self.backend.model.named_parameters())
+        hf_named = getattr(self.backend, "hf_named_weights", None)  # the Megatron backend renames to HF's
+        return hf_named() if hf_named is not None else list(self.backend.model.named_parameters())
 
     def nccl_endpoint(self) -> tuple[str, int]:
         """(address, free port) on this node for the NCCL group's rendezvous (the trainer is rank 0)."""

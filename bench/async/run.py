@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -89,7 +90,6 @@ def main() -> int:
     options = parser.parse_args()
 
     from vime.tools.make_tiny_model import make_tiny_model
-    from vime.train import main as train_main
 
     out = tempfile.mkdtemp(prefix="vime-bench-async-")
     results: dict[str, dict[str, float]] = {}
@@ -101,7 +101,8 @@ def main() -> int:
             print(f"\n== {mode}: vime train ... {' '.join(MODES[mode])}", flush=True)
             if not supported(args):
                 continue
-            if train_main(args) != 0:
+            # One process per run: each run owns its Ray instance, engine and router from start to end.
+            if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
                 raise SystemExit(f"the {mode} run failed (see {run_dir})")
             results[mode] = steady_state(run_dir, options.warmup)
     finally:

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -208,7 +209,6 @@ def main_job(transport: str, out_dir: str, steps: int) -> float:
     from run_demo import demo_args
 
     from vime.tools.make_tiny_model import make_tiny_model
-    from vime.train import main as train_main
 
     model = make_tiny_model(os.path.join(out_dir, "model"))
     run_dir = os.path.join(out_dir, transport)
@@ -218,7 +218,8 @@ def main_job(transport: str, out_dir: str, steps: int) -> float:
     for flag in ("--eval-prompt-data", "--save", "--save-interval", "--eval-interval"):
         i = args.index(flag)
         del args[i:i + (3 if flag == "--eval-prompt-data" else 2)]
-    if train_main(args) != 0:
+    # One process per run: each run owns its Ray instance, engine and router from start to end.
+    if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
         raise SystemExit(f"main job with {transport} failed")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"kind": "train"' in line]

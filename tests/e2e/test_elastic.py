@@ -30,7 +30,7 @@ from vime.runtime.process import kill_processes_with_token
 
 pytestmark = pytest.mark.e2e
 # Prompts (4 per step, a step >= 2 s): enough steps for each test's events to happen mid-run.
-NODE_PROMPTS, FAULT_PROMPTS = 96, 64
+NODE_PROMPTS, FAULT_PROMPTS = 128, 64
 FAST_HEALTH = ("--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3")
 
 
@@ -129,10 +129,12 @@ def served_requests(url: str) -> int:
                    if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' not in line))
 
 
-def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_model_dir):
+def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_model_dir, monkeypatch):
     from ray.cluster_utils import Cluster
 
     run_dir = str(tmp_path / "run")
+    # The run's actors are started by this cluster's raylets: they inherit this process's environment.
+    monkeypatch.setenv("VIME_FAULT_DELAYS", "trainer.mid_step=2")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                             "node_ip_address": "127.0.0.1"})
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf",
@@ -160,7 +162,9 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
             cluster.remove_node(node)
         cluster.shutdown()
     out = run.output
-    assert "left with its node" in out and "dropped: its node" in out, out[-4000:]
+    assert "rollout worker 1 left with its node" in out, out[-4000:]
+    assert any(line.startswith("[vime] engine-1") and "dropped" in line and "its node left the cluster" in line
+               for line in out.splitlines()), out[-4000:]
     joined = [e for e in metrics(run_dir, "engine") if e["event"] == "serving" and e["origin"] == "node"]
     assert len(joined) == 1 and joined[0]["weight_version"] == joined[0]["current_version"] >= 2, joined
     # Both workers' groups were accepted, and every accepted group was trained (one epoch, none lost).

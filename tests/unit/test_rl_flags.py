@@ -40,6 +40,9 @@ SCORE_CENTERING = ["--use-score-centering", "--score-centering-top-k", "4", "--a
       "--custom-tis-function-path", "vime.backends.megatron_utils.loss.icepop_function"], "ppo"),
     (["--eps-clip-c", "3"], "ppo"),
     (["--mask-offpolicy-in-partial-rollout", "--partial-rollout"], "ppo"),
+    (["--advantage-estimator", "ppo", "--kl-coef", "0.01", "--gamma", "0.99", "--lambd", "0.95",
+      "--value-clip", "0.5", "--num-critic-only-steps", "2"], "ppo"),
+    (["--use-opd", "--opd-kl-coef", "0.5", "--opd-teacher-url", "http://127.0.0.1:9"], "ppo"),
 ])
 def test_valid_combinations_and_the_objective_they_select(model_dir, extra, objective):
     settings = parse_train_args(base(model_dir, *extra))
@@ -57,7 +60,6 @@ def test_ref_load_must_be_a_model_folder_and_defaults_to_none(model_dir, tmp_pat
 
 @pytest.mark.parametrize("extra, flag", [
     (["--advantage-estimator", "magic"], "--advantage-estimator"),
-    (["--advantage-estimator", "ppo"], "--advantage-estimator"),            # no critic yet
     (["--gamma", "1.5"], "--gamma"),
     (["--lambd", "-0.1"], "--lambd"),
     (["--eps-clip", "0"], "--eps-clip"),

@@ -2,6 +2,10 @@
 
 Sequences are right-padded into one [batch, tokens] tensor per micro-batch; losses are computed
 on response tokens only (shifted by one: the logits at position t predict token t + 1).
+
+With ``--advantage-estimator ppo`` the worker also trains a critic (:class:`ValueModel`: the policy's
+transformer body with a one-output linear head) and the two take turns (:class:`ModelRole`): the
+critic wakes to compute values and train, then sleeps while the actor trains.
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ import time
 import numpy as np
 import torch
 
+from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
-from vime.rl.advantages import compute_advantages
+from vime.config.roles import FLAG as ROLES_FLAG
+from vime.config.roles import RoleOverrides
+from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, whiten_ragged
 from vime.rl.kl import approx_kl
 from vime.rl.losses import (
-    cispo_loss, gspo_loss, nll_loss, ppo_clip_loss, reduce_loss, reinforce_loss, sequence_log_ratio, token_entropy,
+    cispo_loss, clipped_value_loss, gspo_loss, nll_loss, ppo_clip_loss, reduce_loss, reinforce_loss,
+    sequence_log_ratio, token_entropy,
 )
 from vime.rl.offpolicy import onpolicy_loss_mask
+from vime.rl.opd import opd_advantages
 from vime.rl.score_centering import sampled_importance_weight, topk_correction, weighting
 from vime.rl.tis import load_tis_function
 from vime.sample import Sample
@@ -60,6 +69,7 @@ class PackedBatch:
     head_ids: torch.Tensor | None = None        # [B, T-1, k] sampler top-k token ids (score centering)
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] their sampler log-probs
     head_rows: torch.Tensor | None = None       # [B, T-1] True where a head was recorded
+    teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
 
     def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
         """The response part of each row of a [B, T-1] tensor (ragged, one tensor per sample)."""
@@ -74,9 +84,10 @@ class PackedBatch:
 
 
 def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None = None,
-         with_heads: bool = False) -> PackedBatch:
+         with_heads: bool = False, with_teacher: bool = False) -> PackedBatch:
     """Right-pad ``samples`` into one batch. ``loss_masks`` overrides the samples' own masks;
-    ``with_heads`` also packs the sampler's top-k heads (score centering)."""
+    ``with_heads`` also packs the sampler's top-k heads (score centering), ``with_teacher`` the
+    teacher's log-probs (on-policy distillation)."""
     length = max(len(s.tokens) for s in samples)
     batch = len(samples)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
@@ -101,7 +112,22 @@ def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None 
     packed = PackedBatch(input_ids, attention, input_ids[:, 1:], response_mask, rollout, starts, lengths)
     if with_heads:
         _pack_heads(packed, samples)
+    if with_teacher:
+        packed.teacher_log_probs = packed.unrows([_teacher_row(s) for s in samples])
     return packed
+
+
+def _teacher_row(sample: Sample) -> torch.Tensor:
+    values = sample.teacher_log_probs
+    if values is None:
+        raise ValueError(f"--use-opd: sample {sample.index} of group {sample.group_index} has no teacher_log_probs; "
+                         "the rollout side records them (e.g. --custom-rm-path vime.rollout.teacher.reward_func, "
+                         "or vime.rollout.teacher.attach_teacher_log_probs in your reward function)")
+    row = torch.as_tensor(np.asarray(values, dtype=np.float32)).reshape(-1)
+    if row.numel() != sample.response_length:
+        raise ValueError(f"sample {sample.index} of group {sample.group_index}: {row.numel()} teacher log-probs for "
+                         f"{sample.response_length} response tokens")
+    return row
 
 
 def _pack_heads(packed: PackedBatch, samples: list[Sample]) -> None:
@@ -144,6 +170,134 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
 
 
+# ---------------------------------------------------------------------- PPO's critic
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_OPTIMIZER_FILE = "optimizer.pt"
+LATEST_FILE = "latest_checkpointed_iteration.txt"  # the layout of --save, for a critic's own save folder
+
+
+def _load_body(path: str) -> torch.nn.Module:
+    """The transformer body (no LM head) of the HF model at ``path``."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a causal-LM folder has an lm_head the body does not use: expected
+    try:
+        return AutoModel.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+class ValueModel(torch.nn.Module):
+    """PPO's critic: a transformer body and a linear head with one output per position.
+
+    **Decision** (as the reference framework, which swaps the policy's output layer for a one-output
+    linear layer): the body starts from the policy's checkpoint (or the critic's ``load``), the head is
+    ``torch.nn.Linear(hidden_size, 1)`` with PyTorch's default initialisation, seeded by --seed. Values
+    are not scaled by the sampling temperature.
+    """
+
+    def __init__(self, body: torch.nn.Module):
+        super().__init__()
+        self.body = body
+        self.value_head = torch.nn.Linear(body.config.hidden_size, 1)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ValueModel":
+        return cls(_load_body(path))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)  # [B, T]: the value of the prefix up to t
+
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        self.body.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+                  os.path.join(path, VALUE_HEAD_FILE))
+
+    def load_head(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        self.value_head.load_state_dict(load_file(os.path.join(path, VALUE_HEAD_FILE)))
+
+    def load_weights(self, path: str) -> None:
+        """Body and head from a folder written by :meth:`save`."""
+        self.body.load_state_dict(_load_body(os.path.join(path, "model")).state_dict())
+        self.load_head(path)
+
+
+def is_critic_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, VALUE_HEAD_FILE))
+
+
+def resolve_critic_load(path: str, field: str, source: str | None) -> tuple[str, bool]:
+    """(folder, is a critic checkpoint) for the critic's ``load``: a save folder (its latest iteration),
+    one critic checkpoint, or an HF model folder (the body; the head starts fresh)."""
+    if os.path.isfile(os.path.join(path, LATEST_FILE)):
+        with open(os.path.join(path, LATEST_FILE)) as f:
+            path = os.path.join(path, f"iter_{int(f.read().strip()):07d}")
+    if is_critic_checkpoint(path):
+        return path, True
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path, False
+    raise ConfigError(ROLES_FLAG, f"{source or '<yaml>'}: {field}: {path!r} is neither a critic checkpoint "
+                                  f"(model/ and {VALUE_HEAD_FILE}) nor an HF model folder (config.json)")
+
+
+class ModelRole:
+    """One trained model of the worker (the actor, or PPO's critic): module, optimizer, lifecycle.
+
+    PPO's actor and critic share the training worker (the seeds: one placement group, train-side
+    offload forced) and take turns: ``wake()`` before a role's work, ``sleep()`` after it.
+
+    - On an accelerator, ``sleep`` moves the parameters and the optimizer's moment estimates to host
+      memory and frees the cached device memory; ``wake`` moves them back. (Written for the device
+      case but not exercised yet: this backend trains on CPU.)
+    - On CPU there is nowhere to move them: ``sleep`` releases the gradients (``set_to_none``), which
+      is what a sleeping role would otherwise hold beyond its weights and optimizer state.
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float):
+        self.name, self.module, self.optimizer, self.clip_grad = name, module, optimizer, clip_grad
+        self.device = next(module.parameters()).device
+        self.awake = True
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def sleep(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.awake and self.device.type != "cpu":
+            self._move(torch.device("cpu"))
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.awake = False
+
+    def wake(self) -> None:
+        if not self.awake and self.device.type != "cpu":
+            self._move(self.device)
+        self.awake = True
+
+    def _move(self, device: torch.device) -> None:
+        self.module.to(device)  # in place: the optimizer keeps its parameter references
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:  # moments; Adam's scalar step stays put
+                    state[key] = value.to(device)
+
+
+def _optimizer(module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.optim.Optimizer:
+    """AdamW with the command line's settings, overridden by the role's (--megatron-config-path)."""
+    betas = (role.get("adam_beta1", spec.adam_betas[0]), role.get("adam_beta2", spec.adam_betas[1]))
+    return torch.optim.AdamW(module.parameters(), lr=role.get("lr", spec.lr), betas=betas,
+                             eps=role.get("adam_eps", spec.adam_eps),
+                             weight_decay=role.get("weight_decay", spec.weight_decay))
+
+
 class TorchBackend:
     def __init__(self, spec: TorchTrainerSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,8 +316,17 @@ class TorchBackend:
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, betas=spec.adam_betas,
-                                           eps=spec.adam_eps, weight_decay=spec.weight_decay)
+        roles = algo.role_config()
+        actor = roles.role("actor")
+        self.optimizer = _optimizer(self.model, spec, actor)
+        self.actor = ModelRole("actor", self.model, self.optimizer, actor.get("clip_grad", spec.clip_grad))
+        # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
+        self.critic: ModelRole | None = None
+        self.critic_save: str | None = None
+        if algo.uses_critic:
+            self.critic = self._build_critic(roles.role("critic"), roles.source)
+        # Rollouts trained so far (checkpointed): --num-critic-only-steps counts them.
+        self.rollouts_trained = 0
         # The reference model of the KL terms is frozen: it is never trained, saved or checkpointed.
         self.ref_model = None
         if algo.needs_reference_model:
@@ -178,6 +341,19 @@ class TorchBackend:
                                             hf_checkpoint=spec.hf_checkpoint)
         self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
                              if algo.use_score_centering else None)
+
+    def _build_critic(self, role: RoleOverrides, source: str | None) -> ModelRole:
+        spec = self.spec
+        if role.load is not None:
+            folder, is_checkpoint = resolve_critic_load(role.load, role.field("load"), source)
+            critic = ValueModel.from_pretrained(os.path.join(folder, "model") if is_checkpoint else folder)
+            if is_checkpoint:
+                critic.load_head(folder)  # weights only: the optimizer starts fresh with this run's settings
+        else:
+            critic = ValueModel.from_pretrained(spec.hf_checkpoint)
+        critic.train()
+        self.critic_save = role.save
+        return ModelRole("critic", critic, _optimizer(critic, spec, role), role.get("clip_grad", spec.clip_grad))
 
     @staticmethod
     def _seed(seed: int) -> None:
@@ -226,6 +402,9 @@ class TorchBackend:
         sampler's log-probs with the trainer's on the samples generated entirely by those weights:
         ``onpolicy_logprob_abs_diff`` is ~0 exactly when the engines serve what the trainer holds.
         It is also the version --mask-offpolicy-in-partial-rollout keeps.
+
+        With PPO the critic computes the values, GAE the advantages and returns, the critic trains on
+        the returns and then (after --num-critic-only-steps rollouts) the actor on the advantages.
         """
         started = time.perf_counter()
         algo = self.spec.algorithm
@@ -239,56 +418,106 @@ class TorchBackend:
         masked_offpolicy = sum(sum(s.loss_mask or [1] * s.response_length) - sum(m)
                                for s, m in zip(samples, loss_masks))
         micro_batches = [samples[i:i + size] for i in range(0, len(samples), size)]
-        packed = [pack(mb, self.pad_id, loss_masks[i * size:(i + 1) * size], with_heads=algo.use_score_centering)
+        packed = [pack(mb, self.pad_id, loss_masks[i * size:(i + 1) * size], with_heads=algo.use_score_centering,
+                       with_teacher=algo.use_opd)
                   for i, mb in enumerate(micro_batches)]
+        metrics: dict[str, list[float]] = collections.defaultdict(list)
         # SFT needs none of these: no old policy, reference or advantages.
         old, ref, advantages = [None] * len(packed), [None] * len(packed), [None] * len(packed)
+        values, returns = [None] * len(packed), [None] * len(packed)
         if algo.policy_loss != "sft":
+            self.actor.wake()
             with torch.no_grad():
                 self.model.eval()
                 old = [b.rollout_log_probs if algo.use_rollout_logprobs else self._log_probs(b) for b in packed]
                 self.model.train()
                 if self.ref_model is not None:
                     ref = [self._forward(self.ref_model, b).log_probs for b in packed]
-            advantages = self._advantages(samples, packed, old, ref)
+            if self.critic is not None:
+                self.actor.sleep()
+                self.critic.wake()
+                with torch.no_grad():
+                    self.critic.module.eval()
+                    values = [self._values(b) for b in packed]
+                    self.critic.module.train()
+            advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
 
-        metrics: dict[str, list[float]] = collections.defaultdict(list)
-        on_policy = [torch.tensor([float(bool(s.weight_versions) and min(s.weight_versions) == policy_version
-                                         == max(s.weight_versions)) for s in mb]).unsqueeze(1)
-                     for mb in micro_batches]
         per_step = max(1, self.spec.global_batch_size // size)
-        for first in range(0, len(packed), per_step):
-            steps = range(first, min(first + per_step, len(packed)))
-            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
-                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
-            self.optimizer.zero_grad(set_to_none=True)
-            # Loss terms are each micro-batch's share of the step's value: they add up over the step.
-            step_terms: dict[str, float] = collections.defaultdict(float)
-            for i in steps:
+        if self.critic is not None:
+            self._optimizer_steps(
+                self.critic, packed, per_step, metrics, loss_key="value_loss", grad_key="critic_grad_norm",
+                micro_loss=lambda i, totals, terms: self._value_loss(packed[i], values[i], returns[i], totals,
+                                                                     metrics))
+            self.critic.sleep()
+        train_actor = self.critic is None or self.rollouts_trained >= algo.num_critic_only_steps
+        self.actor.wake()
+        if train_actor:
+            on_policy = [torch.tensor([float(bool(s.weight_versions) and min(s.weight_versions) == policy_version
+                                             == max(s.weight_versions)) for s in mb]).unsqueeze(1)
+                         for mb in micro_batches]
+
+            def actor_loss(i: int, totals: dict, step_terms: dict) -> torch.Tensor:
                 loss, log_probs = self._micro_batch_loss(packed[i], old[i], ref[i], advantages[i], totals,
                                                          step_terms, metrics)
-                loss.backward()
-                step_terms["loss"] += float(loss.detach())
                 self._logprob_metrics(packed[i], log_probs, on_policy[i], metrics)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.spec.clip_grad if self.spec.clip_grad > 0 else math.inf)
-            self.optimizer.step()
-            for name, value in step_terms.items():
-                metrics[name].append(value)
-            metrics["grad_norm"].append(float(grad_norm))
+                return loss
+
+            self._optimizer_steps(self.actor, packed, per_step, metrics, loss_key="loss", grad_key="grad_norm",
+                                  micro_loss=actor_loss)
+        self.rollouts_trained += 1
         elapsed = time.perf_counter() - started
         result = {k: float(np.mean(v)) for k, v in metrics.items() if v}
         result["train_tokens"] = float(sum(len(s.tokens) for s in samples))
         result["train_seconds"] = elapsed
-        result["optimizer_steps"] = float(math.ceil(len(packed) / per_step))
+        result["optimizer_steps"] = float(math.ceil(len(packed) / per_step)) if train_actor else 0.0
+        if self.critic is not None:
+            result["critic_only"] = float(not train_actor)
         if algo.mask_offpolicy_in_partial_rollout:
             result["offpolicy_masked_tokens"] = float(masked_offpolicy)
         return result
 
+    def _optimizer_steps(self, role: ModelRole, packed: list[PackedBatch], per_step: int, metrics: dict, *,
+                         loss_key: str, grad_key: str, micro_loss) -> None:
+        """One optimizer step of ``role`` per ``per_step`` micro-batches; ``micro_loss(i, totals, step_terms)``
+        returns micro-batch i's share of the step loss (micro-batch losses add up to the step's)."""
+        for first in range(0, len(packed), per_step):
+            steps = range(first, min(first + per_step, len(packed)))
+            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
+                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
+            role.optimizer.zero_grad(set_to_none=True)
+            # Loss terms are each micro-batch's share of the step's value: they add up over the step.
+            step_terms: dict[str, float] = collections.defaultdict(float)
+            for i in steps:
+                loss = micro_loss(i, totals, step_terms)
+                loss.backward()
+                step_terms[loss_key] += float(loss.detach())
+            grad_norm = torch.nn.utils.clip_grad_norm_(role.parameters(),
+                                                       role.clip_grad if role.clip_grad > 0 else math.inf)
+            role.optimizer.step()
+            for name, value in step_terms.items():
+                metrics[name].append(value)
+            metrics[grad_key].append(float(grad_norm))
+
+    def _values(self, batch: PackedBatch) -> torch.Tensor:
+        """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
+        return self.critic.module(batch.input_ids, batch.attention_mask)[:, :-1]
+
+    def _value_loss(self, batch: PackedBatch, old_values: torch.Tensor, returns: torch.Tensor, totals: dict,
+                    metrics: dict) -> torch.Tensor:
+        """The micro-batch's share of the step's clipped value loss (reduced like the policy loss)."""
+        algo = self.spec.algorithm
+        mask = batch.response_mask
+        per_token, clipped = clipped_value_loss(self._values(batch), old_values, returns, value_clip=algo.value_clip)
+        metrics["value_clipfrac"].append(_masked_mean(clipped, mask))
+        metrics["value_mean"].append(_masked_mean(old_values, mask))
+        metrics["return_mean"].append(_masked_mean(returns, mask))
+        return reduce_loss(per_token, mask, per_token_loss=algo.calculate_per_token_loss, **totals)
+
     def _advantages(self, samples: list[Sample], packed: list[PackedBatch], old: list[torch.Tensor],
-                    ref: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Token advantages of the whole rollout (whitening and group baselines span micro-batches),
-        returned in each micro-batch's [B, T-1] layout."""
+                    ref: list[torch.Tensor | None], values: list[torch.Tensor | None],
+                    metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Token advantages of the whole rollout (whitening and group baselines span micro-batches) and,
+        with PPO, the critic's returns, both in each micro-batch's [B, T-1] layout."""
         algo = self.spec.algorithm
         if any(s.reward is None for s in samples):
             missing = next(s for s in samples if s.reward is None)
@@ -298,16 +527,33 @@ class TorchBackend:
         if algo.kl_coef:
             # Reward shaping compares the policy that generated the batch (old log-probs) with the reference.
             kl = [row for b, o, r in zip(packed, old, ref) for row in b.rows(approx_kl(o, r, algo.kl_loss_type))]
-        token_advantages = compute_advantages(
-            algo.advantage_estimator, torch.tensor([float(s.reward) for s in samples]), masks,
-            group_size=self.spec.n_samples_per_prompt, kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma,
-            lambd=algo.lambd, normalize_std=not algo.disable_grpo_std_normalization,
-            normalize=algo.normalize_advantages)
-        out, first = [], 0
+        rewards = torch.tensor([float(s.reward) for s in samples])
+        token_returns = None
+        if algo.uses_critic:
+            value_rows = [row for b, v in zip(packed, values) for row in b.rows(v)]
+            token_advantages, token_returns = ppo_advantages_and_returns(
+                rewards, value_rows, masks, kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd)
+        else:
+            token_advantages = compute_advantages(
+                algo.advantage_estimator, rewards, masks, group_size=self.spec.n_samples_per_prompt, kl=kl,
+                kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd,
+                normalize_std=not algo.disable_grpo_std_normalization, normalize=False)
+        if algo.use_opd:
+            student = [row for b, o in zip(packed, old) for row in b.rows(o)]
+            teacher = [row for b in packed for row in b.rows(b.teacher_log_probs)]
+            token_advantages, reverse_kl = opd_advantages(token_advantages, student, teacher, masks,
+                                                          kl_coef=algo.opd_kl_coef)
+            flat_mask = torch.cat(masks) if masks else torch.zeros(0)
+            metrics["opd_reverse_kl"].append(_masked_mean(torch.cat(reverse_kl) if reverse_kl else flat_mask,
+                                                          flat_mask))
+        if algo.normalize_advantages:
+            token_advantages = whiten_ragged(token_advantages, masks)
+        out, out_returns, first = [], [], 0
         for b in packed:
             out.append(b.unrows(token_advantages[first:first + len(b.starts)]))
+            out_returns.append(None if token_returns is None else b.unrows(token_returns[first:first + len(b.starts)]))
             first += len(b.starts)
-        return out
+        return out, out_returns
 
     def _micro_batch_loss(self, batch: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
                           advantages: torch.Tensor | None, totals: dict, step_terms: dict,
@@ -413,18 +659,53 @@ class TorchBackend:
     def save_hf(self, path: str) -> None:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
+        if self.critic is not None and self.critic_save:
+            self._export_critic()  # the final critic too, where its role's `save` says
 
     def save_weights(self, path: str) -> None:
         """The inference weights only (what an engine reloads)."""
         self.model.save_pretrained(path, safe_serialization=True)
 
     def save_training_state(self, path: str) -> None:
+        """Actor (model, optimizer), RNG, the rollout count and, with PPO, the critic (``critic/``)."""
         os.makedirs(path, exist_ok=True)
         self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
         torch.save({"optimizer": self.optimizer.state_dict(),
                     "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                            "torch": torch.get_rng_state()}},
+                            "torch": torch.get_rng_state()},
+                    "rollouts_trained": self.rollouts_trained},
                    os.path.join(path, "optimizer_and_rng.pt"))
+        if self.critic is not None:
+            self._save_critic(os.path.join(path, "critic"))
+            if self.critic_save:
+                self._export_critic()
+
+    def _save_critic(self, path: str) -> None:
+        self.critic.module.save(path)
+        torch.save(self.critic.optimizer.state_dict(), os.path.join(path, CRITIC_OPTIMIZER_FILE))
+
+    def _export_critic(self) -> None:
+        """A copy of the critic in its role's ``save`` folder: ``iter_{rollouts:07d}/`` (written under a
+        temporary name, then renamed) and ``latest_checkpointed_iteration.txt``; a later run's critic
+        ``load`` accepts the folder."""
+        import shutil
+        import uuid
+
+        root = self.critic_save
+        os.makedirs(root, exist_ok=True)
+        final = os.path.join(root, f"iter_{self.rollouts_trained:07d}")
+        staging = os.path.join(root, f".iter_{self.rollouts_trained:07d}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            self._save_critic(staging)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        latest = os.path.join(root, LATEST_FILE)
+        with open(latest + ".tmp", "w") as f:
+            f.write(str(self.rollouts_trained))
+        os.replace(latest + ".tmp", latest)
 
     def load_training_state(self, path: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -436,3 +717,12 @@ class TorchBackend:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
+        self.rollouts_trained = int(state.get("rollouts_trained", 0))
+        if self.critic is not None:
+            critic = os.path.join(path, "critic")
+            if not is_critic_checkpoint(critic):
+                raise ValueError(f"{path} holds no critic state (it was saved by a run without "
+                                 "--advantage-estimator ppo); a PPO run cannot resume from it")
+            self.critic.module.load_weights(critic)
+            self.critic.optimizer.load_state_dict(
+                torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False))

@@ -140,8 +140,8 @@ class AlgorithmConfig:
     """The RL objective: advantages, policy loss, KL and off-policy corrections (docs/algorithms.md)."""
 
     advantage_estimator: str = option(
-        "grpo", "RL algorithm computing advantages: " + ", ".join(ADVANTAGE_ESTIMATORS) + ". 'ppo' needs a "
-        "critic, which vime does not have yet.")
+        "grpo", "RL algorithm computing advantages: " + ", ".join(ADVANTAGE_ESTIMATORS) + ". 'ppo' trains a "
+        "critic (value model) on the training worker beside the actor and uses GAE.")
     loss_type: str = option(
         "policy_loss", "policy_loss: the RL objective; sft_loss: negative log-likelihood of the loss-masked "
         "response tokens (rewards are ignored).", choices=["policy_loss", "sft_loss"])
@@ -195,6 +195,26 @@ class AlgorithmConfig:
     score_centering_top_k: int = option(
         128, "Sampler top-k token ids and log-probs kept per response token for score centering (rollout "
         "top-p 1 only); must fit the vocabulary.")
+    value_clip: float = option(
+        0.2, "PPO: clip range of the value loss: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).")
+    num_critic_only_steps: int = option(
+        0, "PPO: the first N rollouts train only the critic; the actor's weights stay as they are.")
+    megatron_config_path: str | None = option(
+        None, "YAML of per-role overrides of the training arguments (PPO actor / critic): "
+        "megatron: [{name, role, overrides: {lr, load, save, ...}}]. A role absent from the file keeps the "
+        "command line. The torch backend honours lr, weight_decay, adam_beta1/2, adam_eps and clip_grad for both "
+        "roles, and load / save (the critic's checkpoints) for the critic.")
+    use_opd: bool = option(
+        False, "On-policy distillation on top of any estimator: each trained token's advantage is reduced by "
+        "--opd-kl-coef x (log p_old - log p_teacher), with the teacher's log-probs recorded on the sample "
+        "(teacher_log_probs, see vime.rollout.teacher).")
+    opd_kl_coef: float = option(1.0, "Weight of the on-policy distillation penalty (needs --use-opd).")
+    opd_teacher_url: str | None = option(
+        None, "OPD teacher: base URL of a vLLM engine or router serving the teacher (its /inference/v1/generate "
+        "scores the sampled sequences). vime-specific.")
+    opd_teacher_model: str | None = option(
+        None, "OPD teacher: the name of a --vllm-config model (e.g. a frozen one with update_weights: false) "
+        "that serves the teacher. vime-specific.")
 
     @property
     def policy_loss(self) -> str:
@@ -211,6 +231,17 @@ class AlgorithmConfig:
     def needs_reference_model(self) -> bool:
         return self.loss_type == "policy_loss" and (self.use_kl_loss or self.kl_coef != 0)
 
+    @property
+    def uses_critic(self) -> bool:
+        """PPO trains a critic (value model) beside the actor."""
+        return self.advantage_estimator == "ppo"
+
+    def role_config(self):
+        """The parsed --megatron-config-path (vime.config.roles.RoleConfig; empty without the flag)."""
+        from vime.config.roles import load_role_config
+
+        return load_role_config(self.megatron_config_path)
+
     def validate(self) -> None:
         from vime.rl.algorithm_checks import check_algorithm_flags
 
@@ -220,7 +251,9 @@ class AlgorithmConfig:
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
     train_backend: str = option("torch", "Training backend. 'torch' trains the HF model from --hf-checkpoint "
-                                "(the default without GPUs); 'megatron' is not available yet.",
+                                "(the default, and the one for machines without GPUs); 'megatron' trains a "
+                                "megatron-core GPTModel built from the Megatron flags (Qwen2, Qwen3, Llama; needs "
+                                "megatron-core and CUDA; see docs/megatron.md).",
                                 choices=["torch", "megatron"])
     hf_checkpoint: str | None = option(None, "HF model folder: version 0 of the weights, the engines' model "
                                        "and (torch backend) the trainer's initial weights.")
@@ -241,8 +274,20 @@ class TrainConfig:
         require(bool(self.hf_checkpoint), "--hf-checkpoint", "is required (an HF model folder)")
         require(os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")), "--hf-checkpoint",
                 f"{self.hf_checkpoint!r} is not an HF model folder (no config.json)")
-        require(self.train_backend == "torch", "--train-backend",
-                "'megatron' is not implemented yet; use --train-backend torch")
+        if self.train_backend == "megatron":
+            import importlib.util
+
+            import torch
+
+            try:
+                found = importlib.util.find_spec("megatron.core") is not None
+            except ModuleNotFoundError:  # no `megatron` package at all
+                found = False
+            require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
+            # megatron-core 0.16 calls torch.cuda in its forward pass; vime's tests run it on CPU through a
+            # test-only shim (tests/megatron_shim.py), runs do not.
+            require(torch.cuda.is_available(), "--train-backend",
+                    "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch")
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
         require(self.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")

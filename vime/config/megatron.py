@@ -1,8 +1,10 @@
-"""Megatron-style model and parallelism flags, as the reference usage guide lists them.
+"""Megatron-style model, parallelism, checkpoint and hook flags, as the reference usage guide lists them.
 
-The torch backend trains the HF model from --hf-checkpoint; there these flags are optional and,
-when given, must agree with the checkpoint's config.json (a mismatch names the flag). The Megatron
-backend will build its model from them.
+With ``--train-backend megatron`` the trainer builds a megatron-core GPTModel from these flags
+(``vime.backends.megatron_model``); flags left out are read from --hf-checkpoint's config.json.
+The engines serve that HF architecture, so a model flag that disagrees with config.json is an
+error naming the flag, with either backend. A switch (``--qk-layernorm``, ``--swiglu``, ...) left
+out means "as config.json says", not "off". ``scripts/models/*.sh`` hold the flags of common models.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import dataclasses
 
 from vime.config.base import ConfigError, option
 
+ONE_PROCESS = ("vime train runs one trainer process (--actor-num-nodes x --actor-num-gpus-per-node = 1), so "
+               "this must be 1; the Megatron backend shards a model only inside a process group its caller "
+               "sets up (see docs/megatron.md)")
+
 
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
@@ -18,8 +24,12 @@ class MegatronConfig:
     hidden_size: int | None = option(None, "Hidden size.")
     ffn_hidden_size: int | None = option(None, "MLP hidden size.")
     swiglu: bool = option(False, "SwiGLU MLP.")
-    vocab_size: int | None = option(None, "Vocabulary size.")
+    vocab_size: int | None = option(None, "Vocabulary size (unpadded; see --make-vocab-size-divisible-by).")
+    make_vocab_size_divisible_by: int = option(
+        128, "Pad the Megatron embedding and output layer to a multiple of this times the tensor-parallel size; "
+        "padded rows never reach the HF weights and their logits are masked.")
     disable_bias_linear: bool = option(False, "No bias in linear layers.")
+    add_qkv_bias: bool = option(False, "Bias on the QKV projection only (Qwen2).")
     num_attention_heads: int | None = option(None, "Attention heads.")
     group_query_attention: bool = option(False, "Grouped-query attention.")
     num_query_groups: int | None = option(None, "Key/value heads with --group-query-attention.")
@@ -29,6 +39,12 @@ class MegatronConfig:
     norm_epsilon: float | None = option(None, "Normalisation epsilon.")
     use_rotary_position_embeddings: bool = option(False, "Rotary position embeddings.")
     rotary_base: float | None = option(None, "RoPE base.")
+    use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
+    rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
+    untie_embeddings_and_output_weights: bool = option(
+        False, "Separate output layer (lm_head) instead of the tied input embedding.")
+    attention_dropout: float = option(0.0, "Attention dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
+    hidden_dropout: float = option(0.0, "Hidden dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     tensor_model_parallel_size: int = option(1, "Tensor parallelism of training.")
     sequence_parallel: bool = option(False, "Sequence parallelism (with TP).")
     pipeline_model_parallel_size: int = option(1, "Pipeline parallelism of training.")
@@ -38,28 +54,57 @@ class MegatronConfig:
     recompute_granularity: str | None = option(None, "Activation recomputation.", choices=["full", "selective"])
     recompute_method: str | None = option(None, "Recomputation method.", choices=["uniform", "block"])
     recompute_num_layers: int | None = option(None, "Layers per recomputation group.")
+    ckpt_format: str = option(
+        "torch_dist", "Format of the Megatron state in each iter_XXXXXXX/ (--train-backend megatron): 'torch' "
+        "(mp_rank_XX/model_optim_rng.pt, one file per rank: load with the same parallelism) or 'torch_dist' "
+        "(.distcp shards, loadable with any parallelism). Both formats load whatever this flag says.",
+        choices=["torch", "torch_dist"])
+    megatron_packing: str = option(
+        "auto", "How the Megatron backend batches sequences: 'thd' packs them back to back without padding "
+        "(varlen attention; needs Transformer Engine on CUDA), 'padded' right-pads each micro-batch with a causal "
+        "mask (megatron-core's own attention), 'auto' picks thd when Transformer Engine is usable. vime-specific.",
+        choices=["auto", "thd", "padded"])
+    custom_megatron_init_path: str | None = option(
+        None, "init(args), called once after the Megatron model parallel state is set up and before the model "
+        "is built (--train-backend megatron).")
+    custom_megatron_before_log_prob_hook_path: str | None = option(
+        None, "hook(args, model, store_prefix), called before log-probabilities are computed: store_prefix '' "
+        "for the actor's old log-probs, 'ref_' for the reference model's; model is the list of model chunks.")
+    custom_megatron_before_train_step_hook_path: str | None = option(
+        None, "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
+        "optimizer step's forward/backward passes (opt_param_scheduler is None: vime keeps the LR constant).")
 
     def check_against_hf(self, hf_config) -> None:
-        """With the torch backend, model flags are a cross-check of the HF config."""
-        pairs = {
-            "num_layers": getattr(hf_config, "num_hidden_layers", None),
-            "hidden_size": getattr(hf_config, "hidden_size", None),
-            "ffn_hidden_size": getattr(hf_config, "intermediate_size", None),
-            "vocab_size": getattr(hf_config, "vocab_size", None),
-            "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
-            "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
-            "norm_epsilon": getattr(hf_config, "rms_norm_eps", None),
-        }
-        for name, hf_value in pairs.items():
-            given = getattr(self, name)
-            if given is not None and hf_value is not None and given != hf_value:
-                raise ConfigError("--" + name.replace("_", "-"),
-                                  f"{given} disagrees with --hf-checkpoint's config.json ({hf_value})")
+        """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag."""
+        from vime.backends.megatron_args import check_flags_against_hf
+
+        check_flags_against_hf(self, hf_config)
 
     def validate(self) -> None:
-        parallel = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                    "context_parallel_size": 1, "expert_model_parallel_size": 1}
-        for name, only in parallel.items():
-            if getattr(self, name) != only:
-                raise ConfigError("--" + name.replace("_", "-"),
-                                  "model parallelism needs --train-backend megatron (not available yet)")
+        parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size")
+        for name in parallel:
+            if getattr(self, name) != 1:
+                raise ConfigError("--" + name.replace("_", "-"), ONE_PROCESS)
+        if self.expert_tensor_parallel_size not in (None, 1):
+            raise ConfigError("--expert-tensor-parallel-size", ONE_PROCESS)
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError("--make-vocab-size-divisible-by", "must be >= 1")
+        if self.rope_scaling_factor is not None and not self.use_rope_scaling:
+            raise ConfigError("--rope-scaling-factor", "needs --use-rope-scaling")
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError("--" + name.replace("_", "-"), "must be in [0, 1)")
+        from vime.runtime.plugins import PluginError, absolute_plugin_path
+
+        for name in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+                     "custom_megatron_before_train_step_hook_path"):
+            if getattr(self, name):
+                from vime.backends.megatron_hooks import load_megatron_hook
+
+                flag = "--" + name.replace("_", "-")
+                setattr(self, name, absolute_plugin_path(getattr(self, name)))  # workers may run elsewhere
+                try:
+                    load_megatron_hook(flag, getattr(self, name))  # a bad path or signature fails at start-up
+                except PluginError as error:
+                    raise ConfigError(flag, str(error).removeprefix(flag).strip()) from None

@@ -101,6 +101,23 @@ def gae_advantages(token_rewards: list[torch.Tensor], values: list[torch.Tensor]
     return advantages, returns
 
 
+def ppo_advantages_and_returns(rewards: torch.Tensor, values: list[torch.Tensor], loss_masks: list[torch.Tensor],
+                               *, kl: list[torch.Tensor] | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
+                               lambd: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO before whitening: GAE over the KL-shaped token rewards with the critic's ``values``.
+
+    Returns (advantages, returns): advantages are 0 where the loss mask is 0; returns = A + V on every
+    response token are the critic's regression targets (its loss counts the trained tokens only).
+    """
+    if kl is None:
+        if kl_coef:
+            raise ValueError("kl_coef needs the per-token KL to the reference model")
+        kl = [torch.zeros(m.shape, dtype=rewards.dtype) for m in loss_masks]
+    token_rewards = kl_penalised_token_rewards(rewards, kl, loss_masks, kl_coef)
+    advantages, returns = gae_advantages(token_rewards, values, gamma=gamma, lambd=lambd)
+    return [a * m.to(a.dtype) for a, m in zip(advantages, loss_masks, strict=True)], returns
+
+
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Normalise to zero mean / unit variance over the masked entries (--normalize-advantages)."""
     mask = mask.to(values.dtype)
@@ -141,7 +158,7 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, loss_masks: list[t
                                                              kl_coef=kl_coef)
     elif estimator == "ppo":
         if values is None:
-            raise NotImplementedError("--advantage-estimator ppo needs critic values; vime has no critic yet")
+            raise NotImplementedError("--advantage-estimator ppo needs the critic's values (values=...)")
         token_rewards = kl_penalised_token_rewards(rewards, kl, loss_masks, kl_coef)
         advantages, _ = gae_advantages(token_rewards, values, gamma=gamma, lambd=lambd)
     else:

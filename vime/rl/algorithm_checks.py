@@ -13,7 +13,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from vime.config.base import require
+from vime.config.base import ConfigError, require
 
 if TYPE_CHECKING:
     from vime.config import TrainSettings
@@ -29,9 +29,6 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
     estimator = algo.advantage_estimator
     require(estimator in ADVANTAGE_ESTIMATORS, "--advantage-estimator",
             f"unknown estimator {estimator!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-    require(estimator != "ppo", "--advantage-estimator",
-            "'ppo' needs a critic (value model), which vime does not have yet; use grpo, gspo, cispo, "
-            "reinforce_plus_plus or reinforce_plus_plus_baseline")
     require(0 <= algo.gamma <= 1, "--gamma", "must be in [0, 1]")
     require(0 <= algo.lambd <= 1, "--lambd", "must be in [0, 1]")
 
@@ -60,11 +57,6 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
     require(algo.kl_loss_coef == 0 or algo.use_kl_loss, "--kl-loss-coef", "has no effect without --use-kl-loss")
     require(algo.kl_coef == 0 or algo.kl_loss_coef == 0, "--kl-coef",
             "set either --kl-coef (reward shaping) or --kl-loss-coef (loss term), not both")
-    require(algo.ref_load is None or algo.needs_reference_model, "--ref-load",
-            "the reference model is only used with --use-kl-loss or --kl-coef")
-    if algo.ref_load is not None and "://" not in algo.ref_load:
-        require(os.path.isfile(os.path.join(algo.ref_load, "config.json")), "--ref-load",
-                f"{algo.ref_load!r} is not an HF model folder (no config.json)")
     require(math.isfinite(algo.entropy_coef), "--entropy-coef", "must be finite")
 
     # Off-policy corrections.
@@ -100,9 +92,72 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
                 "weigh the head and tail scores")
 
 
+    # PPO's critic.
+    require(math.isfinite(algo.value_clip) and algo.value_clip > 0, "--value-clip", "must be > 0")
+    require(algo.num_critic_only_steps >= 0, "--num-critic-only-steps", "must be >= 0")
+    require(algo.num_critic_only_steps == 0 or algo.uses_critic, "--num-critic-only-steps",
+            f"only --advantage-estimator ppo has a critic (not {estimator})")
+    if algo.uses_critic:
+        require(algo.loss_type == "policy_loss", "--loss-type",
+                "--advantage-estimator ppo trains a policy with a critic; sft_loss has neither")
+    if algo.megatron_config_path is not None:
+        roles = algo.role_config()  # raises ConfigError naming the YAML field
+        if "critic" in roles.roles and not algo.uses_critic:
+            from vime.config.roles import FLAG
+
+            raise ConfigError(FLAG, f"{roles.source}: {roles.roles['critic'].entry}.role: a critic entry needs "
+                                    f"--advantage-estimator ppo (got {estimator})")
+
+    # On-policy distillation.
+    require(math.isfinite(algo.opd_kl_coef) and algo.opd_kl_coef >= 0, "--opd-kl-coef", "must be >= 0")
+    if not algo.use_opd:
+        require(algo.opd_kl_coef == 1.0, "--opd-kl-coef", "has no effect without --use-opd")
+        for flag, value in (("--opd-teacher-url", algo.opd_teacher_url),
+                            ("--opd-teacher-model", algo.opd_teacher_model)):
+            require(value is None, flag, "has no effect without --use-opd")
+    else:
+        require(algo.loss_type == "policy_loss", "--use-opd",
+                "distillation shapes the RL advantages; it does not apply to --loss-type sft_loss")
+        require(algo.opd_teacher_url is None or algo.opd_teacher_model is None, "--opd-teacher-url",
+                "give the teacher by URL or by --opd-teacher-model, not both")
+
+
+def _check_ref_load(algo: AlgorithmConfig, *, megatron: bool) -> None:
+    """The torch backend reads --ref-load only as the KL reference (an HF folder); the Megatron
+    backend also starts the actor from it when --load has no checkpoint (the seeds' workflow)."""
+    if algo.ref_load is None:
+        return
+    require(megatron or algo.needs_reference_model, "--ref-load",
+            "the reference model is only used with --use-kl-loss or --kl-coef")
+    if "://" in algo.ref_load:
+        return
+    if os.path.isfile(os.path.join(algo.ref_load, "config.json")):
+        return
+    if megatron:
+        from vime.backends.megatron_checkpoint import is_checkpoint_root
+
+        require(is_checkpoint_root(algo.ref_load), "--ref-load",
+                f"{algo.ref_load!r} is neither an HF model folder (config.json) nor a Megatron checkpoint")
+        return
+    require(False, "--ref-load", f"{algo.ref_load!r} is not an HF model folder (no config.json)")
+
+
 def check_algorithm_with_run(settings: TrainSettings) -> None:
     """Checks that need the sampling flags or the model (run by ``vime.config.validate``)."""
     algo, rollout = settings.algorithm, settings.rollout
+    _check_ref_load(algo, megatron=settings.train.train_backend == "megatron")
+    if algo.megatron_config_path is not None and settings.train.train_backend == "torch":
+        from vime.config.roles import check_torch_roles
+
+        check_torch_roles(algo.role_config())
+    if settings.train.train_backend != "torch":
+        # Implemented in the torch backend only so far (the formulas are in vime.rl.opd / vime.config.roles):
+        # refused rather than silently ignored. Lift each check when the backend honours the option.
+        require(not algo.use_opd, "--use-opd", f"is not wired into --train-backend {settings.train.train_backend} "
+                "yet; use --train-backend torch")
+        require(algo.megatron_config_path is None, "--megatron-config-path",
+                f"role overrides are not wired into --train-backend {settings.train.train_backend} yet; use "
+                "--train-backend torch")
     if algo.use_score_centering:
         # The correction compares trainer and sampler distributions token by token: the sampler must draw
         # from the same (temperature-scaled, untruncated or top-p-replayed) distribution the trainer scores.

@@ -69,6 +69,19 @@ def cispo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages:
     return -weight * advantages * log_probs, (weight != ratio).to(log_probs.dtype)
 
 
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       *, value_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's critic loss per token: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), c = --value-clip.
+
+    The clipped term keeps one update from moving a value far from the one the advantages were computed
+    with (as in the reference framework; no factor 1/2). Returns (per-token loss, per-token indicator that
+    |V - V_old| > c).
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    loss = torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+    return loss, ((values - old_values).abs() > value_clip).to(values.dtype)
+
+
 def reinforce_loss(log_probs: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """Vanilla policy gradient: -A log p (the advantage is a constant)."""
     return -advantages.detach() * log_probs

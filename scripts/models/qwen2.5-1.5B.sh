@@ -1,0 +1,17 @@
+# Qwen2.5-1.5B (Qwen2 architecture: QKV bias, SwiGLU, RMSNorm, RoPE base 1e6).
+MODEL_ARGS=(
+   --swiglu
+   --num-layers 28
+   --hidden-size 1536
+   --ffn-hidden-size 8960
+   --num-attention-heads 12
+   --group-query-attention
+   --num-query-groups 2
+   --use-rotary-position-embeddings
+   --rotary-base 1000000
+   --disable-bias-linear
+   --add-qkv-bias
+   --normalization "RMSNorm"
+   --norm-epsilon 1e-6
+   --vocab-size 151936
+)

@@ -1,0 +1,18 @@
+# Qwen3-1.7B (QK RMSNorm, head dimension 128, no QKV bias, RoPE base 1e6).
+MODEL_ARGS=(
+   --swiglu
+   --num-layers 28
+   --hidden-size 2048
+   --ffn-hidden-size 6144
+   --vocab-size 151936
+   --disable-bias-linear
+   --num-attention-heads 16
+   --group-query-attention
+   --num-query-groups 8
+   --kv-channels 128
+   --qk-layernorm
+   --normalization "RMSNorm"
+   --norm-epsilon 1e-6
+   --use-rotary-position-embeddings
+   --rotary-base 1000000
+)

@@ -1,0 +1,208 @@
+"""The engine manager's membership rules with real Ray actors and real weight folders, vLLM replaced
+by a recorder (the real engines are in tests/e2e/test_elastic.py): engines join at the current
+version, a failed engine is restarted at the current version within its budget and then dropped,
+external engines are never restarted, `vime engines add/remove` requests, and the run stops with a
+reason once no engine is left."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from vime.config.framework import ElasticConfig
+from vime.engines.http import EngineError
+from vime.weights import disk
+from vime.workers.engine_manager import EngineManager, EnginesLost, EngineTemplate
+from vime.workers.engine_registry import EngineRegistry
+from vime.workers.engines import EngineActor
+
+pytestmark = pytest.mark.integration
+
+
+class Recorder:
+    """What vLLM would be told; ``broken`` makes every call fail as a dead engine's would."""
+
+    def __init__(self, url: str):
+        self.url, self.label, self.loaded, self.broken = url, "default", [], False
+
+    def _call(self):
+        if self.broken:
+            raise EngineError(self.url, "connection refused")
+
+    def health(self):
+        return not self.broken
+
+    def pause(self, mode="keep"):
+        self._call()
+
+    def resume(self):
+        self._call()
+
+    def reset_prefix_cache(self):
+        self._call()
+
+    def reload_weights(self, path):
+        self._call()
+        self.loaded.append(path)
+
+    def update_weight_version(self, version):
+        self._call()
+        self.label = str(version)
+
+    def weight_version(self):
+        self._call()
+        return self.label
+
+    def abort_requests(self):
+        self._call()
+        return 3
+
+
+class RecordingEngine(EngineActor):
+    """The real engine actor (joins, catch-up, local weight copies, restarts) without a process."""
+
+    def _start_server(self):
+        if os.path.exists(os.path.join(os.path.dirname(self.spec.log_path), "no-start")):
+            raise EngineError(f"http://engine-{self.spec.index}", "process exited with status 1 before becoming healthy")
+        self.client = Recorder(f"http://engine-{self.spec.index}.r{self.restarts}:1")
+        self.version = 0
+
+    def join(self, weight_dir, version):
+        if self.client is None and not self.owned:  # an external engine: no /server_info to read
+            self.client, self.version = Recorder(self.spec.external_url), -1
+        return super().join(weight_dir, version)
+
+    @property
+    def url(self):
+        return self.client.url if self.client else self.spec.external_url
+
+    def break_(self):
+        self.client.broken = True
+
+    def labels(self):
+        return self.client.label, len(self.client.loaded)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def publish(root: str, model: str, version: int) -> str:
+    return disk.publish_full(root, version, lambda folder: shutil.copytree(model, folder))
+
+
+def make_manager(tmp_path, model: str, budget: int, lines: list[str]) -> EngineManager:
+    template = EngineTemplate(model=model, vllm_args={}, tensor_parallel_size=1, run_token="t",
+                              log_dir=str(tmp_path), startup_timeout=30, http_timeout=5,
+                              weight_dir=str(tmp_path / "weights"))
+    config = ElasticConfig(rollout_health_check_first_wait=3600, rollout_engine_restart_budget=budget,
+                           rollout_elastic_resource="")
+    return EngineManager(template=template, config=config, router=None, say=lines.append,
+                         register_with_router=False, actor_class=RecordingEngine)
+
+
+def settle(manager: EngineManager, version: int, rounds: int = 200):
+    import time
+
+    for _ in range(rounds):
+        manager.poll(version)
+        if all(m.state in ("serving", "lost", "removed") for m in manager.members):
+            return
+        time.sleep(0.05)
+    raise AssertionError([(m.name, m.state) for m in manager.members])
+
+
+def test_failed_engines_restart_at_the_current_version_then_the_run_stops_with_a_reason(tmp_path, ray_session):
+    ray = ray_session
+    from vime.tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    root = str(tmp_path / "weights")
+    lines: list[str] = []
+    manager = make_manager(tmp_path, model, budget=1, lines=lines)
+    manager.start_owned(2)
+    group = manager.group
+    assert len(group) == 2 and group.versions == [0, 0]
+
+    group.update_weights(publish(root, model, 1), 1, flush=True)
+    settle(manager, 1)
+    first, second = manager.members
+    ray.get(first.actor.break_.remote())
+    group.update_weights(publish(root, model, 2), 2, flush=True)  # engine-0 fails: out, restarted
+    assert group.urls == [second.url] and first.state == "restarting"
+    settle(manager, 2)
+    assert first.state == "serving" and first.restarts == 1 and first.url.endswith(".r1:1")
+    assert sorted(group.versions) == [2, 2]
+    assert ray.get(first.actor.labels.remote())[0] == "2"  # restarted at the current version
+
+    ray.get(first.actor.break_.remote())
+    group.update_weights(publish(root, model, 3), 3, flush=True)
+    settle(manager, 3)
+    assert first.state == "lost" and "restart budget used up (1/1" in first.last_error
+    assert group.urls == [second.url]
+
+    (tmp_path / "no-start").write_text("")  # from now on a restart fails to start its process
+    ray.get(second.actor.break_.remote())
+    group.update_weights(publish(root, model, 4), 4, flush=True)
+    with pytest.raises(EnginesLost, match="every rollout engine is gone") as lost:
+        settle(manager, 4)
+    assert second.state == "lost" and "restart failed" in second.last_error and second.restarts == 1
+    assert "engine-0 (start)" in str(lost.value) and "engine-1 (start)" in str(lost.value)
+    manager.stop()
+
+
+def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_path, ray_session):
+    ray = ray_session
+    from vime.tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    root = str(tmp_path / "weights")
+    lines: list[str] = []
+    manager = make_manager(tmp_path, model, budget=3, lines=lines)
+    manager.registry = ray.remote(num_cpus=0)(EngineRegistry).remote()
+    manager.start_owned(1)
+    for version in (1, 2):
+        manager.group.update_weights(publish(root, model, version), version, flush=True)
+    add = ray.get(manager.registry.submit.remote("add", "10.0.0.9:8000"))
+    again = ray.get(manager.registry.submit.remote("add", "10.0.0.9:8000"))
+    manager._last["requests"] = 0.0
+    settle(manager, 2)
+    added = manager.members[1]
+    assert (added.origin, added.owned, added.state, added.version) == ("added", False, "serving", 2)
+    assert ray.get(manager.registry.request.remote(add))["state"] == "done"
+    assert "already engine-1" in ray.get(manager.registry.request.remote(again))["message"]
+
+    # An external engine that fails is dropped, never restarted.
+    ray.get(added.actor.break_.remote())
+    manager.group.update_weights(publish(root, model, 3), 3, flush=True)
+    settle(manager, 3)
+    assert added.state == "lost" and added.restarts == 0
+
+    only = ray.get(manager.registry.submit.remote("remove", "engine-0"))
+    manager._last["requests"] = 0.0
+    settle(manager, 3)
+    assert "only serving engine" in ray.get(manager.registry.request.remote(only))["message"]
+
+    add = ray.get(manager.registry.submit.remote("add", "http://10.0.0.7:8000"))
+    manager._last["requests"] = 0.0
+    settle(manager, 3)
+    remove = ray.get(manager.registry.submit.remote("remove", "10.0.0.7:8000"))
+    manager._last["requests"] = 0.0
+    settle(manager, 3)
+    done = ray.get(manager.registry.request.remote(remove))
+    assert done["state"] == "done" and "3 request(s) in flight returned to the queue as continuations" in \
+        done["message"] and "keeps running" in done["message"]
+    assert [m.state for m in manager.members] == ["serving", "lost", "removed"]
+    assert manager.group.urls == [manager.members[0].url]
+    assert os.path.isdir(root)
+    manager.stop()

@@ -1,0 +1,123 @@
+"""Test-side shim that lets megatron-core 0.16 run its forward/backward on CPU.
+
+megatron-core hard-codes CUDA in a few places that a CPU forward reaches: buffers created with
+``device=torch.cuda.current_device()`` (tensor-parallel gathers, RoPE frequencies, masks) and the
+CUDA RNG tracker its attention forks around dropout. :func:`install` redirects both to the CPU for
+this process only: ``torch.cuda.current_device()`` answers ``"cpu"`` and the tracker keeps CPU
+generator states. Production code never installs it (the Megatron backend refuses a machine
+without CUDA unless this shim is active); tests call it before building a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_INSTALLED = False
+
+
+class CpuRngTracker:
+    """The CUDA RNG tracker's interface over CPU generator states (same seeds -> same streams)."""
+
+    def __init__(self, **_):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA device and RNG tracker to the CPU (idempotent, per process)."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.cuda.current_device = lambda: "cpu"
+    # Seeding the (absent) CUDA generators is a no-op on a CPU build; make it explicit.
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.synchronize = lambda device=None: None  # dist-checkpoint writers synchronise after D2H copies
+    mp_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _INSTALLED = True
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+def tiny_hf_model(out_dir: str, family: str, *, tie: bool = False, rope_scaling: bool = False, seed: int = 0,
+                  vocab_size: int = 16) -> str:
+    """A tiny random HF Qwen2 / Qwen3 / Llama whose every tensor (biases and norms included) is random.
+
+    Qwen3 gets a head_dim (32) that differs from hidden_size / heads (16), as the real ones do;
+    ``rope_scaling`` gives Llama the Llama 3 frequency scaling.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {}
+    if family == "qwen3":
+        extra["head_dim"] = 32
+    if rope_scaling:
+        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        extra["rope_theta"] = 500000.0
+    config = AutoConfig.for_model(
+        family, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32", **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def tiny_qwen2_with_tokenizer(out_dir: str) -> str:
+    """vime's tiny Qwen2 (make_tiny_model, with its tokenizer) at hidden size 64, every tensor made random."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.tools.make_tiny_model import make_tiny_model
+
+    folder = make_tiny_model(out_dir, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

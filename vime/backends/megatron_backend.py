@@ -1,0 +1,329 @@
+"""Megatron-core training backend (``--train-backend megatron``).
+
+The same interface and the same RL objective as :class:`~vime.backends.torch_backend.TorchBackend`
+(whose loss, advantage, TIS and score-centering code it inherits), on a megatron-core GPTModel built
+from the Megatron flags (``vime.backends.megatron_args``):
+
+- batching: ``thd`` packing (sequences back to back, varlen attention) when Transformer Engine is
+  usable on CUDA, otherwise right-padded micro-batches with an explicit causal mask, so no
+  ``--seq-length`` is needed either way;
+- tensor parallelism inside the process group its caller set up (``vime train`` runs one trainer
+  process: TP = 1 there); the gradient norm for clipping is reduced over the tensor-parallel group
+  (each replicated parameter counted once), as are the norm gradients sequence parallelism leaves partial;
+- a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA);
+- initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
+  ``--hf-checkpoint``; the KL reference model from the same;
+- checkpoints in ``--ckpt-format`` inside vime's ``iter_XXXXXXX/`` folders; engines receive
+  HF-named safetensors (``megatron_convert``).
+
+megatron-core 0.16 calls ``torch.cuda`` in its forward pass: on a machine without CUDA the backend
+runs only where ``torch.cuda.current_device()`` has been redirected (the tests' ``megatron_shim``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import math
+import os
+import shutil
+
+import torch
+
+from vime.backends.megatron_args import ModelArgs, resolve_model_args
+from vime.backends.megatron_model import Parallelism
+from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec
+from vime.rl.losses import token_entropy
+from vime.rl.score_centering import weighting
+from vime.rl.tis import load_tis_function
+from vime.sample import Sample
+
+
+@dataclasses.dataclass(kw_only=True)
+class MegatronBackendSpec:
+    """What the Megatron backend needs beyond the trainer spec shared with the torch backend."""
+
+    model: ModelArgs
+    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
+    ckpt_format: str = "torch_dist"
+    ref_load: str | None = None             # Megatron checkpoint or HF folder: initial actor and KL reference
+    packing: str = "auto"                   # auto | thd | padded
+    vocab_divisible_by: int = 128
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    recompute: dict | None = None           # TransformerConfig recompute_* fields
+    init_hook_path: str | None = None
+    before_log_prob_hook_path: str | None = None
+    before_train_step_hook_path: str | None = None
+    hook_args: argparse.Namespace | None = None   # what user hooks receive as ``args``
+
+    @classmethod
+    def from_settings(cls, s) -> "MegatronBackendSpec":
+        from transformers import AutoConfig
+
+        m = s.megatron
+        recompute = {k: v for k, v in (("recompute_granularity", m.recompute_granularity),
+                                       ("recompute_method", m.recompute_method),
+                                       ("recompute_num_layers", m.recompute_num_layers)) if v is not None}
+        return cls(
+            model=resolve_model_args(m, AutoConfig.from_pretrained(s.train.hf_checkpoint)),
+            parallel=Parallelism(tensor=m.tensor_model_parallel_size, pipeline=m.pipeline_model_parallel_size,
+                                 context=m.context_parallel_size, expert=m.expert_model_parallel_size,
+                                 sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1),
+            ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
+            vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout, recompute=recompute or None,
+            init_hook_path=m.custom_megatron_init_path,
+            before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,
+            before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path, hook_args=s.args)
+
+
+def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSpec) -> str:
+    """Where the actor's first weights come from: --ref-load when given, else --hf-checkpoint."""
+    return megatron.ref_load or spec.hf_checkpoint
+
+
+class MegatronBackend(TorchBackend):
+    def __init__(self, spec: TorchTrainerSpec, megatron: MegatronBackendSpec):
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from vime.backends import megatron_model as mm
+        from vime.backends.megatron_hooks import load_megatron_hook
+
+        hf_logging.disable_progress_bar()
+        self.spec, self.megatron = spec, megatron
+        algo = spec.algorithm
+        if spec.cpu_affinity:
+            os.sched_setaffinity(0, spec.cpu_affinity)
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        if not mm.cuda_reachable():
+            raise RuntimeError("--train-backend megatron: megatron-core 0.16 needs CUDA for its forward pass and "
+                               "torch.cuda is not available here; use --train-backend torch on CPU")
+        self._seed(spec.seed)
+        mm.init_parallel(megatron.parallel, seed=spec.seed)
+        from megatron.core import parallel_state as ps
+
+        if ps.get_data_parallel_world_size() != 1:
+            raise NotImplementedError("the Megatron backend trains one model replica: data parallelism "
+                                      f"{ps.get_data_parallel_world_size()} is not wired (world size must equal "
+                                      "TP x PP x CP)")
+        if algo.uses_critic:
+            raise NotImplementedError("--advantage-estimator ppo (a critic) is not wired into the Megatron backend; "
+                                      "use --train-backend torch")
+        if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
+            raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
+        self.user_args = megatron.hook_args if megatron.hook_args is not None else argparse.Namespace()
+        self.log_prob_hook = self._hook("--custom-megatron-before-log-prob-hook-path",
+                                        megatron.before_log_prob_hook_path, load_megatron_hook)
+        self.train_step_hook = self._hook("--custom-megatron-before-train-step-hook-path",
+                                          megatron.before_train_step_hook_path, load_megatron_hook)
+        init_hook = self._hook("--custom-megatron-init-path", megatron.init_hook_path, load_megatron_hook)
+        if init_hook is not None:
+            init_hook(self.user_args)
+
+        self.packing = self._packing(megatron.packing, mm.te_usable())
+        source = initial_canonical_source(spec, megatron)
+        self.gpt = self._build_and_load(source)
+        self.model = mm.MegatronLM(self.gpt, megatron.model.vocab_size, self.packing,
+                                   megatron.parallel.sequence_parallel)
+        self.model.train()
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=spec.lr, betas=spec.adam_betas,
+                                           eps=spec.adam_eps, weight_decay=spec.weight_decay)
+        self.actor = ModelRole("actor", self.gpt, self.optimizer, spec.clip_grad)
+        self.critic, self.critic_save = None, None   # PPO's critic: not wired into this backend
+        self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
+        self._log_prob_hook_due: set | None = None
+        self.ref_gpt, self.ref_model = None, None
+        if algo.needs_reference_model:
+            self.ref_gpt = self._build_and_load(megatron.ref_load or spec.hf_checkpoint)
+            self.ref_gpt.eval().requires_grad_(False)
+            self.ref_model = mm.MegatronLM(self.ref_gpt, megatron.model.vocab_size, self.packing,
+                                           megatron.parallel.sequence_parallel)
+        self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
+        self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=spec.n_samples_per_prompt,
+                                            rollout_temperature=spec.rollout_temperature,
+                                            hf_checkpoint=spec.hf_checkpoint)
+        self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
+                             if algo.use_score_centering else None)
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _hook(flag: str, path: str | None, loader):
+        return loader(flag, path) if path else None
+
+    @staticmethod
+    def _packing(requested: str, te: bool) -> str:
+        if requested == "thd" and not te:
+            raise ValueError("--megatron-packing thd needs Transformer Engine on CUDA (varlen attention); "
+                             "use 'padded' or 'auto'")
+        if requested == "auto":
+            return "thd" if te else "padded"
+        return requested
+
+    def _build_and_load(self, source: str):
+        from vime.backends import megatron_checkpoint as mc
+        from vime.backends import megatron_model as mm
+        from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict
+
+        m = self.megatron
+        gpt = mm.build_gpt_model(m.model, m.parallel, vocab_divisible_by=m.vocab_divisible_by,
+                                 use_te=self.packing == "thd", attention_dropout=m.attention_dropout,
+                                 hidden_dropout=m.hidden_dropout, recompute=m.recompute, initialize=False)
+        if mc.is_checkpoint_root(source):
+            mc.load(mc.resolve_step_folder(source), gpt)
+        else:
+            mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(source), m.model), m.model)
+        return gpt
+
+    # ------------------------------------------------------------------ forward
+    def _forward(self, model, batch, *, entropy: str | None = None, heads: bool = False) -> Forward:
+        """As the torch backend's, with the vocabulary-sized work on the model's device; the [B, T-1]
+        results come back to the CPU (differentiably), where the shared loss code runs."""
+        if model is self.ref_model and self._log_prob_hook_due is not None:
+            self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        if self.spec.rollout_temperature > 0:
+            logits = logits / self.spec.rollout_temperature
+        log_softmax = torch.log_softmax(logits.float(), dim=-1)
+        targets = batch.targets.to(log_softmax.device)
+        out = Forward(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu())
+        if entropy == "loss":
+            out.entropy = token_entropy(log_softmax).cpu()
+        elif entropy == "metric":
+            with torch.no_grad():
+                out.entropy = token_entropy(log_softmax.detach()).cpu()
+        if heads:
+            out.head_log_probs = log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)).cpu()
+        return out
+
+    def _log_probs(self, batch) -> torch.Tensor:
+        """The actor's (old policy) log-probs; the before-log-prob hook runs once per rollout first."""
+        if self._log_prob_hook_due is not None:
+            self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "", self.gpt)
+        return super()._log_probs(batch)
+
+    def _run_log_prob_hook(self, due: set, prefix: str, gpt) -> set | None:
+        if prefix in due:
+            self.log_prob_hook(self.user_args, [gpt], prefix)
+            due = due - {prefix}
+        return due or None
+
+    # ------------------------------------------------------------------ one rollout
+    def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
+        """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks and
+        tensor-parallel gradient reduction (:meth:`_optimizer_steps`)."""
+        self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
+        try:
+            return super().train_rollout(samples, policy_version)
+        finally:
+            self._log_prob_hook_due = None
+
+    def _optimizer_steps(self, role, packed, per_step: int, metrics: dict, *, loss_key: str, grad_key: str,
+                         micro_loss) -> None:
+        """As the torch backend's, plus the before-train-step hook and the tensor-parallel gradient norm."""
+        for step_id, first in enumerate(range(0, len(packed), per_step)):
+            steps = range(first, min(first + per_step, len(packed)))
+            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
+                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
+            if self.train_step_hook is not None and role is self.actor:
+                self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
+            role.optimizer.zero_grad(set_to_none=True)
+            step_terms: dict[str, float] = collections.defaultdict(float)
+            for i in steps:
+                loss = micro_loss(i, totals, step_terms)
+                loss.backward()
+                step_terms[loss_key] += float(loss.detach())
+            grad_norm = self._finish_gradients(list(role.parameters()), role.clip_grad)
+            role.optimizer.step()
+            for name, value in step_terms.items():
+                metrics[name].append(value)
+            metrics[grad_key].append(float(grad_norm))
+
+    @staticmethod
+    def _finish_gradients(params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+        """Reduce what tensor parallelism leaves partial, then clip by the global norm; returns the norm."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        max_norm = clip_grad if clip_grad > 0 else math.inf
+        params = [p for p in params if p.requires_grad]
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        group = ps.get_tensor_model_parallel_group()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if getattr(p, "sequence_parallel", False):
+                # Each rank saw a slice of the sequence: the replicated norm weights' gradients add up.
+                dist.all_reduce(p.grad, group=group)
+        squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                squares += p.grad.float().pow(2).sum()
+        dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coefficient)
+        return norm
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def _tp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank()
+
+    def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""
+        from vime.backends.megatron_convert import iter_mcore_to_hf
+        from vime.backends.megatron_model import gather_canonical
+
+        canonical = gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
+        return list(iter_mcore_to_hf(canonical, self.megatron.model))
+
+    def save_weights(self, path: str) -> None:
+        """HF-named safetensors plus the HF config files: what an engine reloads (TP rank 0 writes)."""
+        from vime.backends.megatron_convert import mcore_to_hf, write_hf_safetensors
+        from vime.backends.megatron_model import gather_canonical
+
+        canonical = gather_canonical(self.gpt, self.megatron.model)
+        if self._tp_rank() != 0:
+            return
+        write_hf_safetensors(mcore_to_hf(canonical, self.megatron.model), path)
+        for name in ("config.json", "generation_config.json"):
+            source = os.path.join(self.spec.hf_checkpoint, name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(path, name))
+
+    def save_hf(self, path: str) -> None:
+        self.save_weights(path)
+        if self._tp_rank() == 0:
+            self.tokenizer.save_pretrained(path)
+
+    def checkpoint_args(self) -> dict:
+        p = self.megatron.parallel
+        return {**self.megatron.model.to_dict(), "tensor_model_parallel_size": p.tensor,
+                "pipeline_model_parallel_size": p.pipeline, "context_parallel_size": p.context,
+                "make_vocab_size_divisible_by": self.megatron.vocab_divisible_by,
+                "padded_vocab_size": self.megatron.model.padded_vocab_size(self.megatron.vocab_divisible_by, p.tensor)}
+
+    def save_training_state(self, path: str) -> None:
+        """The Megatron checkpoint (--ckpt-format) of model, optimizer and RNG, written straight into ``path``
+        (vime's iter_XXXXXXX/ folder)."""
+        from vime.backends import megatron_checkpoint as mc
+
+        mc.save(path, self.gpt, self.optimizer, fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained,
+                args=self.checkpoint_args())
+
+    def load_training_state(self, path: str) -> None:
+        from vime.backends import megatron_checkpoint as mc
+
+        common = mc.load(mc.resolve_step_folder(path), self.gpt, self.optimizer, restore_rng=True)
+        self.rollouts_trained = int(common.get("iteration") or 0)
+

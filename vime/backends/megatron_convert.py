@@ -1,0 +1,246 @@
+"""HF <-> megatron-core weight naming for Qwen2 / Qwen3 / Llama (pure tensor code, no megatron import).
+
+The *canonical* Megatron state dict is the full (tensor-parallel size 1) one with megatron-core's local
+layer-spec names and the unpadded vocabulary::
+
+    embedding.word_embeddings.weight                       <- model.embed_tokens.weight
+    decoder.layers.N.input_layernorm.weight                <- model.layers.N.input_layernorm.weight
+    decoder.layers.N.self_attention.linear_qkv.weight/bias <- q_proj, k_proj, v_proj (fused per query group)
+    decoder.layers.N.self_attention.q_layernorm.weight     <- self_attn.q_norm.weight (Qwen3)
+    decoder.layers.N.self_attention.k_layernorm.weight     <- self_attn.k_norm.weight (Qwen3)
+    decoder.layers.N.self_attention.linear_proj.weight     <- self_attn.o_proj.weight
+    decoder.layers.N.pre_mlp_layernorm.weight              <- post_attention_layernorm.weight
+    decoder.layers.N.mlp.linear_fc1.weight                 <- [gate_proj; up_proj] (SwiGLU)
+    decoder.layers.N.mlp.linear_fc2.weight                 <- mlp.down_proj.weight
+    decoder.final_layernorm.weight                         <- model.norm.weight
+    output_layer.weight                                    <- lm_head.weight (untied models only)
+
+Megatron fuses Q, K and V group by group: for each of the ``num_query_groups`` key/value heads, the
+rows of its ``heads / groups`` query heads, then its key head, then its value head. Transformer
+Engine layer specs fold the two pre-norms into the following linear layer
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): :func:`from_te_names` and
+:func:`to_te_names` translate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+from vime.backends.megatron_args import ModelArgs
+
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def to_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, value in state.items():
+        m = _LAYER.match(name)
+        if m and m.group(2) in _TE_NAMES:
+            name = f"decoder.layers.{m.group(1)}.{_TE_NAMES[m.group(2)]}"
+        out[name] = value
+    return out
+
+
+def from_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    back = {v: k for k, v in _TE_NAMES.items()}
+    out = {}
+    for name, value in state.items():
+        m = _LAYER.match(name)
+        if m and m.group(2) in back:
+            name = f"decoder.layers.{m.group(1)}.{back[m.group(2)]}"
+        out[name] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- QKV
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """HF q/k/v projections (weights [out, in] or biases [out]) -> Megatron's fused per-group layout."""
+    groups, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // groups
+    tail = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail),
+                       v.reshape(groups, d, *tail)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * d, *tail)
+
+
+def split_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // groups
+    tail = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * d, *tail)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return (q.reshape(groups * per_group * d, *tail).contiguous(), k.reshape(groups * d, *tail).contiguous(),
+            v.reshape(groups * d, *tail).contiguous())
+
+
+# ---------------------------------------------------------------------------------------------- HF -> Megatron
+def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The canonical Megatron state dict of an HF state dict (every tensor accounted for)."""
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise KeyError(f"the HF checkpoint has no tensor {name!r} (expected for {args.family})")
+        used.add(name)
+        return hf[name]
+
+    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    for i in range(args.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        attn = p + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args)
+        if args.add_qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), args)
+        if args.qk_layernorm:
+            out[m + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
+        out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
+        out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                      take(p + "mlp.up_proj.weight")], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if not args.tie_embeddings:
+        out["output_layer.weight"] = take("lm_head.weight")
+    elif "lm_head.weight" in hf:
+        used.add("lm_head.weight")  # a tied checkpoint may store the shared tensor twice
+    left = sorted(set(hf) - used - {n for n in hf if n.endswith("rotary_emb.inv_freq")})
+    if left:
+        raise ValueError(f"HF tensors with no Megatron counterpart ({args.family}): {left[:8]}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Megatron -> HF
+def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a canonical Megatron state dict, in HF's order; a tied lm_head is left out
+    (as HF's save_pretrained does)."""
+    mcore = from_te_names(mcore)
+    yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"][:args.vocab_size]
+    for i in range(args.num_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = p + "self_attn."
+        yield p + "input_layernorm.weight", mcore[m + "input_layernorm.weight"]
+        q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.weight"], args)
+        yield attn + "q_proj.weight", q
+        yield attn + "k_proj.weight", k
+        yield attn + "v_proj.weight", v
+        if args.add_qkv_bias:
+            q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.bias"], args)
+            yield attn + "q_proj.bias", q
+            yield attn + "k_proj.bias", k
+            yield attn + "v_proj.bias", v
+        if args.qk_layernorm:
+            yield attn + "q_norm.weight", mcore[m + "self_attention.q_layernorm.weight"]
+            yield attn + "k_norm.weight", mcore[m + "self_attention.k_layernorm.weight"]
+        yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]
+        yield p + "post_attention_layernorm.weight", mcore[m + "pre_mlp_layernorm.weight"]
+        gate, up = mcore[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        yield p + "mlp.gate_proj.weight", gate.contiguous()
+        yield p + "mlp.up_proj.weight", up.contiguous()
+        yield p + "mlp.down_proj.weight", mcore[m + "mlp.linear_fc2.weight"]
+    yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
+    if not args.tie_embeddings:
+        yield "lm_head.weight", mcore["output_layer.weight"][:args.vocab_size]
+
+
+def mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    return dict(iter_mcore_to_hf(mcore, args))
+
+
+# ---------------------------------------------------------------------------------------------- TP shards
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+           "embedding.word_embeddings.weight", "output_layer.weight")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def merge_tp_shards(shards: list[dict[str, torch.Tensor]], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The canonical state dict of the per-rank state dicts of a tensor-parallel 'torch' checkpoint
+    (rank order), with the vocabulary padding removed."""
+    shards = [from_te_names({k: v for k, v in s.items() if not k.endswith("_extra_state")}) for s in shards]
+    out = {}
+    for name in shards[0]:
+        parts = [s[name] for s in shards]
+        if len(parts) > 1 and name.endswith(_COLUMN):
+            if name.endswith("mlp.linear_fc1.weight") and args.swiglu:
+                halves = [p.chunk(2, dim=0) for p in parts]
+                value = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            else:
+                value = torch.cat(parts, dim=0)
+        elif len(parts) > 1 and name.endswith(_ROW):
+            value = torch.cat(parts, dim=1)
+        else:
+            value = parts[0]
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            value = value[:args.vocab_size]
+        out[name] = value
+    return out
+
+
+def pad_vocab(canonical: dict[str, torch.Tensor], padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """The canonical state dict with zero rows appended to the embedding and output layer."""
+    out = dict(canonical)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in out:
+            value = out[name]
+            out[name] = torch.cat([value, value.new_zeros(padded_vocab_size - value.shape[0], *value.shape[1:])])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- HF files
+def read_hf_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF model folder (safetensors, or pytorch_model*.bin as a fallback)."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for name in files:
+            state.update(load_file(os.path.join(folder, name)))
+        return state
+    bins = sorted(f for f in os.listdir(folder) if f.startswith("pytorch_model") and f.endswith(".bin"))
+    if not bins:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors or pytorch_model*.bin weights")
+    for name in bins:
+        state.update(torch.load(os.path.join(folder, name), map_location="cpu", weights_only=True))
+    return state
+
+
+def write_hf_safetensors(tensors: dict[str, torch.Tensor], folder: str, *,
+                         max_shard_bytes: int = 5 * 1024 ** 3) -> list[str]:
+    """Write ``tensors`` as HF does: model.safetensors, or shards plus model.safetensors.index.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().contiguous().cpu()
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return names

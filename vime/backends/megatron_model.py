@@ -1,0 +1,290 @@
+"""Building a megatron-core GPTModel and moving weights in and out of it.
+
+- :func:`init_parallel` sets up torch.distributed (a one-process group when the caller has none) and
+  megatron-core's model-parallel state.
+- :func:`build_gpt_model` builds the GPTModel of a :class:`ModelArgs` (Transformer Engine layers when
+  they are usable on CUDA, megatron-core's own layers otherwise).
+- :func:`load_canonical` / :func:`gather_canonical` copy the canonical (full, TP=1) state dict of
+  ``megatron_convert`` into a tensor-parallel model and back.
+- :class:`MegatronLM` wraps the model in the ``model(input_ids=..., attention_mask=...).logits``
+  interface the shared training code calls, batching either packed (thd) or right-padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import socket
+import warnings
+
+import torch
+
+from vime.backends.megatron_args import ModelArgs
+from vime.backends.megatron_convert import from_te_names
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+# megatron-core 0.16 warns about missing Apex / Transformer Engine and deprecated defaults at every import
+# and layer: noise for vime's users, who choose neither.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    sequence_parallel: bool = False
+
+
+def te_usable() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def cuda_reachable() -> bool:
+    """Whether megatron-core's hard-coded ``torch.cuda.current_device()`` works here (a GPU, or the
+    tests' CPU shim)."""
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError):
+        return False
+    return True
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_parallel(parallel: Parallelism, *, seed: int | None = None) -> None:
+    """torch.distributed (a one-process group on 127.0.0.1 unless the caller set one up) and megatron-core's
+    parallel state for ``parallel``. Idempotent; a different, already initialised layout is an error."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
+    if world % model_parallel:
+        raise ValueError(f"{world} process(es) cannot hold tensor x pipeline x context parallelism "
+                         f"{parallel.tensor} x {parallel.pipeline} x {parallel.context}")
+    if ps.model_parallel_is_initialized():
+        now = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_context_parallel_world_size())
+        if now != (parallel.tensor, parallel.pipeline, parallel.context):
+            raise ValueError(f"megatron-core is already initialised with TP/PP/CP {now}, not "
+                             f"{(parallel.tensor, parallel.pipeline, parallel.context)}")
+    else:
+        ps.initialize_model_parallel(parallel.tensor, parallel.pipeline, context_parallel_size=parallel.context,
+                                     expert_model_parallel_size=parallel.expert)
+    if seed is not None:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_dropout: float = 0.0,
+                       hidden_dropout: float = 0.0, recompute: dict | None = None, initialize: bool = True):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
+        params_dtype=torch.float32, use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, **(recompute or {}))
+
+
+def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_by: int = 128,
+                    use_te: bool | None = None, **config_kwargs):
+    """The GPTModel of ``args`` on this process's device (full logits: ``parallel_output=False``)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = te_usable() if use_te is None else use_te
+    if parallel.tensor > 1:
+        # megatron-core marks which tensors are split (tensor_model_parallel, partition_dim) only in its
+        # initialisation code, and the gathers, shards and gradient norm here rely on those marks.
+        config_kwargs["initialize"] = True
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    model = GPTModel(
+        config=transformer_config(args, parallel, **config_kwargs), transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size(vocab_divisible_by, parallel.tensor),
+        max_sequence_length=args.max_position_embeddings, parallel_output=False,
+        share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope",
+        rotary_base=int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base,
+        rope_scaling=args.rope_scaling_factor is not None, rope_scaling_factor=args.rope_scaling_factor or 8.0)
+    model.vime_uses_te = use_te
+    return model.to(device())
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
+        ps.get_tensor_model_parallel_group()
+
+
+def _is_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+
+
+def _canonical_names(model) -> dict[str, str]:
+    """Model parameter name -> canonical (local-spec) name."""
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
+
+
+def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    """Copy a canonical state dict into ``model`` (this rank's tensor-parallel shard of every tensor;
+    the vocabulary padded with zero rows). Every parameter must be found and every tensor used."""
+    rank, size, _ = _tp()
+    names = _canonical_names(model)
+    missing = [c for c in names.values() if c not in canonical]
+    unused = sorted(set(canonical) - set(names.values()))
+    if missing or unused:
+        raise ValueError(f"state dict does not fit the model: missing {missing[:6]}, unused {unused[:6]}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = canonical[names[name]].to(torch.float32)
+            if names[name] in VOCAB_PARAMS:
+                padded = param.shape[0] * (size if getattr(param, "tensor_model_parallel", False) else 1)
+                full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
+                dim = param.partition_dim
+                if _is_fc1(name) and args.swiglu:
+                    gate, up = full.chunk(2, dim=0)
+                    full = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+                else:
+                    full = full.chunk(size, dim=dim)[rank]
+            if full.shape != param.shape:
+                raise ValueError(f"{names[name]}: shape {tuple(full.shape)} does not fit the model's "
+                                 f"{tuple(param.shape)}")
+            param.copy_(full.to(param.device))
+
+
+def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """The canonical (full, unpadded) state dict of a tensor-parallel ``model``; every rank of the
+    tensor-parallel group must call it (it gathers)."""
+    import torch.distributed as dist
+
+    rank, size, group = _tp()
+    names = _canonical_names(model)
+    out = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(tensor) for _ in range(size)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                if _is_fc1(name) and args.swiglu:
+                    halves = [p.chunk(2, dim=0) for p in parts]
+                    tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+                else:
+                    tensor = torch.cat(parts, dim=param.partition_dim)
+            if names[name] in VOCAB_PARAMS:
+                tensor = tensor[:args.vocab_size]
+            out[names[name]] = tensor.cpu() if to_cpu else tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- forward
+@dataclasses.dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+class MegatronLM(torch.nn.Module):
+    """``model(input_ids=[B, T], attention_mask=[B, T]).logits`` -> [B, T, vocab] over right-padded rows.
+
+    ``packing='thd'`` concatenates the rows' real tokens into one varlen sequence (Transformer Engine
+    attention, no padding computed); ``'padded'`` runs the padded batch with an explicit causal mask.
+    Logits of padded positions are zero in thd mode (never used: the loss masks them). Logits of the
+    padded vocabulary rows are dropped.
+    """
+
+    def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False):
+        super().__init__()
+        self.gpt = gpt
+        self.vocab_size = vocab_size
+        self.packing = packing
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        dev = device()
+        input_ids = input_ids.to(dev)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(dev)
+        if self.packing == "thd":
+            logits = self._forward_thd(input_ids, attention_mask)
+        else:
+            logits = self._forward_padded(input_ids, attention_mask)
+        return CausalLMOutput(logits[..., :self.vocab_size].float())
+
+    def _tp_multiple(self) -> int:
+        return _tp()[1] if self.sequence_parallel else 1
+
+    def _forward_padded(self, input_ids, attention_mask):
+        batch, length = input_ids.shape
+        multiple = self._tp_multiple()
+        padded = -(-length // multiple) * multiple
+        if padded != length:  # sequence parallelism splits the sequence evenly over the TP ranks
+            input_ids = torch.nn.functional.pad(input_ids, (0, padded - length))
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, padded - length))
+        positions = torch.arange(padded, device=input_ids.device).unsqueeze(0).expand(batch, padded)
+        # True = masked: later keys (causal) and padded keys.
+        causal = torch.ones(padded, padded, dtype=torch.bool, device=input_ids.device).triu(1)
+        mask = causal[None, None] | (attention_mask == 0)[:, None, None, :]
+        return self.gpt(input_ids, positions, mask)[:, :length]
+
+    def _forward_thd(self, input_ids, attention_mask):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        batch, length = input_ids.shape
+        lengths = attention_mask.sum(dim=1).tolist()
+        tokens = torch.cat([input_ids[row, :n] for row, n in enumerate(lengths)])
+        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
+        total = tokens.numel()
+        multiple = self._tp_multiple()
+        extra = -(-total // multiple) * multiple - total
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        if extra:  # padding joins the last sequence: causal attention keeps it out of the real tokens
+            tokens = torch.nn.functional.pad(tokens, (0, extra))
+            positions = torch.cat([positions, torch.arange(lengths[-1], lengths[-1] + extra,
+                                                           device=input_ids.device)])
+            bounds[-1] += extra
+        cu = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+        longest = max(lengths) + extra
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        packed = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params)[0]
+        rows = [torch.nn.functional.pad(packed[start:start + n], (0, 0, 0, length - n))
+                for start, n in zip(bounds[:-1], lengths)]
+        return torch.stack(rows)
