@@ -270,7 +270,7 @@ class TrainingRun:
             weight_transport=s.weights.update_weight_transport)
         self.engine_manager = EngineManager(template=template, config=s.elastic, router=self.router_client,
                                             say=self.log.say, record=self.log.write,
-                                            register_with_router=self.router is not None or not external)
+                                            external_router=self.router is None)
         self.engines = self.engine_manager.group
         started = time.monotonic()
         if external:
@@ -490,9 +490,11 @@ class TrainingRun:
                 last_accepted, last_progress = stats.accepted, time.monotonic()
             elif time.monotonic() - last_progress > self.s.rollout.rollout_request_timeout * 2 + 60:
                 details = ray.get(self.workers[0].get_stats.remote()) if self.workers else None
+                engines = ", ".join(f"{e['name']} {e['state']} at {e['url']}" for e in
+                                    self.engine_manager.snapshot()["engines"]) if self.engine_manager else ""
                 raise RunError(f"no group was accepted for {time.monotonic() - last_progress:.0f}s "
-                               f"(queue: {stats}); rollout worker: {details}; engine logs are in "
-                               f"{os.path.join(self.run_dir, 'logs')}")
+                               f"(queue: {stats}); rollout worker: {details}; engines: {engines or 'none'}; "
+                               f"engine logs are in {os.path.join(self.run_dir, 'logs')}")
             time.sleep(POLL_SECONDS)
 
     def _publish(self, version: int, *, sync_number: int) -> float:

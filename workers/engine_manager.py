@@ -16,9 +16,10 @@ serve (what weight synchronisation updates). docs/elastic.md describes the behav
   lost node, an exhausted budget). A weight update that fails on an engine counts the same.
 - **removing** (``vime engines remove``): unregister, abort its requests in flight (their groups
   return to the queue as continuations), then stop it (vime's own) or detach from it (external).
-- **nodes**: every ``NODE_POLL_SECONDS`` the alive Ray nodes are listed; a node with the ``--rollout-elastic-resource`` resource that hosts no engine
-  of this run gets engines (NodeAffinitySchedulingStrategy); a node that disappears takes its
-  engines and its rollout worker with it (``lost`` event).
+- **nodes**: every ``NODE_POLL_SECONDS`` the alive Ray nodes are listed; a node with the
+  ``--rollout-elastic-resource`` resource that hosts no engine of this run gets engines
+  (NodeAffinitySchedulingStrategy); a node that disappears takes its engines and its rollout
+  worker with it (``lost`` event).
 
 When no engine serves or is on its way any more although the run had some, :meth:`poll` raises
 :class:`EnginesLost` naming why each one went: the job cannot make progress.
@@ -113,8 +114,9 @@ class NodeEvent:
 class EngineManager:
     def __init__(self, *, template: EngineTemplate, config: ElasticConfig, router: RouterClient,
                  say: Callable[[str], None] = print, record: Callable[[dict], None] = lambda r: None,
-                 register_with_router: bool = True, actor_class: type = EngineActor):
+                 register_with_router: bool = True, external_router: bool = False, actor_class: type = EngineActor):
         self.template, self.config, self.router = template, config, router
+        self.external_router = external_router  # --vllm-router-ip: PD engines may be listed there already
         self.actor_class = actor_class
         self.say, self.record = say, record
         self.register_with_router = register_with_router
@@ -340,7 +342,7 @@ class EngineManager:
     def _check_role(self, m: Member) -> str | None:
         if m.worker_type == "regular":
             return None
-        if m.worker_type in ("prefill", "decode") and not self.register_with_router:
+        if m.worker_type in ("prefill", "decode") and self.external_router:
             if m.url in self.router.workers():
                 return None
             return (f"{m.url} is a {m.worker_type} engine but the router at {self.router.url} does not list it; "

@@ -21,7 +21,6 @@ engine that joins a running job (docs/elastic.md) first loads the current versio
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,8 +32,6 @@ from vime.engines.vllm_server import EngineClient, VllmServer, swap_engine_weigh
 from vime.weights import disk
 from vime.weights.disk import WeightError
 from vime.weights.local import LocalWeights
-
-logger = logging.getLogger("vime.engines")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -181,7 +178,8 @@ class EngineActor:
             pass
         facts = self.facts
         return {"index": self.spec.index, "url": self.url, "version": self.version, "owned": self.owned,
-                "healthy": bool(self.client and self.client.health()), "log": self.spec.log_path if self.owned else None,
+                "healthy": bool(self.client and self.client.health()),
+                "log": self.spec.log_path if self.owned else None,
                 "startup_seconds": getattr(self, "startup_seconds", None), "restarts": self.restarts,
                 "node_id": node_id, "gpus": facts.gpus if facts else self.spec.tensor_parallel_size,
                 "worker_type": facts.worker_type if facts else "regular", "model": facts.model if facts else None}

@@ -180,8 +180,8 @@ def main() -> int:
     ratio = after["samples_per_s"] / max(before["samples_per_s"], 1e-9)
     print(f"\n== bench/elastic: digit shift, 16 prompts x 8 samples a step, 24-token responses, "
           f"{len(cores)} core(s)")
-    print(f"  before (1 engine)   {before['samples_per_s']:7.1f} samples generated/s   engine {before['engine_cores']:.2f} "
-          f"core(s) busy, machine {before['idle_cores']:.2f} core(s) idle")
+    print(f"  before (1 engine)   {before['samples_per_s']:7.1f} samples generated/s   "
+          f"engine {before['engine_cores']:.2f} core(s) busy, machine {before['idle_cores']:.2f} core(s) idle")
     print(f"  after  (2 engines)  {after['samples_per_s']:7.1f} samples generated/s   machine "
           f"{after['idle_cores']:.2f} core(s) idle")
     print(f"  after / before = {ratio:.2f}x   (bound on this machine: (engine + idle) / engine = {bound:.2f}x)")

@@ -7,7 +7,7 @@
   then the run's own engine is SIGKILLed and restarted; the run completes and ``vime queue inspect
   --json`` shows every prompt trained exactly once (no group lost, none failed).
 
-Both runs slow the trainer (VIME_FAULT_DELAYS, 2 s a step, idle) so that the events happen mid-run.
+Both runs slow the trainer (VIME_FAULT_DELAYS, 1.5-2 s a step, idle) so that the events happen mid-run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vim
 from vime.runtime.process import kill_processes_with_token
 
 pytestmark = pytest.mark.e2e
-# Prompts (4 per step, a step >= 2 s): enough steps for each test's events to happen mid-run.
+# Prompts (4 per step; a step >= 2 s / 1.5 s): enough steps for each test's events to happen mid-run
+# (the node's engine takes 25-45 s to start on a loaded 2-core machine).
 NODE_PROMPTS, FAULT_PROMPTS = 128, 64
 FAST_HEALTH = ("--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3")
 
@@ -141,7 +142,7 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
                      "--ray-address", cluster.address, *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, NODE_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=2"})
+    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5"})
     node = None
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
@@ -183,7 +184,7 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
                      *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, FAULT_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=2"})
+    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5"})
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         before = served_requests(external)
@@ -225,4 +226,27 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
     assert sorted(g["prompt_index"] for g in report["trained_groups"]) == list(range(FAULT_PROMPTS))
     assert report["counts"]["failed"] == 0 and report["counts"]["accepted"] == 0, report["counts"]
     assert all(g["n_samples"] == 4 for g in report["trained_groups"])
+    assert_nothing_left(run_dir)
+
+
+def test_external_engines_at_start_get_every_version_from_disk(tmp_path, tiny_model_dir, vllm_engine):
+    """--rollout-external-engine-addrs: no engine started by vime; the external one is probed
+    (/server_info), loads version 0 and every later version from disk, and keeps running after."""
+    run_dir = str(tmp_path / "run")
+    external = vllm_engine.url
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "2", "--no-save-hf",
+                     "--rollout-external-engine-addrs", external.split("//")[1])
+    try:
+        result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "attaching 1 external engine(s)" in result.stdout and "starting 1 vLLM engine" not in result.stdout
+        assert vllm_engine.client().weight_version() == "2"  # the last version reached it from disk
+    finally:
+        client = vllm_engine.client()
+        client.reload_weights(vllm_engine.model_dir)
+        client.update_weight_version("default")
+    joined = [e for e in metrics(run_dir, "engine") if e["event"] == "serving"]
+    assert [(e["origin"], e["url"], e["weight_version"]) for e in joined] == [("external", external, 0)]
+    assert [r["weight_version"] for r in metrics(run_dir, "train")] == [1, 2]
+    assert requests.get(external + "/health", timeout=10).status_code == 200  # never stopped by vime
     assert_nothing_left(run_dir)

@@ -66,7 +66,7 @@ class RecordingEngine(EngineActor):
 
     def _start_server(self):
         if os.path.exists(os.path.join(os.path.dirname(self.spec.log_path), "no-start")):
-            raise EngineError(f"http://engine-{self.spec.index}", "process exited with status 1 before becoming healthy")
+            raise EngineError(f"http://engine-{self.spec.index}", "process exited before becoming healthy")
         self.client = Recorder(f"http://engine-{self.spec.index}.r{self.restarts}:1")
         self.version = 0
 
