@@ -235,7 +235,7 @@ class TrainingRun:
         os.replace(path + ".tmp", path)
 
     def _start_router(self) -> None:
-        from vime.engines.router import RouterClient, RouterProcess
+        from vime.engines.router import RouterClient, RouterError, RouterProcess
         from vime.runtime.ports import free_port
 
         s = self.s
@@ -244,13 +244,23 @@ class TrainingRun:
             self.router_url = f"http://{s.vllm.vllm_router_ip}:{port}"
             self.log.say(f"using the external router at {self.router_url}")
         else:
-            port = s.vllm.vllm_router_port or free_port()
-            self.router = RouterProcess(host="127.0.0.1", port=port, router_args=s.router_args,
-                                        log_path=os.path.join(self.run_dir, "logs", "router.log"),
-                                        run_token=self.token)
-            self.log.say(f"starting vllm-router on 127.0.0.1:{port}")
-            self.router.start()
-            self.router.wait_ready(timeout=60)
+            # Ports vime picks itself are free when picked, but another process may bind them
+            # before the router does: then try again on fresh ones. A pinned port fails at once.
+            attempts = 1 if s.vllm.vllm_router_port else 3
+            for attempt in range(1, attempts + 1):
+                port = s.vllm.vllm_router_port or free_port()
+                self.router = RouterProcess(host="127.0.0.1", port=port, router_args=s.router_args,
+                                            log_path=os.path.join(self.run_dir, "logs", "router.log"),
+                                            run_token=self.token)
+                self.log.say(f"starting vllm-router on 127.0.0.1:{port}")
+                try:
+                    self.router.start()
+                    self.router.wait_ready(timeout=60)
+                    break
+                except RouterError as error:
+                    if attempt == attempts or "Address already in use" not in str(error):
+                        raise
+                    self.log.say("a port of the router was taken meanwhile; trying other ports")
             self.router_url = self.router.url
         self.router_client = RouterClient(self.router_url, timeout=s.run.http_timeout)
         s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)

@@ -119,27 +119,23 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     assert_nothing_left(run_dir)
 
 
-def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir):
-    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
-    # Long responses and two rollouts of look-ahead keep requests in flight when Ctrl-C comes:
-    # they end as continuations carrying their prefix, which the resumed run continues.
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--save", save, "--save-interval", "1",
-                     "--load", save, "--partial-rollout", "--max-staleness", "2")
-    args[args.index("--rollout-max-response-len") + 1] = "40"
+def interrupt_once(args: list[str], run_dir: str) -> None:
+    """Start the run, Ctrl-C it after a step that ends with groups being generated, and check that
+    it stops with code 130 leaving no process behind."""
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
+    seen, rest = [], ""
     try:
         deadline = time.monotonic() + 400
+        steps = 0
         for line in proc.stdout:
             seen.append(line)
-            # Interrupt once a step >= 2 ends with groups leased (being generated), so that the
-            # test does not depend on how fast this machine happens to be right now.
-            if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= 2:
+            if line.startswith("step "):
+                steps += 1
                 last = [json.loads(r) for r in open(os.path.join(run_dir, "metrics.jsonl")) if '"train"' in r][-1]
-                if last["queue_leased"] > 0:
+                if steps >= 2 and last["queue_leased"] > 0:
                     break
             assert time.monotonic() < deadline, "".join(seen)
-        assert any(line.startswith("step    2/1000") for line in seen), "".join(seen)
+        assert steps >= 2, "".join(seen)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
@@ -148,9 +144,26 @@ def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path,
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted" in rest
     assert_nothing_left(run_dir)
-    interrupted = [(task, group) for task, group in continuation_prefixes(run_dir)
-                   if any(s.response_length for s in group)]
-    assert interrupted, "no request was in flight at Ctrl-C"
+
+
+def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir):
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    # Long responses and two rollouts of look-ahead keep requests in flight when Ctrl-C comes:
+    # they end as continuations carrying their prefix, which the resumed run continues.
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--save", save, "--save-interval", "1",
+                     "--load", save, "--partial-rollout", "--max-staleness", "2")
+    args[args.index("--rollout-max-response-len") + 1] = "40"
+    # Whether a request is still generating at the instant of Ctrl-C depends on timing (the tiny
+    # model often ends a response early): interrupt, resume, interrupt again, at most three times,
+    # until an interruption caught requests in flight. Each round checks the Ctrl-C contract.
+    interrupted = []
+    for _ in range(3):
+        interrupt_once(args, run_dir)
+        interrupted = [(task, group) for task, group in continuation_prefixes(run_dir)
+                       if any(s.response_length for s in group)]
+        if interrupted:
+            break
+    assert interrupted, "no request was in flight at any of three Ctrl-Cs"
 
     from vime.recovery import checkpoint as ckpt
 
