@@ -698,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vime train: error: {error}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigterm)  # Ctrl-C: the same orderly stop, whatever an import installed
     try:
         return TrainingRun(settings).run()
     except KeyboardInterrupt:
