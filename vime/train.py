@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -479,6 +480,7 @@ class TrainingRun:
 
         last_accepted, last_progress = None, time.monotonic()
         while True:
+            _raise_if_interrupted()
             self._poll_engines()  # engine membership and health (docs/elastic.md); never blocks long
             taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained))
             if taken.groups:
@@ -536,6 +538,7 @@ class TrainingRun:
         self.log.say(f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
                      f"{s.rollout.n_samples_per_prompt} sample(s)")
         for rollout_id in range(start_step, s.train.num_rollout):
+            _raise_if_interrupted()
             try:
                 taken = self._wait_for_groups(batch)
             except StopIteration:
@@ -686,8 +689,20 @@ class TrainingRun:
         self.log.close()
 
 
+_INTERRUPTED = threading.Event()
+
+
 def _on_sigterm(signum, frame):
+    # Raised here, and remembered: a KeyboardInterrupt raised while the interpreter runs a
+    # finalizer (a Ray ObjectRef's __del__, say) is swallowed by Python ("Exception ignored"),
+    # so the training loop also checks the flag and stops at its next iteration.
+    _INTERRUPTED.set()
     raise KeyboardInterrupt
+
+
+def _raise_if_interrupted() -> None:
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -697,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"vime train: error: {error}", file=sys.stderr)
         return 2
+    _INTERRUPTED.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)  # Ctrl-C: the same orderly stop, whatever an import installed
     try:
