@@ -17,6 +17,7 @@ from typing import Any, Callable
 import msgspec
 
 from vime.recovery.faults import fault_point
+from vime.runtime.durable import fsync_path
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "vime_state.json"
@@ -40,14 +41,6 @@ def iteration_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "wb") as f:
@@ -55,7 +48,7 @@ def _atomic_write(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 def save_checkpoint(root: str, state: CheckpointState, write_trainer_state: Callable[[str], None]) -> str:
@@ -69,7 +62,7 @@ def save_checkpoint(root: str, state: CheckpointState, write_trainer_state: Call
         if os.path.exists(final):
             shutil.rmtree(final)  # a re-save of the same step after a crash replaces the old one
         os.rename(staging, final)
-        _fsync_dir(root)
+        fsync_path(root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _atomic_write(os.path.join(root, LATEST), str(state.step).encode())

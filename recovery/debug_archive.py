@@ -37,6 +37,7 @@ import torch
 from vime.config.base import ConfigError
 from vime.queue.records import OPTIONAL_TENSORS as TENSOR_FIELDS
 from vime.sample import Sample, Status
+from vime.runtime.durable import fsync_path
 
 SAVE_FLAG = "--save-debug-rollout-data"
 LOAD_FLAG = "--load-debug-rollout-data"
@@ -254,14 +255,6 @@ def read_archive(path: str, flag: str = LOAD_FLAG) -> DebugArchive:
         raise ArchiveError(flag, f"cannot read {path}: {error.strerror}") from None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _same_batch(existing: DebugArchive, new: DebugArchive) -> bool:
     return (existing.rollout_id, existing.policy_version, existing.samples_digest) == \
         (new.rollout_id, new.policy_version, new.samples_digest)
@@ -291,7 +284,7 @@ def write_archive(path: str, archive: DebugArchive) -> str:
             return "kept"
         except OSError:  # a filesystem without hard links: rename (the check above guards it)
             os.replace(tmp, path)
-        _fsync_dir(folder)
+        fsync_path(folder)
     except OSError as error:
         raise ArchiveError(SAVE_FLAG, f"cannot write {path}: {error.strerror or error}") from None
     finally:

@@ -24,6 +24,7 @@ from typing import Callable
 import msgspec
 
 from vime.weights import delta as codec
+from vime.runtime.durable import fsync_path
 
 MANIFEST = "manifest.json"
 PATTERN = re.compile(r"^weight_v(\d{6})$")
@@ -87,16 +88,8 @@ def link_files(source: str, target: str, names=None) -> None:
 
 def _fsync_tree(path: str) -> None:
     for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(os.path.join(path, name))
+    fsync_path(path)
 
 
 def _staging(root: str, version: int) -> str:
