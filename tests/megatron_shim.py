@@ -121,3 +121,43 @@ def tiny_qwen2_with_tokenizer(out_dir: str) -> str:
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+MOE_VARIANTS = {
+    # Qwen3-MoE with renormalised top-k weights (norm_topk_prob, as Qwen3-30B-A3B): every layer sparse.
+    "qwen3_moe": dict(family="qwen3_moe", norm_topk_prob=True, head_dim=16),
+    # Qwen2-MoE: un-renormalised weights, a gated shared expert and a dense layer (mlp_only_layers).
+    "qwen2_moe": dict(family="qwen2_moe", norm_topk_prob=False, shared_expert_intermediate_size=40,
+                      mlp_only_layers=[1]),
+    "mixtral": dict(family="mixtral"),
+}
+
+
+def tiny_moe_hf_model(out_dir: str, family: str = "qwen3_moe", *, seed: int = 0, with_tokenizer: bool = False,
+                      **overrides) -> str:
+    """A tiny random HF MoE model (2 layers, 4 experts, top-2, hidden 32) whose every tensor is random.
+
+    The router weights are drawn large so that the top-k choice is never a near tie (HF and Megatron must
+    pick the same experts). ``with_tokenizer`` adds make_tiny_model's character tokenizer (vocabulary 12).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    experts = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4, "moe_intermediate_size": 24}
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tokenizer) if tokenizer else 16, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+        max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0, dtype="float32", **experts, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+            param.add_(torch.randn_like(param) * (1.0 if router else 0.05))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from vime.config import ConfigError, TrainSettings, parse_train_args
-from vime.config.vllm import check_against_vllm
+from vime.config.vllm import check_against_vllm, check_topology_against_vllm
 from vime.data.source import DataError, DataKeys, PromptDataset, open_prompt_source
 from vime.metrics import MetricsLog, plot_rewards
 from vime.rollout.generate import SamplingParams
@@ -72,6 +72,7 @@ class TrainingRun:
         self.router_client = None
         self.engines = None                 # vime.workers.engines.EngineGroup: the engines that serve
         self.engine_manager = None          # vime.workers.engine_manager.EngineManager (docs/elastic.md)
+        self.frozen_models: list = []       # vime.workers.model_servers.FrozenModel: other --vllm-config models
         self.ray_namespace = f"vime-{self.token[:12]}"  # `vime engines` finds the run's registry there
         self.controller = None
         self.trainer = None
@@ -125,7 +126,9 @@ class TrainingRun:
         self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
         # --
         self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
+        self._plan_engines()
         check_against_vllm(s.vllm.vllm_args)
+        check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
         if s.queue.rollout_data_transport == "straw":
             from vime.queue.fence import QueueFence
 
@@ -143,10 +146,30 @@ class TrainingRun:
                     raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
         from transformers import AutoConfig, AutoTokenizer
 
-        s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint))
+        s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint), s.train.train_backend)
         self.tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
+
+    def _plan_engines(self) -> None:
+        """What to start, from the resolved topology (vime/config/vllm_config.py): the trained
+        model and, with --vllm-config, the others. None with --rollout-external-engine-addrs."""
+        from vime.config.vllm_config import build_launch_plan, trained_model_name
+
+        deployment = getattr(self.s.args, "vllm_deployment", None)
+        self.plan, self.trained_model = None, None
+        if deployment is None:
+            return
+        self.trained_model = trained_model_name(deployment)
+        flag = {"vllm-config": "--vllm-config", "prefill-num-servers": "--prefill-num-servers"}.get(deployment.origin)
+        not_started = sorted({group.worker_type for model in deployment.models for group in model.groups
+                              if group.worker_type not in ("regular", "placeholder")})
+        if not_started:
+            raise ConfigError(flag or "--vllm-config", f"{'/'.join(not_started)} engines are resolved and their launch "
+                              "commands built, but `vime train` starts regular engines only so far; attach PD/EPD "
+                              "engines you started yourself behind your own PD router with "
+                              "--rollout-external-engine-addrs and --vllm-router-ip (docs/vllm-config.md)")
+        self.plan = build_launch_plan(deployment, router_args=self.s.router_args)
 
     @property
     def store_options(self):
@@ -236,8 +259,9 @@ class TrainingRun:
         os.replace(path + ".tmp", path)
 
     def _start_router(self) -> None:
-        from vime.engines.router import RouterClient, RouterError, RouterProcess
-        from vime.runtime.ports import free_port
+        """The trained model's router (vime's own, or --vllm-router-ip); other --vllm-config models
+        get theirs in _start_engines."""
+        from vime.engines.router import RouterClient, start_router
 
         s = self.s
         if s.vllm.vllm_router_ip:
@@ -245,31 +269,20 @@ class TrainingRun:
             self.router_url = f"http://{s.vllm.vllm_router_ip}:{port}"
             self.log.say(f"using the external router at {self.router_url}")
         else:
-            # Ports vime picks itself are free when picked, but another process may bind them
-            # before the router does: then try again on fresh ones. A pinned port fails at once.
-            attempts = 1 if s.vllm.vllm_router_port else 3
-            for attempt in range(1, attempts + 1):
-                port = s.vllm.vllm_router_port or free_port()
-                self.router = RouterProcess(host="127.0.0.1", port=port, router_args=s.router_args,
-                                            log_path=os.path.join(self.run_dir, "logs", "router.log"),
-                                            run_token=self.token)
-                self.log.say(f"starting vllm-router on 127.0.0.1:{port}")
-                try:
-                    self.router.start()
-                    self.router.wait_ready(timeout=60)
-                    break
-                except RouterError as error:
-                    if attempt == attempts or "Address already in use" not in str(error):
-                        raise
-                    self.log.say("a port of the router was taken meanwhile; trying other ports")
+            router_args = self.plan.model(self.trained_model).router.router_args if self.plan else s.router_args
+            self.router = start_router(log_path=os.path.join(self.run_dir, "logs", "router.log"),
+                                       run_token=self.token, router_args=router_args,
+                                       port=s.vllm.vllm_router_port, say=self.log.say)
             self.router_url = self.router.url
         self.router_client = RouterClient(self.router_url, timeout=s.run.http_timeout)
         s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)
 
     def _start_engines(self) -> None:
         """The engines at launch (vime's own, or --rollout-external-engine-addrs), the engine
-        registry `vime engines` talks to, and the health monitor (workers/engine_manager.py)."""
+        registry `vime engines` talks to, and the health monitor (workers/engine_manager.py); then
+        the other models of --vllm-config, each behind its own router (workers/model_servers.py)."""
         from vime.workers.engine_manager import EngineManager, EngineTemplate
+        from vime.workers.model_servers import engine_variants
 
         s = self.s
         external = getattr(s.args, "rollout_external_engine_addrs", None) or []
@@ -284,14 +297,14 @@ class TrainingRun:
                                             external_router=self.router is None)
         self.engines = self.engine_manager.group
         started = time.monotonic()
+        planned = self.plan.model(self.trained_model).language_engines if self.plan else ()
         if external:
             self.log.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
             self.engine_manager.attach_external(external)
-        elif s.cluster.num_engines:
-            n = s.cluster.num_engines
-            self.log.say(f"starting {n} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s for each "
-                         f"(logs in {os.path.join(self.run_dir, 'logs')})")
-            self.engine_manager.start_owned(n)
+        elif planned:
+            self.log.say(f"starting {len(planned)} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s "
+                         f"for each (logs in {os.path.join(self.run_dir, 'logs')})")
+            self.engine_manager.start_owned(len(planned), variants=engine_variants(planned, s.weights.engine_vllm_args))
         else:
             self.log.say("--rollout-num-gpus 0: no local engines")
         if len(self.engines):
@@ -299,6 +312,24 @@ class TrainingRun:
                          f"registered with the router: {', '.join(self.engines.urls)}")
         self.engine_manager.open_registry(self.ray_namespace)
         self.engine_manager.start_monitor()
+        self._start_frozen_models(template)
+
+    def _start_frozen_models(self, template) -> None:
+        """Every model of --vllm-config besides the trained one; then ``args.vllm_model_routers``."""
+        from vime.workers.model_servers import start_frozen_model
+
+        s = self.s
+        routers = {self.trained_model or "default": self.router_url}
+        for launch in self.plan.models if self.plan else ():
+            if launch.name == self.trained_model:
+                continue
+            model = start_frozen_model(launch, template=template, elastic=s.elastic,
+                                       log_dir=os.path.join(self.run_dir, "logs"), run_token=self.token,
+                                       http_timeout=s.run.http_timeout, say=self.log.say, record=self.log.write)
+            self.frozen_models.append(model)
+            routers[launch.name] = model.address
+        # get_model_url(args, name) in rewards, rollout functions and hooks (docs/vllm-config.md).
+        s.args.vllm_model_routers = routers
 
     def _poll_engines(self) -> None:
         """Membership changes (health, restarts, `vime engines`, nodes that join or leave); a new
@@ -309,6 +340,8 @@ class TrainingRun:
             return
         try:
             events = self.engine_manager.poll(self.version)
+            for model in self.frozen_models:
+                model.poll()
         except EnginesLost as error:
             raise RunError(str(error)) from None
         for event in events:
@@ -676,6 +709,7 @@ class TrainingRun:
         from vime.runtime.process import kill_processes_with_token
 
         for step in (self._stop_rollout_workers, lambda: self.engine_manager and self.engine_manager.stop(),
+                     *(model.stop for model in self.frozen_models),
                      lambda: self.router and self.router.stop(),
                      lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30)):
             with contextlib.suppress(Exception):

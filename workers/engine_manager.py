@@ -51,6 +51,14 @@ class EnginesLost(RuntimeError):
     """Every engine of the run is gone and none is starting: generation cannot go on."""
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineVariant:
+    """What one engine of a server group changes from the template (``--vllm-config`` overrides)."""
+
+    vllm_args: dict
+    tensor_parallel_size: int
+
+
 @dataclasses.dataclass(kw_only=True)
 class EngineTemplate:
     """What every engine vime starts has in common (the per-engine spec adds index, host, log)."""
@@ -64,12 +72,17 @@ class EngineTemplate:
     http_timeout: float
     weight_dir: str
     weight_transport: str = "disk"
+    name_prefix: str = ""
+    """Prepended to engine names and log files: the model's name when a run serves several
+    (``--vllm-config``), so that ``ref-engine-0.log`` and ``engine-0.log`` do not collide."""
 
     def spec(self, index: int, *, host: str = "127.0.0.1", external_url: str | None = None,
-             startup_timeout: float | None = None) -> EngineSpec:
-        return EngineSpec(index=index, model=self.model, vllm_args=dict(self.vllm_args),
-                          tensor_parallel_size=self.tensor_parallel_size, run_token=self.run_token,
-                          log_path=os.path.join(self.log_dir, f"engine-{index}.log"),
+             startup_timeout: float | None = None, variant: EngineVariant | None = None) -> EngineSpec:
+        vllm_args = variant.vllm_args if variant else self.vllm_args
+        return EngineSpec(index=index, model=self.model, vllm_args=dict(vllm_args),
+                          tensor_parallel_size=variant.tensor_parallel_size if variant else self.tensor_parallel_size,
+                          run_token=self.run_token,
+                          log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
                           startup_timeout=startup_timeout or self.startup_timeout, http_timeout=self.http_timeout,
                           host=host, external_url=external_url)
 
@@ -94,10 +107,11 @@ class Member:
     request: str | None = None  # the `vime engines` request waiting for this member
     since: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str = ""
+    prefix: str = ""            # EngineTemplate.name_prefix
 
     @property
     def name(self) -> str:
-        return f"engine-{self.index}"
+        return f"{self.prefix}engine-{self.index}"
 
     @property
     def owned(self) -> bool:
@@ -139,9 +153,12 @@ class EngineManager:
         self._remote = None
 
     # ================================================================== at start-up (blocking)
-    def start_owned(self, count: int) -> None:
-        """Start ``count`` engines (vime's own), wait until each serves version 0, register them."""
-        members = [self._spawn("start") for _ in range(count)]
+    def start_owned(self, count: int, variants: list[EngineVariant] | None = None) -> None:
+        """Start ``count`` engines (vime's own), wait until each serves version 0, register them.
+        ``variants`` (one per engine) replaces the template's vLLM flags and size engine by engine."""
+        if variants is not None and len(variants) != count:
+            raise ValueError(f"{count} engine(s) but {len(variants)} variant(s)")
+        members = [self._spawn("start", variant=variants[i] if variants else None) for i in range(count)]
         self._wait_joined(members, self.template.startup_timeout + JOIN_SLACK_SECONDS)
 
     def attach_external(self, addresses: list[str]) -> None:
@@ -239,11 +256,12 @@ class EngineManager:
 
     def _spawn(self, origin: str, *, node_id: str | None = None, host: str = "127.0.0.1",
                external_url: str | None = None, request: str | None = None,
-               startup_timeout: float | None = None) -> Member:
+               startup_timeout: float | None = None, variant: EngineVariant | None = None) -> Member:
         index, self._next_index = self._next_index, self._next_index + 1
-        spec = self.template.spec(index, host=host, external_url=external_url, startup_timeout=startup_timeout)
+        spec = self.template.spec(index, host=host, external_url=external_url, startup_timeout=startup_timeout,
+                                  variant=variant)
         member = Member(index=index, origin=origin, actor=None, spec=spec, node_id=node_id, url=external_url,
-                        request=request, gpus=spec.tensor_parallel_size)
+                        request=request, gpus=spec.tensor_parallel_size, prefix=self.template.name_prefix)
         self._create_actor(member)
         self.members.append(member)
         return member

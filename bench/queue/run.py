@@ -184,7 +184,7 @@ def micro(groups: int, tokens: int, sc_heads: int) -> None:
     print(f"\n== {label}: {mib:.1f} MiB of payload")
     root = tempfile.mkdtemp(prefix="vime-bench-queue-")
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
         results = {"straw (vime queue)": bench_straw(root, groups, tokens, sc_heads),
                    "ray object store": bench_ray(groups, tokens, sc_heads),
                    "torch.save + fsync": bench_files(root, groups, tokens, sc_heads)}

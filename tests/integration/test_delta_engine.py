@@ -103,7 +103,7 @@ def ray_session():
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
              log_to_driver=False)
     yield ray
     ray.shutdown()

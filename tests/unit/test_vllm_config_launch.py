@@ -200,3 +200,34 @@ def test_encoders_of_every_model_start_before_any_language_engine():
     assert [(e.name, e.index) for e in plan.engines] == [
         ("actor-g0-encoder-0", 0), ("judge-g1-encoder-0", 1), ("actor-g1-regular-0", 2), ("judge-g0-regular-0", 3)]
     assert [e.name for e in plan.model("judge").encoders] == ["judge-g1-encoder-0"]
+
+
+def deployment_for(doc, gpus):
+    return resolve(parse_vllm_config(doc), GlobalFlags(hf_checkpoint="/models/vl", rollout_num_gpus=gpus))
+
+
+def test_the_trained_model_is_the_one_weight_synced_model():
+    from vime.config.vllm_config import trained_model_name
+
+    doc = {"vllm": [model("ref", group("regular"), model_path="/models/ref", update_weights=False),
+                    model("actor", group("regular"), update_weights=True)]}
+    assert trained_model_name(deployment_for(doc, 2)) == "actor"
+    both = {"vllm": [model("a", group("regular")), model("b", group("regular"))]}  # both inferred from the path
+    with pytest.raises(ConfigError, match=r"--vllm-config.*exactly one model .*found 2 \(a, b\)"):
+        trained_model_name(deployment_for(both, 2))
+    none = {"vllm": [model("ref", group("regular"), update_weights=False)]}
+    with pytest.raises(ConfigError, match=r"found 0 \(none\)"):
+        trained_model_name(deployment_for(none, 1))
+
+
+def test_engine_variants_carry_each_groups_flags_and_size():
+    """What the driver hands the engine manager per engine: the group's overrides and TP size,
+    plus the weight transport's additions."""
+    from vime.workers.model_servers import engine_variants
+
+    plan = plan_for({"vllm": [model("actor", group("regular", 2, num_gpus_per_engine=2,
+                                                   overrides={"max_model_len": 128}),
+                                    group("regular", 1))]}, gpus=3, vllm_args={"max-model-len": "64"})
+    variants = engine_variants(plan.model("actor").language_engines, lambda args: {**args, "extra": "1"})
+    assert [(v.tensor_parallel_size, v.vllm_args["max-model-len"], v.vllm_args["extra"]) for v in variants] == \
+        [(2, "128", "1"), (1, "64", "1")]

@@ -1,8 +1,15 @@
 """The architecture a Megatron GPTModel is built with, resolved from the Megatron flags and config.json.
 
 Supported HF families: Qwen2 (QKV bias), Qwen3 (QK RMSNorm, explicit head_dim) and Llama (optionally
-Llama 3.x RoPE scaling). Each model flag, when given, must agree with the HF config the engines
-serve; a flag left out takes the HF value. Nothing here imports megatron-core.
+Llama 3.x RoPE scaling), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert) and
+Mixtral. Each model flag, when given, must agree with the HF config the engines serve; a flag left out
+takes the HF value. Nothing here imports megatron-core.
+
+MoE routing: all three HF families take a softmax over the router logits and keep the top k. With
+renormalisation (Qwen3-MoE's usual ``norm_topk_prob: true``, Mixtral always) the kept weights equal a
+softmax over the top-k logits alone, which is megatron-core's default router; without it (Qwen2-MoE's
+``norm_topk_prob: false``) they are the full softmax's values, megatron-core's
+``--moe-router-pre-softmax``.
 """
 
 from __future__ import annotations
@@ -12,14 +19,17 @@ import math
 
 from vime.config.base import ConfigError
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+DENSE_FAMILIES = ("qwen2", "qwen3", "llama")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelArgs:
-    """A dense decoder-only transformer as megatron-core builds it (and as HF names it)."""
+    """A decoder-only transformer, dense or mixture-of-experts, as megatron-core builds it (and as HF
+    names it)."""
 
-    family: str                   # qwen2 | qwen3 | llama (HF model_type)
+    family: str                   # HF model_type: one of FAMILIES
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -36,6 +46,22 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     swiglu: bool = True
     normalization: str = "RMSNorm"
+    # Mixture of experts (num_experts None: a dense model; ffn_hidden_size is then every layer's MLP).
+    num_experts: int | None = None
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False      # Qwen2-MoE: sigmoid(x . w) scales the shared expert
+    moe_router_pre_softmax: bool = False      # top-k weights from the softmax over all experts (no renormalisation)
+    moe_layers: tuple[int, ...] = ()          # 0-based indices of the MoE layers; the others are dense
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(i in self.moe_layers) for i in range(self.num_layers)]
 
     def padded_vocab_size(self, divisible_by: int, tensor_parallel: int) -> int:
         multiple = divisible_by * tensor_parallel
@@ -83,14 +109,48 @@ def model_args_from_hf(hf_config) -> ModelArgs:
                                                  "Llama 3 scaling with low/high frequency factors 1/4 and an original "
                                                  "context of 8192")
         factor = float(scaling["factor"])
+    if family == "qwen2":
+        qkv_bias = True
+    elif family == "qwen2_moe":
+        qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+    else:
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False))
     return ModelArgs(
         family=family, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads, kv_channels=head_dim,
         vocab_size=hf_config.vocab_size, norm_epsilon=float(hf_config.rms_norm_eps), rotary_base=theta,
-        add_qkv_bias=True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False)),
-        qk_layernorm=family == "qwen3", tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        rope_scaling_factor=factor, max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096))
+        add_qkv_bias=qkv_bias, qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        rope_scaling_factor=factor, max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+        **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}))
+
+
+def _moe_from_hf(hf_config) -> dict:
+    """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE or Mixtral config."""
+    family = hf_config.model_type
+    layers = hf_config.num_hidden_layers
+    if family == "mixtral":
+        if getattr(hf_config, "sliding_window", None):
+            raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
+        if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) > 0:
+            raise ConfigError("--hf-checkpoint", "Mixtral's router_jitter_noise > 0 is not supported (training "
+                                                 "would route differently from the engines)")
+        return dict(num_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                    moe_ffn_hidden_size=hf_config.intermediate_size, moe_router_pre_softmax=False,
+                    moe_layers=tuple(range(layers)))
+    # Qwen*-MoE: layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if not moe_layers:
+        raise ConfigError("--hf-checkpoint", f"{family} config with no MoE layer (decoder_sparse_step {step}, "
+                                             f"mlp_only_layers {sorted(dense)})")
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) if family == "qwen2_moe" else None
+    return dict(num_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
+                moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+                moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
+                moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)), moe_layers=moe_layers)
 
 
 def _flag(name: str) -> str:
@@ -112,6 +172,10 @@ def check_flags_against_hf(flags, hf_config) -> None:
             "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
             "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
             "norm_epsilon": getattr(hf_config, "rms_norm_eps", None)})
+        if getattr(flags, "use_rollout_routing_replay", False):
+            # The torch backend trains any HF model but cannot replay routes.
+            raise ConfigError("--use-rollout-routing-replay", "needs --train-backend megatron with a "
+                                                              f"mixture-of-experts model ({', '.join(MOE_FAMILIES)})")
         return
     resolve_model_args(flags, hf_config)
 
@@ -153,4 +217,77 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
     if normalization is not None and normalization != hf.normalization:
         raise ConfigError("--normalization", f"{normalization} disagrees with --hf-checkpoint's config.json "
                                              f"({hf.normalization})")
+    _check_moe_flags(flags, hf)
     return hf
+
+
+MOE_MODEL_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                   "moe_router_pre_softmax", "moe_layer_freq")
+
+
+def parse_moe_layer_freq(text: str, num_layers: int | None = None) -> list[int] | int:
+    """``--moe-layer-freq`` as Megatron-LM spells it: ``N`` (every N-th layer from the first is MoE) or a
+    Python list expression of 0/1 per layer such as ``[1]*48`` or ``[0]+[1]*23``; raises ConfigError.
+    With ``num_layers`` an ``N`` is expanded to the list."""
+    import ast
+
+    text = str(text).strip()
+    if text.isdigit():
+        freq = int(text)
+        if freq < 1:
+            raise ConfigError("--moe-layer-freq", "must be >= 1")
+        return freq if num_layers is None else [int(i % freq == 0) for i in range(num_layers)]
+
+    def value(node):  # only list literals of ints, + and * (no names, no calls)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or not pattern or any(v not in (0, 1) for v in pattern):
+        raise ConfigError("--moe-layer-freq", f"{text!r}: expected an integer or a list of 0/1 per layer such as "
+                                              "'[1]*48' or '[0]+[1]*23'")
+    if num_layers is not None and len(pattern) != num_layers:
+        raise ConfigError("--moe-layer-freq", f"{text!r} has {len(pattern)} entries for {num_layers} layers")
+    return pattern
+
+
+def _check_moe_flags(flags, hf: ModelArgs) -> None:
+    """The MoE model flags given must describe the MoE architecture of config.json."""
+    replay = bool(getattr(flags, "use_rollout_routing_replay", False))
+    if not hf.is_moe:
+        given = [name for name in MOE_MODEL_FLAGS if getattr(flags, name, None) not in (None, False)]
+        if given:
+            raise ConfigError(_flag(given[0]), f"is given but --hf-checkpoint's config.json ({hf.family}) is not a "
+                                               "mixture-of-experts model")
+        if replay:
+            raise ConfigError("--use-rollout-routing-replay", f"needs a mixture-of-experts model (--num-experts, "
+                                                              f"--moe-router-topk); --hf-checkpoint's config.json "
+                                                              f"({hf.family}) has no experts")
+        return
+    _compare_numbers(flags, {
+        "num_experts": hf.num_experts, "moe_router_topk": hf.moe_router_topk,
+        "moe_ffn_hidden_size": hf.moe_ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": hf.moe_shared_expert_intermediate_size})
+    if getattr(flags, "moe_shared_expert_intermediate_size", None) is not None \
+            and hf.moe_shared_expert_intermediate_size is None:
+        raise ConfigError("--moe-shared-expert-intermediate-size", f"is given but --hf-checkpoint's config.json "
+                                                                   f"({hf.family}) has no shared expert")
+    if getattr(flags, "moe_router_pre_softmax", False) and not hf.moe_router_pre_softmax:
+        raise ConfigError("--moe-router-pre-softmax", f"is given but --hf-checkpoint's config.json ({hf.family}) "
+                                                      "renormalises the top-k weights (norm_topk_prob)")
+    score = getattr(flags, "moe_router_score_function", None)
+    if score is not None and score != "softmax":
+        raise ConfigError("--moe-router-score-function", f"{score}: {hf.family} routes with a softmax")
+    freq = getattr(flags, "moe_layer_freq", None)
+    if freq is not None and parse_moe_layer_freq(freq, hf.num_layers) != hf.moe_layer_pattern():
+        raise ConfigError("--moe-layer-freq", f"{freq!r} disagrees with --hf-checkpoint's config.json (MoE layers "
+                                              f"{list(hf.moe_layers)} of {hf.num_layers})")

@@ -14,7 +14,10 @@ from the Megatron flags (``vime.backends.megatron_args``):
 - initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
   ``--hf-checkpoint``; the KL reference model from the same;
 - checkpoints in ``--ckpt-format`` inside vime's ``iter_XXXXXXX/`` folders; engines receive
-  HF-named safetensors (``megatron_convert``).
+  HF-named safetensors (``megatron_convert``), expert by expert for MoE models;
+- MoE models: the routers' load-balancing loss (``--moe-aux-loss-coeff``) averaged over each optimizer
+  step, and R3 (``--use-rollout-routing-replay``): every forward over a sample routes its tokens to the
+  experts the rollout engine recorded (``megatron_routing``).
 
 megatron-core 0.16 calls ``torch.cuda`` in its forward pass: on a machine without CUDA the backend
 runs only where ``torch.cuda.current_device()`` has been redirected (the tests' ``megatron_shim``).
@@ -32,7 +35,7 @@ import shutil
 import torch
 
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
-from vime.backends.megatron_model import Parallelism
+from vime.backends.megatron_model import MoeOptions, Parallelism
 from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec
 from vime.rl.losses import token_entropy
 from vime.rl.score_centering import weighting
@@ -53,6 +56,7 @@ class MegatronBackendSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     recompute: dict | None = None           # TransformerConfig recompute_* fields
+    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)   # MoE training; routing_replay = R3
     init_hook_path: str | None = None
     before_log_prob_hook_path: str | None = None
     before_train_step_hook_path: str | None = None
@@ -74,6 +78,9 @@ class MegatronBackendSpec:
             ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
             vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
             hidden_dropout=m.hidden_dropout, recompute=recompute or None,
+            moe=MoeOptions(load_balancing_type=m.moe_router_load_balancing_type, aux_loss_coeff=m.moe_aux_loss_coeff,
+                           token_dispatcher_type=m.moe_token_dispatcher_type, grouped_gemm=m.moe_grouped_gemm,
+                           routing_replay=m.use_rollout_routing_replay),
             init_hook_path=m.custom_megatron_init_path,
             before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,
             before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path, hook_args=s.args)
@@ -115,6 +122,13 @@ class MegatronBackend(TorchBackend):
                                       "use --train-backend torch")
         if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
             raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
+        if megatron.parallel.expert != 1:
+            raise NotImplementedError("expert parallelism is not wired into the Megatron backend")
+        if megatron.moe.routing_replay and not megatron.model.is_moe:
+            raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
+                             "has no experts)")
+        self.routing_replay = megatron.moe.routing_replay
+        self._routes: dict[tuple[int, ...], torch.Tensor] = {}
         self.user_args = megatron.hook_args if megatron.hook_args is not None else argparse.Namespace()
         self.log_prob_hook = self._hook("--custom-megatron-before-log-prob-hook-path",
                                         megatron.before_log_prob_hook_path, load_megatron_hook)
@@ -128,7 +142,7 @@ class MegatronBackend(TorchBackend):
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
         self.model = mm.MegatronLM(self.gpt, megatron.model.vocab_size, self.packing,
-                                   megatron.parallel.sequence_parallel)
+                                   megatron.parallel.sequence_parallel, model_args=megatron.model)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -143,7 +157,7 @@ class MegatronBackend(TorchBackend):
             self.ref_gpt = self._build_and_load(megatron.ref_load or spec.hf_checkpoint)
             self.ref_gpt.eval().requires_grad_(False)
             self.ref_model = mm.MegatronLM(self.ref_gpt, megatron.model.vocab_size, self.packing,
-                                           megatron.parallel.sequence_parallel)
+                                           megatron.parallel.sequence_parallel, model_args=megatron.model)
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
         self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=spec.n_samples_per_prompt,
                                             rollout_temperature=spec.rollout_temperature,
@@ -173,7 +187,8 @@ class MegatronBackend(TorchBackend):
         m = self.megatron
         gpt = mm.build_gpt_model(m.model, m.parallel, vocab_divisible_by=m.vocab_divisible_by,
                                  use_te=self.packing == "thd", attention_dropout=m.attention_dropout,
-                                 hidden_dropout=m.hidden_dropout, recompute=m.recompute, initialize=False)
+                                 hidden_dropout=m.hidden_dropout, recompute=m.recompute, initialize=False,
+                                 moe=m.moe)
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
         else:
@@ -186,7 +201,8 @@ class MegatronBackend(TorchBackend):
         results come back to the CPU (differentiably), where the shared loss code runs."""
         if model is self.ref_model and self._log_prob_hook_due is not None:
             self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       routes=self._batch_routes(batch)).logits[:, :-1]
         if self.spec.rollout_temperature > 0:
             logits = logits / self.spec.rollout_temperature
         log_softmax = torch.log_softmax(logits.float(), dim=-1)
@@ -200,6 +216,40 @@ class MegatronBackend(TorchBackend):
         if heads:
             out.head_log_probs = log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)).cpu()
         return out
+
+    def _batch_routes(self, batch) -> list[torch.Tensor] | None:
+        """R3: the recorded experts of each row of ``batch`` (None without --use-rollout-routing-replay).
+
+        The shared batching code does not carry the samples' captures, so rows are matched to the rollout's
+        samples by their tokens (samples with identical tokens are routed by one of their records)."""
+        if not self.routing_replay:
+            return None
+        routes = []
+        for row, n in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+            key = tuple(batch.input_ids[row, :n].tolist())
+            if key not in self._routes:
+                raise RuntimeError("--use-rollout-routing-replay: a batch row matches no sample of this rollout")
+            routes.append(self._routes[key])
+        return routes
+
+    def _index_routes(self, samples: list[Sample]) -> None:
+        from vime.backends.megatron_routing import sample_routes
+
+        self._routes = {}
+        if not self.routing_replay:
+            return
+        for sample in samples:
+            if sample.rollout_routed_experts is None:
+                raise ValueError(f"--use-rollout-routing-replay: sample {sample.index} of group {sample.group_index} "
+                                 "has no rollout_routed_experts (the engines must run with vLLM's "
+                                 "--enable-return-routed-experts and the rollout must record them, see "
+                                 "vime.rollout.routing)")
+            try:
+                self._routes[tuple(sample.tokens)] = sample_routes(sample.rollout_routed_experts, len(sample.tokens),
+                                                                   self.megatron.model)
+            except ValueError as error:
+                raise ValueError(f"--use-rollout-routing-replay: sample {sample.index} of group "
+                                 f"{sample.group_index}: {error}") from None
 
     def _log_probs(self, batch) -> torch.Tensor:
         """The actor's (old policy) log-probs; the before-log-prob hook runs once per rollout first."""
@@ -218,10 +268,12 @@ class MegatronBackend(TorchBackend):
         """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks and
         tensor-parallel gradient reduction (:meth:`_optimizer_steps`)."""
         self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
+        self._index_routes(samples)
         try:
             return super().train_rollout(samples, policy_version)
         finally:
             self._log_prob_hook_due = None
+            self._routes = {}
 
     def _optimizer_steps(self, role, packed, per_step: int, metrics: dict, *, loss_key: str, grad_key: str,
                          micro_loss) -> None:
@@ -233,6 +285,7 @@ class MegatronBackend(TorchBackend):
             if self.train_step_hook is not None and role is self.actor:
                 self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
             role.optimizer.zero_grad(set_to_none=True)
+            self._scale_moe_aux_loss(len(steps))
             step_terms: dict[str, float] = collections.defaultdict(float)
             for i in steps:
                 loss = micro_loss(i, totals, step_terms)
@@ -243,6 +296,17 @@ class MegatronBackend(TorchBackend):
             for name, value in step_terms.items():
                 metrics[name].append(value)
             metrics[grad_key].append(float(grad_norm))
+
+    def _scale_moe_aux_loss(self, micro_batches: int) -> None:
+        """The routers' load-balancing losses add their gradients in the backward pass (megatron-core's
+        MoEAuxLossAutoScaler), once per micro-batch: average them over the optimizer step, as the policy
+        loss is."""
+        if self.megatron.model.is_moe and self.megatron.moe.aux_loss_coeff > 0:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            from vime.backends.megatron_model import device
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
     @staticmethod
     def _finish_gradients(params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:

@@ -243,7 +243,7 @@ def _load_model_state(model, state: dict) -> None:
 
     state = from_te_names(state)
     if getattr(model, "vime_uses_te", False):
-        state = to_te_names(state)
+        state = to_te_names(state, grouped_gemm=getattr(model, "vime_grouped_gemm", False))
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in state]
     unused = [n for n in state if n not in params and not n.endswith("_extra_state")]

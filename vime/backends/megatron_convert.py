@@ -1,4 +1,5 @@
-"""HF <-> megatron-core weight naming for Qwen2 / Qwen3 / Llama (pure tensor code, no megatron import).
+"""HF <-> megatron-core weight naming for Qwen2 / Qwen3 / Llama and the MoE Qwen3-MoE / Qwen2-MoE / Mixtral
+(pure tensor code, no megatron import).
 
 The *canonical* Megatron state dict is the full (tensor-parallel size 1) one with megatron-core's local
 layer-spec names and the unpadded vocabulary::
@@ -15,11 +16,22 @@ layer-spec names and the unpadded vocabulary::
     decoder.final_layernorm.weight                         <- model.norm.weight
     output_layer.weight                                    <- lm_head.weight (untied models only)
 
+An MoE layer (``ModelArgs.moe_layers``) has instead of ``mlp.linear_fc1/2`` (HF ``mlp.`` for Qwen*-MoE,
+``block_sparse_moe.`` for Mixtral, whose experts name gate/down/up ``w1``/``w2``/``w3``)::
+
+    decoder.layers.N.mlp.router.weight                                <- mlp.gate.weight [experts, hidden]
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight    <- [experts.E.gate_proj; experts.E.up_proj]
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight    <- experts.E.down_proj
+    decoder.layers.N.mlp.shared_experts.linear_fc1.weight             <- [shared_expert.gate_proj; up_proj] (Qwen2-MoE)
+    decoder.layers.N.mlp.shared_experts.linear_fc2.weight             <- shared_expert.down_proj
+    decoder.layers.N.mlp.shared_experts.gate_weight                   <- shared_expert_gate.weight [1, hidden]
+
 Megatron fuses Q, K and V group by group: for each of the ``num_query_groups`` key/value heads, the
 rows of its ``heads / groups`` query heads, then its key head, then its value head. Transformer
 Engine layer specs fold the two pre-norms into the following linear layer
-(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``): :func:`from_te_names` and
-:func:`to_te_names` translate.
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``; an MoE layer keeps its separate
+``pre_mlp_layernorm``), and Transformer Engine's grouped experts (``--moe-grouped-gemm``) are
+``mlp.experts.linear_fc1.weightE``: :func:`from_te_names` and :func:`to_te_names` translate.
 """
 
 from __future__ import annotations
@@ -38,14 +50,21 @@ _TE_NAMES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SEQUENTIAL_EXPERT = re.compile(
+    r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
 
 
-def to_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_te_names(state: dict[str, torch.Tensor], *, grouped_gemm: bool = False) -> dict[str, torch.Tensor]:
+    """Canonical names -> a Transformer Engine model's (``grouped_gemm``: TE's grouped experts)."""
+    dense = {m.group(1) for m in map(_LAYER.match, state) if m and m.group(2) == "mlp.linear_fc1.weight"}
     out = {}
     for name, value in state.items():
         m = _LAYER.match(name)
-        if m and m.group(2) in _TE_NAMES:
+        if m and m.group(2) in _TE_NAMES and (m.group(2) != "pre_mlp_layernorm.weight" or m.group(1) in dense):
             name = f"decoder.layers.{m.group(1)}.{_TE_NAMES[m.group(2)]}"
+        elif grouped_gemm and (e := _SEQUENTIAL_EXPERT.match(name)):
+            name = f"{e.group(1)}.{e.group(3)}.weight{e.group(2)}"
         out[name] = value
     return out
 
@@ -57,6 +76,8 @@ def from_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = _LAYER.match(name)
         if m and m.group(2) in back:
             name = f"decoder.layers.{m.group(1)}.{back[m.group(2)]}"
+        elif e := _GROUPED_EXPERT.match(name):
+            name = f"{e.group(1)}.local_experts.{e.group(3)}.{e.group(2)}.weight"
         out[name] = value
     return out
 
@@ -80,6 +101,32 @@ def split_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch
     q, k, v = grouped.split([per_group * d, d, d], dim=1)
     return (q.reshape(groups * per_group * d, *tail).contiguous(), k.reshape(groups * d, *tail).contiguous(),
             v.reshape(groups * d, *tail).contiguous())
+
+
+# ---------------------------------------------------------------------------------------------- MLPs
+def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, str]]]:
+    """(Megatron suffix after ``decoder.layers.N.``, HF name after ``model.layers.N.``) of one layer's MLP;
+    a fused ``linear_fc1`` maps to the HF (gate, up) pair."""
+    if not args.is_moe or layer not in args.moe_layers:
+        return [("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+                ("mlp.linear_fc2.weight", "mlp.down_proj.weight")]
+    if args.family == "mixtral":
+        block, gate, up, down = "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = "mlp.", "gate_proj", "up_proj", "down_proj"
+    names: list[tuple[str, str | tuple[str, str]]] = [("mlp.router.weight", block + "gate.weight")]
+    for e in range(args.num_experts):
+        expert = f"{block}experts.{e}."
+        names.append((f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                      (f"{expert}{gate}.weight", f"{expert}{up}.weight")))
+        names.append((f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"{expert}{down}.weight"))
+    if args.moe_shared_expert_intermediate_size:
+        names += [("mlp.shared_experts.linear_fc1.weight",
+                   ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
+                  ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight")]
+        if args.moe_shared_expert_gate:
+            names.append(("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"))
+    return names
 
 
 # ---------------------------------------------------------------------------------------------- HF -> Megatron
@@ -108,9 +155,11 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
             out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                      take(p + "mlp.up_proj.weight")], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = take(p + "mlp.down_proj.weight")
+        for suffix, hf_name in _mlp_names(args, i):
+            if suffix.endswith("linear_fc1.weight"):
+                out[m + suffix] = torch.cat([take(p + hf_name[0]), take(p + hf_name[1])], dim=0)
+            else:
+                out[m + suffix] = take(p + hf_name)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if not args.tie_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
@@ -146,10 +195,13 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
             yield attn + "k_norm.weight", mcore[m + "self_attention.k_layernorm.weight"]
         yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]
         yield p + "post_attention_layernorm.weight", mcore[m + "pre_mlp_layernorm.weight"]
-        gate, up = mcore[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        yield p + "mlp.gate_proj.weight", gate.contiguous()
-        yield p + "mlp.up_proj.weight", up.contiguous()
-        yield p + "mlp.down_proj.weight", mcore[m + "mlp.linear_fc2.weight"]
+        for suffix, hf_name in _mlp_names(args, i):
+            if suffix.endswith("linear_fc1.weight"):
+                gate, up = mcore[m + suffix].chunk(2, dim=0)
+                yield p + hf_name[0], gate.contiguous()
+                yield p + hf_name[1], up.contiguous()
+            else:
+                yield p + hf_name, mcore[m + suffix]
     yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
     if not args.tie_embeddings:
         yield "lm_head.weight", mcore["output_layer.weight"][:args.vocab_size]
@@ -160,9 +212,9 @@ def mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
 
 
 # ---------------------------------------------------------------------------------------------- TP shards
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "linear_fc1.weight",
            "embedding.word_embeddings.weight", "output_layer.weight")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")   # linear_fc*: dense, expert and shared MLPs
 
 
 def merge_tp_shards(shards: list[dict[str, torch.Tensor]], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -173,7 +225,7 @@ def merge_tp_shards(shards: list[dict[str, torch.Tensor]], args: ModelArgs) -> d
     for name in shards[0]:
         parts = [s[name] for s in shards]
         if len(parts) > 1 and name.endswith(_COLUMN):
-            if name.endswith("mlp.linear_fc1.weight") and args.swiglu:
+            if name.endswith("linear_fc1.weight") and args.swiglu:
                 halves = [p.chunk(2, dim=0) for p in parts]
                 value = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
             else:

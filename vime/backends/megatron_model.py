@@ -3,7 +3,7 @@
 - :func:`init_parallel` sets up torch.distributed (a one-process group when the caller has none) and
   megatron-core's model-parallel state.
 - :func:`build_gpt_model` builds the GPTModel of a :class:`ModelArgs` (Transformer Engine layers when
-  they are usable on CUDA, megatron-core's own layers otherwise).
+  they are usable on CUDA, megatron-core's own layers otherwise; MoE layers where the model has experts).
 - :func:`load_canonical` / :func:`gather_canonical` copy the canonical (full, TP=1) state dict of
   ``megatron_convert`` into a tensor-parallel model and back.
 - :class:`MegatronLM` wraps the model in the ``model(input_ids=..., attention_mask=...).logits``
@@ -38,6 +38,17 @@ class Parallelism:
     context: int = 1
     expert: int = 1
     sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeOptions:
+    """How MoE layers train, beyond the architecture (``ModelArgs``): the MoE training flags."""
+
+    load_balancing_type: str = "aux_loss"
+    aux_loss_coeff: float = 0.0
+    token_dispatcher_type: str = "allgather"
+    grouped_gemm: bool = False          # only with Transformer Engine (TEGroupedMLP)
+    routing_replay: bool = False        # R3: routers accept forced top-k indices (megatron_routing)
 
 
 def te_usable() -> bool:
@@ -94,8 +105,25 @@ def init_parallel(parallel: Parallelism, *, seed: int | None = None) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
+    """TransformerConfig's MoE fields (none for a dense model)."""
+    if not args.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_score_function="softmax", moe_layer_freq=args.moe_layer_pattern(),
+        moe_router_dtype="fp32",  # HF computes the routing softmax in float32 whatever the weights' dtype
+        moe_router_load_balancing_type=moe.load_balancing_type, moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type, moe_grouped_gemm=moe.grouped_gemm and use_te,
+        moe_enable_routing_replay=moe.routing_replay)
+
+
 def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_dropout: float = 0.0,
-                       hidden_dropout: float = 0.0, recompute: dict | None = None, initialize: bool = True):
+                       hidden_dropout: float = 0.0, recompute: dict | None = None, initialize: bool = True,
+                       moe: MoeOptions | None = None, use_te: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -110,7 +138,16 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         params_dtype=torch.float32, use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **(recompute or {}))
+        gradient_accumulation_fusion=False, **_moe_config(args, moe or MoeOptions(), use_te), **(recompute or {}))
+
+
+def _megatron_without_te() -> None:
+    """megatron-core 0.16.1's router gating tests ``te_general_gemm is not None`` but defines the name only
+    when Transformer Engine imports; without it, define it as absent (the plain matmul path then runs)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_by: int = 128,
@@ -118,7 +155,7 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
     """The GPTModel of ``args`` on this process's device (full logits: ``parallel_output=False``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
     )
 
     use_te = te_usable() if use_te is None else use_te
@@ -126,18 +163,29 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
         # megatron-core marks which tensors are split (tensor_model_parallel, partition_dim) only in its
         # initialisation code, and the gathers, shards and gradient norm here rely on those marks.
         config_kwargs["initialize"] = True
-    if use_te:
+    config = transformer_config(args, parallel, use_te=use_te, **config_kwargs)
+    if args.is_moe:
+        # MoE and dense layers mixed as config.moe_layer_freq says; without Transformer Engine the experts
+        # are megatron-core's SequentialMLP (one MLP per expert; no grouped GEMM, runs on CPU).
+        _megatron_without_te()
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization)
+    elif use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     model = GPTModel(
-        config=transformer_config(args, parallel, **config_kwargs), transformer_layer_spec=spec,
+        config=config, transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size(vocab_divisible_by, parallel.tensor),
         max_sequence_length=args.max_position_embeddings, parallel_output=False,
         share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope",
         rotary_base=int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base,
         rope_scaling=args.rope_scaling_factor is not None, rope_scaling_factor=args.rope_scaling_factor or 8.0)
     model.vime_uses_te = use_te
+    model.vime_grouped_gemm = bool(config.moe_grouped_gemm)
+    if args.is_moe:
+        from vime.backends.megatron_routing import detach_from_global_replay
+
+        detach_from_global_replay(model)
     return model.to(device())
 
 
@@ -150,7 +198,8 @@ def _tp():
 
 
 def _is_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+    """The fused [gate; up] projection of an MLP: dense, routed expert or shared expert."""
+    return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
 def _canonical_names(model) -> dict[str, str]:
@@ -176,7 +225,7 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
                 full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
             if size > 1 and getattr(param, "tensor_model_parallel", False):
                 dim = param.partition_dim
-                if _is_fc1(name) and args.swiglu:
+                if _is_fc1(names[name]) and args.swiglu:
                     gate, up = full.chunk(2, dim=0)
                     full = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
                 else:
@@ -201,7 +250,7 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
             if size > 1 and getattr(param, "tensor_model_parallel", False):
                 parts = [torch.empty_like(tensor) for _ in range(size)]
                 dist.all_gather(parts, tensor.contiguous(), group=group)
-                if _is_fc1(name) and args.swiglu:
+                if _is_fc1(names[name]) and args.swiglu:
                     halves = [p.chunk(2, dim=0) for p in parts]
                     tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
                 else:
@@ -225,26 +274,56 @@ class MegatronLM(torch.nn.Module):
     attention, no padding computed); ``'padded'`` runs the padded batch with an explicit causal mask.
     Logits of padded positions are zero in thd mode (never used: the loss masks them). Logits of the
     padded vocabulary rows are dropped.
+
+    ``routes`` (MoE, R3): per row, the recorded experts [positions, MoE layers, topk] of its first
+    positions (``megatron_routing.sample_routes``); the forward routes those positions to them.
+    Without ``routes`` the routers choose freely.
     """
 
-    def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False):
+    def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False,
+                 model_args: ModelArgs | None = None):
         super().__init__()
         self.gpt = gpt
         self.vocab_size = vocab_size
         self.packing = packing
         self.sequence_parallel = sequence_parallel
+        self.model_args = model_args
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                routes: list[torch.Tensor] | None = None) -> CausalLMOutput:
         dev = device()
         input_ids = input_ids.to(dev)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(dev)
+        if routes is not None:
+            if self.model_args is None or not self.model_args.is_moe:
+                raise ValueError("routes given for a model without MoE layers")
+            if len(routes) != input_ids.shape[0]:
+                raise ValueError(f"routes for {len(routes)} rows, the batch has {input_ids.shape[0]}")
+        self._routes = routes
         if self.packing == "thd":
             logits = self._forward_thd(input_ids, attention_mask)
         else:
             logits = self._forward_padded(input_ids, attention_mask)
         return CausalLMOutput(logits[..., :self.vocab_size].float())
+
+    def _padding(self, padding: torch.Tensor) -> dict:
+        """MoE routers leave padded tokens (True) out of their load-balancing statistics."""
+        return {"padding_mask": padding} if self.model_args is not None and self.model_args.is_moe else {}
+
+    def _force(self, layout_fn) -> None:
+        """Set (or clear) the routers' forced experts for the forward about to run; a dense model has none."""
+        if self.model_args is None or not self.model_args.is_moe:
+            return
+        from vime.backends import megatron_routing as mr
+
+        if self._routes is None:
+            mr.force_routes(self.gpt, None)
+            return
+        rank, size, _ = _tp()
+        mr.force_routes(self.gpt, mr.per_layer(layout_fn(), tp_rank=rank, tp_size=size,
+                                               sequence_parallel=self.sequence_parallel, device=device()))
 
     def _tp_multiple(self) -> int:
         return _tp()[1] if self.sequence_parallel else 1
@@ -260,7 +339,10 @@ class MegatronLM(torch.nn.Module):
         # True = masked: later keys (causal) and padded keys.
         causal = torch.ones(padded, padded, dtype=torch.bool, device=input_ids.device).triu(1)
         mask = causal[None, None] | (attention_mask == 0)[:, None, None, :]
-        return self.gpt(input_ids, positions, mask)[:, :length]
+        from vime.backends.megatron_routing import padded_layout
+
+        self._force(lambda: padded_layout(self._routes, padded, self.model_args))
+        return self.gpt(input_ids, positions, mask, **self._padding(attention_mask == 0))[:, :length]
 
     def _forward_thd(self, input_ids, attention_mask):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -284,7 +366,12 @@ class MegatronLM(torch.nn.Module):
         longest = max(lengths) + extra
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                  max_seqlen_kv=longest)
-        packed = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params)[0]
+        from vime.backends.megatron_routing import packed_layout
+
+        self._force(lambda: packed_layout(self._routes, lengths, total + extra, self.model_args))
+        padding = torch.arange(total + extra, device=input_ids.device) >= total
+        packed = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params,
+                          **self._padding(padding.unsqueeze(0)))[0]
         rows = [torch.nn.functional.pad(packed[start:start + n], (0, 0, 0, length - n))
                 for start, n in zip(bounds[:-1], lengths)]
         return torch.stack(rows)

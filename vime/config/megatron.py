@@ -51,6 +51,39 @@ class MegatronConfig:
     context_parallel_size: int = option(1, "Context parallelism of training.")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(None, "Tensor parallelism of MoE experts.")
+    num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral).")
+    moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
+    moe_ffn_hidden_size: int | None = option(None, "Hidden size of each routed expert's MLP (config.json: "
+                                             "moe_intermediate_size; Mixtral: intermediate_size).")
+    moe_shared_expert_intermediate_size: int | None = option(
+        None, "Hidden size of the shared expert (Qwen2-MoE's shared_expert_intermediate_size; its sigmoid gate "
+        "comes with it).")
+    moe_router_pre_softmax: bool = option(
+        False, "Top-k weights from the softmax over all experts, not renormalised over the chosen k "
+        "(config.json norm_topk_prob: false).")
+    moe_router_score_function: str | None = option(None, "Router score function; the supported models use "
+                                                   "softmax.", choices=["softmax", "sigmoid"])
+    moe_layer_freq: str | None = option(
+        None, "Which layers are MoE: N (every N-th layer, from the first) or a list of 0/1 per layer such as "
+        "'[1]*48' or '[0]+[1]*23' (default: config.json's decoder_sparse_step / mlp_only_layers).")
+    moe_router_load_balancing_type: str = option(
+        "aux_loss", "Load-balancing loss of the router, active when --moe-aux-loss-coeff > 0: 'aux_loss' (over "
+        "the micro-batch), 'seq_aux_loss' (per sequence), 'global_aux_loss' (over the optimizer step) or 'none'. "
+        "'sinkhorn' is refused: it routes differently in training than the engines do.",
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    moe_aux_loss_coeff: float = option(0.0, "Weight of the load-balancing loss (0: none; its gradient is added "
+                                            "to the policy loss's, averaged over the optimizer step's micro-batches).")
+    moe_grouped_gemm: bool = option(
+        False, "Run the experts as one grouped GEMM (Transformer Engine on CUDA); without Transformer Engine "
+        "the experts run one after another and this flag has no effect.")
+    moe_token_dispatcher_type: str = option(
+        "allgather", "How tokens reach their experts: 'allgather' or 'alltoall' (CUDA streams; the usual "
+        "choice with expert parallelism).", choices=["allgather", "alltoall"])
+    use_rollout_routing_replay: bool = option(
+        False, "R3, rollout routing replay (MoE, --train-backend megatron): the experts the rollout engine chose "
+        "for each token are recorded with the sample (Sample.rollout_routed_experts, from vLLM's "
+        "--enable-return-routed-experts) and forced in every Megatron forward over it; the router's "
+        "probabilities for those experts are still the trainer's, so the router keeps learning.")
     recompute_granularity: str | None = option(None, "Activation recomputation.", choices=["full", "selective"])
     recompute_method: str | None = option(None, "Recomputation method.", choices=["uniform", "block"])
     recompute_num_layers: int | None = option(None, "Layers per recomputation group.")
@@ -74,11 +107,34 @@ class MegatronConfig:
         None, "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
         "optimizer step's forward/backward passes (opt_param_scheduler is None: vime keeps the LR constant).")
 
-    def check_against_hf(self, hf_config) -> None:
-        """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag."""
+    def _validate_moe(self) -> None:
+        from vime.backends.megatron_args import parse_moe_layer_freq
+
+        for name in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError("--" + name.replace("_", "-"), "must be >= 1")
+        if None not in (self.num_experts, self.moe_router_topk) and self.moe_router_topk > self.num_experts:
+            raise ConfigError("--moe-router-topk", f"{self.moe_router_topk} is more than --num-experts "
+                                                   f"{self.num_experts}")
+        if self.moe_layer_freq is not None:
+            parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ConfigError("--moe-router-load-balancing-type", "'sinkhorn' routes tokens differently in training "
+                                                                  "than at inference (where the engines take the plain "
+                                                                  "top-k); use aux_loss, seq_aux_loss, global_aux_loss "
+                                                                  "or none")
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError("--moe-aux-loss-coeff", "must be >= 0")
+
+    def check_against_hf(self, hf_config, train_backend: str | None = None) -> None:
+        """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag.
+        ``train_backend`` (when known) refuses R3 with the torch backend, which cannot replay routes."""
         from vime.backends.megatron_args import check_flags_against_hf
 
         check_flags_against_hf(self, hf_config)
+        if self.use_rollout_routing_replay and train_backend not in (None, "megatron"):
+            raise ConfigError("--use-rollout-routing-replay", f"needs --train-backend megatron (the {train_backend} "
+                                                              "backend cannot force the recorded experts)")
 
     def validate(self) -> None:
         parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -95,6 +151,7 @@ class MegatronConfig:
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError("--" + name.replace("_", "-"), "must be in [0, 1)")
+        self._validate_moe()
         from vime.runtime.plugins import PluginError, absolute_plugin_path
 
         for name in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",

@@ -495,6 +495,18 @@ def _same_checkpoint(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def trained_model_name(deployment: Deployment) -> str:
+    """The model `vime train` trains: the one whose engines receive every weight update and which
+    the built-in rollout samples from (through the run's main router)."""
+    synced = deployment.weight_synced_models
+    if len(synced) != 1:
+        names = ", ".join(model.name for model in synced) or "none"
+        _fail(f"exactly one model must receive weight updates (update_weights: true, or inferred from a model path "
+              f"equal to --hf-checkpoint): the model being trained; found {len(synced)} ({names}). "
+              "Set update_weights: false on the frozen ones")
+    return synced[0].name
+
+
 def default_deployment(flags: GlobalFlags, *, prefill_num_servers: int | None = None,
                        name: str = "default") -> Deployment:
     """The topology without ``--vllm-config``: one model on ``--hf-checkpoint`` that receives

@@ -137,6 +137,28 @@ class RouterProcess:
         self.stop()
 
 
+def start_router(*, log_path: str | os.PathLike[str], run_token: str, router_args: Mapping[str, str | None],
+                 port: int | None = None, host: str = "127.0.0.1", timeout: float = 60.0,
+                 say=lambda message: None) -> RouterProcess:
+    """Start a vllm-router and wait until it serves. A port vime picks (``port`` None) is free when
+    picked, but another process may bind it before the router does: then it tries fresh ones. A
+    given port fails at once."""
+    attempts = 1 if port else 3
+    for attempt in range(1, attempts + 1):
+        router = RouterProcess(port or free_port(host), host=host, router_args=router_args, log_path=log_path,
+                               run_token=run_token)
+        say(f"starting vllm-router on {host}:{router.port}")
+        try:
+            router.start()
+            router.wait_ready(timeout=timeout)
+            return router
+        except RouterError as error:
+            if attempt == attempts or "Address already in use" not in str(error):
+                raise
+            say("a port of the router was taken meanwhile; trying other ports")
+    raise AssertionError("unreachable")
+
+
 class RouterClient:
     """The router's worker registry. Every call is bounded and every error names the router."""
 

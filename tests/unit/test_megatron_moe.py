@@ -1,0 +1,263 @@
+"""MoE models in the Megatron backend: HF <-> Megatron naming (Qwen3-MoE, Qwen2-MoE, Mixtral), the
+megatron-core GPT with MoE layers giving HF's logits, the MoE flags' start-up checks and one RL step."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from tests.conftest import REPO
+from tests.megatron_shim import MOE_VARIANTS, tiny_moe_hf_model
+from vime.backends.megatron_args import model_args_from_hf, parse_moe_layer_freq
+from vime.backends.megatron_convert import (
+    from_te_names, hf_to_mcore, mcore_to_hf, merge_tp_shards, read_hf_state_dict, to_te_names,
+)
+from vime.config import ConfigError, parse_train_args
+
+MEGATRON_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
+                                               "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_VARIANTS))
+def tiny(request, tmp_path_factory):
+    folder = tiny_moe_hf_model(str(tmp_path_factory.mktemp(request.param)), **MOE_VARIANTS[request.param])
+    return request.param, folder, model_args_from_hf(AutoConfig.from_pretrained(folder))
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+def test_architecture_from_config_json(tiny):
+    name, _, args = tiny
+    assert (args.num_experts, args.moe_router_topk) == (4, 2)
+    expected = {"qwen3_moe": dict(moe_ffn_hidden_size=24, moe_layers=(0, 1), moe_router_pre_softmax=False,
+                                  moe_shared_expert_intermediate_size=None, qk_layernorm=True),
+                "qwen2_moe": dict(moe_ffn_hidden_size=24, moe_layers=(0,), moe_router_pre_softmax=True,
+                                  moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True,
+                                  add_qkv_bias=True),
+                "mixtral": dict(moe_ffn_hidden_size=48, moe_layers=(0, 1), moe_router_pre_softmax=False)}[name]
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_hf_megatron_hf_round_trip_is_exact(tiny):
+    _, folder, args = tiny
+    hf = read_hf_state_dict(folder)
+    back = mcore_to_hf(hf_to_mcore(hf, args), args)
+    assert set(back) == set(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_expert_names_and_shapes(tiny):
+    name, folder, args = tiny
+    hf = read_hf_state_dict(folder)
+    mcore = hf_to_mcore(hf, args)
+    layer = "decoder.layers.0.mlp."
+    hf_block = "model.layers.0." + ("block_sparse_moe." if name == "mixtral" else "mlp.")
+    assert torch.equal(mcore[layer + "router.weight"], hf[hf_block + "gate.weight"])
+    fc1 = mcore[layer + "experts.local_experts.3.linear_fc1.weight"]
+    gate, up = ("w1", "w3") if name == "mixtral" else ("gate_proj", "up_proj")
+    expert = f"{hf_block}experts.3."
+    assert torch.equal(fc1, torch.cat([hf[f"{expert}{gate}.weight"], hf[f"{expert}{up}.weight"]]))
+    assert fc1.shape == (2 * args.moe_ffn_hidden_size, args.hidden_size)
+    assert (layer + "linear_fc1.weight") not in mcore
+    if name == "qwen2_moe":
+        assert mcore[layer + "shared_experts.gate_weight"].shape == (1, args.hidden_size)
+        assert mcore[layer + "shared_experts.linear_fc1.weight"].shape == (80, args.hidden_size)
+        assert "decoder.layers.1.mlp.linear_fc1.weight" in mcore        # the dense layer (mlp_only_layers)
+        assert "decoder.layers.1.mlp.router.weight" not in mcore
+
+
+def test_transformer_engine_names(tiny):
+    _, folder, args = tiny
+    mcore = hf_to_mcore(read_hf_state_dict(folder), args)
+    for grouped in (False, True):
+        te = to_te_names(mcore, grouped_gemm=grouped)
+        assert from_te_names(te).keys() == mcore.keys()
+        # an MoE layer's pre-MLP norm is its own module in Transformer Engine specs too
+        assert "decoder.layers.0.pre_mlp_layernorm.weight" in te
+    assert "decoder.layers.0.mlp.experts.linear_fc2.weight3" in to_te_names(mcore, grouped_gemm=True)
+
+
+def test_tensor_parallel_torch_shards_merge_back():
+    import tempfile
+
+    folder = tiny_moe_hf_model(tempfile.mkdtemp(), **MOE_VARIANTS["qwen2_moe"])
+    args = model_args_from_hf(AutoConfig.from_pretrained(folder))
+    mcore = hf_to_mcore(read_hf_state_dict(folder), args)
+    shards = [{}, {}]
+    for name, value in mcore.items():
+        if name.endswith("linear_fc1.weight"):       # dense, expert and shared MLPs: [gate; up] per rank
+            gate, up = value.chunk(2)
+            parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(2), up.chunk(2))]
+        elif name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            parts = list(value.chunk(2))
+        elif name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            parts = list(torch.cat([value, torch.zeros(128 - value.shape[0], value.shape[1])]).chunk(2))
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            parts = list(value.chunk(2, dim=1))
+        else:                                        # norms, router, shared-expert gate: replicated
+            parts = [value, value]
+        for shard, part in zip(shards, parts):
+            shard[name] = part
+    merged = merge_tp_shards(shards, args)
+    assert merged.keys() == mcore.keys() and all(torch.equal(merged[n], mcore[n]) for n in mcore)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _megatron():
+    pytest.importorskip("megatron.core")
+    from tests import megatron_shim
+    from vime.backends import megatron_model as mm
+
+    megatron_shim.install()
+    mm.init_parallel(mm.Parallelism(), seed=1234)
+    return mm
+
+
+def _batch():
+    ids = torch.tensor([[1, 2, 3, 4, 5, 11, 6, 7, 8, 9],
+                        [3, 4, 5, 11, 6, 15, 0, 0, 0, 0],
+                        [7, 7, 0, 0, 0, 0, 0, 0, 0, 0]])
+    return ids, (torch.arange(10) < torch.tensor([[10], [6], [2]])).long()
+
+
+@MEGATRON_WARNINGS
+def test_logits_match_hf(tiny):
+    from transformers import AutoModelForCausalLM
+
+    mm = _megatron()
+    _, folder, args = tiny
+    gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
+    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    ids, mask = _batch()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = mm.MegatronLM(gpt.eval(), args.vocab_size, model_args=args)(input_ids=ids, attention_mask=mask).logits
+        theirs = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
+    # the exported weights are the HF checkpoint's, expert by expert
+    back = mcore_to_hf(mm.gather_canonical(gpt, args), args)
+    hf_state = read_hf_state_dict(folder)
+    assert back.keys() == hf_state.keys() and all(torch.equal(back[n], hf_state[n]) for n in hf_state)
+
+
+@MEGATRON_WARNINGS
+def test_checkpoint_round_trip_torch_dist(tmp_path):
+    from vime.backends import megatron_checkpoint as mc
+
+    mm = _megatron()
+    folder = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS["qwen2_moe"])
+    args = model_args_from_hf(AutoConfig.from_pretrained(folder))
+    gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
+    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    mc.save(str(tmp_path / "iter_0000001"), gpt, None, fmt="torch_dist", iteration=1, args=args.to_dict())
+    again = mm.build_gpt_model(args, mm.Parallelism(), initialize=True)
+    mc.load(str(tmp_path / "iter_0000001"), again)
+    expected, got = mm.gather_canonical(gpt, args), mm.gather_canonical(again, args)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def _args(model_dir, *extra):
+    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
+            "--run-dir", "/tmp/vime-test-run", *extra]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    return tiny_moe_hf_model(str(tmp_path_factory.mktemp("qwen3_moe_flags")), **MOE_VARIANTS["qwen3_moe"])
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    from tests.megatron_shim import tiny_hf_model
+
+    return tiny_hf_model(str(tmp_path_factory.mktemp("dense")), "qwen3")
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--moe-router-topk", "5", "--num-experts", "4"], "--moe-router-topk"),
+    (["--num-experts", "0"], "--num-experts"),
+    (["--moe-layer-freq", "[1]*3", "--num-layers", "2"], "--moe-layer-freq"),
+    (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
+    (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
+    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+])
+def test_bad_moe_flags_name_the_flag(qwen3_moe_dir, extra, flag):
+    with pytest.raises(ConfigError) as error:
+        parse_train_args(_args(qwen3_moe_dir, *extra))
+    assert str(error.value).startswith(flag), str(error.value)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--num-experts", "8"], "--num-experts"),
+    (["--moe-router-topk", "1"], "--moe-router-topk"),
+    (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size"),
+    (["--moe-router-pre-softmax"], "--moe-router-pre-softmax"),            # norm_topk_prob: true
+    (["--moe-shared-expert-intermediate-size", "40"], "--moe-shared-expert-intermediate-size"),
+    (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function"),
+    (["--moe-layer-freq", "[0]+[1]*1"], "--moe-layer-freq"),
+])
+def test_moe_flags_are_checked_against_config_json(qwen3_moe_dir, extra, flag):
+    settings = parse_train_args(_args(qwen3_moe_dir, *extra))
+    with pytest.raises(ConfigError) as error:
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(qwen3_moe_dir))
+    assert str(error.value).startswith(flag), str(error.value)
+
+
+def test_moe_flags_on_a_dense_model_are_refused(dense_dir):
+    settings = parse_train_args(_args(dense_dir, "--num-experts", "4"))
+    with pytest.raises(ConfigError, match="^--num-experts: .*not a mixture-of-experts"):
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
+
+
+def test_routing_replay_needs_moe_and_the_megatron_backend(dense_dir, qwen3_moe_dir):
+    settings = parse_train_args(_args(dense_dir, "--use-rollout-routing-replay"))
+    with pytest.raises(ConfigError) as error:
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
+    assert str(error.value).startswith("--use-rollout-routing-replay: needs a mixture-of-experts model (--num-experts")
+    settings = parse_train_args(_args(qwen3_moe_dir, "--use-rollout-routing-replay"))
+    settings.megatron.check_against_hf(AutoConfig.from_pretrained(qwen3_moe_dir), "megatron")
+    with pytest.raises(ConfigError, match="^--use-rollout-routing-replay: needs --train-backend megatron"):
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(qwen3_moe_dir), "torch")
+
+
+def test_moe_layer_freq_spellings():
+    assert parse_moe_layer_freq("1", 3) == [1, 1, 1]
+    assert parse_moe_layer_freq("2", 4) == [1, 0, 1, 0]
+    assert parse_moe_layer_freq("[0]+[1]*3") == [0, 1, 1, 1]
+    assert parse_moe_layer_freq("([1, 0]*2)", 4) == [1, 0, 1, 0]
+
+
+def _preset(name: str) -> list[str]:
+    path = os.path.join(REPO, "scripts", "models", name)
+    return subprocess.run(["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_moe_presets(qwen3_moe_dir):
+    from vime.backends.megatron_args import resolve_model_args
+
+    settings = parse_train_args(_args(qwen3_moe_dir, *_preset("qwen3-moe-tiny.sh")))
+    args = resolve_model_args(settings.megatron, AutoConfig.from_pretrained(qwen3_moe_dir))
+    assert (args.family, args.num_experts, args.moe_layers) == ("qwen3_moe", 4, (0, 1))
+    big = parse_train_args(_args(qwen3_moe_dir, *_preset("qwen3-30B-A3B.sh"))).megatron
+    assert (big.num_experts, big.moe_router_topk, big.moe_ffn_hidden_size, big.moe_grouped_gemm) == (128, 8, 768, True)
+    assert parse_moe_layer_freq(big.moe_layer_freq, big.num_layers) == [1] * 48
+
+
+@MEGATRON_WARNINGS
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_conversion_commands_round_trip(tmp_path, ckpt_format):
+    from vime.cli import main
+
+    _megatron()
+    hf = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS["qwen2_moe"])
+    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", hf, "--save", str(tmp_path / "mcore"),
+                 "--ckpt-format", ckpt_format]) == 0
+    assert main(["tools", "convert-megatron-to-hf", "--load", str(tmp_path / "mcore"), "--save", str(tmp_path / "back"),
+                 "--hf-config", hf, "--dtype", "float32"]) == 0
+    left, right = read_hf_state_dict(hf), read_hf_state_dict(str(tmp_path / "back"))
+    assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
