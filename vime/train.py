@@ -170,6 +170,10 @@ class TrainingRun:
                               "engines you started yourself behind your own PD router with "
                               "--rollout-external-engine-addrs and --vllm-router-ip (docs/vllm-config.md)")
         self.plan = build_launch_plan(deployment, router_args=self.s.router_args)
+        teacher = self.s.algorithm.opd_teacher_model
+        if teacher and teacher not in {model.name for model in deployment.models}:
+            raise ConfigError("--opd-teacher-model", f"{teacher!r} is not a model of "
+                              f"{flag or '--vllm-config'}; models: {', '.join(m.name for m in deployment.models)}")
 
     @property
     def store_options(self):
@@ -297,6 +301,7 @@ class TrainingRun:
                                             external_router=self.router is None)
         self.engines = self.engine_manager.group
         started = time.monotonic()
+        self._start_frozen_models(template)  # their engines start while the trained model's do
         planned = self.plan.model(self.trained_model).language_engines if self.plan else ()
         if external:
             self.log.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
@@ -312,10 +317,14 @@ class TrainingRun:
                          f"registered with the router: {', '.join(self.engines.urls)}")
         self.engine_manager.open_registry(self.ray_namespace)
         self.engine_manager.start_monitor()
-        self._start_frozen_models(template)
+        for model in self.frozen_models:
+            model.wait_serving()
+            self.log.say(f"model {model.name!r}: {len(model.manager.group)} engine(s) serving behind its router "
+                         f"{model.router.url}")
 
     def _start_frozen_models(self, template) -> None:
-        """Every model of --vllm-config besides the trained one; then ``args.vllm_model_routers``."""
+        """Start (without waiting) every model of --vllm-config besides the trained one, and fill
+        ``args.vllm_model_routers``."""
         from vime.workers.model_servers import start_frozen_model
 
         s = self.s
@@ -424,9 +433,12 @@ class TrainingRun:
             args=s.args)
 
     def _sampling(self) -> SamplingParams:
-        r = self.s.rollout
+        r, a = self.s.rollout, self.s.algorithm
+        # Score centering: the rollout records the sampler's heads or top-p supports (never at evaluation).
         return SamplingParams(max_new_tokens=r.rollout_max_response_len, temperature=r.rollout_temperature,
-                              top_p=r.rollout_top_p, top_k=r.rollout_top_k)
+                              top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                              score_centering_top_k=a.score_centering_top_k if a.use_score_centering else 0,
+                              routing_replay=self.s.megatron.use_rollout_routing_replay)
 
     def _start_rollout_workers(self) -> None:
         self.workers, self.worker_runs, self.worker_writers = [], [], []
@@ -658,6 +670,8 @@ class TrainingRun:
             return
         if self.engine_manager is not None:
             self.engine_manager.frozen = True  # the run is ending: an engine lost now is not restarted
+        for model in self.frozen_models:
+            model.manager.frozen = True  # (EngineManager.frozen: no restarts; the model's weights were always fixed)
         for worker in self.workers:
             try:
                 ray.get(worker.stop.remote(), timeout=60)

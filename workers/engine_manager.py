@@ -156,10 +156,21 @@ class EngineManager:
     def start_owned(self, count: int, variants: list[EngineVariant] | None = None) -> None:
         """Start ``count`` engines (vime's own), wait until each serves version 0, register them.
         ``variants`` (one per engine) replaces the template's vLLM flags and size engine by engine."""
+        self.spawn_owned(count, variants)
+        self.wait_started()
+
+    def spawn_owned(self, count: int, variants: list[EngineVariant] | None = None) -> None:
+        """Start ``count`` engines without waiting (:meth:`wait_started` waits): the engines of
+        several models start at the same time."""
         if variants is not None and len(variants) != count:
             raise ValueError(f"{count} engine(s) but {len(variants)} variant(s)")
-        members = [self._spawn("start", variant=variants[i] if variants else None) for i in range(count)]
-        self._wait_joined(members, self.template.startup_timeout + JOIN_SLACK_SECONDS)
+        for i in range(count):
+            self._spawn("start", variant=variants[i] if variants else None)
+
+    def wait_started(self) -> None:
+        """Wait until every engine started at launch serves, and register them."""
+        starting = [m for m in self.members if m.state == "starting" and m.pending is not None]
+        self._wait_joined(starting, self.template.startup_timeout + JOIN_SLACK_SECONDS)
 
     def attach_external(self, addresses: list[str]) -> None:
         """Use engines started elsewhere (--rollout-external-engine-addrs): read their /server_info,
@@ -180,7 +191,7 @@ class EngineManager:
             info = ray.get(m.pending)  # raises the engine's own error (with its log tail)
             m.pending = None
             self._joined(m, info)
-            if m.state != "serving":
+            if m.state not in ("serving", "syncing"):
                 raise EngineError(m.url or m.name, m.last_error)
 
     # ================================================================== the driver's poll
@@ -206,6 +217,7 @@ class EngineManager:
             if member is not None:
                 self._lose(member, f"failed its health checks: {reason}")
         self._advance()
+        self._synced()
         if self.registry is not None and now - self._last["requests"] >= REQUEST_POLL_SECONDS:
             self._last["requests"] = now
             self._take_requests()
@@ -273,8 +285,15 @@ class EngineManager:
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(member.node_id, soft=False)
         member.actor = self._actor_class().options(**options).remote(member.spec)
-        self._pend(member, member.actor.join.remote(self.template.weight_dir, self.version), "join",
+        self._pend(member, member.actor.join.remote(self.template.weight_dir, self._join_version), "join",
                    member.spec.startup_timeout + JOIN_SLACK_SECONDS)
+
+    @property
+    def _join_version(self) -> int:
+        """The version a joining engine loads by itself: the current one from disk; with the nccl
+        transport nothing is on disk, so it starts from --hf-checkpoint and receives the current
+        weights with the next broadcast (the group is re-formed for it: WeightSync)."""
+        return self.version if self.template.weight_transport == "disk" else 0
 
     def _pend(self, member: Member, ref, what: str, timeout: float) -> None:
         member.pending, member.pending_what = ref, what
@@ -314,6 +333,9 @@ class EngineManager:
         m.url, m.version = info["url"], info["version"]
         m.node_id = info.get("node_id") or m.node_id
         m.gpus, m.worker_type = info.get("gpus") or m.gpus, info.get("worker_type") or "regular"
+        if m.version != self.version and self.template.weight_transport != "disk":
+            self._await_broadcast(m)
+            return
         if m.version != self.version:
             # Versions were published while it joined: load the current one now, synchronously
             # like a weight synchronisation (seconds at most), so that no newer version can be
@@ -334,16 +356,40 @@ class EngineManager:
         if problem:
             self._give_up(m, problem)
             return
+        self._serve(m, info)
+
+    def _await_broadcast(self, m: Member) -> None:
+        """nccl transport: the engine joins the weight group at the next synchronisation (which
+        re-forms the group) and is registered with the router once it serves the current version."""
+        m.state, m.since, m.last_error = "syncing", time.monotonic(), ""
+        self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
+        self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
+        self.say(f"{m.name} ({m.origin}) started at {m.url}; it receives weight version {self.version + 1} "
+                 "with the next broadcast, then serves")
+
+    def _synced(self) -> None:
+        """Register the engines that now serve the current version after waiting for a broadcast."""
+        for m in self.members:
+            if m.state != "syncing" or m.url not in self.group.urls:
+                continue
+            version = self.group.versions[self.group.urls.index(m.url)]
+            if version == self.version:
+                m.version = version
+                self._serve(m, {})
+
+    def _serve(self, m: Member, info: dict) -> None:
+        """Register ``m`` with the router and count it as serving."""
         if self.register_with_router and m.worker_type == "regular":
             try:
                 self.router.add_worker(m.url)
             except EngineError as error:
                 self._failed(m, "registration", str(error))
                 return
-        restarted = m.state == "restarting"
+        restarted = m.state == "restarting" or m.restarts > 0 and m.state == "syncing"
         m.state, m.since, m.last_error = "serving", time.monotonic(), ""
-        self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
-        self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
+        if m.url not in self.group.urls:  # an engine that waited for a broadcast is in already
+            self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
+            self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
         seconds = info.get("startup_seconds")
         self.say(f"{m.name} ({m.origin}{', restarted' if restarted else ''}) serves weight version {m.version} at "
                  f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "") + "; registered with the router")
@@ -408,7 +454,7 @@ class EngineManager:
         self.say(f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
                  f"{self.version}")
         if _actor_alive(m.actor):
-            self._pend(m, m.actor.restart.remote(self.template.weight_dir, self.version), "restart",
+            self._pend(m, m.actor.restart.remote(self.template.weight_dir, self._join_version), "restart",
                        m.spec.startup_timeout + JOIN_SLACK_SECONDS)
         else:  # the actor died (or hangs) with its process: a new one on the same node
             import ray
@@ -417,7 +463,7 @@ class EngineManager:
             self._create_actor(m)
 
     def _give_up(self, m: Member, reason: str) -> None:
-        if m.state == "serving":
+        if m.state in ("serving", "syncing"):
             self.group.remove(m.url)
             self.monitor.unwatch(m.url)
             self._unregister_quietly(m.url)
@@ -451,10 +497,10 @@ class EngineManager:
                 pass  # the router checks health too: a dead engine leaves its rotation anyway
 
     def _serving(self, url: str) -> Member | None:
-        return next((m for m in self.members if m.url == url and m.state == "serving"), None)
+        return next((m for m in self.members if m.url == url and m.state in ("serving", "syncing")), None)
 
     def _check_progress_possible(self) -> None:
-        if not self.members or any(m.state in ("starting", "serving", "restarting", "draining")
+        if not self.members or any(m.state in ("starting", "serving", "syncing", "restarting", "draining")
                                    for m in self.members):
             return
         if all(m.state == "removed" for m in self.members):
@@ -482,7 +528,8 @@ class EngineManager:
     def _request_add(self, request: dict) -> None:
         url = engine_url(request["target"])
         if self.template.weight_transport != "disk":
-            raise ValueError("engines can join a running job with --update-weight-transport disk only")
+            raise ValueError("an external engine joins a running job with --update-weight-transport disk only "
+                             "(with nccl it would need vime's worker extension, which vime cannot check)")
         taken = next((m for m in self.members if m.url == url and m.state not in ("removed", "lost")), None)
         if taken is not None:
             raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
@@ -537,7 +584,7 @@ class EngineManager:
             self.nodes_lost.add(node_id)
             self.say(f"node {node_id[:12]} left the Ray cluster")
             for m in self.members:
-                if m.node_id == node_id and m.state in ("starting", "serving", "restarting"):
+                if m.node_id == node_id and m.state in ("starting", "serving", "syncing", "restarting"):
                     m.pending = None
                     if m.state == "serving":
                         self._lose(m, f"its node {node_id[:12]} left the cluster", restart=False)
@@ -552,10 +599,6 @@ class EngineManager:
             self.nodes_handled.add(node_id)
             if any(m.node_id == node_id for m in self.members):
                 continue  # it already hosts an engine of this run (e.g. one started at launch)
-            if self.template.weight_transport != "disk":
-                self.say(f"node {node_id[:12]} ({resource}={amount:g}) joined; engines can join a running job with "
-                         "--update-weight-transport disk only: not used")
-                continue
             count = max(1, int(amount) // self.template.tensor_parallel_size)
             host = node.get("NodeManagerAddress") or "127.0.0.1"
             self.say(f"node {node_id[:12]} at {host} joined with {resource}={amount:g}: starting {count} engine(s) "

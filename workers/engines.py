@@ -210,6 +210,10 @@ class EngineActor:
         self.client.collective_rpc("vime_join_weight_group", {
             "master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world_size})
 
+    def nccl_leave(self) -> None:
+        """Leave the weight group (it is re-formed when the engines change)."""
+        self.client.collective_rpc("vime_leave_weight_group")
+
     def receive_nccl(self, metadata: str, version: int, flush: bool) -> float:
         """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume."""
         started = time.monotonic()
@@ -335,13 +339,16 @@ class WeightSync:
     trainer writes ``weight_v{N}/`` (with ``--update-weight-mode delta``, full whenever some engine
     does not serve version N-1, the parent a delta needs), then the engines load it. NCCL
     transport: the group is formed at the first synchronisation, then each one is a broadcast
-    that the trainer sends while every engine receives.
+    that the trainer sends while every engine receives. When the engines changed since the group
+    was formed (one restarted, joined or left), the group is closed and formed again with the
+    engines of now: NCCL groups have a fixed membership.
     """
 
     def __init__(self, trainer, engines: EngineGroup | None, config: WeightSyncConfig, *, timeout: float = 3600.0):
         self.trainer, self.engines, self.config = trainer, engines, config
         self.timeout = timeout
         self.nccl_metadata: str | None = None
+        self.nccl_members: tuple = ()  # (url, actor) of the engines in the group as formed
 
     def sync(self, version: int, *, flush: bool) -> dict[str, float | str]:
         if self.config.update_weight_transport == "nccl":
@@ -370,6 +377,9 @@ class WeightSync:
         engines = self.engines
         if engines is None or not engines.actors:
             return {"weight_version": version, "weight_transport": "nccl", "weight_published_bytes": 0}
+        members = tuple(zip(engines.urls, engines.actors))
+        if self.nccl_metadata is not None and {url for url, _ in members} != {url for url, _ in self.nccl_members}:
+            self._close_nccl(still_there=[actor for url, actor in self.nccl_members if url in engines.urls])
         if self.nccl_metadata is None:
             address, port = ray.get(self.trainer.nccl_endpoint.remote(), timeout=self.timeout)
             world_size, offsets = group_layout(engines.workers)
@@ -377,6 +387,7 @@ class WeightSync:
             joined = [actor.nccl_join.remote(address, port, offset, world_size)
                       for actor, offset in zip(engines.actors, offsets)]
             self.nccl_metadata = _all(joined + [opened], self.timeout, "forming the NCCL weight group")[-1]
+            self.nccl_members = members
         received = [actor.receive_nccl.remote(self.nccl_metadata, version, flush) for actor in engines.actors]
         sent = self.trainer.nccl_send.remote()
         results = _all(received + [sent], self.timeout, f"broadcasting weight version {version}")
@@ -386,6 +397,13 @@ class WeightSync:
         return {"weight_version": version, "weight_transport": "nccl", "weight_publish_mode": "full",
                 "weight_published_bytes": report["bytes"], "weight_full_bytes": report["bytes"],
                 "weight_publish_seconds": report["seconds"], "weight_load_seconds": max(results[:-1])}
+
+
+    def _close_nccl(self, still_there: list) -> None:
+        """Everyone still alive leaves the old group; the next synchronisation forms a new one."""
+        leaving = [actor.nccl_leave.remote() for actor in still_there] + [self.trainer.nccl_close.remote()]
+        _all(leaving, self.timeout, "closing the NCCL weight group")
+        self.nccl_metadata, self.nccl_members = None, ()
 
 
 def _all(refs: list, timeout: float, what: str) -> list:

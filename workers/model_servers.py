@@ -39,6 +39,12 @@ class FrozenModel:
         """(ip, port) of its router: the value of ``args.vllm_model_routers[name]``."""
         return self.router.host, self.router.port
 
+    def wait_serving(self) -> None:
+        """Block until every engine of the model serves (an error names the engine and its log,
+        ``<model>-engine-<i>.log``), then watch their health."""
+        self.manager.wait_started()
+        self.manager.start_monitor()
+
     def poll(self) -> None:
         """Health and restarts (never blocks long); raises EnginesLost naming the model."""
         try:
@@ -56,8 +62,9 @@ class FrozenModel:
 def start_frozen_model(launch: ModelLaunch, *, template: EngineTemplate, elastic: ElasticConfig, log_dir: str,
                        run_token: str, http_timeout: float, say: Callable[[str], None],
                        record: Callable[[dict], None]) -> FrozenModel:
-    """Start ``launch``'s router, then its engines; returns once every engine serves (or raises,
-    having stopped what it started)."""
+    """Start ``launch``'s router, then its engines, without waiting for them (the driver calls
+    :meth:`FrozenModel.wait_serving`, so that every model's engines start at the same time); on a
+    failure here, what was started is stopped."""
     unsupported = sorted({e.worker_type for e in launch.engines if e.worker_type != "regular"})
     if unsupported:
         raise NotImplementedError(f"model {launch.name!r}: vime starts regular engines only; "
@@ -75,8 +82,7 @@ def start_frozen_model(launch: ModelLaunch, *, template: EngineTemplate, elastic
         if engines:
             say(f"model {launch.name!r} ({launch.model_path}, frozen): starting {len(engines)} engine(s) behind "
                 f"its router {router.url}")
-            manager.start_owned(len(engines), variants=engine_variants(engines, dict))
-        manager.start_monitor()
+            manager.spawn_owned(len(engines), variants=engine_variants(engines, dict))
     except BaseException:
         if manager is not None:
             manager.stop()

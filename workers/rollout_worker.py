@@ -6,6 +6,8 @@ group is written to the transport (payload) and accepted by the controller (refe
 A sample aborted by a weight update is continued from its prefix (``--partial-rollout``) or
 regenerated. Leases are renewed by heartbeat; a lease the controller no longer honours cancels its
 group (another worker owns that prompt now).
+With ``--use-opd`` a scored group's samples also get the teacher's log-probs
+(vime.rollout.teacher) before it is published.
 
 On crash: nothing of the worker's is lost — its leases expire (or are fenced) and the prompts go
 back to the queue; a group it had already accepted stays accepted.
@@ -31,6 +33,7 @@ from vime.queue.transport import make_transport
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
+from vime.rollout.teacher import attach_teacher_log_probs
 from vime.rollout.types import RolloutFnTrainOutput
 from vime.runtime.plugins import call_maybe_async, load_hook
 from vime.sample import Sample, Status
@@ -102,6 +105,8 @@ class RolloutWorker:
                            if spec.rollout_function_path else None)
         self.dynamic_filter = (load_hook(FILTER_FLAG, spec.dynamic_sampling_filter_path)
                                if spec.dynamic_sampling_filter_path else None)
+        # --use-opd lives in the algorithm section, which the spec does not carry: read it where hooks do.
+        self.use_opd = bool(getattr(spec.args, "use_opd", False))
         self.stats = RolloutWorkerStats()
         self.active: dict[str, tuple[asyncio.Task, object]] = {}
         self._stopping = asyncio.Event()
@@ -283,7 +288,8 @@ class RolloutWorker:
             self.stats.groups_discarded += 1
 
     async def _finish_group(self, item, samples: list[Sample]) -> None:
-        """Score (unless already scored), publish the payload, and have the controller accept it."""
+        """Score (unless already scored), filter, add the OPD teacher's log-probs, publish the payload, and
+        have the controller accept it."""
         lease = item.assignment.lease
         for sample in samples:
             if not sample.response:
@@ -300,6 +306,8 @@ class RolloutWorker:
             if not verdict.keep:
                 await self._reject_group(item, verdict.reason)
                 return
+        if self.use_opd:
+            await self._attach_teacher(samples)
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)
         ref = await asyncio.get_running_loop().run_in_executor(
             self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
@@ -315,6 +323,15 @@ class RolloutWorker:
         else:
             self.stats.groups_accepted += 1
             self.stats.response_tokens += tokens
+
+    async def _attach_teacher(self, samples: list[Sample]) -> None:
+        """--use-opd: the teacher's log-probs of the samples that have none yet. After the dynamic filter,
+        so that dropped groups cost the teacher nothing; a reward or rollout hook that attached them
+        itself is not repeated. A teacher that keeps failing fails the group (TeacherError naming its URL)."""
+        missing = [s for s in samples if s.teacher_log_probs is None]
+        if missing:
+            await attach_teacher_log_probs(self.spec.args, missing, http=self.session,
+                                           timeout=self.spec.request_timeout)
 
     async def _reject_group(self, item, reason: str) -> None:
         """A group the dynamic filter dropped: its task ends as *rejected* in the queue (journaled

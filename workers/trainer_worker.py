@@ -49,13 +49,15 @@ class TrainerWorkerSpec:
     def from_settings(cls, s, *, transport: str, store: StoreOptions, threads: int | None,
                       cpu_affinity: list[int] | None) -> "TrainerWorkerSpec":
         """The trainer of a ``vime train`` run (also what debug replay rebuilds, so both agree)."""
+        from vime.backends.lr_schedule import lr_schedule_from_settings
+
         backend = TorchTrainerSpec(
             hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
             adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
             clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
             global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
             rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
-            threads=threads, cpu_affinity=cpu_affinity)
+            threads=threads, cpu_affinity=cpu_affinity, lr_schedule=lr_schedule_from_settings(s))
         megatron = None
         if s.train.train_backend == "megatron":
             from vime.backends.megatron_backend import MegatronBackendSpec
@@ -159,6 +161,12 @@ class TrainerWorker:
         self.sender.open(address, port, world_size)
         self.nccl_metadata = nccl.tensor_metadata(self._named_weights())
         return nccl.encode_metadata(self.nccl_metadata)
+
+    def nccl_close(self) -> None:
+        """Leave the weight group (the driver re-forms it when the engines change)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     def nccl_send(self) -> dict[str, float]:
         """Broadcast the current weights in the order of the metadata sent at ``nccl_open`` (each

@@ -14,8 +14,12 @@ from vime.engines.vllm_server import EngineClient, VllmServer
 from vime.runtime.process import kill_processes_with_token
 
 # --enforce-eager: healthy in ~25 s instead of ~50 s (no torch.compile); float32 so that the
-# engine's log-probs can be compared with HF transformers' to 1e-4.
-TEST_VLLM_ARGS: dict[str, str | None] = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32"}
+# engine's log-probs can be compared with HF transformers' to 1e-4. Score centering needs the sampler's
+# log-probs after temperature and top-p, and up to the whole vocabulary of them per token; vLLM sets both
+# per engine, not per request (tests/e2e/test_score_centering_engine.py). At temperature 0 or 1 without
+# top-p, processed and raw log-probs are the same, so the other tests see no difference.
+TEST_VLLM_ARGS: dict[str, str | None] = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32",
+                                         "logprobs-mode": "processed_logprobs", "max-logprobs": "-1"}
 
 
 @dataclasses.dataclass

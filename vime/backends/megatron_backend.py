@@ -34,6 +34,7 @@ import shutil
 
 import torch
 
+from vime.backends.lr_schedule import LRSchedule
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
 from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec
@@ -148,7 +149,9 @@ class MegatronBackend(TorchBackend):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=spec.lr, betas=spec.adam_betas,
                                            eps=spec.adam_eps, weight_decay=spec.weight_decay)
-        self.actor = ModelRole("actor", self.gpt, self.optimizer, spec.clip_grad)
+        # Role overrides are refused with this backend (vime.rl.algorithm_checks): the command line's schedule.
+        self.actor = ModelRole("actor", self.gpt, self.optimizer, spec.clip_grad,
+                               spec.lr_schedule or LRSchedule(lr=spec.lr))
         self.critic, self.critic_save = None, None   # PPO's critic: not wired into this backend
         self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
@@ -292,7 +295,7 @@ class MegatronBackend(TorchBackend):
                 loss.backward()
                 step_terms[loss_key] += float(loss.detach())
             grad_norm = self._finish_gradients(list(role.parameters()), role.clip_grad)
-            role.optimizer.step()
+            metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
                 metrics[name].append(value)
             metrics[grad_key].append(float(grad_norm))
@@ -383,11 +386,15 @@ class MegatronBackend(TorchBackend):
         from vime.backends import megatron_checkpoint as mc
 
         mc.save(path, self.gpt, self.optimizer, fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained,
-                args=self.checkpoint_args())
+                args=self.checkpoint_args(), extra={"optimizer_steps": self.actor.optimizer_steps})
 
     def load_training_state(self, path: str) -> None:
         from vime.backends import megatron_checkpoint as mc
 
         common = mc.load(mc.resolve_step_folder(path), self.gpt, self.optimizer, restore_rng=True)
         self.rollouts_trained = int(common.get("iteration") or 0)
+        # Older checkpoints have only AdamW's step count ("optimizer_step"), which is the same number.
+        vime = common.get("vime") or {}
+        steps = vime.get("optimizer_steps", vime.get("optimizer_step"))
+        self.actor.restore_steps(None if steps is None else int(steps))
 

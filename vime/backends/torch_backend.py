@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from vime.backends.lr_schedule import LRSchedule
 from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
 from vime.config.roles import FLAG as ROLES_FLAG
@@ -34,7 +35,7 @@ from vime.rl.losses import (
 )
 from vime.rl.offpolicy import onpolicy_loss_mask
 from vime.rl.opd import opd_advantages
-from vime.rl.score_centering import sampled_importance_weight, topk_correction, weighting
+from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
 from vime.rl.tis import load_tis_function
 from vime.sample import Sample
 
@@ -55,6 +56,8 @@ class TorchTrainerSpec:
     seed: int
     threads: int | None = None
     cpu_affinity: list[int] | None = None   # CPU cores the trainer may use (None: any)
+    # The command line's schedule (vime.backends.lr_schedule.lr_schedule_from_settings); None: constant --lr.
+    lr_schedule: LRSchedule | None = None
 
 
 @dataclasses.dataclass
@@ -66,9 +69,11 @@ class PackedBatch:
     rollout_log_probs: torch.Tensor  # [B, T-1] sampler log-probs at the same places (0 elsewhere)
     starts: list[int] = dataclasses.field(default_factory=list)   # first response position of each row
     lengths: list[int] = dataclasses.field(default_factory=list)  # response length of each row
-    head_ids: torch.Tensor | None = None        # [B, T-1, k] sampler top-k token ids (score centering)
+    # Score centering: the sampler's top-k heads, or its top-p supports right-padded to the widest.
+    head_ids: torch.Tensor | None = None        # [B, T-1, k] sampler token ids
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] their sampler log-probs
-    head_rows: torch.Tensor | None = None       # [B, T-1] True where a head was recorded
+    head_rows: torch.Tensor | None = None       # [B, T-1] True at trained tokens (where the correction applies)
+    head_valid: torch.Tensor | None = None      # [B, T-1, k] top-p only: True on the support, False on padding
     teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
 
     def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -86,8 +91,8 @@ class PackedBatch:
 def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None = None,
          with_heads: bool = False, with_teacher: bool = False) -> PackedBatch:
     """Right-pad ``samples`` into one batch. ``loss_masks`` overrides the samples' own masks;
-    ``with_heads`` also packs the sampler's top-k heads (score centering), ``with_teacher`` the
-    teacher's log-probs (on-policy distillation)."""
+    ``with_heads`` also packs the sampler's top-k heads or top-p supports (score centering),
+    ``with_teacher`` the teacher's log-probs (on-policy distillation)."""
     length = max(len(s.tokens) for s in samples)
     batch = len(samples)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
@@ -131,17 +136,32 @@ def _teacher_row(sample: Sample) -> torch.Tensor:
 
 
 def _pack_heads(packed: PackedBatch, samples: list[Sample]) -> None:
+    kinds = {_capture_kind(sample) for sample in samples}
+    if None in kinds:
+        missing = next(sample for sample in samples if _capture_kind(sample) is None)
+        raise ValueError(f"score centering needs the sampler's top-k heads or top-p supports: sample {missing.index} "
+                         f"of group {missing.group_index} has neither (rollout_topk_token_ids / rollout_topp_ids)")
+    if kinds == {"support"}:
+        _pack_supports(packed, samples)
+    elif kinds == {"topk"}:
+        _pack_topk(packed, samples)
+    else:
+        raise ValueError("samples of one batch carry both top-k heads and top-p supports")
+
+
+def _capture_kind(sample: Sample) -> str | None:
+    if sample.rollout_topp_offsets is not None:
+        return "support"
+    if sample.rollout_topk_token_ids is not None and sample.rollout_topk_log_probs is not None:
+        return "topk"
+    return None
+
+
+def _pack_topk(packed: PackedBatch, samples: list[Sample]) -> None:
     heads = []
     for sample in samples:
-        ids, log_probs = sample.rollout_topk_token_ids, sample.rollout_topk_log_probs
-        if ids is None or log_probs is None:
-            if sample.rollout_topp_ids is not None:
-                raise NotImplementedError("score centering on a top-p support (--rollout-top-p < 1) is not wired "
-                                          "into the torch backend yet; use --rollout-top-p 1")
-            raise ValueError(f"score centering needs the sampler's top-k heads: sample {sample.index} of group "
-                             f"{sample.group_index} has no rollout_topk_token_ids / rollout_topk_log_probs")
-        ids = torch.as_tensor(np.asarray(ids), dtype=torch.long)
-        log_probs = torch.as_tensor(np.asarray(log_probs), dtype=torch.float32)
+        ids = torch.as_tensor(np.asarray(sample.rollout_topk_token_ids), dtype=torch.long)
+        log_probs = torch.as_tensor(np.asarray(sample.rollout_topk_log_probs), dtype=torch.float32)
         if ids.dim() != 2 or ids.shape != log_probs.shape or ids.shape[0] != sample.response_length:
             raise ValueError(f"sample {sample.index} of group {sample.group_index}: top-k heads of shape "
                              f"{tuple(ids.shape)} / {tuple(log_probs.shape)}, expected [{sample.response_length}, k]")
@@ -152,11 +172,46 @@ def _pack_heads(packed: PackedBatch, samples: list[Sample]) -> None:
     shape = (*packed.targets.shape, k.pop())
     packed.head_ids = torch.zeros(shape, dtype=torch.long)
     packed.head_log_probs = torch.zeros(shape)
-    packed.head_rows = torch.zeros(packed.targets.shape, dtype=torch.bool)
     for row, ((ids, log_probs), start, n) in enumerate(zip(heads, packed.starts, packed.lengths)):
         packed.head_ids[row, start:start + n] = ids
         packed.head_log_probs[row, start:start + n] = log_probs
-        packed.head_rows[row, start:start + n] = True
+    # Untrained tokens (tool output, off-policy masking) have no head worth centring: their rows may be empty.
+    packed.head_rows = packed.response_mask > 0
+
+
+def _pack_supports(packed: PackedBatch, samples: list[Sample]) -> None:
+    supports = []
+    for sample in samples:
+        where = f"sample {sample.index} of group {sample.group_index}"
+        ids = torch.as_tensor(np.asarray(sample.rollout_topp_ids), dtype=torch.long).reshape(-1)
+        log_probs = torch.as_tensor(np.asarray(sample.rollout_topp_log_probs), dtype=torch.float32).reshape(-1)
+        offsets = torch.as_tensor(np.asarray(sample.rollout_topp_offsets), dtype=torch.long).reshape(-1)
+        lengths = offsets[1:] - offsets[:-1]
+        if (offsets.numel() != sample.response_length + 1 or offsets[0] != 0 or (lengths < 0).any()
+                or offsets[-1] != ids.numel() or ids.numel() != log_probs.numel()):
+            raise ValueError(f"{where}: top-p support offsets must rise from 0 to the {ids.numel()} support ids in "
+                             f"{sample.response_length + 1} steps, with one log-prob per id")
+        supports.append((ids, log_probs, offsets, lengths))
+    width = max([1] + [int(lengths.max()) for *_, lengths in supports if lengths.numel()])
+    shape = (*packed.targets.shape, width)
+    packed.head_ids = torch.zeros(shape, dtype=torch.long)
+    packed.head_log_probs = torch.zeros(shape)
+    packed.head_valid = torch.zeros(shape, dtype=torch.bool)
+    for row, ((ids, log_probs, offsets, lengths), start) in enumerate(zip(supports, packed.starts)):
+        token = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        column = torch.arange(ids.numel()) - offsets[token]
+        packed.head_ids[row, start + token, column] = ids
+        packed.head_log_probs[row, start + token, column] = log_probs
+        packed.head_valid[row, start + token, column] = True
+    packed.head_rows = packed.response_mask > 0
+    # Replay normalises the trainer on the recorded support, so a trained token must lie in its own.
+    covered = ((packed.head_ids == packed.targets.unsqueeze(-1)) & packed.head_valid).any(-1)
+    uncovered = packed.head_rows & ~covered
+    if uncovered.any():
+        row, position = (int(i) for i in uncovered.nonzero()[0])
+        sample = samples[row]
+        raise ValueError(f"sample {sample.index} of group {sample.group_index}: response token "
+                         f"{position - packed.starts[row]} is trained but lies outside its recorded top-p support")
 
 
 @dataclasses.dataclass
@@ -164,6 +219,23 @@ class Forward:
     log_probs: torch.Tensor                    # [B, T-1] of the target tokens
     entropy: torch.Tensor | None = None        # [B, T-1]
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] at the sampler's head ids
+
+
+def _replay_support(batch: PackedBatch, out: Forward) -> Forward:
+    """Top-p replay: at every trained token, the trainer's log-probs (of the sampled token and of the
+    support) normalised on the sampler's recorded support, as the sampler's are; unchanged without
+    supports. The policy trained is then the truncated one the sampler drew from."""
+    if batch.head_valid is None:
+        return out
+    rows = batch.head_rows
+    # Rows without a correction keep one (finite) entry, so that no logsumexp is -inf: its gradient
+    # would be NaN even where torch.where discards the value.
+    first = torch.zeros_like(batch.head_valid)
+    first[..., 0] = True
+    keep = batch.head_valid | (first & ~rows.unsqueeze(-1))
+    on_support = out.head_log_probs.masked_fill(~keep, float("-inf"))
+    log_mass = torch.where(rows, torch.logsumexp(on_support, -1), torch.zeros((), dtype=on_support.dtype))
+    return Forward(out.log_probs - log_mass, out.entropy, on_support - log_mass.unsqueeze(-1))
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -261,10 +333,38 @@ class ModelRole:
       is what a sleeping role would otherwise hold beyond its weights and optimizer state.
     """
 
-    def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float):
+    def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float,
+                 schedule: LRSchedule):
         self.name, self.module, self.optimizer, self.clip_grad = name, module, optimizer, clip_grad
+        self.schedule = schedule
+        self.lr_key = "lr" if name == "actor" else f"{name}_lr"   # its key in train_rollout's metrics
         self.device = next(module.parameters()).device
         self.awake = True
+        self.optimizer_steps = 0   # the schedule's position: checkpointed with the optimizer
+        self._set_lr()
+
+    def _set_lr(self) -> float:
+        lr = self.schedule.lr_at(self.optimizer_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def step(self) -> float:
+        """One optimizer step at the schedule's rate for it; returns that rate."""
+        lr = self._set_lr()
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        self._set_lr()  # the next step's rate, as Megatron's scheduler leaves it: what hooks see before it
+        return lr
+
+    def restore_steps(self, saved: int | None) -> None:
+        """After the optimizer's state was loaded: continue the schedule from ``saved`` steps. Checkpoints
+        written before the count was saved fall back to AdamW's own step count."""
+        if saved is None:
+            steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+            saved = int(max(steps, default=0.0))
+        self.optimizer_steps = int(saved)
+        self._set_lr()
 
     def parameters(self):
         return self.module.parameters()
@@ -288,6 +388,13 @@ class ModelRole:
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # moments; Adam's scalar step stays put
                     state[key] = value.to(device)
+
+
+def _role(name: str, module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides,
+          source: str | None) -> ModelRole:
+    """A role with the command line's optimizer settings and schedule, overridden by the role's."""
+    schedule = (spec.lr_schedule or LRSchedule(lr=spec.lr)).for_role(role, source)
+    return ModelRole(name, module, _optimizer(module, spec, role), role.get("clip_grad", spec.clip_grad), schedule)
 
 
 def _optimizer(module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.optim.Optimizer:
@@ -318,8 +425,8 @@ class TorchBackend:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         roles = algo.role_config()
         actor = roles.role("actor")
-        self.optimizer = _optimizer(self.model, spec, actor)
-        self.actor = ModelRole("actor", self.model, self.optimizer, actor.get("clip_grad", spec.clip_grad))
+        self.actor = _role("actor", self.model, spec, actor, roles.source)
+        self.optimizer = self.actor.optimizer
         # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
         self.critic: ModelRole | None = None
         self.critic_save: str | None = None
@@ -353,7 +460,7 @@ class TorchBackend:
             critic = ValueModel.from_pretrained(spec.hf_checkpoint)
         critic.train()
         self.critic_save = role.save
-        return ModelRole("critic", critic, _optimizer(critic, spec, role), role.get("clip_grad", spec.clip_grad))
+        return _role("critic", critic, spec, role, source)
 
     @staticmethod
     def _seed(seed: int) -> None:
@@ -384,7 +491,8 @@ class TorchBackend:
         return out
 
     def _log_probs(self, batch: PackedBatch) -> torch.Tensor:
-        return self._forward(self.model, batch).log_probs
+        support = batch.head_valid is not None
+        return _replay_support(batch, self._forward(self.model, batch, heads=support)).log_probs
 
     def _loss_masks(self, samples: list[Sample], policy_version: int | None) -> list[list[int]]:
         masks = [list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length for s in samples]
@@ -493,7 +601,7 @@ class TorchBackend:
                 step_terms[loss_key] += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(role.parameters(),
                                                        role.clip_grad if role.clip_grad > 0 else math.inf)
-            role.optimizer.step()
+            metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
                 metrics[name].append(value)
             metrics[grad_key].append(float(grad_norm))
@@ -568,6 +676,7 @@ class TorchBackend:
         kind = algo.policy_loss
         out = self._forward(self.model, batch, entropy="loss" if algo.entropy_coef else "metric",
                             heads=algo.use_score_centering)
+        out = _replay_support(batch, out)
         log_probs = out.log_probs
         if kind == "sft":
             loss = reduce(nll_loss(log_probs), mask)
@@ -633,8 +742,15 @@ class TorchBackend:
                          metrics: dict) -> torch.Tensor:
         """Per-token centring correction ([B, T-1], differentiable) and its diagnostics."""
         rows = batch.head_rows
-        corr, sampler_mass, train_mass = topk_correction(out.head_log_probs[rows], batch.head_log_probs[rows],
-                                                         **self.sc_weighting)
+        if batch.head_valid is None:
+            corr, sampler_mass, train_mass = topk_correction(out.head_log_probs[rows], batch.head_log_probs[rows],
+                                                             **self.sc_weighting)
+        else:
+            valid = batch.head_valid[rows]
+            offsets = torch.zeros(valid.shape[0] + 1, dtype=torch.long)
+            torch.cumsum(valid.sum(-1), 0, out=offsets[1:])
+            corr, sampler_mass, train_mass = support_correction(
+                out.head_log_probs[rows][valid], batch.head_log_probs[rows][valid], offsets, **self.sc_weighting)
         correction = torch.zeros_like(log_probs).masked_scatter(rows, corr)
         mask = batch.response_mask
         for name, values in (("sc_correction", correction),
@@ -673,7 +789,10 @@ class TorchBackend:
         torch.save({"optimizer": self.optimizer.state_dict(),
                     "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state()},
-                    "rollouts_trained": self.rollouts_trained},
+                    "rollouts_trained": self.rollouts_trained,
+                    # The schedules' positions (a role may step several times per rollout, or not at all).
+                    "optimizer_steps": {role.name: role.optimizer_steps for role in (self.actor, self.critic)
+                                        if role is not None}},
                    os.path.join(path, "optimizer_and_rng.pt"))
         if self.critic is not None:
             self._save_critic(os.path.join(path, "critic"))
@@ -718,6 +837,8 @@ class TorchBackend:
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         self.rollouts_trained = int(state.get("rollouts_trained", 0))
+        steps = state.get("optimizer_steps", {})
+        self.actor.restore_steps(steps.get("actor"))
         if self.critic is not None:
             critic = os.path.join(path, "critic")
             if not is_critic_checkpoint(critic):
@@ -726,3 +847,4 @@ class TorchBackend:
             self.critic.module.load_weights(critic)
             self.critic.optimizer.load_state_dict(
                 torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False))
+            self.critic.restore_steps(steps.get("critic"))

@@ -144,6 +144,13 @@ def validate(settings: TrainSettings) -> None:
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
     check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
+    from vime.backends.lr_schedule import lr_schedule_from_settings
+
+    lr_schedule_from_settings(settings)     # schedule checks that need the run's length or the role file
+    if settings.megatron.use_rollout_routing_replay:  # R3: the engines report the experts they chose
+        from vime.rollout.routing import routing_replay_engine_args
+
+        settings.vllm.vllm_args.update(routing_replay_engine_args(settings.vllm.vllm_args))
     vllm_args.resolve_topology(settings)  # --vllm-config & co.; sets args.vllm_deployment
     require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
                  and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",

@@ -191,10 +191,12 @@ class AlgorithmConfig:
         "weight versions get loss mask 0.")
     use_score_centering: bool = option(
         False, "Score centering (arXiv:2609.20807): subtract the sampler-expected score from the REINFORCE "
-        "gradient, computed from the sampler's recorded top-k heads.")
+        "gradient, computed from the sampler's recorded top-k heads (--rollout-top-p 1) or complete top-p "
+        "supports (top-p < 1; the trainer then normalises its log-probs on them). vime's engines get "
+        "--logprobs-mode processed_logprobs and a --max-logprobs that covers the request.")
     score_centering_top_k: int = option(
         128, "Sampler top-k token ids and log-probs kept per response token for score centering (rollout "
-        "top-p 1 only); must fit the vocabulary.")
+        "top-p 1 only; k + 1 are requested from vLLM); must be below the vocabulary size.")
     value_clip: float = option(
         0.2, "PPO: clip range of the value loss: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).")
     num_critic_only_steps: int = option(
@@ -261,7 +263,25 @@ class TrainConfig:
     global_batch_size: int | None = option(
         None, "Samples per optimizer step (default: --rollout-batch-size x --n-samples-per-prompt).")
     micro_batch_size: int = option(64, "Samples per forward/backward pass.")
-    lr: float = option(1e-6, "Learning rate.")
+    lr: float = option(1e-6, "Learning rate: the peak of the schedule (--lr-decay-style).")
+    lr_decay_style: str = option(
+        "constant", "Learning-rate schedule after the warmup, as Megatron's: 'constant' (--lr), 'linear' or 'cosine' "
+        "(from --lr down to --min-lr at --lr-decay-iters), 'inverse-square-root', or 'WSD' (constant, then the last "
+        "--lr-wsd-decay-iters anneal). An iteration is one optimizer step. Megatron's default is 'linear'; vime's "
+        "keeps the rate constant unless asked.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_decay_iters: int | None = option(
+        None, "Optimizer steps over which the learning rate decays, warmup included; afterwards it is --min-lr "
+        "(default: the run's steps, --num-rollout x the optimizer steps of one rollout).")
+    lr_warmup_iters: int = option(0, "Optimizer steps of linear warmup from --lr-warmup-init to --lr.")
+    lr_warmup_fraction: float | None = option(
+        None, "Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).")
+    lr_warmup_init: float = option(0.0, "Learning rate of the first warmup step.")
+    min_lr: float = option(0.0, "Learning rate the decay ends at (PPO's critic: scaled to its role's lr unless its "
+                                "role sets min_lr).")
+    lr_wsd_decay_style: str = option("exponential", "Annealing of --lr-decay-style WSD.",
+                                     choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: int | None = option(
+        None, "With --lr-decay-style WSD: the last optimizer steps of --lr-decay-iters, which anneal to --min-lr.")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
@@ -290,8 +310,35 @@ class TrainConfig:
                     "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch")
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
+        self._validate_lr_schedule()
         require(self.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
         require(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
+
+    def _validate_lr_schedule(self) -> None:
+        """Megatron's rules for the schedule flags; the ones that need the run's step count are checked
+        where the schedule is built (vime.backends.lr_schedule.schedule_from_flags)."""
+        require(0 <= self.min_lr <= self.lr, "--min-lr", f"must be in [0, --lr {self.lr:g}], got {self.min_lr:g}")
+        require(0 <= self.lr_warmup_init <= self.lr, "--lr-warmup-init",
+                f"must be in [0, --lr {self.lr:g}], got {self.lr_warmup_init:g}")
+        require(self.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            require(self.lr_warmup_iters == 0, "--lr-warmup-fraction",
+                    "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+            require(0 <= self.lr_warmup_fraction < 1, "--lr-warmup-fraction", "must be in [0, 1)")
+        if self.lr_decay_iters is not None:
+            require(self.lr_decay_iters >= 1, "--lr-decay-iters", "must be >= 1")
+            require(self.lr_warmup_iters < self.lr_decay_iters, "--lr-decay-iters",
+                    f"{self.lr_decay_iters} must be more than --lr-warmup-iters {self.lr_warmup_iters}")
+        if self.lr_decay_style == "WSD":
+            require(self.lr_wsd_decay_iters is not None, "--lr-wsd-decay-iters",
+                    "is required with --lr-decay-style WSD")
+            require(self.lr_wsd_decay_iters >= 1, "--lr-wsd-decay-iters", "must be >= 1")
+            require(self.lr_decay_iters is None or self.lr_wsd_decay_iters <= self.lr_decay_iters,
+                    "--lr-wsd-decay-iters", f"{self.lr_wsd_decay_iters} is more than --lr-decay-iters "
+                                            f"{self.lr_decay_iters}")
+        else:
+            require(self.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters",
+                    "has no effect without --lr-decay-style WSD")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -105,7 +105,7 @@ class MegatronConfig:
         "for the actor's old log-probs, 'ref_' for the reference model's; model is the list of model chunks.")
     custom_megatron_before_train_step_hook_path: str | None = option(
         None, "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
-        "optimizer step's forward/backward passes (opt_param_scheduler is None: vime keeps the LR constant).")
+        "optimizer step's forward/backward passes (opt_param_scheduler is None: vime steps its own schedule, --lr-decay-style).")
 
     def _validate_moe(self) -> None:
         from vime.backends.megatron_args import parse_moe_layer_freq

@@ -48,12 +48,17 @@ FLOAT_KEYS = {
     "adam_eps": (lambda v: v > 0, "must be > 0"),
     "clip_grad": (lambda v: v >= 0, "must be >= 0 (0 disables clipping)"),
 }
+INT_KEYS = {"lr_warmup_iters": (lambda v: v >= 0, "must be >= 0")}
+CHOICE_KEYS = {"lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root", "WSD")}
 PATH_KEYS = ("load", "save")
-# What the torch backend honours per role: the optimizer settings for both, and for the critic the
-# location of its checkpoints (the actor's are the run's --load / --save).
+# What the torch backend honours per role: the optimizer settings and the schedule's shape for both
+# (vime.backends.lr_schedule.LRSchedule.for_role), and for the critic the location of its checkpoints
+# (the actor's are the run's --load / --save).
+OPTIMIZER_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2",
+                  "adam_eps", "clip_grad")
 TORCH_ROLE_KEYS = {
-    "actor": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"),
-    "critic": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "load", "save"),
+    "actor": OPTIMIZER_KEYS,
+    "critic": (*OPTIMIZER_KEYS, "load", "save"),
 }
 
 
@@ -126,6 +131,17 @@ def _check_value(source: str, field: str, key: str, value: Any) -> Any:
         if not valid(number):
             raise _error(source, field, f"{rule}, got {number:g}")
         return number
+    if key in INT_KEYS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _error(source, field, f"expected a whole number, got {value!r}")
+        valid, rule = INT_KEYS[key]
+        if not valid(value):
+            raise _error(source, field, f"{rule}, got {value}")
+        return value
+    if key in CHOICE_KEYS:
+        if value not in CHOICE_KEYS[key]:
+            raise _error(source, field, f"expected one of {', '.join(CHOICE_KEYS[key])}, got {value!r}")
+        return value
     if key in PATH_KEYS:
         if not isinstance(value, str) or not value:
             raise _error(source, field, f"expected a path, got {value!r}")
@@ -181,6 +197,8 @@ def parse_role_config(data: Any, source: str = "<yaml>") -> RoleConfig:
                                             "command line, not per role")
             values[key] = _check_value(source, field, key, value)
             fields[key] = field
+        if values.get("min_lr", 0.0) > values.get("lr", math.inf):
+            raise _error(source, fields["min_lr"], f"{values['min_lr']:g} is above the role's lr {values['lr']:g}")
         roles[role] = RoleOverrides(role, where, values, fields, tuple(ignored))
         first_field[role] = where
     return RoleConfig(source, roles)

@@ -121,6 +121,9 @@ class VllmServer:
         self.url = f"http://{host}:{self.port}"
         argv = build_vllm_command(model, self.port, host, vllm_args, tensor_parallel_size)
         full_env = {**engine_env(run_token, cpu_cores, tensor_parallel_size), **(env or {})}
+        if "enable-return-routed-experts" in (vllm_args or {}) and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
+            # vLLM 0.32 captures routed experts (R3) only in its V2 model runner (it refuses otherwise).
+            full_env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         self.process = ManagedProcess(argv, log_path=log_path, run_token=run_token, env=full_env,
                                       name=f"vllm:{self.port}")
 

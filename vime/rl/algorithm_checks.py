@@ -143,7 +143,8 @@ def _check_ref_load(algo: AlgorithmConfig, *, megatron: bool) -> None:
 
 
 def check_algorithm_with_run(settings: TrainSettings) -> None:
-    """Checks that need the sampling flags or the model (run by ``vime.config.validate``)."""
+    """Checks that need the sampling flags or the model (run by ``vime.config.validate``); with score
+    centering it also adds the vLLM flags the engines need to ``settings.vllm.vllm_args``."""
     algo, rollout = settings.algorithm, settings.rollout
     _check_ref_load(algo, megatron=settings.train.train_backend == "megatron")
     if algo.megatron_config_path is not None and settings.train.train_backend == "torch":
@@ -158,6 +159,7 @@ def check_algorithm_with_run(settings: TrainSettings) -> None:
         require(algo.megatron_config_path is None, "--megatron-config-path",
                 f"role overrides are not wired into --train-backend {settings.train.train_backend} yet; use "
                 "--train-backend torch")
+    _check_opd_teacher(settings)
     if algo.use_score_centering:
         # The correction compares trainer and sampler distributions token by token: the sampler must draw
         # from the same (temperature-scaled, untruncated or top-p-replayed) distribution the trainer scores.
@@ -166,8 +168,59 @@ def check_algorithm_with_run(settings: TrainSettings) -> None:
         require(rollout.rollout_top_k == -1, "--rollout-top-k",
                 "score centering needs untruncated sampling: use --rollout-top-k -1")
         vocab = _vocab_size(settings.train.hf_checkpoint)
-        require(vocab is None or rollout.rollout_top_p < 1 or algo.score_centering_top_k <= vocab,
-                "--score-centering-top-k", f"{algo.score_centering_top_k} exceeds the vocabulary ({vocab} tokens)")
+        # The engines are asked for k + 1 log-probs (vLLM spends one on the sampled token), which vLLM
+        # refuses beyond the vocabulary.
+        require(vocab is None or rollout.rollout_top_p < 1 or algo.score_centering_top_k < vocab,
+                "--score-centering-top-k", f"{algo.score_centering_top_k} must be below the vocabulary size "
+                f"({vocab} tokens)")
+        # Set here, before vime.config.vllm resolves the engine topology from these flags, so that every
+        # engine vime starts (one model or --vllm-config groups) inherits them.
+        settings.vllm.vllm_args.update(score_centering_engine_args(
+            settings.vllm.vllm_args, top_k=algo.score_centering_top_k, top_p=rollout.rollout_top_p, vocab=vocab))
+
+
+def score_centering_engine_args(vllm_args: dict, *, top_k: int, top_p: float, vocab: int | None) -> dict:
+    """The vLLM engine flags score centering needs, checked against the ``--vllm-*`` flags given.
+
+    ``logprobs_mode=processed_logprobs``: the log-probs after temperature and top-p, i.e. the
+    distribution the sampler drew from (vLLM's default, raw_logprobs, ignores both). ``max_logprobs``:
+    the rollout asks for k + 1 log-probs per token, or the whole vocabulary (-1) with top-p < 1.
+    """
+    mode = vllm_args.get("logprobs-mode")
+    require(mode in (None, "processed_logprobs"), "--vllm-logprobs-mode",
+            f"score centering needs the sampler's own log-probs (processed_logprobs), not {mode!r}; drop the flag "
+            "or set it to processed_logprobs")
+    needed = -1 if top_p < 1 else top_k + 1
+    given = vllm_args.get("max-logprobs")
+    if given is not None:
+        try:
+            limit = int(given)
+        except ValueError:
+            raise ConfigError("--vllm-max-logprobs", f"must be an integer, got {given!r}") from None
+        enough = limit == -1 or (needed != -1 and limit >= needed) or (
+            needed == -1 and vocab is not None and limit >= vocab)
+        what = ("the whole vocabulary (-1) with --rollout-top-p < 1" if needed == -1
+                else f"--score-centering-top-k + 1 = {needed}")
+        require(enough, "--vllm-max-logprobs", f"{limit} is too small for score centering, which requests {what}; "
+                "drop the flag (vime sets it) or raise it")
+        return {"logprobs-mode": "processed_logprobs"}
+    return {"logprobs-mode": "processed_logprobs", "max-logprobs": str(needed)}
+
+
+def _check_opd_teacher(settings: TrainSettings) -> None:
+    """--use-opd needs someone to score the samples: the rollout worker asks the teacher flag's engine,
+    or a user hook attaches ``sample.teacher_log_probs`` itself (checked per sample by the trainer)."""
+    algo, rollout = settings.algorithm, settings.rollout
+    if not algo.use_opd or algo.opd_teacher_url is not None or algo.opd_teacher_model is not None:
+        return
+    # vime's own distillation reward only forwards to the teacher: it is no teacher itself.
+    rm = rollout.custom_rm_path
+    user_reward = rm is not None and rm.replace(":", ".") != "vime.rollout.teacher.reward_func"
+    hooks = (user_reward, rollout.custom_generate_function_path is not None, rollout.rollout_function_path is not None)
+    require(any(hooks), "--use-opd",
+            "needs a teacher to score the samples: give --opd-teacher-url or --opd-teacher-model (or attach "
+            "sample.teacher_log_probs in a --custom-rm-path, --custom-generate-function-path or "
+            "--rollout-function-path hook)")
 
 
 def _vocab_size(model_dir: str | None) -> int | None:

@@ -10,6 +10,13 @@ the whole body), so all turns of one session reach the same engine and reuse its
 other policies ignore it. Custom generate functions get the same behaviour from
 :func:`generate_turn` (one more turn of a multi-turn sample) and :func:`append_observation` (a
 tool's output, masked out of the loss).
+
+Score centering (``--use-score-centering``) also records the sampler's distribution at every response
+token, from the engine's ``logprobs_mode=processed_logprobs`` log-probs (after temperature and top-p):
+with ``--rollout-top-p 1`` the ``k`` most probable tokens (``k + 1`` are requested because vLLM's list
+spends one entry on the sampled token when it lies outside the top ``k + 1``); with top-p < 1 the whole
+vocabulary is requested and the tokens the top-p mask kept (finite log-probs) are its support.
+:func:`score_centering_request` prepares such a request, :func:`sampler_rows` reads the answer.
 """
 
 from __future__ import annotations
@@ -18,16 +25,39 @@ import dataclasses
 from typing import Any
 
 import aiohttp
+import numpy as np
 
-from vime.sample import Sample, Status
+from vime.rollout import routing
+from vime.sample import Sample, SamplerRows, Status
 
 FINISH_STATUS = {"length": Status.TRUNCATED, "abort": Status.ABORTED, "cancelled": Status.ABORTED}
 SESSION_HEADER = "x-session-id"
 GENERATE_PATH = "/inference/v1/generate"
+# vLLM's JSON answers carry -inf log-probs (tokens outside the top-p mask) as this value.
+VLLM_LOGPROB_FLOOR = -9999.0
 
 
 class GenerateError(RuntimeError):
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreCenteringCapture:
+    """What score centering records per response token: the top ``top_k`` head, or with ``support``
+    (rollout top-p < 1) the complete top-p support."""
+
+    top_k: int
+    support: bool
+
+    @property
+    def logprobs(self) -> int:
+        """vLLM's ``logprobs`` request field: -1 is the whole vocabulary."""
+        return -1 if self.support else self.top_k + 1
+
+
+def score_centering_capture(top_k: int, top_p: float) -> ScoreCenteringCapture | None:
+    """The capture of a run with ``--score-centering-top-k top_k`` (0: score centering off)."""
+    return ScoreCenteringCapture(top_k, top_p < 1) if top_k > 0 else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,10 +66,20 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # --score-centering-top-k when --use-score-centering is on, else 0: the rollout records the sampler's
+    # heads (top-p 1) or supports (top-p < 1). Evaluation leaves it 0.
+    score_centering_top_k: int = 0
+    # --use-rollout-routing-replay: the rollout records the experts the engine chose (R3).
+    routing_replay: bool = False
+
+    @property
+    def score_centering(self) -> ScoreCenteringCapture | None:
+        return score_centering_capture(self.score_centering_top_k, self.top_p)
 
     def for_vllm(self, remaining: int) -> dict[str, Any]:
+        capture = self.score_centering
         return {"max_tokens": remaining, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "logprobs": 0}
+                "top_k": self.top_k, "logprobs": capture.logprobs if capture else 0}
 
     def as_dict(self) -> dict[str, Any]:
         """The form custom generate functions receive (the reference framework's key names)."""
@@ -55,6 +95,8 @@ class Completion:
     log_probs: list[float] | None
     versions: list[int]
     finish_reason: str
+    sampler: SamplerRows | None = None   # score centering: the sampler's heads / supports
+    routed_experts: str | None = None    # R3: vLLM's encoded experts per token (vime.rollout.routing)
 
     @property
     def status(self) -> Status:
@@ -84,8 +126,10 @@ def router_url(args) -> str:
 
 
 async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: list[int],
-                        sampling_params: dict[str, Any], *, session_id: str | None, timeout: float) -> Completion:
-    """POST one generate request (``sampling_params`` in vLLM's names) with the session header."""
+                        sampling_params: dict[str, Any], *, session_id: str | None, timeout: float,
+                        capture: ScoreCenteringCapture | None = None) -> Completion:
+    """POST one generate request (``sampling_params`` in vLLM's names) with the session header;
+    ``capture`` reads the sampler's heads / supports from the answer (the request must ask for them)."""
     url = base_url.rstrip("/") + GENERATE_PATH
     body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
     try:
@@ -102,8 +146,51 @@ async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: l
     ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []
     log_probs = [entry["logprob"] for entry in content] if len(content) == len(ids) else None
+    sampler = None
+    if capture is not None:
+        if log_probs is None:
+            raise GenerateError(f"POST {url}: score centering asked for log-probs, the engine returned "
+                                f"{len(content)} entries for {len(ids)} tokens")
+        sampler = sampler_rows(content, capture)
     return Completion(ids, log_probs, token_versions(choice.get("weight_versions"), len(ids)),
-                      choice.get("finish_reason") or "stop")
+                      choice.get("finish_reason") or "stop", sampler, choice.get(routing.RESPONSE_FIELD))
+
+
+def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) -> SamplerRows:
+    """The sampler's heads or supports from the ``logprobs.content`` entries of a generate answer."""
+    ids_rows, log_prob_rows = [], []
+    for position, entry in enumerate(content):
+        candidates = entry.get("top_logprobs") or []
+        ids = np.fromiter((c["token_id"] for c in candidates), np.int64, len(candidates))
+        log_probs = np.fromiter((c["logprob"] for c in candidates), np.float64, len(candidates))
+        if capture.support:
+            keep = log_probs > VLLM_LOGPROB_FLOOR
+            if entry["token_id"] not in ids[keep]:
+                # The top-p mask always keeps the token it sampled; a sampled token outside the
+                # finite support means the engine's log-probs are not the sampler's.
+                raise GenerateError(f"score centering: token {entry['token_id']} at response position "
+                                    f"{position} lies outside the top-p support the engine returned; the engines "
+                                    "must run with --vllm-logprobs-mode processed_logprobs")
+            ids, log_probs = ids[keep], log_probs[keep]
+        else:
+            if len(candidates) < capture.top_k:
+                raise GenerateError(f"score centering: the engine returned {len(candidates)} top log-probs per "
+                                    f"token, --score-centering-top-k needs {capture.top_k}; start the engines "
+                                    f"with --vllm-max-logprobs >= {capture.top_k + 1}")
+            # Stable, so that ties keep the engine's order.
+            head = np.argsort(-log_probs, kind="stable")[:capture.top_k]
+            ids, log_probs = ids[head], log_probs[head]
+        ids_rows.append(ids)
+        log_prob_rows.append(log_probs)
+    if not capture.support:
+        shape = (len(content), capture.top_k)
+        return SamplerRows(np.asarray(ids_rows, np.int32).reshape(shape),
+                           np.asarray(log_prob_rows, np.float32).reshape(shape))
+    offsets = np.zeros(len(content) + 1, np.int64)
+    np.cumsum([len(row) for row in ids_rows], out=offsets[1:])
+    flat_ids = np.concatenate(ids_rows).astype(np.int32) if ids_rows else np.zeros(0, np.int32)
+    flat_log_probs = np.concatenate(log_prob_rows).astype(np.float32) if ids_rows else np.zeros(0, np.float32)
+    return SamplerRows(flat_ids, flat_log_probs, offsets)
 
 
 async def generate(session: aiohttp.ClientSession, base_url: str, sample: Sample, params: SamplingParams,
@@ -112,11 +199,25 @@ async def generate(session: aiohttp.ClientSession, base_url: str, sample: Sample
     if remaining <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    completion = await post_generate(session, base_url, sample.tokens, params.for_vllm(remaining),
-                                     session_id=sample.session_id, timeout=timeout)
-    sample.append_response_tokens(completion.token_ids, completion.log_probs, completion.versions)
+    request = params.for_vllm(remaining)
+    if params.routing_replay:
+        request.update(routing.routing_request(sample))
+    completion = await post_generate(session, base_url, sample.tokens, request,
+                                     session_id=sample.session_id, timeout=timeout, capture=params.score_centering)
+    sample.append_response_tokens(completion.token_ids, completion.log_probs, completion.versions,
+                                  sampler=completion.sampler)
+    if params.routing_replay:
+        _record_routes(sample, completion, request)
     sample.status = completion.status
     return sample
+
+
+def _record_routes(sample: Sample, completion: Completion, request: dict[str, Any]) -> None:
+    try:
+        routing.record_routed_experts(sample, completion.routed_experts,
+                                      prompt_start=request[routing.REQUEST_FIELD])
+    except ValueError as error:
+        raise GenerateError(f"--use-rollout-routing-replay: {error}") from None
 
 
 def _vllm_params(sampling_params: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
@@ -124,6 +225,43 @@ def _vllm_params(sampling_params: dict[str, Any], max_new_tokens: int) -> dict[s
     params["max_tokens"] = max_new_tokens
     params.setdefault("logprobs", 0)
     return params
+
+
+# vLLM sampling fields that change the sampler's distribution beyond temperature and top-p, with their
+# neutral values: score centering compares that distribution with the trainer's, which has none of them.
+_NEUTRAL_SAMPLING = {"top_k": (-1, 0, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+                     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
+                     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+                     "guided_choice": (None,), "guided_grammar": (None,), "logit_bias": (None, {})}
+
+
+def score_centering_request(args, sampling_params: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                            ScoreCenteringCapture | None]:
+    """For custom generate functions: ``sampling_params`` (vLLM's names) with the log-probs score
+    centering needs, and the capture to give :func:`post_generate`; unchanged and None when
+    ``args.use_score_centering`` is off.
+
+    The request must sample as the run does (``--rollout-temperature``, ``--rollout-top-p``, no top-k,
+    min-p, penalties or constrained decoding): the trainer scores that distribution. Pass the
+    completion's ``sampler`` rows to :meth:`Sample.append_response_tokens`.
+    """
+    if not getattr(args, "use_score_centering", False):
+        return sampling_params, None
+    params = dict(sampling_params)
+    for key, attribute in (("temperature", "rollout_temperature"), ("top_p", "rollout_top_p")):
+        run_value = float(getattr(args, attribute, 1.0))
+        if params.get(key) is not None and float(params[key]) != run_value:
+            raise GenerateError(f"score centering: a request with {key} {params[key]} differs from "
+                                f"--{attribute.replace('_', '-')} {run_value}; per-request sampling changes are "
+                                "unsupported")
+        params[key] = run_value
+    for key, neutral in _NEUTRAL_SAMPLING.items():
+        if params.get(key) not in neutral:
+            raise GenerateError(f"score centering: the request sets {key}={params[key]!r}; the trainer cannot "
+                                f"score that distribution (see --use-score-centering)")
+    capture = score_centering_capture(int(args.score_centering_top_k), params["top_p"])
+    params["logprobs"] = capture.logprobs
+    return params, capture
 
 
 async def generate_turn(args, sample: Sample, sampling_params: dict[str, Any], *, max_new_tokens: int | None = None,
@@ -137,23 +275,29 @@ async def generate_turn(args, sample: Sample, sampling_params: dict[str, Any], *
     """
     limit = max_new_tokens if max_new_tokens is not None else int(sampling_params.get("max_new_tokens", 16))
     timeout = timeout if timeout is not None else float(getattr(args, "rollout_request_timeout", 120.0))
+    request, capture = score_centering_request(args, _vllm_params(sampling_params, limit))
+    replay = bool(getattr(args, "use_rollout_routing_replay", False))
+    if replay:
+        request.update(routing.routing_request(sample))
     async with aiohttp.ClientSession() as http:
-        completion = await post_generate(http, url or router_url(args), sample.tokens,
-                                         _vllm_params(sampling_params, limit), session_id=sample.session_id,
-                                         timeout=timeout)
+        completion = await post_generate(http, url or router_url(args), sample.tokens, request,
+                                         session_id=sample.session_id, timeout=timeout, capture=capture)
     log_probs = completion.log_probs
     if log_probs is None and sample.rollout_log_probs is not None:
         raise GenerateError("the engine returned no log-probs for a sample that has them")
     if sample.rollout_log_probs is None and sample.response_length > 0:
         log_probs = None  # earlier response tokens have none: keep the sample consistent (no log-probs)
-    sample.append_response_tokens(completion.token_ids, log_probs, completion.versions)
+    sample.append_response_tokens(completion.token_ids, log_probs, completion.versions, sampler=completion.sampler)
+    if replay:
+        _record_routes(sample, completion, request)
     sample.status = completion.status
     return completion
 
 
 def append_observation(sample: Sample, token_ids: list[int]) -> None:
     """Append tokens the model did not generate (a tool's output, an environment's reply) to the
-    response: loss mask 0, log-prob 0 and the weight version of the token before them."""
+    response: loss mask 0, log-prob 0, the weight version of the token before them and, with score
+    centering, empty sampler rows."""
     token_ids = list(token_ids)
     version = sample.weight_versions[-1] if sample.weight_versions else 0
     keeps_log_probs = sample.rollout_log_probs is not None or sample.response_length == 0

@@ -47,6 +47,12 @@ def decode_routed_experts(encoded: str) -> np.ndarray:
     return array
 
 
+def routing_replay_engine_args(vllm_args: dict) -> dict[str, str | None]:
+    """The vLLM flags R3 adds to every engine's (vime.engines.vllm_server also runs such an engine
+    with vLLM's V2 model runner, which vLLM 0.32 needs to capture the experts)."""
+    return {ENGINE_FLAG[2:]: None}
+
+
 def routing_request(sample: Sample) -> dict[str, Any]:
     """The sampling parameter that asks for only the rows ``sample`` does not have yet."""
     recorded = 0 if sample.rollout_routed_experts is None else len(sample.rollout_routed_experts)

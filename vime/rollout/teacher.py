@@ -16,10 +16,13 @@ Temperature: vLLM's prompt log-probs are the raw model's (temperature 1), while 
 the student at ``--rollout-temperature``; with a temperature other than 1 the penalty compares the
 tempered student with the untempered teacher.
 
-Wiring (as the reference framework's engine-teacher mode): the scores are collected where the reward
-is computed. ``--custom-rm-path vime.rollout.teacher.reward_func`` is pure distillation (reward 0, the
-teacher's scores attached); a task reward can call :func:`attach_teacher_log_probs` itself, see
-docs/algorithms.md.
+Wiring: with ``--use-opd`` the rollout worker scores every finished group
+itself (``workers/rollout_worker.py``), after the reward and the dynamic filter, and only the samples
+that have no ``teacher_log_probs`` yet: a reward or rollout hook that attaches them itself (with
+:func:`attach_teacher_log_probs`, or ``--custom-rm-path vime.rollout.teacher.reward_func`` for pure
+distillation: reward 0) is not scored twice. Each request is bounded by ``--rollout-request-timeout``
+and retried (:data:`TEACHER_ATTEMPTS`) when the teacher did not answer or answered 5xx; the final error
+names the teacher's URL.
 """
 
 from __future__ import annotations
@@ -34,8 +37,50 @@ from vime.rollout.generate import GENERATE_PATH
 from vime.sample import Sample
 
 
+# A teacher restarting or overloaded answers 5xx or not at all: two more tries, 1 s then 2 s apart, so that a
+# group waits at most 3 x --rollout-request-timeout + 3 s before it fails (and goes back to the queue).
+TEACHER_ATTEMPTS = 3
+TEACHER_RETRY_DELAY = 1.0
+
+
+class EngineRequestError(RuntimeError):
+    """A POST to a vLLM engine or router that got no usable answer; ``status`` is the HTTP status, None
+    when none came (connection refused or dropped, timeout)."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Whether another attempt may succeed: no answer or a 5xx; a 4xx refuses the request itself."""
+        return self.status is None or self.status >= 500
+
+
 class TeacherError(RuntimeError):
-    """The teacher could not score a sequence."""
+    """The teacher could not score a sequence (``transient``: a retry may succeed)."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout: float,
+                    headers: dict[str, str] | None = None) -> Any:
+    """POST ``body`` to an engine endpoint and return its JSON answer; raises :class:`EngineRequestError`
+    naming the URL. The request and error handling of :func:`vime.rollout.generate.post_generate`, with
+    the status kept so that callers can tell a retryable failure from a refusal."""
+    try:
+        async with http.post(url, json=body, headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status != 200:
+                raise EngineRequestError(f"POST {url} answered {response.status}: {(await response.text())[:300]}",
+                                         status=response.status)
+            return await response.json()
+    except TimeoutError:
+        raise EngineRequestError(f"POST {url} timed out after {timeout:.0f}s") from None
+    except aiohttp.ClientError as error:
+        raise EngineRequestError(f"POST {url} failed: {error}") from None
 
 
 def teacher_base_url(args: Any) -> str:
@@ -47,9 +92,12 @@ def teacher_base_url(args: Any) -> str:
     if model:
         from vime.config.vllm_config import get_model_url
 
-        return get_model_url(args, model, path="")
+        try:
+            return get_model_url(args, model, path="")
+        except (RuntimeError, ValueError) as error:
+            raise TeacherError(f"--opd-teacher-model {model}: {error}") from None
     raise TeacherError("--use-opd needs a teacher to score the samples: give --opd-teacher-url or "
-                       "--opd-teacher-model")
+                       "--opd-teacher-model, or attach sample.teacher_log_probs in the reward or rollout function")
 
 
 def score_request(token_ids: list[int]) -> dict[str, Any]:
@@ -91,37 +139,59 @@ async def score_tokens(http: aiohttp.ClientSession, base_url: str, token_ids: li
     """The teacher's log-prob of each token of ``token_ids`` after the first (len(token_ids) - 1 values)."""
     url = base_url.rstrip("/") + GENERATE_PATH
     try:
-        async with http.post(url, json=score_request(token_ids),
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            if response.status != 200:
-                raise TeacherError(f"POST {url} answered {response.status}: {(await response.text())[:300]}")
-            output = await response.json()
-    except TimeoutError:
-        raise TeacherError(f"POST {url} timed out after {timeout:.0f}s") from None
-    except aiohttp.ClientError as error:
-        raise TeacherError(f"POST {url} failed: {error}") from None
+        output = await post_json(http, url, score_request(token_ids), timeout=timeout)
+    except EngineRequestError as error:
+        raise TeacherError(str(error), transient=error.transient) from None
     return parse_prompt_logprobs(output.get("prompt_logprobs") if isinstance(output, dict) else None, token_ids)
 
 
-async def teacher_log_probs(http: aiohttp.ClientSession, base_url: str, sample: Sample, *,
-                            timeout: float) -> list[float]:
-    """The teacher's log-prob of each response token of ``sample`` (``response_length`` values)."""
+async def teacher_log_probs(http: aiohttp.ClientSession, base_url: str, sample: Sample, *, timeout: float,
+                            attempts: int = TEACHER_ATTEMPTS) -> list[float]:
+    """The teacher's log-prob of each response token of ``sample`` (``response_length`` values), retrying a
+    teacher that did not answer; the error names the teacher's URL and the sample."""
     if sample.response_length == 0:
         return []
     if sample.prompt_length < 1:
         raise TeacherError(f"sample {sample.index} of group {sample.group_index} has no prompt token: the first "
                            "response token cannot be scored")
-    scores = await score_tokens(http, base_url, sample.tokens, timeout=timeout)
-    return scores[sample.prompt_length - 1:]
+    attempt = 1
+    while True:
+        try:
+            scores = await score_tokens(http, base_url, sample.tokens, timeout=timeout)
+            return scores[sample.prompt_length - 1:]
+        except TeacherError as error:
+            if not error.transient or attempt >= attempts:
+                tries = f" after {attempt} attempts" if attempt > 1 else ""
+                raise TeacherError(f"the OPD teacher at {base_url} could not score sample {sample.index} of group "
+                                   f"{sample.group_index}{tries}: {error}", transient=error.transient) from None
+        await asyncio.sleep(TEACHER_RETRY_DELAY * 2 ** (attempt - 1))
+        attempt += 1
 
 
 async def attach_teacher_log_probs(args: Any, samples: list[Sample], *, url: str | None = None,
-                                   timeout: float | None = None) -> None:
-    """Set ``teacher_log_probs`` on each of ``samples`` (scored concurrently) from the run's teacher."""
+                                   timeout: float | None = None, http: aiohttp.ClientSession | None = None,
+                                   attempts: int = TEACHER_ATTEMPTS) -> None:
+    """Set ``teacher_log_probs`` on each of ``samples`` (scored concurrently) from the run's teacher; none
+    is set unless all are scored. ``http``: a session to reuse (the rollout worker's), else one of its own."""
     base_url = url or teacher_base_url(args)
     timeout = timeout if timeout is not None else float(getattr(args, "rollout_request_timeout", 120.0))
-    async with aiohttp.ClientSession() as http:
-        scores = await asyncio.gather(*(teacher_log_probs(http, base_url, s, timeout=timeout) for s in samples))
+
+    async def score_all(session: aiohttp.ClientSession) -> list[list[float]]:
+        tasks = [asyncio.ensure_future(teacher_log_probs(session, base_url, s, timeout=timeout, attempts=attempts))
+                 for s in samples]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            # The group fails as a whole: the other samples' requests (and retries) would only load the teacher.
+            for task in tasks:
+                task.cancel()
+            raise
+
+    if http is not None:
+        scores = await score_all(http)
+    else:
+        async with aiohttp.ClientSession() as session:
+            scores = await score_all(session)
     for sample, values in zip(samples, scores):
         sample.teacher_log_probs = values
 
