@@ -81,7 +81,14 @@ ALGORITHMS = {
     "grpo": {},
     "kl_loss_entropy_reference": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
     "gspo_tis": {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4, "use_tis": True},
+    "opd": {"use_opd": True, "opd_kl_coef": 0.5},
 }
+
+
+def with_teacher(samples: list[Sample]) -> list[Sample]:
+    for sample in samples:
+        sample.teacher_log_probs = [-1.5 - 0.05 * (t % 3) for t in range(sample.response_length)]
+    return samples
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -89,7 +96,7 @@ def test_training_matches_the_torch_backend(model_dir, name):
     torch_backend = TorchBackend(trainer_spec(model_dir, **ALGORITHMS[name]))
     megatron = MegatronBackend(trainer_spec(model_dir, **ALGORITHMS[name]), megatron_spec(model_dir))
     for rollout in range(2):
-        samples = make_samples(rollout)
+        samples = with_teacher(make_samples(rollout)) if name == "opd" else make_samples(rollout)
         assert_same_metrics(megatron.train_rollout(samples, 0), torch_backend.train_rollout(samples, 0))
     assert_same_weights(megatron, torch_backend.model)
     assert megatron.rollouts_trained == 2

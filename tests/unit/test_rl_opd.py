@@ -376,19 +376,18 @@ def test_opd_flags(config_dir):
         assert str(error.value).startswith(flag + ":"), str(error.value)
 
 
-def test_backends_without_opd_refuse_it_at_start_up():
+def test_both_backends_accept_opd_at_start_up():
+    """The Megatron backend trains OPD with the torch backend's loss (tests/unit/test_megatron_backend.py)."""
     from types import SimpleNamespace
 
     from vime.config.framework import AlgorithmConfig, RolloutConfig
     from vime.rl.algorithm_checks import check_algorithm_with_run
 
-    settings = SimpleNamespace(algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
-                               rollout=RolloutConfig(),
-                               train=SimpleNamespace(train_backend="megatron", hf_checkpoint=None))
-    with pytest.raises(ConfigError, match="^--use-opd: is not wired into --train-backend megatron"):
+    for backend in ("megatron", "torch"):
+        settings = SimpleNamespace(algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
+                                   rollout=RolloutConfig(),
+                                   train=SimpleNamespace(train_backend=backend, hf_checkpoint=None))
         check_algorithm_with_run(settings)
-    settings.train.train_backend = "torch"
-    check_algorithm_with_run(settings)
 
 
 def test_opd_without_a_teacher_fails_at_start_up_unless_a_hook_may_attach_the_scores(config_dir):

@@ -10,7 +10,7 @@ import torch
 
 from test_rl_torch_backend import backend, make_samples
 from vime.config import ConfigError, parse_train_args
-from vime.config.roles import check_torch_roles, load_role_config, parse_role_config
+from vime.config.roles import check_supported_roles, load_role_config, parse_role_config
 from vime.rl.advantages import ppo_advantages_and_returns
 from vime.rl.losses import clipped_value_loss, reduce_loss
 
@@ -285,10 +285,10 @@ def test_role_file_parsing():
     assert critic.get("lr_decay_iters") == 10 and critic.field("lr") == "megatron[0].args.lr"
     assert config.role("actor").values == {}                          # absent: keeps the command line
     with pytest.raises(ConfigError, match="megatron\\[0\\].args.lr_decay_iters: the torch backend"):
-        check_torch_roles(config)
+        check_supported_roles(config, "torch")
     actor_save = parse_role_config({"megatron": [{"role": "actor", "overrides": {"save": "/x"}}]})
     with pytest.raises(ConfigError, match="actor's checkpoints are the run's"):
-        check_torch_roles(actor_save)
+        check_supported_roles(actor_save, "torch")
     with pytest.raises(ConfigError, match="cannot read"):
         load_role_config("/nonexistent/roles.yaml")
 

@@ -17,7 +17,10 @@ from the Megatron flags (``vime.backends.megatron_args``):
   HF-named safetensors (``megatron_convert``), expert by expert for MoE models;
 - MoE models: the routers' load-balancing loss (``--moe-aux-loss-coeff``) averaged over each optimizer
   step, and R3 (``--use-rollout-routing-replay``): every forward over a sample routes its tokens to the
-  experts the rollout engine recorded (``megatron_routing``).
+  experts the rollout engine recorded (``megatron_routing``);
+- PPO (``--advantage-estimator ppo``): a second GPTModel with a value head (``megatron_critic``) trained
+  by the torch backend's critic code (values, GAE, clipped value loss, turns, role overrides), saved in
+  ``critic/`` of each checkpoint.
 
 megatron-core 0.16 calls ``torch.cuda`` in its forward pass: on a machine without CUDA the backend
 runs only where ``torch.cuda.current_device()`` has been redirected (the tests' ``megatron_shim``).
@@ -34,10 +37,13 @@ import shutil
 
 import torch
 
-from vime.backends.lr_schedule import LRSchedule
+from vime.backends import megatron_critic
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
-from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec
+from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, _role
+from vime.config.base import ConfigError
+from vime.config.roles import FLAG as ROLES_FLAG
+from vime.config.roles import TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
 from vime.rl.losses import token_entropy
 from vime.rl.score_centering import weighting
 from vime.rl.tis import load_tis_function
@@ -118,9 +124,6 @@ class MegatronBackend(TorchBackend):
             raise NotImplementedError("the Megatron backend trains one model replica: data parallelism "
                                       f"{ps.get_data_parallel_world_size()} is not wired (world size must equal "
                                       "TP x PP x CP)")
-        if algo.uses_critic:
-            raise NotImplementedError("--advantage-estimator ppo (a critic) is not wired into the Megatron backend; "
-                                      "use --train-backend torch")
         if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
             raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
         if megatron.parallel.expert != 1:
@@ -147,12 +150,17 @@ class MegatronBackend(TorchBackend):
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=spec.lr, betas=spec.adam_betas,
-                                           eps=spec.adam_eps, weight_decay=spec.weight_decay)
-        # Role overrides are refused with this backend (vime.rl.algorithm_checks): the command line's schedule.
-        self.actor = ModelRole("actor", self.gpt, self.optimizer, spec.clip_grad,
-                               spec.lr_schedule or LRSchedule(lr=spec.lr))
-        self.critic, self.critic_save = None, None   # PPO's critic: not wired into this backend
+        roles = algo.role_config()
+        self._check_roles(roles)
+        # The command line's AdamW and schedule, overridden by --megatron-config-path's actor entry.
+        self.actor = _role("actor", self.gpt, spec, roles.role("actor"), roles.source)
+        self.optimizer = self.actor.optimizer
+        # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
+        self.critic: ModelRole | None = None
+        self.critic_save: str | None = None
+        self.critic_gpt, self.critic_model = None, None
+        if algo.uses_critic:
+            self.critic = self._build_critic(roles.role("critic"), roles.source, source)
         self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
         self.ref_gpt, self.ref_model = None, None
@@ -181,6 +189,38 @@ class MegatronBackend(TorchBackend):
         if requested == "auto":
             return "thd" if te else "padded"
         return requested
+
+    @staticmethod
+    def _check_roles(roles: RoleConfig) -> None:
+        """The role overrides this backend honours are the torch backend's; the others are refused (naming
+        the YAML field) rather than ignored."""
+        for name, role in roles.roles.items():
+            for key in role.values:
+                if key not in TORCH_ROLE_KEYS[name]:
+                    raise ConfigError(ROLES_FLAG, f"{roles.source or '<yaml>'}: {role.field(key)}: the Megatron "
+                                                  f"backend does not support this override for the {name}; it "
+                                                  f"honours {', '.join(TORCH_ROLE_KEYS[name])}")
+
+    def _build_critic(self, role: RoleOverrides, yaml: str | None, actor_source: str) -> ModelRole:
+        """PPO's critic: the actor's architecture with a value head, its body from the critic role's ``load``
+        or else from the actor's initial weights (as the torch backend's critic)."""
+        from vime.backends import megatron_model as mm
+
+        m = self.megatron
+        self.critic_gpt = megatron_critic.build_value_gpt(
+            m.model, m.parallel, seed=self.spec.seed, vocab_divisible_by=m.vocab_divisible_by,
+            use_te=self.packing == "thd", attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
+            recompute=m.recompute, initialize=False, moe=m.moe)
+        if role.load is not None:
+            megatron_critic.load_initial(self.critic_gpt, role.load, m.model, field=role.field("load"), yaml=yaml)
+        else:
+            megatron_critic.load_initial(self.critic_gpt, actor_source, m.model)
+        self.critic_gpt.train()
+        # The head's single output is batched like logits; R3 routes are the actor's and are not replayed here.
+        self.critic_model = mm.MegatronLM(self.critic_gpt, 1, self.packing, m.parallel.sequence_parallel,
+                                          model_args=m.model)
+        self.critic_save = role.save
+        return _role("critic", self.critic_gpt, self.spec, role, yaml)
 
     def _build_and_load(self, source: str):
         from vime.backends import megatron_checkpoint as mc
@@ -219,6 +259,11 @@ class MegatronBackend(TorchBackend):
         if heads:
             out.head_log_probs = log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)).cpu()
         return out
+
+    def _values(self, batch) -> torch.Tensor:
+        """The critic's value of each target's prefix, [B, T-1] on the CPU (differentiably), like the torch
+        backend's."""
+        return self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0].cpu()
 
     def _batch_routes(self, batch) -> list[torch.Tensor] | None:
         """R3: the recorded experts of each row of ``batch`` (None without --use-rollout-routing-replay).
@@ -372,6 +417,8 @@ class MegatronBackend(TorchBackend):
         self.save_weights(path)
         if self._tp_rank() == 0:
             self.tokenizer.save_pretrained(path)
+        if self.critic is not None and self.critic_save:
+            self._export_critic()  # the final critic too, where its role's `save` says
 
     def checkpoint_args(self) -> dict:
         p = self.megatron.parallel
@@ -387,14 +434,39 @@ class MegatronBackend(TorchBackend):
 
         mc.save(path, self.gpt, self.optimizer, fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained,
                 args=self.checkpoint_args(), extra={"optimizer_steps": self.actor.optimizer_steps})
+        if self.critic is not None:
+            self._save_critic(os.path.join(path, megatron_critic.CHECKPOINT_DIR))
+            if self.critic_save:
+                self._export_critic()
+
+    def _critic_checkpoint(self) -> dict:
+        return dict(fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained, args=self.checkpoint_args(),
+                    optimizer_steps=self.critic.optimizer_steps)
+
+    def _save_critic(self, folder: str) -> None:
+        megatron_critic.save(folder, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
+
+    def _export_critic(self) -> None:
+        megatron_critic.export(self.critic_save, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
 
     def load_training_state(self, path: str) -> None:
         from vime.backends import megatron_checkpoint as mc
 
-        common = mc.load(mc.resolve_step_folder(path), self.gpt, self.optimizer, restore_rng=True)
+        folder = mc.resolve_step_folder(path)
+        common = mc.load(folder, self.gpt, self.optimizer, restore_rng=True)
         self.rollouts_trained = int(common.get("iteration") or 0)
+        self.actor.restore_steps(self._saved_steps(common))
+        if self.critic is not None:
+            critic = os.path.join(folder, megatron_critic.CHECKPOINT_DIR)
+            if not megatron_critic.is_critic_checkpoint(critic):
+                raise ValueError(f"{folder} holds no critic state (it was saved by a run without "
+                                 "--advantage-estimator ppo); a PPO run cannot resume from it")
+            self.critic.restore_steps(self._saved_steps(mc.load(critic, self.critic_gpt, self.critic.optimizer)))
+
+    @staticmethod
+    def _saved_steps(common: dict) -> int | None:
         # Older checkpoints have only AdamW's step count ("optimizer_step"), which is the same number.
         vime = common.get("vime") or {}
         steps = vime.get("optimizer_steps", vime.get("optimizer_step"))
-        self.actor.restore_steps(None if steps is None else int(steps))
+        return None if steps is None else int(steps)
 

@@ -12,7 +12,8 @@ folder per step, ``iter_XXXXXXX/`` (``release/``). Inside a step folder:
 
 vime's own checkpoints (``vime.recovery.checkpoint``) put this state straight into their
 ``iter_XXXXXXX/`` folder beside ``vime_state.json``, so a vime ``--save`` directory is also a Megatron
-checkpoint directory. Whatever ``--ckpt-format`` says, both formats load.
+checkpoint directory. Whatever ``--ckpt-format`` says, both formats load. With PPO the critic (a GPT
+with a value head, ``megatron_critic``) is a second step folder, ``critic/``, inside the actor's.
 
 ``optimizer`` is a torch optimizer (vime trains with torch's AdamW; Megatron's own optimizer
 hard-codes CUDA), so the optimizer part is not Megatron-LM's distributed-optimizer layout.
@@ -158,7 +159,7 @@ def _rank_folder(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def _barrier() -> None:
+def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -173,7 +174,7 @@ def save(folder: str, model, optimizer: torch.optim.Optimizer | None, *, fmt: st
     if fmt not in FORMATS:
         raise MegatronCheckpointError(f"--ckpt-format {fmt!r}: expected one of {FORMATS}")
     os.makedirs(folder, exist_ok=True)
-    _barrier()
+    barrier()
     with_optimizer = _has_state(optimizer)
     common = {"iteration": iteration, "args": args, "checkpoint_version": CHECKPOINT_VERSION,
               "vime": {**(extra or {}), "has_optimizer": with_optimizer,
@@ -182,7 +183,7 @@ def save(folder: str, model, optimizer: torch.optim.Optimizer | None, *, fmt: st
         _save_torch(folder, model, optimizer if with_optimizer else None, common)
     else:
         _save_torch_dist(folder, model, optimizer if with_optimizer else None, common)
-    _barrier()
+    barrier()
 
 
 def _save_torch(folder: str, model, optimizer, common: dict) -> None:
@@ -226,25 +227,53 @@ def _save_torch_dist(folder: str, model, optimizer, common: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load(folder: str, model, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = False) -> dict:
+def load(folder: str, model, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = False,
+         skip: tuple[str, ...] = ()) -> dict:
     """Load a step folder (either format) into ``model`` and, when the checkpoint has one and
-    ``optimizer`` is given, the optimizer; returns the checkpoint's common part (iteration, args, vime)."""
+    ``optimizer`` is given, the optimizer; returns the checkpoint's common part (iteration, args, vime).
+
+    ``skip``: parameter-name prefixes neither loaded nor required (PPO's critic takes the body of an
+    actor's checkpoint and keeps its own value head); the optimizer cannot be loaded then."""
+    fmt = checkpoint_format(folder)
+    if fmt is None:
+        raise MegatronCheckpointError(f"{folder}: no Megatron checkpoint there (neither mp_rank_*/ nor .distcp)")
+    assert not (skip and optimizer is not None), "a partial load cannot restore the optimizer"
+    if fmt == "torch":
+        return _load_torch(folder, model, optimizer, restore_rng, skip)
+    return _load_torch_dist(folder, model, optimizer, restore_rng, skip)
+
+
+def read_common(folder: str) -> dict:
+    """The common part (iteration, args, checkpoint_version, vime) of a step folder, without its tensors."""
     fmt = checkpoint_format(folder)
     if fmt is None:
         raise MegatronCheckpointError(f"{folder}: no Megatron checkpoint there (neither mp_rank_*/ nor .distcp)")
     if fmt == "torch":
-        return _load_torch(folder, model, optimizer, restore_rng)
-    return _load_torch_dist(folder, model, optimizer, restore_rng)
+        rank = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))[0]
+        # mmap: the tensors are not read, only the small entries picked below.
+        state = torch.load(os.path.join(folder, rank, "model_optim_rng.pt"), map_location="cpu", mmap=True,
+                           weights_only=False)
+    else:
+        from megatron.core import dist_checkpointing
+
+        with checkpoint_io_on_cpu():
+            state = dist_checkpointing.load_common_state_dict(folder)
+    return {k: state.get(k) for k in ("iteration", "args", "checkpoint_version", "vime")}
 
 
-def _load_model_state(model, state: dict) -> None:
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return bool(skip) and name.startswith(skip)
+
+
+def _load_model_state(model, state: dict, skip: tuple[str, ...] = ()) -> None:
     """Load a (canonically named) local state dict into ``model``, whatever its layer spec."""
     from vime.backends.megatron_model import VOCAB_PARAMS
 
     state = from_te_names(state)
     if getattr(model, "vime_uses_te", False):
         state = to_te_names(state, grouped_gemm=getattr(model, "vime_grouped_gemm", False))
-    params = dict(model.named_parameters())
+    state = {n: v for n, v in state.items() if not _skipped(n, skip)}
+    params = {n: p for n, p in model.named_parameters() if not _skipped(n, skip)}
     missing = [n for n in params if n not in state]
     unused = [n for n in state if n not in params and not n.endswith("_extra_state")]
     if missing or unused:
@@ -264,7 +293,7 @@ def _load_model_state(model, state: dict) -> None:
             param.copy_(value.to(param.device, param.dtype))
 
 
-def _load_torch(folder: str, model, optimizer, restore_rng: bool) -> dict:
+def _load_torch(folder: str, model, optimizer, restore_rng: bool, skip: tuple[str, ...] = ()) -> dict:
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size, pp_rank, _ = _ranks()
@@ -278,7 +307,7 @@ def _load_torch(folder: str, model, optimizer, restore_rng: bool) -> dict:
             "'torch' format loads only with the parallelism it was saved with: convert it, or save with "
             "--ckpt-format torch_dist")
     state = torch.load(path, map_location="cpu", weights_only=False)
-    _load_model_state(model, state["model"])
+    _load_model_state(model, state["model"], skip)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if restore_rng and state.get("rng_state"):
@@ -286,20 +315,20 @@ def _load_torch(folder: str, model, optimizer, restore_rng: bool) -> dict:
     return {k: state.get(k) for k in ("iteration", "args", "checkpoint_version", "vime")}
 
 
-def _load_torch_dist(folder: str, model, optimizer, restore_rng: bool) -> dict:
+def _load_torch_dist(folder: str, model, optimizer, restore_rng: bool, skip: tuple[str, ...] = ()) -> dict:
     from megatron.core import dist_checkpointing
 
     with checkpoint_io_on_cpu():
         common = dist_checkpointing.load_common_state_dict(folder)
         vime = common.get("vime") or {}
-        sharded = {"model": model.sharded_state_dict()}
+        sharded = {"model": {k: v for k, v in model.sharded_state_dict().items() if not _skipped(k, skip)}}
         with_optimizer = optimizer is not None and vime.get("has_optimizer", False)
         if with_optimizer:
             ensure_optimizer_state(optimizer)
             sharded["optimizer"] = _sharded_optimizer_state(sharded["model"], optimizer)
         loaded = dist_checkpointing.load(sharded, folder)
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [n for n in missing if not n.endswith("_extra_state")]
+    missing = [n for n in missing if not n.endswith("_extra_state") and not _skipped(n, skip)]
     if missing or unexpected:
         raise MegatronCheckpointError(f"{folder} does not fit the model: missing {missing[:6]}, "
                                       f"unexpected {unexpected[:6]}")

@@ -204,8 +204,9 @@ class AlgorithmConfig:
     megatron_config_path: str | None = option(
         None, "YAML of per-role overrides of the training arguments (PPO actor / critic): "
         "megatron: [{name, role, overrides: {lr, load, save, ...}}]. A role absent from the file keeps the "
-        "command line. The torch backend honours lr, weight_decay, adam_beta1/2, adam_eps and clip_grad for both "
-        "roles, and load / save (the critic's checkpoints) for the critic.")
+        "command line. Both backends honour lr, weight_decay, adam_beta1/2, adam_eps, clip_grad, min_lr, "
+        "lr_warmup_iters and lr_decay_style for both roles, and load / save (the critic's checkpoints) for the "
+        "critic; other keys are refused at start-up.")
     use_opd: bool = option(
         False, "On-policy distillation on top of any estimator: each trained token's advantage is reduced by "
         "--opd-kl-coef x (log p_old - log p_teacher), with the teacher's log-probs recorded on the sample "

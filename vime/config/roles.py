@@ -220,8 +220,9 @@ def load_role_config(path: str | None) -> RoleConfig:
     return parse_role_config(data, path)
 
 
-def check_torch_roles(config: RoleConfig) -> None:
-    """Refuse overrides the torch backend would not honour (naming the YAML field)."""
+def check_supported_roles(config: RoleConfig, backend: str) -> None:
+    """Refuse overrides the training backends would not honour (naming the YAML field). The torch and
+    Megatron backends honour the same keys (the Megatron one builds its roles with the torch one's code)."""
     for name, role in config.roles.items():
         for key in role.values:
             if key in TORCH_ROLE_KEYS[name]:
@@ -230,9 +231,9 @@ def check_torch_roles(config: RoleConfig) -> None:
                                  "critic starts from a critic save folder, a critic checkpoint or an HF model folder)")
                 continue
             if name == "actor" and key in PATH_KEYS:
-                message = ("with --train-backend torch the actor's checkpoints are the run's: use --load / --save "
-                           "on the command line")
+                message = (f"with --train-backend {backend} the actor's checkpoints are the run's: use --load / "
+                           "--save on the command line")
             else:
-                message = (f"the torch backend does not support this override for the {name}; it honours "
+                message = (f"the {backend} backend does not support this override for the {name}; it honours "
                            f"{', '.join(TORCH_ROLE_KEYS[name])}")
             raise _error(config.source or "<yaml>", role.field(key), message)

@@ -147,18 +147,10 @@ def check_algorithm_with_run(settings: TrainSettings) -> None:
     centering it also adds the vLLM flags the engines need to ``settings.vllm.vllm_args``."""
     algo, rollout = settings.algorithm, settings.rollout
     _check_ref_load(algo, megatron=settings.train.train_backend == "megatron")
-    if algo.megatron_config_path is not None and settings.train.train_backend == "torch":
-        from vime.config.roles import check_torch_roles
+    if algo.megatron_config_path is not None:
+        from vime.config.roles import check_supported_roles
 
-        check_torch_roles(algo.role_config())
-    if settings.train.train_backend != "torch":
-        # Implemented in the torch backend only so far (the formulas are in vime.rl.opd / vime.config.roles):
-        # refused rather than silently ignored. Lift each check when the backend honours the option.
-        require(not algo.use_opd, "--use-opd", f"is not wired into --train-backend {settings.train.train_backend} "
-                "yet; use --train-backend torch")
-        require(algo.megatron_config_path is None, "--megatron-config-path",
-                f"role overrides are not wired into --train-backend {settings.train.train_backend} yet; use "
-                "--train-backend torch")
+        check_supported_roles(algo.role_config(), settings.train.train_backend)
     _check_opd_teacher(settings)
     if algo.use_score_centering:
         # The correction compares trainer and sampler distributions token by token: the sampler must draw
