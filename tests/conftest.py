@@ -1,5 +1,8 @@
+import json
 import os
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -8,3 +11,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    """An HF model folder with only a config.json (vocabulary 12): enough for flag checks."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
+    return str(tmp_path)

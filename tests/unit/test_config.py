@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.train_args import minimal_train_argv as base
 from vime.config import ConfigError, parse_train_args
 from vime.config.passthrough import split_prefixed, to_cli
 from vime.config.vllm import check_against_vllm
@@ -12,11 +13,6 @@ from vime.weights.policy import flush_for_sync
 def model_dir(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     return str(tmp_path)
-
-
-def base(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 def test_defaults_and_derived_values(model_dir):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.train_args import minimal_train_argv as argv
 from vime.config import ConfigError, parse_train_args
 from vime.metrics import MetricsLog
 from vime.recovery import debug_archive as da
@@ -145,11 +146,6 @@ def test_templates_and_archive_discovery(tmp_path, monkeypatch):
 def model_dir(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     return str(tmp_path)
-
-
-def argv(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 def test_flags_are_validated_naming_them(model_dir, tmp_path):

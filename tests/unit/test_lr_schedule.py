@@ -1,12 +1,12 @@
 """The Megatron-style learning-rate schedule: its formulas against hand-computed values, the flags'
 start-up checks, both backends stepping it, and checkpoints that continue it exactly."""
 
-import json
 import math
 
 import pytest
 import torch
 
+from tests.train_args import minimal_train_argv as args
 from test_rl_torch_backend import GROUP, make_samples
 from vime.backends.lr_schedule import (
     DECAY_STYLES, WSD_DECAY_STYLES, LRSchedule, lr_schedule_from_settings, optimizer_steps_per_rollout,
@@ -120,15 +120,6 @@ def test_optimizer_steps_per_rollout_follow_the_backends():
 
 
 # ----------------------------------------------------------------------------- flags
-@pytest.fixture
-def config_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
-    return str(tmp_path)
-
-
-def args(config_dir, *extra):
-    return ["--hf-checkpoint", config_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 @pytest.mark.parametrize("extra, flag", [

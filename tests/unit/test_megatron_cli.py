@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from tests.train_args import minimal_train_argv as _args
 from tests.conftest import REPO
 from tests.megatron_shim import tiny_hf_model
 from vime.backends.megatron_convert import read_hf_state_dict
@@ -59,11 +60,6 @@ def test_convert_torch_format_round_trip(tmp_path):
 @pytest.fixture
 def qwen2_dir(tmp_path):
     return tiny_hf_model(str(tmp_path / "qwen2"), "qwen2")
-
-
-def _args(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 def test_megatron_backend_needs_cuda(qwen2_dir):

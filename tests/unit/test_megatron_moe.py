@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tests.train_args import minimal_train_argv as _args
 from tests.conftest import REPO
 from tests.megatron_shim import MOE_VARIANTS, tiny_moe_hf_model
 from vime.backends.megatron_args import model_args_from_hf, parse_moe_layer_freq
@@ -160,9 +161,6 @@ def test_checkpoint_round_trip_torch_dist(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- flags
-def _args(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 @pytest.fixture(scope="module")

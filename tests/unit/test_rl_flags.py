@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tests.train_args import minimal_train_argv as base
 from vime.config import ConfigError, parse_train_args
 from vime.rl.algorithm_checks import check_algorithm_with_run
 
@@ -12,11 +13,6 @@ from vime.rl.algorithm_checks import check_algorithm_with_run
 def model_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
     return str(tmp_path)
-
-
-def base(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 SCORE_CENTERING = ["--use-score-centering", "--score-centering-top-k", "4", "--advantage-estimator", "grpo",

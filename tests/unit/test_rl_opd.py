@@ -3,13 +3,13 @@ from a vLLM-shaped endpoint, their trip through the queue codec, and a tiny run 
 
 import argparse
 import asyncio
-import json
 import random
 
 import aiohttp
 import pytest
 import torch
 
+from tests.train_args import minimal_train_argv as args
 from test_rl_torch_backend import backend
 from vime.config import ConfigError, parse_train_args
 from vime.queue.records import IncompleteCapture, decode_group, encode_group
@@ -348,15 +348,6 @@ def test_opd_needs_teacher_log_probs_on_every_sample(models):
 
 
 # ----------------------------------------------------------------------------- flags
-@pytest.fixture
-def config_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
-    return str(tmp_path)
-
-
-def args(config_dir, *extra):
-    return ["--hf-checkpoint", config_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 def test_opd_flags(config_dir):

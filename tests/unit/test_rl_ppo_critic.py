@@ -1,13 +1,13 @@
 """PPO with a critic: the clipped value loss and GAE against float64 references, the critic trained on the
 torch backend's worker beside the actor, --num-critic-only-steps, role overrides and checkpoints."""
 
-import json
 import math
 import os
 
 import pytest
 import torch
 
+from tests.train_args import minimal_train_argv as args
 from test_rl_torch_backend import backend, make_samples
 from vime.config import ConfigError, parse_train_args
 from vime.config.roles import check_supported_roles, load_role_config, parse_role_config
@@ -291,17 +291,6 @@ def test_role_file_parsing():
         check_supported_roles(actor_save, "torch")
     with pytest.raises(ConfigError, match="cannot read"):
         load_role_config("/nonexistent/roles.yaml")
-
-
-@pytest.fixture
-def config_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
-    return str(tmp_path)
-
-
-def args(config_dir, *extra):
-    return ["--hf-checkpoint", config_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 @pytest.mark.parametrize("extra, flag", [

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from tests.train_args import minimal_train_argv as cli
 from vime.config import ConfigError, parse_train_args
 from vime.config.vllm_config import (
     GlobalFlags, build_launch_plan, check_overrides_against_vllm, default_deployment, get_model_url,
@@ -602,9 +603,6 @@ def test_default_deployment_and_legacy_prefill_num_servers():
 
 
 # ---------------------------------------------------- through the command line (validate())
-def cli(model_dir, *extra):
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
 
 
 PD_YAML = """
