@@ -1,6 +1,7 @@
 """GPU check of the main job with --train-backend megatron and the official (CUDA) vLLM. Not a pytest file.
 
     python tests/gpu/check_megatron_main_job.py [--num-rollout 40] [--packing auto|thd|padded] [--keep DIR]
+    python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
 
 Needs one CUDA GPU, the official vLLM and megatron-core (``pip install -e '.[gpu,dev]'``). It
 
@@ -16,6 +17,11 @@ Needs one CUDA GPU, the official vLLM and megatron-core (``pip install -e '.[gpu
    ``vime_state.json``), that ``hf_final/`` loads with transformers, and that
    ``vime tools convert-megatron-to-hf`` of the run's ``--save`` directory gives ``hf_final``'s tensors
    exactly (the last checkpoint is the final model).
+
+``--moe-r3`` runs the same job on a tiny random Qwen3-MoE (4 experts, top-2) with
+``--use-rollout-routing-replay``: the engine runs with ``--enable-return-routed-experts`` and vLLM's V2
+model runner, every accepted sample must carry its routes ([len(tokens) - 1, layers, 2] expert ids
+below 4), and the Megatron forward replays them (the on-policy log-prob check then also covers routing).
 
 The actor starts from ``--hf-checkpoint`` (converted in memory), not from ``--ref-load``: vime's
 algorithm checks still accept only an HF folder there, and only with a KL term.
@@ -64,6 +70,49 @@ def demo_args(run_dir: str, model: str) -> list[str]:
     return demo.demo_args(run_dir, model)
 
 
+MOE_FLAGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
+             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32",
+             "--qk-layernorm", "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
+             "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--num-experts", "4",
+             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-layer-freq", "1"]
+
+
+def make_tiny_moe(folder: str) -> int:
+    """A random Qwen3-MoE of the sizes of MOE_FLAGS with vime's character tokenizer; its vocabulary size."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)
+
+
+def check_routes(run_dir: str) -> list[str]:
+    """Every accepted sample carries the experts its tokens were routed to."""
+    from tests.e2e.test_main_job import read_accepted_groups
+
+    import numpy as np
+
+    samples = [s for group in read_accepted_groups(run_dir) for s in group]
+    bad = []
+    for s in samples:
+        routes = None if s.rollout_routed_experts is None else np.asarray(s.rollout_routed_experts)
+        if routes is None or routes.shape != (len(s.tokens) - 1, 2, 2) or routes.max() >= 4:
+            bad.append(f"group {s.group_index} sample {s.index}: routes "
+                       f"{None if routes is None else routes.shape} for {len(s.tokens)} tokens")
+    print(f"routes recorded on {len(samples) - len(bad)} of {len(samples)} accepted samples")
+    return bad[:5] if samples else ["no accepted sample"]
+
+
 def set_flag(args: list[str], flag: str, value: str) -> None:
     if flag in args:
         args[args.index(flag) + 1] = value
@@ -79,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", help="run in this folder and keep it (default: a temporary folder, removed on "
                                        "success)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--moe-r3", action="store_true", help="a tiny Qwen3-MoE with --use-rollout-routing-replay")
     options = parser.parse_args(argv)
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -96,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": REPO}
     vime = [sys.executable, "-m", "vime.cli"]
-    subprocess.run(vime + ["tools", "make-tiny-model", model], check=True, cwd=REPO, env=env)
+    if options.moe_r3:
+        model_flags = MOE_FLAGS + ["--vocab-size", str(make_tiny_moe(model)), "--use-rollout-routing-replay"]
+    else:
+        subprocess.run(vime + ["tools", "make-tiny-model", model], check=True, cwd=REPO, env=env)
+        model_flags = preset_flags("qwen2-tiny.sh")
 
     args = demo_args(run_dir, model)
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(max(1, options.num_rollout // 2)))
     set_flag(args, "--save-interval", str(max(1, options.num_rollout // 2)))
-    args += ["--train-backend", "megatron", *preset_flags("qwen2-tiny.sh"), "--ckpt-format", "torch_dist",
+    args += ["--train-backend", "megatron", *model_flags, "--ckpt-format", "torch_dist",
              "--megatron-packing", options.packing,
              "--vllm-gpu-memory-utilization", "0.3"]
     print("$ vime train " + " ".join(args), flush=True)
@@ -134,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                             "the published weights are not the trained ones")
     else:
         failures.append("no step trained on samples generated entirely by the trained weights")
+    if options.moe_r3 and os.path.isdir(os.path.join(run_dir, "rollout_data")):
+        failures += check_routes(run_dir)
     save = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(save, "latest_checkpointed_iteration.txt")
     if not os.path.exists(latest):
@@ -165,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("FAIL:\n  " + "\n  ".join(failures) + f"\nrun directory kept: {run_dir}", flush=True)
         return 1
-    print("PASS: the Megatron backend learns the digit-shift task with vLLM on one GPU", flush=True)
+    print("PASS: the Megatron backend learns the digit-shift task with vLLM on one GPU"
+          + (" (Qwen3-MoE, routes replayed)" if options.moe_r3 else ""), flush=True)
     if not options.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
