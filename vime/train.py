@@ -162,13 +162,12 @@ class TrainingRun:
             return
         self.trained_model = trained_model_name(deployment)
         flag = {"vllm-config": "--vllm-config", "prefill-num-servers": "--prefill-num-servers"}.get(deployment.origin)
-        not_started = sorted({group.worker_type for model in deployment.models for group in model.groups
-                              if group.worker_type not in ("regular", "placeholder")})
-        if not_started:
-            raise ConfigError(flag or "--vllm-config", f"{'/'.join(not_started)} engines are resolved and their launch "
-                              "commands built, but `vime train` starts regular engines only so far; attach PD/EPD "
-                              "engines you started yourself behind your own PD router with "
-                              "--rollout-external-engine-addrs and --vllm-router-ip (docs/vllm-config.md)")
+        pd = any(group.worker_type in ("prefill", "decode") for model in deployment.models for group in model.groups)
+        if pd and self.s.vllm.vllm_router_ip:
+            raise ConfigError("--vllm-router-ip", "vime starts the prefill/decode engines of this topology, and a PD "
+                              "router learns its engines from its command line: leave --vllm-router-ip out (vime "
+                              "starts the router), or start the engines yourself and attach them with "
+                              "--rollout-external-engine-addrs")
         self.plan = build_launch_plan(deployment, router_args=self.s.router_args)
         teacher = self.s.algorithm.opd_teacher_model
         if teacher and teacher not in {model.name for model in deployment.models}:
@@ -186,7 +185,6 @@ class TrainingRun:
     def _start_processes(self) -> None:
         s = self.s
         self._start_ray()
-        self._start_router()
         self._start_engines()
         import ray
 
@@ -262,9 +260,9 @@ class TrainingRun:
             json.dump(info, f)
         os.replace(path + ".tmp", path)
 
-    def _start_router(self) -> None:
-        """The trained model's router (vime's own, or --vllm-router-ip); other --vllm-config models
-        get theirs in _start_engines."""
+    def _start_router(self, router_args: dict) -> None:
+        """The trained model's router (vime's own, or --vllm-router-ip); every other model of
+        --vllm-config gets its own (workers/model_servers.py)."""
         from vime.engines.router import RouterClient, start_router
 
         s = self.s
@@ -273,7 +271,6 @@ class TrainingRun:
             self.router_url = f"http://{s.vllm.vllm_router_ip}:{port}"
             self.log.say(f"using the external router at {self.router_url}")
         else:
-            router_args = self.plan.model(self.trained_model).router.router_args if self.plan else s.router_args
             self.router = start_router(log_path=os.path.join(self.run_dir, "logs", "router.log"),
                                        run_token=self.token, router_args=router_args,
                                        port=s.vllm.vllm_router_port, say=self.log.say)
@@ -282,27 +279,40 @@ class TrainingRun:
         s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)
 
     def _start_engines(self) -> None:
-        """The engines at launch (vime's own, or --rollout-external-engine-addrs), the engine
-        registry `vime engines` talks to, and the health monitor (workers/engine_manager.py); then
-        the other models of --vllm-config, each behind its own router (workers/model_servers.py)."""
+        """Every model's router and engines in the order their roles need (workers/model_servers.py):
+        the trained model's (vime's own, or --rollout-external-engine-addrs) with the engine registry
+        `vime engines` talks to and the health monitor (workers/engine_manager.py), and the other
+        models of --vllm-config, whose engines start at the same time."""
+        import dataclasses
+
         from vime.workers.engine_manager import EngineManager, EngineTemplate
-        from vime.workers.model_servers import engine_variants
+        from vime.workers.model_servers import engine_variants, has_static_roles, pd_router_args, start_encoders
 
         s = self.s
         external = getattr(s.args, "rollout_external_engine_addrs", None) or []
+        launch = self.plan.model(self.trained_model) if self.plan else None
+        pd = launch is not None and launch.router.pd_disaggregation
+        if not pd:  # regular engines register with their router once they serve: it starts first
+            self._start_router(launch.router.router_args if launch else s.router_args)
         template = EngineTemplate(
             model=s.train.hf_checkpoint, vllm_args=s.weights.engine_vllm_args(s.vllm.vllm_args),
             tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
             log_dir=os.path.join(self.run_dir, "logs"), startup_timeout=s.run.engine_startup_timeout,
             http_timeout=s.run.http_timeout, weight_dir=s.weight_dir,
             weight_transport=s.weights.update_weight_transport)
-        self.engine_manager = EngineManager(template=template, config=s.elastic, router=self.router_client,
+        static = launch is not None and has_static_roles(launch)
+        # A PD router lists its engines from its command line: nodes that join get no engines then.
+        elastic = dataclasses.replace(s.elastic, rollout_elastic_resource=None) if static else s.elastic
+        self.engine_manager = EngineManager(template=template, config=elastic, router=self.router_client,
                                             say=self.log.say, record=self.log.write,
-                                            external_router=self.router is None)
+                                            external_router=self.router is None and not pd, static_roles=static)
         self.engines = self.engine_manager.group
         started = time.monotonic()
-        self._start_frozen_models(template)  # their engines start while the trained model's do
-        planned = self.plan.model(self.trained_model).language_engines if self.plan else ()
+        encoders = {}
+        if launch is not None:
+            encoders[launch.name] = start_encoders(self.engine_manager, launch, s.weights.engine_vllm_args)
+        self._start_frozen_models(template)  # their language engines start while the trained model's do
+        planned = launch.language_engines if launch else ()
         if external:
             self.log.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
             self.engine_manager.attach_external(external)
@@ -312,33 +322,36 @@ class TrainingRun:
             self.engine_manager.start_owned(len(planned), variants=engine_variants(planned, s.weights.engine_vllm_args))
         else:
             self.log.say("--rollout-num-gpus 0: no local engines")
+        if pd:
+            self._start_router(pd_router_args(launch, self.engine_manager))
+            self.engine_manager.router = self.router_client
         if len(self.engines):
-            self.log.say(f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s, "
-                         f"registered with the router: {', '.join(self.engines.urls)}")
+            self.log.say(f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s behind the "
+                         f"router {self.router_url}: {', '.join(self.engines.urls)}")
         self.engine_manager.open_registry(self.ray_namespace)
         self.engine_manager.start_monitor()
+        routers = {self.trained_model or "default": self.router_url}
         for model in self.frozen_models:
             model.wait_serving()
+            routers[model.name] = model.address
+            encoders[model.name] = model.encoder_urls
             self.log.say(f"model {model.name!r}: {len(model.manager.group)} engine(s) serving behind its router "
                          f"{model.router.url}")
+        # get_model_url(args, name) and prime_encoder in rewards, rollout functions and hooks (docs/vllm-config.md).
+        s.args.vllm_model_routers = routers
+        if self.plan is not None:
+            s.args.vllm_model_encoder_endpoints = self.plan.encoder_endpoints(encoders)
 
     def _start_frozen_models(self, template) -> None:
-        """Start (without waiting) every model of --vllm-config besides the trained one, and fill
-        ``args.vllm_model_routers``."""
+        """Start (waiting only for encoders) every model of --vllm-config besides the trained one."""
         from vime.workers.model_servers import start_frozen_model
 
         s = self.s
-        routers = {self.trained_model or "default": self.router_url}
         for launch in self.plan.models if self.plan else ():
-            if launch.name == self.trained_model:
-                continue
-            model = start_frozen_model(launch, template=template, elastic=s.elastic,
-                                       log_dir=os.path.join(self.run_dir, "logs"), run_token=self.token,
-                                       http_timeout=s.run.http_timeout, say=self.log.say, record=self.log.write)
-            self.frozen_models.append(model)
-            routers[launch.name] = model.address
-        # get_model_url(args, name) in rewards, rollout functions and hooks (docs/vllm-config.md).
-        s.args.vllm_model_routers = routers
+            if launch.name != self.trained_model:
+                self.frozen_models.append(start_frozen_model(
+                    launch, template=template, elastic=s.elastic, log_dir=os.path.join(self.run_dir, "logs"),
+                    run_token=self.token, http_timeout=s.run.http_timeout, say=self.log.say, record=self.log.write))
 
     def _poll_engines(self) -> None:
         """Membership changes (health, restarts, `vime engines`, nodes that join or leave); a new

@@ -57,6 +57,7 @@ class EngineVariant:
 
     vllm_args: dict
     tensor_parallel_size: int
+    worker_type: str = "regular"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -79,7 +80,9 @@ class EngineTemplate:
     def spec(self, index: int, *, host: str = "127.0.0.1", external_url: str | None = None,
              startup_timeout: float | None = None, variant: EngineVariant | None = None) -> EngineSpec:
         vllm_args = variant.vllm_args if variant else self.vllm_args
-        return EngineSpec(index=index, model=self.model, vllm_args=dict(vllm_args),
+        worker_type = variant.worker_type if variant else "regular"
+        return EngineSpec(index=index, model=self.model, vllm_args=dict(vllm_args), worker_type=worker_type,
+                          keep_port=worker_type != "regular",
                           tensor_parallel_size=variant.tensor_parallel_size if variant else self.tensor_parallel_size,
                           run_token=self.run_token,
                           log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
@@ -128,9 +131,13 @@ class NodeEvent:
 class EngineManager:
     def __init__(self, *, template: EngineTemplate, config: ElasticConfig, router: RouterClient,
                  say: Callable[[str], None] = print, record: Callable[[dict], None] = lambda r: None,
-                 register_with_router: bool = True, external_router: bool = False, actor_class: type = EngineActor):
+                 register_with_router: bool = True, external_router: bool = False, static_roles: bool = False,
+                 actor_class: type = EngineActor):
         self.template, self.config, self.router = template, config, router
         self.external_router = external_router  # --vllm-router-ip: PD engines may be listed there already
+        # vime started this model's prefill/decode/encoder engines: its router learns the PD ones from its
+        # command line (they keep their port across restarts) and never routes to encoders.
+        self.static_roles = static_roles
         self.actor_class = actor_class
         self.say, self.record = say, record
         self.register_with_router = register_with_router
@@ -392,7 +399,8 @@ class EngineManager:
             self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
         seconds = info.get("startup_seconds")
         self.say(f"{m.name} ({m.origin}{', restarted' if restarted else ''}) serves weight version {m.version} at "
-                 f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "") + "; registered with the router")
+                 f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "")
+                 + ("; registered with the router" if m.worker_type == "regular" else f" as a {m.worker_type} engine"))
         self.record({"kind": "engine", "event": "restarted" if restarted else "serving", "engine": m.name,
                      "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
                      "current_version": self.version, "join_seconds": seconds})
@@ -404,7 +412,7 @@ class EngineManager:
             self.events.append(NodeEvent("ready", m.node_id, m.spec.host))
 
     def _check_role(self, m: Member) -> str | None:
-        if m.worker_type == "regular":
+        if m.worker_type == "regular" or (self.static_roles and m.owned):
             return None
         if m.worker_type in ("prefill", "decode") and self.external_router:
             if m.url in self.router.workers():
@@ -490,6 +498,9 @@ class EngineManager:
             self._lose(member, f"a call failed: {_reason(error)}")
 
     def _unregister_quietly(self, url: str | None) -> None:
+        member = next((m for m in self.members if m.url == url), None)
+        if member is not None and member.worker_type != "regular":
+            return  # never registered (an encoder), or listed on the PD router's command line for good
         if url and self.register_with_router:
             try:
                 self.router.remove_worker(url)
@@ -527,6 +538,9 @@ class EngineManager:
 
     def _request_add(self, request: dict) -> None:
         url = engine_url(request["target"])
+        if self.static_roles:
+            raise ValueError("this model runs prefill/decode engines behind a router that lists them from its "
+                             "command line: engines cannot join it while it runs")
         if self.template.weight_transport != "disk":
             raise ValueError("an external engine joins a running job with --update-weight-transport disk only "
                              "(with nccl it would need vime's worker extension, which vime cannot check)")

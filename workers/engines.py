@@ -48,6 +48,8 @@ class EngineSpec:
     host: str = "127.0.0.1"
     weights_local_dir: str | None = None  # the engine's own weight copy (default: <weight dir>/.engine_<index>)
     external_url: str | None = None       # an engine vime did not start (never started or killed by vime)
+    worker_type: str = "regular"          # regular | prefill | decode | encoder (--vllm-config)
+    keep_port: bool = False               # a restart listens where the process did (a PD router knows it there)
 
 
 class EngineActor:
@@ -59,6 +61,7 @@ class EngineActor:
         self.local: LocalWeights | None = None  # built at the first disk update
         self.restarts = 0
         self.facts = None                       # EngineFacts of an external engine
+        self.port: int | None = None            # where vime's own process listens (kept with keep_port)
 
     @property
     def owned(self) -> bool:
@@ -83,9 +86,11 @@ class EngineActor:
         if self.restarts:  # keep the log of the process that died
             stem, ext = os.path.splitext(log_path)
             log_path = f"{stem}.restart-{self.restarts}{ext}"
-        self.server = VllmServer(self.spec.model, log_path=log_path, run_token=self.spec.run_token,
+        port = self.port if self.spec.keep_port else None
+        self.server = VllmServer(self.spec.model, log_path=log_path, run_token=self.spec.run_token, port=port,
                                  host=self.spec.host, vllm_args=self.spec.vllm_args,
                                  tensor_parallel_size=self.spec.tensor_parallel_size, cpu_cores=self.spec.cpu_cores)
+        self.port = self.server.port
         self.server.start()
         self.server.wait_healthy(timeout=self.spec.startup_timeout)
         self.client = EngineClient(self.server.url, timeout=self.spec.http_timeout)
@@ -182,7 +187,8 @@ class EngineActor:
                 "log": self.spec.log_path if self.owned else None,
                 "startup_seconds": getattr(self, "startup_seconds", None), "restarts": self.restarts,
                 "node_id": node_id, "gpus": facts.gpus if facts else self.spec.tensor_parallel_size,
-                "worker_type": facts.worker_type if facts else "regular", "model": facts.model if facts else None}
+                "worker_type": facts.worker_type if facts else self.spec.worker_type,
+                "model": facts.model if facts else None}
 
     def drain(self) -> int:
         """End every request in flight (they return with finish_reason "abort": their groups go back

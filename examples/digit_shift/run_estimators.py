@@ -24,7 +24,9 @@ from run_demo import demo_args  # noqa: E402
 
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 # GSPO's clip is on a sequence-level ratio, far tighter than the token-level default (the seeds' values).
-EXTRA = {"gspo": ["--eps-clip", "3e-4", "--eps-clip-high", "4e-4"]}
+# REINFORCE++ whitens its advantages over the batch (the seeds): vime asks for the flag explicitly.
+EXTRA = {"gspo": ["--eps-clip", "3e-4", "--eps-clip-high", "4e-4"],
+         "reinforce_plus_plus": ["--normalize-advantages"], "reinforce_plus_plus_baseline": ["--normalize-advantages"]}
 
 
 def with_value(args: list[str], flag: str, value: str) -> list[str]:

@@ -6,7 +6,8 @@
   generate function with a calculator tool, a custom reward, the built-in dynamic filter and an
   eval function on a Parquet held-out set, in one short run.
 - The two-model example: its reference scoring against a real engine, and the full run through
-  `vime train --vllm-config` (the actor and a frozen reference, each behind its own router).
+  `vime train --vllm-config` (the actor, split into prefill and decode engines behind a PD router,
+  and a frozen reference behind its own router).
 """
 
 from __future__ import annotations
@@ -162,10 +163,31 @@ def test_two_model_example_scores_against_a_real_reference_engine(vllm_engine):
     assert abs(value - reward_module.score(sample.response, "482")) < 1e-5
 
 
-def test_two_model_example_through_vime_train(tmp_path, tiny_model_dir):
+def pd_actor_config(tmp_path) -> str:
+    """The two-model example's YAML with the actor split into a prefill and a decode engine. KV moves
+    through vLLM's ExampleConnector (files in a shared folder), the one connector that runs on CPU
+    (NIXL needs GPUs: tests/gpu/check_pd_disaggregation.py); vime's PD router is vllm-router's own."""
+    import yaml
+
+    with open(os.path.join(TWO_MODEL, "vllm_config.yaml")) as f:
+        config = yaml.safe_load(f)
+    connector = {"kv_transfer_config": {"kv_connector": "ExampleConnector",
+                                        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}}
+    actor = next(model for model in config["vllm"] if model["name"] == "actor")
+    actor["server_groups"] = [{"worker_type": "prefill", "num_gpus": 1, "overrides": connector},
+                              {"worker_type": "decode", "num_gpus": 1, "overrides": connector}]
+    path = tmp_path / "pd_two_models.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_two_model_example_with_a_pd_actor_through_vime_train(tmp_path, tiny_model_dir):
+    """The two-model example through `vime train`, its actor served prefill/decode-disaggregated: three
+    engines (prefill, decode, frozen reference), a PD router started after the actor's engines, a
+    regular router for the reference."""
     run_dir = str(tmp_path / "run")
     argv = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", tiny_model_dir,
-            "--vllm-config", os.path.join(TWO_MODEL, "vllm_config.yaml"), "--rollout-num-gpus", "2",
+            "--vllm-config", pd_actor_config(tmp_path), "--rollout-num-gpus", "3",
             "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
             "--custom-rm-path", os.path.join(TWO_MODEL, "reward.py") + ":reward",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "4", "--max-staleness", "1",
@@ -186,5 +208,13 @@ def test_two_model_example_through_vime_train(tmp_path, tiny_model_dir):
     assert max(abs(k) for k in initial) < 1e-3, initial
     assert max(abs(k) for k in trained) > 1e-3, trained
     logs = os.listdir(os.path.join(run_dir, "logs"))
-    assert {"router.log", "router-ref.log", "engine-0.log", "ref-engine-0.log"} <= set(logs), logs
+    assert {"router.log", "router-ref.log", "engine-0.log", "engine-1.log", "ref-engine-0.log"} <= set(logs), logs
+    # The actor's router ran in PD mode over its two engines; each of them took part in generation.
+    with open(os.path.join(run_dir, "logs", "router.log")) as f:
+        router_log = f.read()
+    assert "VllmPDRouter" in router_log, router_log[-2000:]
+    for name in ("engine-0.log", "engine-1.log"):
+        with open(os.path.join(run_dir, "logs", name)) as f:
+            assert '"POST /inference/v1/generate HTTP/1.1" 200' in f.read(), name
+    assert "as a prefill engine" in result.stdout and "as a decode engine" in result.stdout, result.stdout[-3000:]
     assert_nothing_left(run_dir)

@@ -1,5 +1,5 @@
-"""`vime train` refuses, before anything starts, the --vllm-config topologies it cannot start yet
-or cannot train (the two-model run itself is in tests/e2e/test_sessions_and_hooks.py)."""
+"""`vime train` refuses, before anything starts, the engine topologies it cannot start or cannot
+train (the two-model run with a PD actor is in tests/e2e/test_sessions_and_hooks.py)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def run_vime_train(model_dir, tmp_path, *extra):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prefill-num-servers", "1", "--rollout-num-gpus", "2"],
-     "--prefill-num-servers: decode/prefill engines are resolved and their launch commands built, but `vime train` "
-     "starts regular engines only so far"),
+    (["--prefill-num-servers", "1", "--rollout-num-gpus", "2", "--vllm-router-ip", "127.0.0.1"],
+     "--vllm-router-ip: vime starts the prefill/decode engines of this topology, and a PD router learns its "
+     "engines from its command line"),
     ("two-trained", "--vllm-config: exactly one model must receive weight updates"),
     ("sglang-override", "--vllm-config: vllm[0].server_groups[0].overrides.mem_fraction_static: vLLM has no flag "
                         "--mem-fraction-static (mem_fraction_static is SGLang's name; vLLM's is gpu_memory_utilization)"),

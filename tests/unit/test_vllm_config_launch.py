@@ -231,3 +231,58 @@ def test_engine_variants_carry_each_groups_flags_and_size():
     variants = engine_variants(plan.model("actor").language_engines, lambda args: {**args, "extra": "1"})
     assert [(v.tensor_parallel_size, v.vllm_args["max-model-len"], v.vllm_args["extra"]) for v in variants] == \
         [(2, "128", "1"), (1, "64", "1")]
+
+
+def test_a_pd_router_lists_every_prefill_and_decode_engine_on_its_command_line():
+    """vllm-router learns PD engines from --prefill / --decode (repeated), once they serve."""
+    from types import SimpleNamespace
+
+    from vime.engines.router import build_router_command
+    from vime.workers.model_servers import pd_router_args
+
+    plan = plan_for({"vllm": [model("actor", group("prefill", 2), group("decode", 1))]}, gpus=3,
+                    router_args={"policy": "round_robin"})
+    members = [SimpleNamespace(url=f"http://h:{port}", worker_type=kind, state=state)
+               for port, kind, state in ((1, "prefill", "serving"), (2, "prefill", "serving"),
+                                         (3, "decode", "serving"), (4, "decode", "lost"))]
+    args = pd_router_args(plan.model("actor"), SimpleNamespace(members=members))
+    argv = build_router_command("127.0.0.1", 9000, args)
+    assert argv[argv.index("--policy") + 1] == "round_robin" and "--vllm-pd-disaggregation" in argv
+    assert argv[argv.index("--kv-connector") + 1] == "nixl"
+    pairs = [(argv[i], argv[i + 1]) for i, a in enumerate(argv) if a in ("--prefill", "--decode")]
+    assert pairs == [("--prefill", "http://h:1"), ("--prefill", "http://h:2"), ("--decode", "http://h:3")]
+
+
+def test_engine_variants_carry_the_role_and_restarts_keep_a_pd_engines_port(monkeypatch, tmp_path):
+    from vime.workers import engines
+    from vime.workers.engine_manager import EngineTemplate
+    from vime.workers.model_servers import engine_variants
+
+    plan = plan_for({"vllm": [model("actor", group("prefill", 1), group("decode", 1))]}, gpus=2)
+    variants = engine_variants(plan.model("actor").engines, dict)
+    template = EngineTemplate(model="/m", vllm_args={}, tensor_parallel_size=1, run_token="t", log_dir=str(tmp_path),
+                              startup_timeout=1, http_timeout=1, weight_dir=str(tmp_path))
+    specs = [template.spec(i, variant=v) for i, v in enumerate(variants)]
+    assert [(s.worker_type, s.keep_port) for s in specs] == [("prefill", True), ("decode", True)]
+    assert not template.spec(2).keep_port  # a regular engine re-registers wherever it listens
+
+    ports = []
+
+    class FakeServer:
+        def __init__(self, model, *, port=None, **_):
+            self.port = port if port is not None else 40000 + len(ports)
+            self.url = f"http://127.0.0.1:{self.port}"
+            ports.append(self.port)
+
+        def start(self):
+            return self
+
+        def wait_healthy(self, timeout):
+            pass
+
+    monkeypatch.setattr(engines, "VllmServer", FakeServer)
+    actor = engines.EngineActor(specs[0])
+    actor._start_server()
+    actor.restarts = 1
+    actor._start_server()  # a restart: the same port, where the PD router expects it
+    assert ports == [40000, 40000]

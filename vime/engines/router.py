@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import requests
 
@@ -54,15 +54,20 @@ def router_binary() -> str:
     return found
 
 
-def build_router_command(host: str, port: int, router_args: Mapping[str, str | None] | None = None) -> list[str]:
-    """argv for vllm-router. ``router_args`` maps flag names without ``--`` to a value, or to None
-    for a bare switch: {"policy": "round_robin", "health-check-interval-secs": "5"}."""
+def build_router_command(host: str, port: int, router_args: Mapping[str, Any] | None = None) -> list[str]:
+    """argv for vllm-router. ``router_args`` maps flag names without ``--`` to a value, to None for a
+    bare switch, or to a list for a repeated flag: {"policy": "round_robin", "decode": [url1, url2]}
+    gives ``--policy round_robin --decode url1 --decode url2``."""
     argv = [router_binary(), "--host", host, "--port", str(port)]
     for key, value in (router_args or {}).items():
         if key.startswith("-"):
             raise ValueError(f"router flag names are given without dashes, got {key!r}")
         if key in ("host", "port"):
             raise ValueError(f"router flag --{key} is set by vime and cannot be forwarded")
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [f"--{key}", str(item)]
+            continue
         argv.append(f"--{key}")
         if value is not None:
             argv.append(str(value))
