@@ -633,6 +633,18 @@ def test_command_line_resolves_the_topology(tmp_path, actor_dir):
     assert external.args.rollout_external_engine_addrs == ["host1:10090", "host2:10091"]
 
 
+def test_num_gpus_per_node_divides_large_engines_into_nodes(actor_dir):
+    s = parse_train_args(cli(actor_dir, "--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16",
+                             "--num-gpus-per-node", "8"))
+    (group,) = s.args.vllm_deployment.models[0].groups
+    assert (group.num_engines, group.nodes_per_engine, group.tensor_parallel_size) == (1, 2, 16)
+    with pytest.raises(ConfigError, match="^--rollout-num-gpus-per-engine: .*must span whole nodes"):
+        parse_train_args(cli(actor_dir, "--rollout-num-gpus", "12", "--rollout-num-gpus-per-engine", "12",
+                             "--num-gpus-per-node", "8"))
+    with pytest.raises(ConfigError, match="^--num-gpus-per-node: must be >= 1"):
+        parse_train_args(cli(actor_dir, "--num-gpus-per-node", "0"))
+
+
 @pytest.mark.parametrize("extra, flag, expected", [
     (["--prefill-num-servers", "1"], "--vllm-config", "cannot be combined with --prefill-num-servers"),
     (["--rollout-external-engine-addrs", "h:1"], "--vllm-config",

@@ -24,6 +24,10 @@ class ClusterConfig:
         "GPU count with --colocate, else 1." + CPU_NOTE)
     rollout_num_gpus_per_engine: int = option(
         1, "Worker GPUs of one inference engine (vLLM's tensor-parallel size when DP/PP/PCP are 1).")
+    num_gpus_per_node: int | None = option(
+        None, "GPUs of one rollout node: an engine of more GPUs spans several nodes and must fill whole nodes "
+        "(the --vllm-config multi-node division; its nodes are reported in the launch plan). Default: no limit "
+        "(every engine fits one node)." + CPU_NOTE)
     colocate: bool = option(
         False, "Co-locate training and inference: rollouts and training alternate (synchronous RL).")
     ray_address: str | None = option(
@@ -48,6 +52,7 @@ class ClusterConfig:
         require(self.actor_num_gpus_per_node >= 1, "--actor-num-gpus-per-node", "must be >= 1")
         require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 0, "--rollout-num-gpus", "must be >= 0")
         require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", "must be >= 1")
+        require(self.num_gpus_per_node is None or self.num_gpus_per_node >= 1, "--num-gpus-per-node", "must be >= 1")
         require(self.rollout_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
                 f"{self.rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
                 f"{self.rollout_num_gpus_per_engine}")

@@ -110,7 +110,7 @@ def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
         flags = vllm_config.GlobalFlags(
             hf_checkpoint=settings.train.hf_checkpoint, rollout_num_gpus=settings.cluster.rollout_gpus,
             rollout_num_gpus_per_engine=settings.cluster.rollout_num_gpus_per_engine,
-            vllm_args=settings.vllm.vllm_args)
+            vllm_args=settings.vllm.vllm_args, gpus_per_node=settings.cluster.num_gpus_per_node)
         if topology.vllm_config:
             deployment = vllm_config.resolve(vllm_config.load_vllm_config(topology.vllm_config), flags)
         else:
