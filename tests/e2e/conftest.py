@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import uuid
@@ -56,3 +57,16 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -
     finally:
         server.stop()
         kill_processes_with_token(token)
+
+
+@contextlib.contextmanager
+def attached(engine: RunningEngine) -> Iterator[list[str]]:
+    """`vime train` flags that attach the shared engine (--rollout-external-engine-addrs) instead of
+    starting one (~20 s each); afterwards the engine gets its original weights and label back, as
+    the other tests expect."""
+    try:
+        yield ["--rollout-external-engine-addrs", engine.url.split("//")[1]]
+    finally:
+        client = engine.client()
+        client.reload_weights(engine.model_dir)
+        client.update_weight_version("default")

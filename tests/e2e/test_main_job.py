@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.conftest import attached
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
@@ -152,12 +153,19 @@ def interrupt_once(args: list[str], run_dir: str) -> None:
     assert_nothing_left(run_dir)
 
 
-def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir):
+def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir, vllm_engine):
+    with attached(vllm_engine) as engine_flags:
+        ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags)
+
+
+def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
+    """Up to four runs on the shared engine (the process checks cover what the run started; a run that
+    starts its own engine stops it the same way: test_main_job_end_to_end, test_kill_resume.py)."""
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
     # Long responses and two rollouts of look-ahead keep requests in flight when Ctrl-C comes:
     # they end as continuations carrying their prefix, which the resumed run continues.
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--save", save, "--save-interval", "1",
-                     "--load", save, "--partial-rollout", "--max-staleness", "2")
+                     "--load", save, "--partial-rollout", "--max-staleness", "2", *engine_flags)
     args[args.index("--rollout-max-response-len") + 1] = "40"
     # Whether a request is still generating at the instant of Ctrl-C depends on timing (the tiny
     # model often ends a response early): interrupt, resume, interrupt again, at most three times,

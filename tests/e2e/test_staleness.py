@@ -14,19 +14,21 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import assert_nothing_left, vime_args
 
 pytestmark = pytest.mark.e2e
 
 
-def test_slow_trainer_never_trains_a_group_older_than_k(tmp_path, tiny_model_dir):
+def test_slow_trainer_never_trains_a_group_older_than_k(tmp_path, tiny_model_dir, vllm_engine):
     run_dir = str(tmp_path / "run")
     max_staleness = 1
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "4", "--max-staleness", str(max_staleness),
-                     "--flush-cache-interval", "0", "--partial-rollout", "--no-save-hf")
-    args[args.index("--rollout-batch-size") + 1] = "4"
-    env = dict(os.environ, VIME_FAULT_DELAYS="trainer.mid_step=3")
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    with attached(vllm_engine) as engine_flags:  # the shared real engine serves this run
+        args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "4", "--max-staleness", str(max_staleness),
+                         "--flush-cache-interval", "0", "--partial-rollout", "--no-save-hf", *engine_flags)
+        args[args.index("--rollout-batch-size") + 1] = "4"
+        env = dict(os.environ, VIME_FAULT_DELAYS="trainer.mid_step=3")
+        result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     train = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"kind": "train"' in line]
