@@ -40,7 +40,7 @@ import torch
 from vime.backends import megatron_critic
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
-from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, _role
+from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, make_role
 from vime.config.base import ConfigError
 from vime.config.roles import FLAG as ROLES_FLAG
 from vime.config.roles import TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
@@ -153,7 +153,7 @@ class MegatronBackend(TorchBackend):
         roles = algo.role_config()
         self._check_roles(roles)
         # The command line's AdamW and schedule, overridden by --megatron-config-path's actor entry.
-        self.actor = _role("actor", self.gpt, spec, roles.role("actor"), roles.source)
+        self.actor = make_role("actor", self.gpt, spec, roles.role("actor"), roles.source)
         self.optimizer = self.actor.optimizer
         # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
         self.critic: ModelRole | None = None
@@ -220,7 +220,7 @@ class MegatronBackend(TorchBackend):
         self.critic_model = mm.MegatronLM(self.critic_gpt, 1, self.packing, m.parallel.sequence_parallel,
                                           model_args=m.model)
         self.critic_save = role.save
-        return _role("critic", self.critic_gpt, self.spec, role, yaml)
+        return make_role("critic", self.critic_gpt, self.spec, role, yaml)
 
     def _build_and_load(self, source: str):
         from vime.backends import megatron_checkpoint as mc

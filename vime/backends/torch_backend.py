@@ -390,8 +390,8 @@ class ModelRole:
                     state[key] = value.to(device)
 
 
-def _role(name: str, module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides,
-          source: str | None) -> ModelRole:
+def make_role(name: str, module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides,
+              source: str | None) -> ModelRole:
     """A role with the command line's optimizer settings and schedule, overridden by the role's."""
     schedule = (spec.lr_schedule or LRSchedule(lr=spec.lr)).for_role(role, source)
     return ModelRole(name, module, _optimizer(module, spec, role), role.get("clip_grad", spec.clip_grad), schedule)
@@ -425,7 +425,7 @@ class TorchBackend:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         roles = algo.role_config()
         actor = roles.role("actor")
-        self.actor = _role("actor", self.model, spec, actor, roles.source)
+        self.actor = make_role("actor", self.model, spec, actor, roles.source)
         self.optimizer = self.actor.optimizer
         # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
         self.critic: ModelRole | None = None
@@ -460,7 +460,7 @@ class TorchBackend:
             critic = ValueModel.from_pretrained(spec.hf_checkpoint)
         critic.train()
         self.critic_save = role.save
-        return _role("critic", critic, spec, role, source)
+        return make_role("critic", critic, spec, role, source)
 
     @staticmethod
     def _seed(seed: int) -> None:
