@@ -45,14 +45,7 @@ import sys
 import tempfile
 import time
 
-SKIP = 77
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-
-def skip(reason: str) -> int:
-    print(f"SKIP: {reason}", flush=True)
-    return SKIP
+from gpu_common import REPO, demo_args, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 
 def preset_flags(name: str) -> list[str]:
@@ -60,14 +53,6 @@ def preset_flags(name: str) -> list[str]:
     out = subprocess.run(["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
                          capture_output=True, text=True, check=True).stdout
     return out.split()
-
-
-def demo_args(run_dir: str, model: str) -> list[str]:
-    spec = importlib.util.spec_from_file_location("vime_digit_shift_demo",
-                                                  os.path.join(REPO, "examples", "digit_shift", "run_demo.py"))
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo.demo_args(run_dir, model)
 
 
 MOE_FLAGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
@@ -111,13 +96,6 @@ def check_routes(run_dir: str) -> list[str]:
                        f"{None if routes is None else routes.shape} for {len(s.tokens)} tokens")
     print(f"routes recorded on {len(samples) - len(bad)} of {len(samples)} accepted samples")
     return bad[:5] if samples else ["no accepted sample"]
-
-
-def set_flag(args: list[str], flag: str, value: str) -> None:
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
 
 
 def main(argv: list[str] | None = None) -> int:

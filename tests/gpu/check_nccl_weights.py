@@ -30,14 +30,7 @@ import threading
 import time
 import uuid
 
-SKIP = 77
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-
-def skip(reason: str) -> int:
-    print(f"SKIP: {reason}", flush=True)
-    return SKIP
+from gpu_common import skip  # noqa: E402 - this folder's shared helpers
 
 
 def in_thread(function):

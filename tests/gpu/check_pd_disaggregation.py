@@ -32,9 +32,7 @@ import sys
 import tempfile
 import time
 
-SKIP = 77
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+from gpu_common import REPO, demo_args, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 CONFIG = """\
 vllm:
@@ -48,26 +46,6 @@ vllm:
         num_gpus: 1
         overrides: {gpu_memory_utilization: 0.25}
 """
-
-
-def skip(reason: str) -> int:
-    print(f"SKIP: {reason}", flush=True)
-    return SKIP
-
-
-def demo_args(run_dir: str, model: str) -> list[str]:
-    spec = importlib.util.spec_from_file_location("vime_digit_shift_demo",
-                                                  os.path.join(REPO, "examples", "digit_shift", "run_demo.py"))
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo.demo_args(run_dir, model)
-
-
-def set_flag(args: list[str], flag: str, value: str) -> None:
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
 
 
 def read(path: str) -> str:

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
+from test_megatron_backend import make_samples as backend_samples, trainer_spec  # noqa: E402
+
 from tests import megatron_shim  # noqa: E402
 from vime.backends import megatron_model as mm  # noqa: E402
 from vime.backends import megatron_routing as mr  # noqa: E402
@@ -23,7 +25,6 @@ from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict  # no
 from vime.rollout import routing  # noqa: E402
 from vime.sample import Sample  # noqa: E402
 
-GROUP = 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -202,36 +203,23 @@ def test_rollout_records_routed_experts_across_turns():
 
 # ---------------------------------------------------------------------------------------------- training
 def make_samples(seed: int, groups: int = 2, routes: bool = False) -> list[Sample]:
-    rng = random.Random(seed)
-    samples = []
-    for g in range(groups):
-        prompt = [rng.randint(1, 10) for _ in range(rng.randint(2, 4))] + [11]
-        for i in range(GROUP):
-            response = [rng.randint(1, 11) for _ in range(rng.randint(2, 6))]
-            sample = Sample(group_index=g, index=i, tokens=prompt + response, response_length=len(response),
-                            reward=float(rng.random() < 0.5) + 0.1 * i, status=Sample.Status.COMPLETED)
-            sample.loss_mask = [1] * len(response)
-            sample.weight_versions = [0] * len(response)
-            sample.rollout_log_probs = [-2.0 - 0.1 * rng.random() for _ in response]
-            if routes:   # as vLLM reports them: every token but the last, every decoder layer
-                sample.rollout_routed_experts = np.array(
-                    [[rng.sample(range(4), 2) for _ in range(2)] for _ in range(len(sample.tokens) - 1)], np.uint8)
-            samples.append(sample)
+    """test_megatron_backend's samples, with routes recorded as vLLM reports them (every token but the
+    last, every decoder layer) when asked."""
+    samples = backend_samples(seed, groups)
+    if routes:
+        rng = random.Random(seed)
+        for sample in samples:
+            sample.rollout_routed_experts = np.array(
+                [[rng.sample(range(4), 2) for _ in range(2)] for _ in range(len(sample.tokens) - 1)], np.uint8)
     return samples
 
 
 def _specs(model_dir, **moe):
     from vime.backends.megatron_backend import MegatronBackendSpec
-    from vime.backends.torch_backend import TorchTrainerSpec
-    from vime.config.framework import AlgorithmConfig
 
-    algo = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
-    algo.validate()
-    spec = TorchTrainerSpec(hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.01, adam_betas=(0.9, 0.999),
-                            adam_eps=1e-8, clip_grad=1.0, micro_batch_size=4, global_batch_size=2 * GROUP,
-                            n_samples_per_prompt=GROUP, rollout_temperature=1.0, algorithm=algo, seed=0, threads=1)
-    return spec, MegatronBackendSpec(model=model_args_from_hf(AutoConfig.from_pretrained(model_dir)),
-                                     moe=mm.MoeOptions(**moe))
+    return (trainer_spec(model_dir, use_kl_loss=True, kl_loss_coef=0.1),
+            MegatronBackendSpec(model=model_args_from_hf(AutoConfig.from_pretrained(model_dir)),
+                                moe=mm.MoeOptions(**moe)))
 
 
 def test_an_rl_step_on_an_moe_model_matches_the_torch_backend(model_dir):
