@@ -38,7 +38,17 @@ VLLM_LOGPROB_FLOOR = -9999.0
 
 
 class GenerateError(RuntimeError):
-    pass
+    """A POST to a vLLM engine or router that got no usable answer; ``status`` is the HTTP status, None
+    when none came (connection refused or dropped, timeout)."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Whether another attempt may succeed: no answer or a 5xx; a 4xx refuses the request itself."""
+        return self.status is None or self.status >= 500
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +135,24 @@ def router_url(args) -> str:
     return f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
 
 
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout: float,
+                    headers: dict[str, str] | None = None, timeout_flag: str | None = None) -> Any:
+    """POST ``body`` to an engine endpoint and return its JSON answer; raises :class:`GenerateError`
+    naming the URL (and ``timeout_flag``, the flag that set ``timeout``, when it timed out)."""
+    try:
+        async with http.post(url, json=body, headers=headers,
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status != 200:
+                raise GenerateError(f"POST {url} answered {response.status}: {(await response.text())[:300]}",
+                                    status=response.status)
+            return await response.json()
+    except TimeoutError:
+        raise GenerateError(f"POST {url} timed out after {timeout:.0f}s"
+                            + (f" ({timeout_flag})" if timeout_flag else "")) from None
+    except aiohttp.ClientError as error:
+        raise GenerateError(f"POST {url} failed: {error}") from None
+
+
 async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: list[int],
                         sampling_params: dict[str, Any], *, session_id: str | None, timeout: float,
                         capture: ScoreCenteringCapture | None = None) -> Completion:
@@ -132,16 +160,8 @@ async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: l
     ``capture`` reads the sampler's heads / supports from the answer (the request must ask for them)."""
     url = base_url.rstrip("/") + GENERATE_PATH
     body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
-    try:
-        async with http.post(url, json=body, headers=session_headers(session_id),
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            if response.status != 200:
-                raise GenerateError(f"POST {url} answered {response.status}: {(await response.text())[:300]}")
-            output = await response.json()
-    except TimeoutError:
-        raise GenerateError(f"POST {url} timed out after {timeout:.0f}s (--rollout-request-timeout)") from None
-    except aiohttp.ClientError as error:
-        raise GenerateError(f"POST {url} failed: {error}") from None
+    output = await post_json(http, url, body, timeout=timeout, headers=session_headers(session_id),
+                             timeout_flag="--rollout-request-timeout")
     choice = output["choices"][0]
     ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from vime.rollout.generate import GENERATE_PATH
+from vime.rollout.generate import GENERATE_PATH, GenerateError, post_json
 from vime.sample import Sample
 
 
@@ -43,44 +43,12 @@ TEACHER_ATTEMPTS = 3
 TEACHER_RETRY_DELAY = 1.0
 
 
-class EngineRequestError(RuntimeError):
-    """A POST to a vLLM engine or router that got no usable answer; ``status`` is the HTTP status, None
-    when none came (connection refused or dropped, timeout)."""
-
-    def __init__(self, message: str, *, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def transient(self) -> bool:
-        """Whether another attempt may succeed: no answer or a 5xx; a 4xx refuses the request itself."""
-        return self.status is None or self.status >= 500
-
-
 class TeacherError(RuntimeError):
     """The teacher could not score a sequence (``transient``: a retry may succeed)."""
 
     def __init__(self, message: str, *, transient: bool = False):
         super().__init__(message)
         self.transient = transient
-
-
-async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout: float,
-                    headers: dict[str, str] | None = None) -> Any:
-    """POST ``body`` to an engine endpoint and return its JSON answer; raises :class:`EngineRequestError`
-    naming the URL. The request and error handling of :func:`vime.rollout.generate.post_generate`, with
-    the status kept so that callers can tell a retryable failure from a refusal."""
-    try:
-        async with http.post(url, json=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            if response.status != 200:
-                raise EngineRequestError(f"POST {url} answered {response.status}: {(await response.text())[:300]}",
-                                         status=response.status)
-            return await response.json()
-    except TimeoutError:
-        raise EngineRequestError(f"POST {url} timed out after {timeout:.0f}s") from None
-    except aiohttp.ClientError as error:
-        raise EngineRequestError(f"POST {url} failed: {error}") from None
 
 
 def teacher_base_url(args: Any) -> str:
@@ -140,7 +108,7 @@ async def score_tokens(http: aiohttp.ClientSession, base_url: str, token_ids: li
     url = base_url.rstrip("/") + GENERATE_PATH
     try:
         output = await post_json(http, url, score_request(token_ids), timeout=timeout)
-    except EngineRequestError as error:
+    except GenerateError as error:
         raise TeacherError(str(error), transient=error.transient) from None
     return parse_prompt_logprobs(output.get("prompt_logprobs") if isinstance(output, dict) else None, token_ids)
 
