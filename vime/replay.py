@@ -54,7 +54,7 @@ def save_trained_batch(run, rollout_id: int, groups: list, policy_version: int, 
     path = archive_path(template, rollout_id)
     # __ray_call__ runs _trained_batch on the trainer actor itself: the step's groups are read there
     # as train_rollout read them, and the spec it trained with is the one recorded.
-    members, trainer = ray.get(run.trainer.__ray_call__.remote(_trained_batch, groups))
+    members, trainer = ray.get(run.trainer.leader.__ray_call__.remote(_trained_batch, groups))
     archive = build_archive(rollout_id=rollout_id, policy_version=policy_version, metrics=metrics, trainer=trainer,
                             groups=[(g.position, g.task_id, m) for g, m in zip(groups, members)], argv=sys.argv)
     if template not in _ANNOUNCED:

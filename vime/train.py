@@ -189,7 +189,8 @@ class TrainingRun:
         import ray
 
         from vime.workers.controller import Controller, ControllerSpec
-        from vime.workers.trainer_worker import TrainerWorker, TrainerWorkerSpec
+        from vime.workers.trainer_group import TrainerGroup
+        from vime.workers.trainer_worker import TrainerWorkerSpec
 
         self.log.say(f"opening the {s.queue.rollout_data_transport} queue"
                      + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else ""))
@@ -208,9 +209,13 @@ class TrainingRun:
         trainer_spec = TrainerWorkerSpec.from_settings(s, transport=s.queue.rollout_data_transport,
                                                        store=self.store_options, threads=threads,
                                                        cpu_affinity=affinity)
-        self.log.say(f"starting the trainer ({s.train.train_backend} backend, {threads} thread(s))")
-        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(trainer_spec)
-        ready = ray.get([self.controller.ready.remote(), self.trainer.ready.remote()], timeout=600)
+        ranks = s.cluster.num_trainers
+        self.log.say(f"starting the trainer ({s.train.train_backend} backend, "
+                     + (f"{ranks} ranks, " if ranks > 1 else "") + f"{threads} thread(s)"
+                     + (" each)" if ranks > 1 else ")"))
+        self.trainer = TrainerGroup.start(trainer_spec, ranks, gpus_per_rank=self._trainer_gpus_per_rank(),
+                                          timeout=600)
+        ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
         self.log.say(f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, "
                      f"{ready[0]['consumed']} trained")
 
@@ -226,7 +231,20 @@ class TrainingRun:
             return s.train.train_threads or 1, None
         cores = sorted(os.sched_getaffinity(0))
         spare = cores[s.cluster.num_engines * s.cluster.rollout_num_gpus_per_engine:]
-        return (len(spare), spare) if spare else (1, None)
+        if not spare:
+            return 1, None
+        # Ranks share the spare cores (each rank's threads compete with the others' otherwise).
+        return max(1, len(spare) // s.cluster.num_trainers), spare
+
+    def _trainer_gpus_per_rank(self) -> float:
+        """One GPU per rank when several Megatron ranks train on GPUs (Ray then shows each its own);
+        a single rank keeps today's placement (it uses the node's first GPU, beside the engines)."""
+        import ray
+
+        s = self.s
+        if s.cluster.num_trainers == 1 or s.train.train_backend != "megatron":
+            return 0
+        return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
 
     def _start_ray(self) -> None:
         import ray
@@ -410,7 +428,7 @@ class TrainingRun:
             raise RunError(f"the accepted groups after step {state.step} were reclaimed by "
                            "--rollout-queue-online-gc; only the latest checkpoint can be resumed "
                            f"(see {ckpt.LATEST} in {self.s.checkpoint.load})")
-        ray.get(self.trainer.load_checkpoint.remote(folder))
+        self.trainer.run("load_checkpoint", folder, timeout=3600, what=f"loading {folder}")
         # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
@@ -604,7 +622,7 @@ class TrainingRun:
                 break
             groups = taken.groups
             try:
-                metrics = ray.get(self.trainer.train_rollout.remote(rollout_id, groups, version))
+                metrics = self.trainer.run("train_rollout", rollout_id, groups, version, timeout=None)
             except ray.exceptions.RayActorError as error:
                 where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
                 raise RunError(f"the trainer process died during step {rollout_id + 1}; its state since the last "
@@ -671,7 +689,8 @@ class TrainingRun:
                                      run_options=self._run_options(), step_cursors=list(self.step_cursors),
                                      skipped=list(self.skipped))
         folder = ckpt.save_checkpoint(self.s.checkpoint.save, state,
-                                      lambda path: ray.get(self.trainer.save_checkpoint.remote(path)))
+                                      lambda path: self.trainer.run("save_checkpoint", path, timeout=3600,
+                                                                    what=f"saving {path}"))
         ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
@@ -722,7 +741,7 @@ class TrainingRun:
             self._save(version, version)  # one step per weight version: the final step is the version
         if s.checkpoint.save_hf:
             path = os.path.join(self.run_dir, "hf_final")
-            ray.get(self.trainer.save_hf.remote(path))
+            self.trainer.run("save_hf", path, timeout=3600, what=f"saving {path}")
             self.log.say(f"final model: {path}")
         png = plot_rewards(self.log.path, os.path.join(self.run_dir, "reward_curve.png"))
         self.log.say(f"metrics: {self.log.path}; reward curve: {png}")

@@ -32,6 +32,7 @@ from vime.engines.vllm_server import EngineClient, VllmServer, swap_engine_weigh
 from vime.weights import disk
 from vime.weights.disk import WeightError
 from vime.weights.local import LocalWeights
+from vime.workers.calls import wait_all
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -362,13 +363,12 @@ class WeightSync:
         return self._sync_disk(version, flush)
 
     def _sync_disk(self, version: int, flush: bool) -> dict[str, float | str]:
-        import ray
-
         engines = self.engines
         force_full = engines is not None and any(v != version - 1 for v in engines.versions)
-        publication = ray.get(self.trainer.publish_weights.remote(
-            version, mode=self.config.update_weight_mode, full_interval=self.config.update_weight_full_interval,
-            force_full=force_full), timeout=self.timeout)
+        publication = self.trainer.run(
+            "publish_weights", version, mode=self.config.update_weight_mode,
+            full_interval=self.config.update_weight_full_interval, force_full=force_full,
+            timeout=self.timeout, what=f"publishing weight version {version}")
         load_seconds = engines.update_weights(publication.path, version, flush=flush) if engines else 0.0
         return {"weight_version": version, "weight_transport": "disk", "weight_publish_mode": publication.mode,
                 "weight_published_bytes": publication.published_bytes,
@@ -387,40 +387,28 @@ class WeightSync:
         if self.nccl_metadata is not None and {url for url, _ in members} != {url for url, _ in self.nccl_members}:
             self._close_nccl(still_there=[actor for url, actor in self.nccl_members if url in engines.urls])
         if self.nccl_metadata is None:
-            address, port = ray.get(self.trainer.nccl_endpoint.remote(), timeout=self.timeout)
+            # The trainer's rank 0 is the group's rank 0; its other ranks only help gather the weights.
+            address, port = ray.get(self.trainer.leader.nccl_endpoint.remote(), timeout=self.timeout)
             world_size, offsets = group_layout(engines.workers)
-            opened = self.trainer.nccl_open.remote(address, port, world_size)
+            opened = self.trainer.call("nccl_open", address, port, world_size)
             joined = [actor.nccl_join.remote(address, port, offset, world_size)
                       for actor, offset in zip(engines.actors, offsets)]
-            self.nccl_metadata = _all(joined + [opened], self.timeout, "forming the NCCL weight group")[-1]
+            results = wait_all(opened + joined, self.timeout, "forming the NCCL weight group", error=WeightError)
+            self.nccl_metadata = results[0]
             self.nccl_members = members
+        sent = self.trainer.call("nccl_send")
         received = [actor.receive_nccl.remote(self.nccl_metadata, version, flush) for actor in engines.actors]
-        sent = self.trainer.nccl_send.remote()
-        results = _all(received + [sent], self.timeout, f"broadcasting weight version {version}")
+        results = wait_all(sent + received, self.timeout, f"broadcasting weight version {version}", error=WeightError)
         engines.versions = [version] * len(engines.actors)
         engines.syncs += 1
-        report = results[-1]
+        report = results[0]
         return {"weight_version": version, "weight_transport": "nccl", "weight_publish_mode": "full",
                 "weight_published_bytes": report["bytes"], "weight_full_bytes": report["bytes"],
-                "weight_publish_seconds": report["seconds"], "weight_load_seconds": max(results[:-1])}
+                "weight_publish_seconds": report["seconds"], "weight_load_seconds": max(results[len(sent):])}
 
 
     def _close_nccl(self, still_there: list) -> None:
         """Everyone still alive leaves the old group; the next synchronisation forms a new one."""
-        leaving = [actor.nccl_leave.remote() for actor in still_there] + [self.trainer.nccl_close.remote()]
-        _all(leaving, self.timeout, "closing the NCCL weight group")
+        leaving = [actor.nccl_leave.remote() for actor in still_there] + [self.trainer.leader.nccl_close.remote()]
+        wait_all(leaving, self.timeout, "closing the NCCL weight group", error=WeightError)
         self.nccl_metadata, self.nccl_members = None, ()
-
-
-def _all(refs: list, timeout: float, what: str) -> list:
-    """ray.get of calls that meet inside NCCL: the first failure is raised at once (the others
-    would wait for it forever), and the whole is bounded by ``timeout``."""
-    import ray
-
-    pending, deadline = list(refs), time.monotonic() + timeout
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not done:
-            raise WeightError(f"{what}: {len(pending)} of {len(refs)} participant(s) did not finish in {timeout:.0f}s")
-        ray.get(done)  # raises the participant's error
-    return ray.get(refs)

@@ -69,14 +69,13 @@ class TrainerWorkerSpec:
 
 
 class TrainerWorker:
-    def __init__(self, spec: TrainerWorkerSpec):
-        self.spec = spec
-        if spec.megatron is not None:
-            from vime.backends.megatron_backend import MegatronBackend
+    """One rank of the trainer. With several ranks (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``) every
+    rank reads and trains on the same groups (the backend shares out the work, docs/parallelism.md) and rank 0
+    alone writes weights and answers for the group; ``join`` forms the ranks' process group first."""
 
-            self.backend = MegatronBackend(spec.backend, spec.megatron)
-        else:
-            self.backend = TorchBackend(spec.backend)
+    def __init__(self, spec: TrainerWorkerSpec, *, rank: int = 0, world_size: int = 1):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.backend = self._build_backend() if world_size == 1 else None
         # One transport (store handle) per reader thread: a straw handle serialises its calls.
         self.readers = [make_transport(spec.transport, spec.store) for _ in range(max(1, spec.io_concurrency))]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.readers),
@@ -84,6 +83,39 @@ class TrainerWorker:
         self.publisher: WeightPublisher | None = None  # built at the first publication
         self.sender = None                             # NcclWeightSender with --update-weight-transport nccl
         self.nccl_metadata: list = []                  # what the engines receive, in broadcast order
+
+    def _build_backend(self):
+        if self.spec.megatron is not None:
+            from vime.backends.megatron_backend import MegatronBackend
+
+            return MegatronBackend(self.spec.backend, self.spec.megatron)
+        return TorchBackend(self.spec.backend)
+
+    def rendezvous_endpoint(self) -> tuple[str, int]:
+        """(address, free port) on this node: rank 0 serves the trainer group's rendezvous there."""
+        import ray
+
+        from vime.runtime.ports import free_port
+
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
+
+    def join(self, address: str, port: int, timeout_seconds: float) -> bool:
+        """Form the trainer's process group with the other ranks (every rank calls it at once), then build
+        the backend inside it. ``timeout_seconds`` also bounds every collective of the run."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        # The torch backend trains on the CPU whatever the node has; Megatron trains on the rank's GPU.
+        backend = "nccl" if self.spec.megatron is not None and torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray shows each rank its own GPU
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_seconds))
+        self.backend = self._build_backend()
+        return True
 
     def ready(self) -> bool:
         return True
@@ -130,9 +162,13 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ weights (docs/weights.md)
     def publish_weights(self, version: int, *, mode: str = "full", full_interval: int = 10,
-                        force_full: bool = False) -> Publication:
+                        force_full: bool = False) -> Publication | None:
         """Write ``weight_v{N}/``: the full weights, or (mode "delta") a delta against the version this
-        process published just before, when there is one; older versions are pruned."""
+        process published just before, when there is one; older versions are pruned. Rank 0 writes; the
+        other ranks take part in gathering the weights and return None."""
+        if self.rank != 0:
+            self.backend.export_peer()
+            return None
         if self.publisher is None:
             self.publisher = WeightPublisher(self.spec.weight_dir, keep=self.spec.keep_weight_versions)
         return self.publisher.publish(version, self.backend.save_weights, mode=mode, full_interval=full_interval,
@@ -157,6 +193,9 @@ class TrainerWorker:
         (names, dtypes, shapes, in broadcast order) the engines receive by."""
         from vime.weights import nccl
 
+        if self.rank != 0:
+            self.backend.export_peer()
+            return ""
         self.sender = nccl.NcclWeightSender()
         self.sender.open(address, port, world_size)
         self.nccl_metadata = nccl.tensor_metadata(self._named_weights())
@@ -171,6 +210,9 @@ class TrainerWorker:
     def nccl_send(self) -> dict[str, float]:
         """Broadcast the current weights in the order of the metadata sent at ``nccl_open`` (each
         tensor checked against it); the engines receive them at the same time."""
+        if self.rank != 0:
+            self.backend.export_peer()
+            return {}
         started = time.perf_counter()
         report = self.sender.send(self._named_weights(), self.nccl_metadata)
         return {**report, "seconds": time.perf_counter() - started}

@@ -113,6 +113,7 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
     ray = ray_session
     from vime.config.framework import WeightSyncConfig
     from vime.workers.engines import EngineGroup, EngineSpec, WeightSync
+    from vime.workers.trainer_group import TrainerGroup
 
     weight_dir = str(tmp_path / "weights")
 
@@ -125,7 +126,7 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
     trainer = ray.remote(num_cpus=0)(FakeTrainer).remote(model_dir, weight_dir)
     (a, url_a), (b, url_b) = engine(0), engine(1)
     group = EngineGroup([a, b], [url_a, url_b], workers=[1, 1])
-    sync = WeightSync(trainer, group, WeightSyncConfig(update_weight_mode="delta", update_weight_full_interval=3))
+    sync = WeightSync(TrainerGroup([trainer]), group, WeightSyncConfig(update_weight_mode="delta", update_weight_full_interval=3))
     reports, expected = [], []
     for version in range(1, 5):
         expected.append(ray.get(trainer.step.remote()))

@@ -260,6 +260,7 @@ def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_refo
     from vime.config.framework import WeightSyncConfig
     from vime.tools.make_tiny_model import make_tiny_model
     from vime.workers.engines import WeightSync
+    from vime.workers.trainer_group import TrainerGroup
 
     model = make_tiny_model(str(tmp_path / "model"))
     lines: list[str] = []
@@ -268,7 +269,7 @@ def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_refo
     manager.actor_class = NcclRecordingEngine
     manager.start_owned(1)
     trainer = ray.remote(num_cpus=0)(RecordingTrainer).remote()
-    sync = WeightSync(trainer, manager.group, WeightSyncConfig(update_weight_transport="nccl"), timeout=60)
+    sync = WeightSync(TrainerGroup([trainer]), manager.group, WeightSyncConfig(update_weight_transport="nccl"), timeout=60)
     sync.sync(1, flush=True)
     settle(manager, 1)
     first = manager.members[0]

@@ -1,5 +1,5 @@
 """`vime train` runs to completion with each advantage estimator other than the default (grpo, which
-tests/integration/test_custom_rollout.py runs): real driver, Ray, router, straw queue and torch trainer,
+tests/integration/test_custom_rollout.py runs), and with two data-parallel trainer ranks: real driver, Ray, router, straw queue and torch trainer,
 no engines (--rollout-num-gpus 0 and the engine-free tests/plugins/digit_rollout.py).
 
 The five runs are started at once and each is checked by its own test. They attach to one Ray cluster
@@ -26,13 +26,17 @@ from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left
 
 pytestmark = pytest.mark.integration
 ROLLOUT = os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout"
-ESTIMATOR_FLAGS = {
-    "gspo": [],
-    "cispo": [],
+RUNS = {  # name: (estimator, extra flags)
+    "gspo": ("gspo", []),
+    "cispo": ("cispo", []),
     # REINFORCE++ whitens its returns over the batch, which start-up checks insist on.
-    "reinforce_plus_plus": ["--normalize-advantages"],
-    "reinforce_plus_plus_baseline": ["--normalize-advantages"],
-    "ppo": [],
+    "reinforce_plus_plus": ("reinforce_plus_plus", ["--normalize-advantages"]),
+    "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline", ["--normalize-advantages"]),
+    "ppo": ("ppo", []),
+    # Two data-parallel trainer ranks (docs/parallelism.md), the critic's values shared between them, and
+    # a checkpoint that rank 0 alone writes.
+    "ppo_two_trainer_ranks": ("ppo", ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2",
+                                      "--save-interval", "2"]),
 }
 CRITIC_METRICS = {"value_loss", "critic_grad_norm", "value_clipfrac", "value_mean", "return_mean", "critic_only"}
 TIMEOUT_S = 300
@@ -64,18 +68,19 @@ def wait_listening(head: subprocess.Popen, port: int, log_path) -> None:
             time.sleep(0.2)
 
 
-def vime_train(ray_address: str, model_dir: str, run_dir: str, estimator: str) -> list[str]:
+def vime_train(ray_address: str, model_dir: str, run_dir: str, name: str) -> list[str]:
+    estimator, extra = RUNS[name]
     return [sys.executable, "-m", "vime.cli", "train", "--ray-address", ray_address, "--hf-checkpoint", model_dir,
             "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
             "--rollout-function-path", ROLLOUT, "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
             "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
             "--num-rollout", "2", "--lr", "1e-3", "--run-dir", run_dir,
-            "--advantage-estimator", estimator, *ESTIMATOR_FLAGS[estimator]]
+            "--advantage-estimator", estimator, "--save", os.path.join(run_dir, "ckpt"), *extra]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{estimator: (completed process, run dir)}, the runs made concurrently on one Ray head."""
+    """{run name: (completed process, run dir)}, the runs made concurrently on one Ray head."""
     from vime.tools.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("estimators")
@@ -84,20 +89,19 @@ def runs(tmp_path_factory):
     try:
         model_dir = make_tiny_model(str(root / "model"))  # while the head starts
         wait_listening(head, port, root / "ray_start.log")
-        procs = {estimator: subprocess.Popen(vime_train(f"127.0.0.1:{port}", model_dir, str(root / estimator),
-                                                        estimator),
-                                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for estimator in ESTIMATOR_FLAGS}
+        procs = {name: subprocess.Popen(vime_train(f"127.0.0.1:{port}", model_dir, str(root / name), name),
+                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for name in RUNS}
         results = {}
-        for estimator, proc in procs.items():
+        for name, proc in procs.items():
             try:
                 stdout, stderr = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 stdout, stderr = proc.communicate()
                 stderr += f"\n[test] killed after {TIMEOUT_S}s"
-            results[estimator] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
-                                  str(root / estimator))
+            results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                             str(root / name))
         print(f"Ray head and {len(procs)} concurrent runs: {time.monotonic() - started:.1f}s")
         yield results
     finally:
@@ -109,9 +113,10 @@ def runs(tmp_path_factory):
             head.wait()
 
 
-@pytest.mark.parametrize("estimator", list(ESTIMATOR_FLAGS))
-def test_main_job_runs_to_completion(runs, estimator):
-    result, run_dir = runs[estimator]
+@pytest.mark.parametrize("name", list(RUNS))
+def test_main_job_runs_to_completion(runs, name):
+    result, run_dir = runs[name]
+    estimator = RUNS[name][0]
     assert result.returncode == 0, f"{estimator}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in records if r["kind"] == "train"]
@@ -127,3 +132,7 @@ def test_main_job_runs_to_completion(runs, estimator):
         else:
             assert not CRITIC_METRICS & set(record), f"{estimator} logged critic metrics: it has no critic"
     assert_nothing_left(run_dir)
+    if name == "ppo_two_trainer_ranks":
+        assert "2 ranks" in result.stdout, result.stdout[-2000:]
+        saved = os.path.join(run_dir, "ckpt", "iter_0000002")
+        assert os.path.isfile(os.path.join(saved, "optimizer_and_rng.pt")), os.listdir(os.path.dirname(saved))

@@ -41,11 +41,34 @@ def test_colocate_is_synchronous(model_dir):
     (["--router-no-such-flag", "1"], "--router-no-such-flag"),
     (["--num-layers", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
     (["--ckpt-step", "3"], "--ckpt-step"),
+    # Two data-parallel replicas share each step's micro-batches: 6 is not a multiple of 2 x 2.
+    (["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2", "--rollout-batch-size", "3",
+      "--n-samples-per-prompt", "2"], "--global-batch-size"),
+    (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
 ])
 def test_bad_values_name_the_flag(model_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
         parse_train_args(base(model_dir, *extra))
     assert str(error.value).startswith(flag), str(error.value)
+
+
+def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(model_dir):
+    from vime.config import check_trainer_parallelism
+
+    s = parse_train_args(base(model_dir, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",
+                              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "1"))
+    assert s.cluster.num_trainers == 4
+    # Megatron (CUDA only, so its settings are made here): TP must divide the ranks; the rest are replicas.
+    s.train.train_backend = "megatron"
+    s.megatron.tensor_model_parallel_size = 2
+    check_trainer_parallelism(s)  # 2 replicas x micro-batch 1 divides the global batch of 8
+    s.train.micro_batch_size = 8
+    with pytest.raises(ConfigError, match=r"^--global-batch-size: 8 must be a multiple of --micro-batch-size 8 x 2"):
+        check_trainer_parallelism(s)
+    s.megatron.tensor_model_parallel_size = 3
+    with pytest.raises(ConfigError, match="^--tensor-model-parallel-size: 3 must divide the trainer's 4 rank"):
+        check_trainer_parallelism(s)
 
 
 def test_missing_prompt_data_and_model_are_named(tmp_path):

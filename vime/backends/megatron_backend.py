@@ -29,7 +29,6 @@ runs only where ``torch.cuda.current_device()`` has been redirected (the tests' 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import math
 import os
@@ -39,6 +38,7 @@ import torch
 
 from vime.backends import megatron_critic
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
+from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_model import MoeOptions, Parallelism
 from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, make_role
 from vime.config.base import ConfigError
@@ -120,10 +120,8 @@ class MegatronBackend(TorchBackend):
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 
-        if ps.get_data_parallel_world_size() != 1:
-            raise NotImplementedError("the Megatron backend trains one model replica: data parallelism "
-                                      f"{ps.get_data_parallel_world_size()} is not wired (world size must equal "
-                                      "TP x PP x CP)")
+        # Ranks beyond tensor parallelism hold replicas: data parallelism over Megatron's group.
+        self.dp = DataParallel(ps.get_data_parallel_group())
         if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
             raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
         if megatron.parallel.expert != 1:
@@ -323,27 +321,11 @@ class MegatronBackend(TorchBackend):
             self._log_prob_hook_due = None
             self._routes = {}
 
-    def _optimizer_steps(self, role, packed, per_step: int, metrics: dict, *, loss_key: str, grad_key: str,
-                         micro_loss) -> None:
-        """As the torch backend's, plus the before-train-step hook and the tensor-parallel gradient norm."""
-        for step_id, first in enumerate(range(0, len(packed), per_step)):
-            steps = range(first, min(first + per_step, len(packed)))
-            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
-                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
-            if self.train_step_hook is not None and role is self.actor:
-                self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
-            role.optimizer.zero_grad(set_to_none=True)
-            self._scale_moe_aux_loss(len(steps))
-            step_terms: dict[str, float] = collections.defaultdict(float)
-            for i in steps:
-                loss = micro_loss(i, totals, step_terms)
-                loss.backward()
-                step_terms[loss_key] += float(loss.detach())
-            grad_norm = self._finish_gradients(list(role.parameters()), role.clip_grad)
-            metrics[role.lr_key].append(role.step())
-            for name, value in step_terms.items():
-                metrics[name].append(value)
-            metrics[grad_key].append(float(grad_norm))
+    def _before_step(self, role, step_id: int, micro_batches: int) -> None:
+        """The before-train-step hook (actor steps) and the MoE auxiliary loss's averaging."""
+        if self.train_step_hook is not None and role is self.actor:
+            self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
+        self._scale_moe_aux_loss(micro_batches)
 
     def _scale_moe_aux_loss(self, micro_batches: int) -> None:
         """The routers' load-balancing losses add their gradients in the backward pass (megatron-core's
@@ -356,15 +338,13 @@ class MegatronBackend(TorchBackend):
 
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
-    @staticmethod
-    def _finish_gradients(params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+    def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Reduce what tensor parallelism leaves partial, then clip by the global norm; returns the norm."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         max_norm = clip_grad if clip_grad > 0 else math.inf
-        params = [p for p in params if p.requires_grad]
         if ps.get_tensor_model_parallel_world_size() == 1:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         group = ps.get_tensor_model_parallel_group()
@@ -386,10 +366,19 @@ class MegatronBackend(TorchBackend):
         return norm
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def _tp_rank(self) -> int:
+    def _writes_files(self) -> bool:
+        from vime.backends.megatron_checkpoint import is_first_rank
+
+        return is_first_rank()
+
+    def export_peer(self) -> None:
+        """A rank that writes nothing still takes part in gathering the tensor-parallel shards."""
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_rank()
+        from vime.backends.megatron_model import gather_canonical
+
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""
@@ -405,7 +394,7 @@ class MegatronBackend(TorchBackend):
         from vime.backends.megatron_model import gather_canonical
 
         canonical = gather_canonical(self.gpt, self.megatron.model)
-        if self._tp_rank() != 0:
+        if not self._writes_files():
             return
         write_hf_safetensors(mcore_to_hf(canonical, self.megatron.model), path)
         for name in ("config.json", "generation_config.json"):
@@ -415,7 +404,7 @@ class MegatronBackend(TorchBackend):
 
     def save_hf(self, path: str) -> None:
         self.save_weights(path)
-        if self._tp_rank() == 0:
+        if self._writes_files():
             self.tokenizer.save_pretrained(path)
         if self.critic is not None and self.critic_save:
             self._export_critic()  # the final critic too, where its role's `save` says

@@ -159,6 +159,13 @@ def _rank_folder(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+def is_first_rank() -> bool:
+    """The one rank that writes what every rank would write alike (global rank 0, or no group)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

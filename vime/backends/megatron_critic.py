@@ -149,12 +149,10 @@ def export(root: str, gpt, optimizer, *, fmt: str, iteration: int, args: dict, o
     checkpoint root that a later run's critic ``load`` accepts. Every rank calls it."""
     import shutil
 
-    from megatron.core import parallel_state as ps
-
     final = mc.iteration_folder(root, iteration)
     # One name on every rank (they write into the same folder).
     staging = os.path.join(root, f".{os.path.basename(final)}.tmp")
-    first = ps.get_tensor_model_parallel_rank() == 0
+    first = mc.is_first_rank()
     if first:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from vime.backends.data_parallel import DataParallel
 from vime.backends.lr_schedule import LRSchedule
 from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
@@ -419,6 +420,8 @@ class TorchBackend:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self._seed(spec.seed)
+        # The trainer's ranks (TrainerWorker joins them before building the backend) are data-parallel.
+        self.dp = DataParallel()
         self.model = AutoModelForCausalLM.from_pretrained(spec.hf_checkpoint, dtype=torch.float32)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
@@ -535,18 +538,23 @@ class TorchBackend:
         values, returns = [None] * len(packed), [None] * len(packed)
         if algo.policy_loss != "sft":
             self.actor.wake()
+            mine = [self.dp.owns(i) for i in range(len(packed))]
             with torch.no_grad():
                 self.model.eval()
-                old = [b.rollout_log_probs if algo.use_rollout_logprobs else self._log_probs(b) for b in packed]
+                if algo.use_rollout_logprobs:
+                    old = [b.rollout_log_probs for b in packed]
+                else:
+                    old = self.dp.fill([self._log_probs(b) if m else None for b, m in zip(packed, mine)])
                 self.model.train()
                 if self.ref_model is not None:
-                    ref = [self._forward(self.ref_model, b).log_probs for b in packed]
+                    ref = self.dp.fill([self._forward(self.ref_model, b).log_probs if m else None
+                                        for b, m in zip(packed, mine)])
             if self.critic is not None:
                 self.actor.sleep()
                 self.critic.wake()
                 with torch.no_grad():
                     self.critic.module.eval()
-                    values = [self._values(b) for b in packed]
+                    values = self.dp.fill([self._values(b) if m else None for b, m in zip(packed, mine)])
                     self.critic.module.train()
             advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
 
@@ -573,6 +581,7 @@ class TorchBackend:
             self._optimizer_steps(self.actor, packed, per_step, metrics, loss_key="loss", grad_key="grad_norm",
                                   micro_loss=actor_loss)
         self.rollouts_trained += 1
+        metrics = self.dp.merge_metrics(metrics)
         elapsed = time.perf_counter() - started
         result = {k: float(np.mean(v)) for k, v in metrics.items() if v}
         result["train_tokens"] = float(sum(len(s.tokens) for s in samples))
@@ -587,24 +596,35 @@ class TorchBackend:
     def _optimizer_steps(self, role: ModelRole, packed: list[PackedBatch], per_step: int, metrics: dict, *,
                          loss_key: str, grad_key: str, micro_loss) -> None:
         """One optimizer step of ``role`` per ``per_step`` micro-batches; ``micro_loss(i, totals, step_terms)``
-        returns micro-batch i's share of the step loss (micro-batch losses add up to the step's)."""
-        for first in range(0, len(packed), per_step):
+        returns micro-batch i's share of the step loss (micro-batch losses add up to the step's). Data-parallel
+        ranks each run their share of a step's micro-batches and add up their gradients."""
+        for step_id, first in enumerate(range(0, len(packed), per_step)):
             steps = range(first, min(first + per_step, len(packed)))
             totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
                       "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
+            self._before_step(role, step_id, len(steps))
             role.optimizer.zero_grad(set_to_none=True)
             # Loss terms are each micro-batch's share of the step's value: they add up over the step.
             step_terms: dict[str, float] = collections.defaultdict(float)
-            for i in steps:
+            for i in self.dp.share(steps):
                 loss = micro_loss(i, totals, step_terms)
                 loss.backward()
                 step_terms[loss_key] += float(loss.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(role.parameters(),
-                                                       role.clip_grad if role.clip_grad > 0 else math.inf)
+            step_terms = self.dp.sum_terms(step_terms)
+            params = [p for p in role.parameters() if p.requires_grad]
+            self.dp.sum_gradients(params)
+            grad_norm = self._finish_gradients(params, role.clip_grad)
             metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
                 metrics[name].append(value)
             metrics[grad_key].append(float(grad_norm))
+
+    def _before_step(self, role: ModelRole, step_id: int, micro_batches: int) -> None:
+        """Called before each optimizer step's micro-batches (the Megatron backend runs its hooks here)."""
+
+    def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+        """Clip the step's summed gradients by their global norm; returns the norm."""
+        return torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
 
     def _values(self, batch: PackedBatch) -> torch.Tensor:
         """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
@@ -772,7 +792,17 @@ class TorchBackend:
                 metrics["onpolicy_logprob_abs_diff"].append(float((diff * on_policy).sum() / on_mask.sum()))
 
     # ------------------------------------------------------------------ weights and checkpoints
+    def _writes_files(self) -> bool:
+        """Whether this rank writes weights and checkpoints (data-parallel replicas are identical: rank 0)."""
+        return self.dp.rank == 0
+
+    def export_peer(self) -> None:
+        """What a rank that writes nothing takes part in while rank 0 exports the weights: nothing here
+        (every data-parallel rank holds the whole model)."""
+
     def save_hf(self, path: str) -> None:
+        if not self._writes_files():
+            return
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         if self.critic is not None and self.critic_save:
@@ -780,10 +810,13 @@ class TorchBackend:
 
     def save_weights(self, path: str) -> None:
         """The inference weights only (what an engine reloads)."""
-        self.model.save_pretrained(path, safe_serialization=True)
+        if self._writes_files():
+            self.model.save_pretrained(path, safe_serialization=True)
 
     def save_training_state(self, path: str) -> None:
         """Actor (model, optimizer), RNG, the rollout count and, with PPO, the critic (``critic/``)."""
+        if not self._writes_files():
+            return
         os.makedirs(path, exist_ok=True)
         self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
         torch.save({"optimizer": self.optimizer.state_dict(),

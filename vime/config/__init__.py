@@ -137,10 +137,7 @@ def validate(settings: TrainSettings) -> None:
     require(samples_per_rollout % settings.global_batch_size == 0, "--global-batch-size",
             f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
             f"--global-batch-size {settings.global_batch_size}")
-    require(settings.global_batch_size % cluster.num_trainers == 0, "--global-batch-size",
-            f"must be divisible by the {cluster.num_trainers} trainer slots")
-    require(cluster.num_trainers == 1, "--actor-num-gpus-per-node",
-            "the torch backend trains on one slot for now (actor nodes x GPUs per node must be 1)")
+    check_trainer_parallelism(settings)
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
     check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
@@ -155,6 +152,23 @@ def validate(settings: TrainSettings) -> None:
     require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
                  and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",
             "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'")
+
+
+def check_trainer_parallelism(settings: TrainSettings) -> None:
+    """The trainer's ranks (--actor-num-nodes x --actor-num-gpus-per-node) split into tensor-parallel groups
+    (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are shared by the replicas,
+    so (as in Megatron) --global-batch-size must be a multiple of --micro-batch-size x the replicas."""
+    ranks, tp = settings.cluster.num_trainers, settings.megatron.tensor_model_parallel_size
+    if tp > 1:
+        require(settings.train.train_backend == "megatron", "--tensor-model-parallel-size",
+                f"{tp} needs --train-backend megatron (the torch backend's ranks are data-parallel replicas)")
+        require(ranks % tp == 0, "--tensor-model-parallel-size",
+                f"{tp} must divide the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)")
+    replicas = ranks // tp
+    per_step = settings.train.micro_batch_size * replicas
+    require(replicas == 1 or settings.global_batch_size % per_step == 0, "--global-batch-size",
+            f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "
+            f"x {replicas} data-parallel replica(s) = {per_step}")
 
 
 def _absolute(path: str | None) -> str | None:

@@ -18,7 +18,9 @@ CPU_NOTE = " Without GPUs this counts CPU slots."
 @dataclasses.dataclass(kw_only=True)
 class ClusterConfig:
     actor_num_nodes: int = option(1, "Number of nodes for RL actor training.")
-    actor_num_gpus_per_node: int = option(1, "GPUs per node for actor training." + CPU_NOTE)
+    actor_num_gpus_per_node: int = option(
+        1, "GPUs per node for actor training: nodes x this = trainer ranks, data-parallel replicas (and Megatron "
+        "tensor-parallel groups; docs/parallelism.md)." + CPU_NOTE)
     rollout_num_gpus: int | None = option(
         None, "Total GPUs for rollout engines; 0 launches only the router. Defaults to the actor "
         "GPU count with --colocate, else 1." + CPU_NOTE)

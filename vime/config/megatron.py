@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from vime.config.base import ConfigError, option
+from vime.config.base import ConfigError, option, require
 
-ONE_PROCESS = ("vime train runs one trainer process (--actor-num-nodes x --actor-num-gpus-per-node = 1), so "
-               "this must be 1; the Megatron backend shards a model only inside a process group its caller "
-               "sets up (see docs/megatron.md)")
+NOT_WIRED = ("vime's trainer is data- and tensor-parallel only for now: pipeline, context and expert parallelism "
+             "are not wired, so this must be 1 (see docs/parallelism.md)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,13 +136,12 @@ class MegatronConfig:
                                                               "backend cannot force the recorded experts)")
 
     def validate(self) -> None:
-        parallel = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                    "expert_model_parallel_size")
-        for name in parallel:
+        require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
+        for name in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) != 1:
-                raise ConfigError("--" + name.replace("_", "-"), ONE_PROCESS)
+                raise ConfigError("--" + name.replace("_", "-"), NOT_WIRED)
         if self.expert_tensor_parallel_size not in (None, 1):
-            raise ConfigError("--expert-tensor-parallel-size", ONE_PROCESS)
+            raise ConfigError("--expert-tensor-parallel-size", NOT_WIRED)
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by", "must be >= 1")
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:

@@ -1,0 +1,121 @@
+"""Data parallelism over gloo (two spawned CPU processes): two ranks take the steps one rank takes.
+
+Each backend trains the same rollouts in one process and on two data-parallel ranks; the metrics and the
+updated weights must agree (only the order of floating-point additions differs). The rollouts have three
+micro-batches and two per optimizer step, so in the second step one rank has no micro-batch at all and must
+still take part in the gradient sum. Only rank 0 writes checkpoints and weights.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
+                                        "ignore::FutureWarning")
+
+from tests import megatron_shim  # noqa: E402
+
+GROUPS = 3  # x 4 samples = 3 micro-batches of 4; global batch 8: steps of 2 and 1 micro-batches
+TORCH_RUNS = {"kl_loss_entropy": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
+              "ppo": {"advantage_estimator": "ppo", "kl_coef": 0.05}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    if backend_name == "megatron":
+        from tests import megatron_shim as shim
+
+        shim.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
+
+    results = {}
+    if backend_name == "torch":
+        from vime.backends.torch_backend import TorchBackend
+
+        for name, algorithm in TORCH_RUNS.items():
+            backend = TorchBackend(trainer_spec(model_dir, **algorithm))
+            assert backend.dp.size == 2 and backend.dp.rank == rank
+            metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+            folder = os.path.join(work, f"{name}_ckpt_rank{rank}")
+            backend.save_training_state(folder)
+            results[name] = {"metrics": metrics, "wrote_checkpoint": os.path.isdir(folder),
+                             "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()}}
+    else:
+        from vime.backends.megatron_backend import MegatronBackend
+
+        backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir))
+        assert backend.dp.size == 2
+        metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+        backend.save_training_state(os.path.join(work, "megatron_ckpt"))  # every rank: one torch_dist checkpoint
+        results["megatron"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+    torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _two_ranks(backend_name: str, model_dir: str, work: str) -> list[dict]:
+    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name), nprocs=2, join=True)
+    return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return megatron_shim.tiny_qwen2_with_tokenizer(str(tmp_path_factory.mktemp("dp_tiny")))
+
+
+def test_torch_backend_two_ranks_take_one_ranks_steps(model_dir, tmp_path):
+    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, trainer_spec
+    from vime.backends.torch_backend import TorchBackend
+
+    ranks = _two_ranks("torch", model_dir, str(tmp_path))
+    for name, algorithm in TORCH_RUNS.items():
+        single = TorchBackend(trainer_spec(model_dir, **algorithm))
+        for seed, got in zip((0, 1), ranks[0][name]["metrics"]):
+            expected = single.train_rollout(make_samples(seed, GROUPS), 0)
+            assert expected["optimizer_steps"] == 2.0
+            assert_same_metrics(got, expected)
+            assert_same_metrics(ranks[1][name]["metrics"][seed], expected)
+        for param_name, param in single.model.named_parameters():
+            for rank in ranks:  # both replicas stay equal to the single rank's model
+                torch.testing.assert_close(rank[name]["weights"][param_name], param.detach(), rtol=0, atol=1e-6,
+                                           msg=f"{name}: {param_name}")
+        assert ranks[0][name]["wrote_checkpoint"] and not ranks[1][name]["wrote_checkpoint"]
+
+
+def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir, tmp_path):
+    from tests.unit.test_megatron_backend import (
+        assert_same_metrics, assert_same_weights, make_samples, megatron_spec, trainer_spec,
+    )
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.torch_backend import TorchBackend
+
+    ranks = _two_ranks("megatron", model_dir, str(tmp_path))
+    megatron_shim.install()
+    reference = TorchBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]))
+    for seed in (0, 1):
+        expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
+        for rank in ranks:
+            assert_same_metrics(rank["megatron"]["metrics"][seed], expected)
+    for rank in ranks:
+        for name, param in reference.model.named_parameters():
+            torch.testing.assert_close(rank["megatron"]["weights"][name], param.detach(), rtol=0, atol=2e-5, msg=name)
+    # The two replicas wrote one torch_dist checkpoint; one process resumes from it.
+    resumed = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir))
+    resumed.load_training_state(str(tmp_path / "megatron_ckpt"))
+    assert resumed.rollouts_trained == 2
+    assert_same_weights(resumed, reference.model)
