@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import statistics
 import time
 
@@ -68,6 +69,17 @@ class TrainerWorkerSpec:
                    keep_weight_versions=s.weights.keep_weight_versions)
 
 
+def _assigned_gpu() -> int:
+    """The CUDA index of the GPU Ray gave this rank: 0 when Ray narrowed CUDA_VISIBLE_DEVICES to it, its id
+    when Ray left the variable alone (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1)."""
+    import ray
+
+    ids = [str(int(i)) for i in ray.get_gpu_ids()]
+    if not ids or os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") == ids:
+        return 0
+    return int(ids[0])
+
+
 class TrainerWorker:
     """One rank of the trainer. With several ranks (``--actor-num-nodes`` x ``--actor-num-gpus-per-node``) every
     rank reads and trains on the same groups (the backend shares out the work, docs/parallelism.md) and rank 0
@@ -111,7 +123,7 @@ class TrainerWorker:
         # The torch backend trains on the CPU whatever the node has; Megatron trains on the rank's GPU.
         backend = "nccl" if self.spec.megatron is not None and torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray shows each rank its own GPU
+            torch.cuda.set_device(_assigned_gpu())
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_seconds))
         self.backend = self._build_backend()

@@ -2,6 +2,7 @@
 
     python tests/gpu/check_megatron_main_job.py [--num-rollout 40] [--packing auto|thd|padded] [--keep DIR]
     python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
+    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2]   # 3+ GPUs
 
 Needs one CUDA GPU, the official vLLM and megatron-core (``pip install -e '.[gpu,dev]'``). It
 
@@ -25,6 +26,10 @@ below 4), and the Megatron forward replays them (the on-policy log-prob check th
 
 The actor starts from ``--hf-checkpoint`` (converted in memory), not from ``--ref-load``: vime's
 algorithm checks still accept only an HF folder there, and only with a KL term.
+
+``--trainer-ranks N`` trains on N Megatron ranks (``--actor-num-gpus-per-node N``, one GPU each, beside the
+engine's GPU), with ``--tensor-parallel T`` as ``--tensor-model-parallel-size`` (the rest are data-parallel
+replicas; docs/parallelism.md). It needs N + 1 GPUs.
 
 Ray normally hides the GPU from actors that reserve none; the run is started with
 ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that the trainer actor sees it.
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "success)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--moe-r3", action="store_true", help="a tiny Qwen3-MoE with --use-rollout-routing-replay")
+    parser.add_argument("--trainer-ranks", type=int, default=1, help="Megatron trainer ranks, one GPU each")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-model-parallel-size of the ranks")
     options = parser.parse_args(argv)
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -117,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available() or torch.version.cuda is None:
         return skip("no CUDA device")
+    if options.trainer_ranks > 1 and torch.cuda.device_count() < options.trainer_ranks + 1:
+        return skip(f"--trainer-ranks {options.trainer_ranks} needs {options.trainer_ranks + 1} GPUs (one per rank "
+                    f"and the engine's); this machine has {torch.cuda.device_count()}")
 
     work = options.keep or tempfile.mkdtemp(prefix="vime-megatron-check-")
     os.makedirs(work, exist_ok=True)
@@ -137,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     args += ["--train-backend", "megatron", *model_flags, "--ckpt-format", "torch_dist",
              "--megatron-packing", options.packing,
              "--vllm-gpu-memory-utilization", "0.3"]
+    if options.trainer_ranks > 1:
+        # Two replicas share each step's micro-batches: the global batch must split evenly.
+        args += ["--actor-num-gpus-per-node", str(options.trainer_ranks),
+                 "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8"]
     print("$ vime train " + " ".join(args), flush=True)
     started = time.monotonic()
     result = subprocess.run(vime + ["train", *args], cwd=REPO, env=env, timeout=options.timeout)
