@@ -701,9 +701,9 @@ class TrainingRun:
         if not self.workers:
             return
         if self.engine_manager is not None:
-            self.engine_manager.frozen = True  # the run is ending: an engine lost now is not restarted
+            self.engine_manager.ending = True  # the run is ending: an engine lost now is not restarted
         for model in self.frozen_models:
-            model.manager.frozen = True  # (EngineManager.frozen: no restarts; the model's weights were always fixed)
+            model.manager.ending = True
         for worker in self.workers:
             try:
                 ray.get(worker.stop.remote(), timeout=60)

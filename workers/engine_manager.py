@@ -155,7 +155,7 @@ class EngineManager:
         self.events: list[NodeEvent] = []
         self._next_index = 0
         self._nodes_ready: set[str] = set()
-        self.frozen = False         # the run is ending: lost engines are not restarted any more
+        self.ending = False         # the run is ending: lost engines are not restarted any more
         self._last = {"requests": 0.0, "nodes": 0.0, "snapshot": 0.0}
         self._remote = None
 
@@ -447,7 +447,7 @@ class EngineManager:
 
     def _restart(self, m: Member, reason: str) -> None:
         budget = self.config.rollout_engine_restart_budget
-        if self.frozen:
+        if self.ending:
             self._give_up(m, f"{reason}; not restarted: the run is ending")
             return
         if not self.node_alive(m.node_id):

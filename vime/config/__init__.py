@@ -23,7 +23,7 @@ from vime.config.framework import DebugConfig
 from vime.config.framework import ElasticConfig
 from vime.config.megatron import MegatronConfig
 from vime.config.passthrough import split_prefixed
-from vime.rl.algorithm_checks import check_algorithm_with_run
+from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
 __all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]
 
@@ -144,10 +144,7 @@ def validate(settings: TrainSettings) -> None:
     from vime.backends.lr_schedule import lr_schedule_from_settings
 
     lr_schedule_from_settings(settings)     # schedule checks that need the run's length or the role file
-    if settings.megatron.use_rollout_routing_replay:  # R3: the engines report the experts they chose
-        from vime.rollout.routing import routing_replay_engine_args
-
-        settings.vllm.vllm_args.update(routing_replay_engine_args(settings.vllm.vllm_args))
+    settings.vllm.vllm_args.update(algorithm_engine_args(settings))  # score centering's, R3's engine flags
     vllm_args.resolve_topology(settings)  # --vllm-config & co.; sets args.vllm_deployment
     require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
                  and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",

@@ -143,8 +143,7 @@ def _check_ref_load(algo: AlgorithmConfig, *, megatron: bool) -> None:
 
 
 def check_algorithm_with_run(settings: TrainSettings) -> None:
-    """Checks that need the sampling flags or the model (run by ``vime.config.validate``); with score
-    centering it also adds the vLLM flags the engines need to ``settings.vllm.vllm_args``."""
+    """Checks that need the sampling flags or the model (run by ``vime.config.validate``)."""
     algo, rollout = settings.algorithm, settings.rollout
     _check_ref_load(algo, megatron=settings.train.train_backend == "megatron")
     if algo.megatron_config_path is not None:
@@ -165,10 +164,24 @@ def check_algorithm_with_run(settings: TrainSettings) -> None:
         require(vocab is None or rollout.rollout_top_p < 1 or algo.score_centering_top_k < vocab,
                 "--score-centering-top-k", f"{algo.score_centering_top_k} must be below the vocabulary size "
                 f"({vocab} tokens)")
-        # Set here, before vime.config.vllm resolves the engine topology from these flags, so that every
-        # engine vime starts (one model or --vllm-config groups) inherits them.
-        settings.vllm.vllm_args.update(score_centering_engine_args(
-            settings.vllm.vllm_args, top_k=algo.score_centering_top_k, top_p=rollout.rollout_top_p, vocab=vocab))
+
+
+def algorithm_engine_args(settings: TrainSettings) -> dict[str, str | None]:
+    """The vLLM flags the training algorithm needs on every engine, checked against the ``--vllm-*`` flags
+    given: score centering's log-probs and R3's routed experts. ``vime.config.validate`` adds them before
+    the engine topology is resolved, so every engine vime starts (one model or --vllm-config groups)
+    inherits them."""
+    needed: dict[str, str | None] = {}
+    given = settings.vllm.vllm_args
+    if settings.algorithm.use_score_centering:
+        needed.update(score_centering_engine_args(given, top_k=settings.algorithm.score_centering_top_k,
+                                                  top_p=settings.rollout.rollout_top_p,
+                                                  vocab=_vocab_size(settings.train.hf_checkpoint)))
+    if settings.megatron.use_rollout_routing_replay:
+        from vime.rollout.routing import routing_replay_engine_args
+
+        needed.update(routing_replay_engine_args(given))
+    return needed
 
 
 def score_centering_engine_args(vllm_args: dict, *, top_k: int, top_p: float, vocab: int | None) -> dict:
