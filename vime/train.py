@@ -748,6 +748,13 @@ class TrainingRun:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump({"weight_version": version, "eval_before": self.before, "eval_after": after}, f, indent=1)
 
+    def _remove_encoder_cache(self) -> None:
+        """EPD: the embeddings vime's default encoder cache kept in shared memory (docs/vllm-config.md)."""
+        import shutil
+
+        if self.plan is not None and self.plan.owned_ec_cache:
+            shutil.rmtree(self.plan.owned_ec_cache, ignore_errors=True)
+
     def _teardown(self) -> None:
         """Stop every process this run started, whatever state it is in."""
         import contextlib
@@ -757,7 +764,8 @@ class TrainingRun:
         for step in (self._stop_rollout_workers, lambda: self.engine_manager and self.engine_manager.stop(),
                      *(model.stop for model in self.frozen_models),
                      lambda: self.router and self.router.stop(),
-                     lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30)):
+                     lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30),
+                     self._remove_encoder_cache):
             with contextlib.suppress(Exception):
                 step()
         if self.ray_started:

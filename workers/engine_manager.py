@@ -400,7 +400,7 @@ class EngineManager:
         seconds = info.get("startup_seconds")
         self.say(f"{m.name} ({m.origin}{', restarted' if restarted else ''}) serves weight version {m.version} at "
                  f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "")
-                 + ("; registered with the router" if m.worker_type == "regular" else f" as a {m.worker_type} engine"))
+                 + ("; registered with the router" if m.worker_type == "regular" else f" as {'an' if m.worker_type == 'encoder' else 'a'} {m.worker_type} engine"))
         self.record({"kind": "engine", "event": "restarted" if restarted else "serving", "engine": m.name,
                      "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
                      "current_version": self.version, "join_seconds": seconds})

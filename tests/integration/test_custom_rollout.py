@@ -64,18 +64,14 @@ def test_bad_rollout_function_path_is_named(tmp_path, model_dir):
 
 
 def test_attaches_to_a_running_ray_cluster(tmp_path, model_dir):
-    from vime.runtime.ports import free_port
+    # A head of its own, stopped by terminating it: `ray stop --force` would kill every Ray cluster on the
+    # machine, a run of someone else's included.
+    from tests.integration.test_estimators_run import start_ray_head, wait_listening
 
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = free_port()
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
-    started = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2",
-                              "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
-                              "--ray-client-server-port", str(free_port()), "--min-worker-port", "20000",
-                              "--max-worker-port", "20100"],
-                             env=env, capture_output=True, text=True, timeout=120)
-    assert started.returncode == 0, started.stdout + started.stderr
+    head, port = start_ray_head(tmp_path / "ray_start.log")
     try:
+        wait_listening(head, port, tmp_path / "ray_start.log")
         run_dir = str(tmp_path / "run")
         # relative paths on purpose: the cluster's workers run elsewhere, vime makes them absolute
         prompts = os.path.relpath(os.path.join(EXAMPLE, "train.jsonl"), REPO)
@@ -90,4 +86,9 @@ def test_attaches_to_a_running_ray_cluster(tmp_path, model_dir):
         assert f"attaching to the Ray cluster at 127.0.0.1:{port}" in result.stdout
         assert "step    2/2" in result.stdout
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()

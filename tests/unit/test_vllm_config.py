@@ -136,6 +136,9 @@ def test_epd_with_regular(tmp_path):
     assert {(e.ec_role, e.kv_role, e.language_only) for e in plan.models[0].language_engines} == \
         {("ec_consumer", None, True)}
     assert not plan.models[0].router.pd_disaggregation
+    # The default encoder cache is vime's to remove at the end of the run; a path the user chose is not.
+    assert plan.owned_ec_cache and plan.owned_ec_cache.startswith("/dev/shm/vime-ec-")
+    assert build_launch_plan(deployment, ec_storage_path="/mnt/shared/ec").owned_ec_cache is None
 
 
 def test_multi_model(tmp_path):

@@ -634,6 +634,9 @@ class ModelLaunch:
         return dataclasses.replace(self, language_engines=engines)
 
 
+GENERATED_EC_CACHE_PREFIX = "/dev/shm/vime-ec-"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
     """What to start for a deployment, in order: routers, then ``encoders`` (wait until healthy),
@@ -642,6 +645,12 @@ class LaunchPlan:
     models: tuple[ModelLaunch, ...]
     ec_storage_path: str | None
     """The encoder-cache directory of the default connector; None without encoders."""
+
+    @property
+    def owned_ec_cache(self) -> str | None:
+        """The encoder-cache directory vime made up (in shared memory): the run removes it at its end."""
+        path = self.ec_storage_path
+        return path if path and path.startswith(GENERATED_EC_CACHE_PREFIX) else None
 
     @property
     def encoders(self) -> tuple[EngineLaunch, ...]:
@@ -687,7 +696,7 @@ def build_launch_plan(deployment: Deployment, *, router_args: Mapping[str, str |
         raise ConfigError("--vllm-router-ip", f"one external router cannot serve {len(deployment.models)} models; "
                           "each model needs its own router, which vime starts when --vllm-router-ip is not given")
     if ec_storage_path is None and any(model.has_encoder for model in deployment.models):
-        ec_storage_path = f"/dev/shm/vime-ec-{uuid.uuid4().hex}"
+        ec_storage_path = f"{GENERATED_EC_CACHE_PREFIX}{uuid.uuid4().hex}"
     drafts = {model.name: _engine_drafts(model, ec_storage_path) for model in deployment.models}
     # Number the engines in start order: the encoders of every model, then the language engines.
     next_index = {True: 0, False: sum(e.worker_type == "encoder" for d in drafts.values() for e in d)}
