@@ -93,6 +93,13 @@ def test_full_epd_roles_start_order_and_encoder_urls():
         plan.models[0].with_encoder_urls([])
 
 
+def test_encoder_endpoints_carry_the_encoders_served_name():
+    plan = plan_for({"vllm": [model("vl", group("encoder", overrides={"served_model_name": "vl-enc vl"}),
+                                    group("regular"), update_weights=False)]}, gpus=2)
+    assert plan.encoder_endpoints({"vl": ["http://e:1"]}) == {"vl": ("vl-enc", ["http://e:1"])}
+    assert "--served-model-name" in argv_of(plan.encoders[0])
+
+
 def test_encoder_with_regular_split_without_pd():
     plan = plan_for({"vllm": [model("actor", group("encoder", 2), group("regular", 6, num_gpus_per_engine=2))]},
                     gpus=8, vllm_args={"enable-prefix-caching": None})

@@ -676,9 +676,16 @@ class LaunchPlan:
             for model in self.models))
 
     def encoder_endpoints(self, urls_by_model: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, list[str]]]:
-        """The value of ``args.vllm_model_encoder_endpoints``: {model: (model_path, [encoder URL])}."""
-        return {model.name: (model.model_path, list(urls_by_model.get(model.name, ())))
+        """The value of ``args.vllm_model_encoder_endpoints``: {model: (served name, [encoder URL])}. The
+        served name is what requests to the encoders must carry as ``model``: the model path (vLLM's
+        default) unless the encoder group sets ``served_model_name`` (its first name)."""
+        return {model.name: (_served_name(model.encoders[0]), list(urls_by_model.get(model.name, ())))
                 for model in self.models if model.encoders}
+
+
+def _served_name(engine: EngineLaunch) -> str:
+    names = engine.vllm_args.get("served-model-name")
+    return names.split()[0] if names else engine.model_path
 
 
 def build_launch_plan(deployment: Deployment, *, router_args: Mapping[str, str | None] | None = None,
@@ -821,7 +828,7 @@ async def prime_encoder(args: Any, messages: Any, model_name: str | None = None,
     so the embeddings are in the encoder cache when they look them up. Returns the number of
     media parts sent; 0 (a no-op) when there is none or the model has no encoder group.
 
-    ``args.vllm_model_encoder_endpoints`` is {model: (model_path, [encoder URL])}. ``model_name``
+    ``args.vllm_model_encoder_endpoints`` is {model: (served model name, [encoder URL])}. ``model_name``
     may be left out when exactly one model has encoders. Raises EngineError when an encoder fails.
     """
     endpoints = getattr(args, "vllm_model_encoder_endpoints", None) or {}
@@ -833,7 +840,7 @@ async def prime_encoder(args: Any, messages: Any, model_name: str | None = None,
     parts = media_parts(messages)
     if not entry or not entry[1] or not parts:
         return 0
-    model_path, urls = entry
+    served_name, urls = entry
 
     import aiohttp  # imported here: the config package must stay light to import
 
@@ -841,7 +848,7 @@ async def prime_encoder(args: Any, messages: Any, model_name: str | None = None,
 
     async def encode(client: aiohttp.ClientSession, part: dict) -> None:
         url = random.choice(list(urls)).rstrip("/")
-        body = {"model": model_path, "messages": [{"role": "user", "content": [part]}],
+        body = {"model": served_name, "messages": [{"role": "user", "content": [part]}],
                 "max_tokens": 1, "stream": False}  # one token: enough to run the encoder path
         try:
             async with client.post(url + "/v1/chat/completions", json=body,
