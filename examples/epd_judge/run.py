@@ -75,7 +75,7 @@ def write_config(run_dir: str, judge_path: str) -> tuple[str, str]:
     return path, cache
 
 
-def train_argv(run_dir: str, actor: str, config: str, num_rollout: int) -> list[str]:
+def train_argv(run_dir: str, actor: str, config: str, num_rollout: int, extra: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", actor,
             "--vllm-config", config, "--rollout-num-gpus", "3",
             "--prompt-data", os.path.join(DIGIT_SHIFT, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
@@ -84,7 +84,7 @@ def train_argv(run_dir: str, actor: str, config: str, num_rollout: int) -> list[
             "--max-staleness", "1", "--rollout-max-response-len", "4", "--lr", "1e-3", "--run-dir",
             os.path.join(run_dir, "run"),
             "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
-            "--engine-startup-timeout", "300"]
+            "--engine-startup-timeout", "300", *extra]
 
 
 def kill_leftovers(run_dir: str) -> list[int]:
@@ -169,15 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-rollout", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for vime train")
     options = parser.parse_args(argv)
+    return run_and_check(options.root, num_rollout=options.num_rollout, timeout=options.timeout)
 
-    run_dir = os.path.abspath(os.path.join(options.root, datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")))
+
+def run_and_check(root: str, *, num_rollout: int = 3, timeout: float = 900.0, extra: list[str] = ()) -> int:
+    """Build, run (``extra``: more `vime train` flags, e.g. a GPU's memory share) and check; the exit status."""
+    run_dir = os.path.abspath(os.path.join(root, datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")))
     os.makedirs(run_dir)
     print(f"run dir {run_dir}", flush=True)
     actor, judge = build_models(run_dir)
     config, cache = write_config(run_dir, judge)
     env = {**os.environ, MARKER: run_dir, "VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
-    argv = train_argv(run_dir, actor, config, options.num_rollout)
+    argv = train_argv(run_dir, actor, config, num_rollout, extra)
     with open(os.path.join(run_dir, "command.json"), "w") as f:
         json.dump(argv, f, indent=1)
     print("$ " + " ".join(argv), flush=True)
@@ -186,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            returncode = process.wait(timeout=options.timeout)
+            returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            print(f"vime train still running after {options.timeout:.0f}s: interrupting it", flush=True)
+            print(f"vime train still running after {timeout:.0f}s: interrupting it", flush=True)
             os.killpg(process.pid, signal.SIGINT)
             try:
                 process.wait(timeout=60)

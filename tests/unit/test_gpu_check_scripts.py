@@ -1,0 +1,27 @@
+"""The GPU checks (tests/gpu/check_*.py) only run where a GPU is lent; here each must at least start and
+say why it cannot run (exit 77 and a SKIP line), so that an import or argument error shows up in CI."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "tests", "gpu", "check_*.py")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the checks would really run")
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_gpu_check_skips_with_a_reason_without_cuda(script):
+    result = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 77, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.startswith("SKIP: "), result.stdout
+
+
+def test_every_gpu_check_is_found():
+    assert {os.path.basename(s) for s in SCRIPTS} >= {"check_epd.py", "check_megatron_main_job.py",
+                                                       "check_nccl_weights.py", "check_pd_disaggregation.py"}
