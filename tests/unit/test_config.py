@@ -46,6 +46,7 @@ def test_colocate_is_synchronous(model_dir):
       "--n-samples-per-prompt", "2"], "--global-batch-size"),
     (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+    (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),
 ])
 def test_bad_values_name_the_flag(model_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
@@ -68,6 +69,19 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
         check_trainer_parallelism(s)
     s.megatron.tensor_model_parallel_size = 3
     with pytest.raises(ConfigError, match="^--tensor-model-parallel-size: 3 must divide the trainer's 4 rank"):
+        check_trainer_parallelism(s)
+    # Expert parallelism: the experts of each layer spread over EP ranks (TP 1 only, torch_dist checkpoints).
+    s.megatron.tensor_model_parallel_size, s.train.micro_batch_size = 1, 1
+    s.megatron.expert_model_parallel_size = 4
+    check_trainer_parallelism(s)
+    for field, value, message in (("expert_model_parallel_size", 3, "^--expert-model-parallel-size: 3 must divide"),
+                                  ("ckpt_format", "torch", "^--ckpt-format: 'torch' cannot hold experts")):
+        setattr(s.megatron, field, value)
+        with pytest.raises(ConfigError, match=message):
+            check_trainer_parallelism(s)
+        s.megatron.expert_model_parallel_size, s.megatron.ckpt_format = 4, "torch_dist"
+    s.megatron.tensor_model_parallel_size = 2
+    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with"):
         check_trainer_parallelism(s)
 
 

@@ -36,7 +36,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    if backend_name == "megatron":
+    if backend_name.startswith("megatron"):
         from tests import megatron_shim as shim
 
         shim.install()
@@ -55,7 +55,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
             backend.save_training_state(folder)
             results[name] = {"metrics": metrics, "wrote_checkpoint": os.path.isdir(folder),
                              "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()}}
-    else:
+    elif backend_name == "megatron":
         from vime.backends.megatron_backend import MegatronBackend
 
         backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir))
@@ -63,6 +63,17 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
         metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
         backend.save_training_state(os.path.join(work, "megatron_ckpt"))  # every rank: one torch_dist checkpoint
         results["megatron"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+    else:  # expert parallelism 2 on an MoE model: each rank holds 2 of the 4 experts
+        from vime.backends.megatron_backend import MegatronBackend
+        from vime.backends.megatron_model import Parallelism, local_expert_count
+
+        backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
+                                  megatron_spec(model_dir, parallel=Parallelism(expert=2)))
+        assert local_expert_count(backend.gpt) == 2 and backend.dp.size == 2
+        # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
+        metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
+        backend.save_training_state(os.path.join(work, "ep_ckpt"))
+        results["megatron_ep"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
     torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -119,3 +130,34 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     resumed.load_training_state(str(tmp_path / "megatron_ckpt"))
     assert resumed.rollouts_trained == 2
     assert_same_weights(resumed, reference.model)
+
+
+def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
+    """Expert parallelism 2 (tokens exchanged between the ranks inside every MoE layer; dense weights are
+    data-parallel replicas): the torch backend's single-rank numbers on the same HF MoE model, the experts
+    gathered back for export, and the torch_dist checkpoint resumed without expert parallelism."""
+    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.torch_backend import TorchBackend
+
+    moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
+    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path))
+    megatron_shim.install()
+    reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
+    for seed in (0, 1):
+        expected = reference.train_rollout(make_samples(seed), 0)
+        for rank in ranks:
+            assert_same_metrics(rank["megatron_ep"]["metrics"][seed], expected)
+    # transformers fuses the experts in memory; its saved files name them one by one, as the export does.
+    from vime.backends.megatron_convert import read_hf_state_dict
+
+    reference.save_weights(str(tmp_path / "reference"))
+    expected_weights = read_hf_state_dict(str(tmp_path / "reference"))
+    for rank in ranks:
+        assert rank["megatron_ep"]["weights"].keys() == expected_weights.keys()
+        for name, tensor in expected_weights.items():
+            torch.testing.assert_close(rank["megatron_ep"]["weights"][name], tensor, rtol=0, atol=2e-5, msg=name)
+    resumed = MegatronBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(moe_dir))
+    resumed.load_training_state(str(tmp_path / "ep_ckpt"))
+    for name, tensor in resumed.hf_named_weights():
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)

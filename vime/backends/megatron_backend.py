@@ -124,8 +124,11 @@ class MegatronBackend(TorchBackend):
         self.dp = DataParallel(ps.get_data_parallel_group())
         if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
             raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
-        if megatron.parallel.expert != 1:
-            raise NotImplementedError("expert parallelism is not wired into the Megatron backend")
+        self.expert_dp = None
+        if megatron.parallel.expert > 1:
+            self._check_expert_parallelism(megatron)
+            # Each expert lives on one expert-parallel rank: its gradient is summed over that rank's copies only.
+            self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
         if megatron.moe.routing_replay and not megatron.model.is_moe:
             raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
                              "has no experts)")
@@ -175,6 +178,20 @@ class MegatronBackend(TorchBackend):
                              if algo.use_score_centering else None)
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
+        ep, model = megatron.parallel.expert, megatron.model
+        if not model.is_moe:
+            raise ValueError(f"--expert-model-parallel-size {ep}: {model.family} has no experts")
+        if model.num_experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
+        if megatron.parallel.tensor != 1:
+            raise NotImplementedError("expert parallelism with tensor parallelism is not wired yet "
+                                      "(--tensor-model-parallel-size must be 1)")
+        if megatron.ckpt_format != "torch_dist":
+            raise ValueError("--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use "
+                             "torch_dist")
+
     @staticmethod
     def _hook(flag: str, path: str | None, loader):
         return loader(flag, path) if path else None
@@ -338,6 +355,24 @@ class MegatronBackend(TorchBackend):
 
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
+    def _expert_params(self, params: list[torch.Tensor]) -> set[int]:
+        """ids of the routed experts' parameters among ``params`` (actor's or critic's)."""
+        from vime.backends.megatron_model import is_expert_param
+
+        ids = {id(p) for p in params}
+        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
+                for name, p in gpt.named_parameters() if id(p) in ids and is_expert_param(name)}
+
+    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Replicas' gradients add up; under expert parallelism an expert's only over the ranks that hold it
+        (the token exchange already brought every replica's tokens to it)."""
+        if self.expert_dp is None:
+            self.dp.sum_gradients(params)
+            return
+        experts = self._expert_params(params)
+        self.dp.sum_gradients([p for p in params if id(p) not in experts])
+        self.expert_dp.sum_gradients([p for p in params if id(p) in experts])
+
     def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Reduce what tensor parallelism leaves partial, then clip by the global norm; returns the norm."""
         import torch.distributed as dist
@@ -345,6 +380,8 @@ class MegatronBackend(TorchBackend):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         max_norm = clip_grad if clip_grad > 0 else math.inf
+        if self.expert_dp is not None:
+            return self._clip_with_expert_parallelism(params, max_norm)
         if ps.get_tensor_model_parallel_world_size() == 1:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         group = ps.get_tensor_model_parallel_group()
@@ -365,6 +402,26 @@ class MegatronBackend(TorchBackend):
             p.grad.mul_(coefficient)
         return norm
 
+    def _clip_with_expert_parallelism(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The global norm counts the replicated parameters once and every rank's experts (TP is 1 here)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        experts = self._expert_params(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        dense = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) not in experts),
+                    torch.zeros((), device=grads[0].device))
+        spread = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) in experts),
+                     torch.zeros((), device=grads[0].device))
+        dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())
+        norm = (dense + spread).sqrt()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient)
+        return norm
+
     # ------------------------------------------------------------------ weights and checkpoints
     def _writes_files(self) -> bool:
         from vime.backends.megatron_checkpoint import is_first_rank
@@ -372,12 +429,12 @@ class MegatronBackend(TorchBackend):
         return is_first_rank()
 
     def export_peer(self) -> None:
-        """A rank that writes nothing still takes part in gathering the tensor-parallel shards."""
+        """A rank that writes nothing still takes part in gathering the tensor- and expert-parallel shards."""
         from megatron.core import parallel_state as ps
 
         from vime.backends.megatron_model import gather_canonical
 
-        if ps.get_tensor_model_parallel_world_size() > 1:
+        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
             gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import socket
 import warnings
 
@@ -135,7 +136,7 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
-        params_dtype=torch.float32, use_cpu_initialization=not torch.cuda.is_available(),
+        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32, use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **_moe_config(args, moe or MoeOptions(), use_te), **(recompute or {}))
@@ -197,15 +198,57 @@ def _tp():
         ps.get_tensor_model_parallel_group()
 
 
+def _ep():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), \
+        ps.get_expert_model_parallel_group()
+
+
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's tensor (held by one expert-parallel rank; a shared expert is not one)."""
+    return ".mlp.experts." in name
+
+
+def _expert_name(name: str, index: int) -> str:
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", name)
+
+
+def _local_expert_index(name: str) -> int | None:
+    match = _LOCAL_EXPERT.search(name)
+    return None if match is None else int(match.group(2))
+
+
 def _is_fc1(name: str) -> bool:
     """The fused [gate; up] projection of an MLP: dense, routed expert or shared expert."""
     return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
 def _canonical_names(model) -> dict[str, str]:
-    """Model parameter name -> canonical (local-spec) name."""
+    """Model parameter name -> canonical (local-spec) name, experts numbered globally: under expert
+    parallelism rank r's local expert i is expert ``r * local experts + i``."""
     names = [n for n, _ in model.named_parameters()]
-    return dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
+    canonical = dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
+    ep_rank, ep_size, _ = _ep()
+    if ep_size == 1:
+        return canonical
+    local = _local_experts(canonical.values())
+    return {n: _expert_name(c, ep_rank * local + i) if (i := _local_expert_index(c)) is not None else c
+            for n, c in canonical.items()}
+
+
+def local_expert_count(model) -> int:
+    """Routed experts per MoE layer held by this rank (0 for a dense model)."""
+    names = [n for n, _ in model.named_parameters()]
+    return _local_experts(from_te_names(dict.fromkeys(names)).keys())
+
+
+def _local_experts(canonical_names) -> int:
+    """Experts per MoE layer on this rank."""
+    return 1 + max((i for c in canonical_names if (i := _local_expert_index(c)) is not None), default=-1)
 
 
 def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -> None:
@@ -214,7 +257,10 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
     rank, size, _ = _tp()
     names = _canonical_names(model)
     missing = [c for c in names.values() if c not in canonical]
-    unused = sorted(set(canonical) - set(names.values()))
+    unused = set(canonical) - set(names.values())
+    if _ep()[1] > 1:  # the other expert-parallel ranks' experts
+        unused = {c for c in unused if _local_expert_index(c) is None}
+    unused = sorted(unused)
     if missing or unused:
         raise ValueError(f"state dict does not fit the model: missing {missing[:6]}, unused {unused[:6]}")
     with torch.no_grad():
@@ -258,6 +304,29 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
             if names[name] in VOCAB_PARAMS:
                 tensor = tensor[:args.vocab_size]
             out[names[name]] = tensor.cpu() if to_cpu else tensor
+    ep_rank, ep_size, ep_group = _ep()
+    if ep_size > 1:
+        out = _gather_experts(out, local_expert_count(model), ep_size, ep_group, to_cpu=to_cpu)
+    return out
+
+
+def _gather_experts(local: dict[str, torch.Tensor], experts: int, ep_size: int, group, *,
+                    to_cpu: bool) -> dict[str, torch.Tensor]:
+    """Every expert-parallel rank's experts (``experts`` each, numbered globally in ``local``'s names), under
+    their global names (every rank of the group calls it)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, tensor in local.items():
+        index = _local_expert_index(name)
+        if index is None:
+            out[name] = tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        local_index = index % experts
+        for rank, part in enumerate(parts):
+            out[_expert_name(name, rank * experts + local_index)] = part.cpu() if to_cpu else part
     return out
 
 
@@ -305,8 +374,45 @@ class MegatronLM(torch.nn.Module):
         if self.packing == "thd":
             logits = self._forward_thd(input_ids, attention_mask)
         else:
-            logits = self._forward_padded(input_ids, attention_mask)
+            batch, length = input_ids.shape
+            input_ids, attention_mask = self._lockstep_padded(input_ids, attention_mask)
+            logits = self._forward_padded(input_ids, attention_mask)[:batch, :length]
         return CausalLMOutput(logits[..., :self.vocab_size].float())
+
+    def _lockstep(self):
+        """The group whose ranks exchange tokens inside every MoE layer (expert parallelism), or None.
+        Its ranks must run each forward on the same number of tokens: megatron-core's all-gather
+        dispatcher gathers equal slices."""
+        if self.model_args is None or not self.model_args.is_moe:
+            return None
+        _, size, group = _ep()
+        return group if size > 1 else None
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the lockstep group."""
+        import torch.distributed as dist
+
+        shape = torch.tensor(values, dtype=torch.long, device=device())
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self._lockstep())
+        return shape.tolist()
+
+    def _lockstep_padded(self, input_ids, attention_mask):
+        """Under expert parallelism, pad the batch to the group's largest [rows, length]. Padding rows keep
+        their first position unmasked so that attention stays finite; their outputs are cut off."""
+        batch, length = input_ids.shape
+        self._real_rows = batch
+        if self._lockstep() is None:
+            return input_ids, attention_mask
+        rows, columns = self._agree([batch, length])
+        if (rows, columns) == (batch, length):
+            return input_ids, attention_mask
+        input_ids = torch.nn.functional.pad(input_ids, (0, columns - length, 0, rows - batch))
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, columns - length, 0, rows - batch))
+        attention_mask[batch:, 0] = 1
+        if self._routes is not None:
+            empty = self._routes[0].new_zeros((0, *self._routes[0].shape[1:]))
+            self._routes = list(self._routes) + [empty] * (rows - batch)
+        return input_ids, attention_mask
 
     def _padding(self, padding: torch.Tensor) -> dict:
         """MoE routers leave padded tokens (True) out of their load-balancing statistics."""
@@ -342,7 +448,9 @@ class MegatronLM(torch.nn.Module):
         from vime.backends.megatron_routing import padded_layout
 
         self._force(lambda: padded_layout(self._routes, padded, self.model_args))
-        return self.gpt(input_ids, positions, mask, **self._padding(attention_mask == 0))[:, :length]
+        padding = attention_mask == 0
+        padding[self._real_rows:] = True  # lockstep padding rows stay out of the routers' statistics
+        return self.gpt(input_ids, positions, mask, **self._padding(padding))[:, :length]
 
     def _forward_thd(self, input_ids, attention_mask):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -354,6 +462,8 @@ class MegatronLM(torch.nn.Module):
         total = tokens.numel()
         multiple = self._tp_multiple()
         extra = -(-total // multiple) * multiple - total
+        if self._lockstep() is not None:  # as many tokens as the expert-parallel group's largest batch
+            extra = self._agree([total + extra])[0] - total
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)

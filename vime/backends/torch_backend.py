@@ -612,7 +612,7 @@ class TorchBackend:
                 step_terms[loss_key] += float(loss.detach())
             step_terms = self.dp.sum_terms(step_terms)
             params = [p for p in role.parameters() if p.requires_grad]
-            self.dp.sum_gradients(params)
+            self._sum_gradients(params)
             grad_norm = self._finish_gradients(params, role.clip_grad)
             metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
@@ -621,6 +621,10 @@ class TorchBackend:
 
     def _before_step(self, role: ModelRole, step_id: int, micro_batches: int) -> None:
         """Called before each optimizer step's micro-batches (the Megatron backend runs its hooks here)."""
+
+    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """Add up the data-parallel replicas' gradients."""
+        self.dp.sum_gradients(params)
 
     def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Clip the step's summed gradients by their global norm; returns the norm."""

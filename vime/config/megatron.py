@@ -13,8 +13,8 @@ import dataclasses
 
 from vime.config.base import ConfigError, option, require
 
-NOT_WIRED = ("vime's trainer is data- and tensor-parallel only for now: pipeline, context and expert parallelism "
-             "are not wired, so this must be 1 (see docs/parallelism.md)")
+NOT_WIRED = ("vime's trainer is data-, tensor- and expert-parallel only for now: pipeline and context parallelism "
+             "and expert tensor parallelism are not wired, so this must be 1 (see docs/parallelism.md)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -137,7 +137,8 @@ class MegatronConfig:
 
     def validate(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
-        for name in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        require(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size", "must be >= 1")
+        for name in ("pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(self, name) != 1:
                 raise ConfigError("--" + name.replace("_", "-"), NOT_WIRED)
         if self.expert_tensor_parallel_size not in (None, 1):
