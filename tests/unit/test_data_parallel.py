@@ -161,3 +161,17 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     resumed.load_training_state(str(tmp_path / "ep_ckpt"))
     for name, tensor in resumed.hf_named_weights():
         torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)
+
+
+def test_expert_parallel_ranks_refuse_a_rollout_they_cannot_share_evenly():
+    """A rank with no micro-batch while the others exchange tokens would hang: the step is refused first."""
+    import types
+
+    from tests.unit.test_megatron_backend import make_samples
+    from vime.backends.megatron_backend import MegatronBackend
+
+    backend = types.SimpleNamespace(expert_dp=object(), dp=types.SimpleNamespace(size=2),
+                                    spec=types.SimpleNamespace(micro_batch_size=4, global_batch_size=8))
+    MegatronBackend._check_lockstep(backend, make_samples(0, groups=2))  # 2 micro-batches, one step: even
+    with pytest.raises(ValueError, match="^--expert-model-parallel-size: 12 samples make 3 micro-batch"):
+        MegatronBackend._check_lockstep(backend, make_samples(0, groups=3))

@@ -331,12 +331,26 @@ class MegatronBackend(TorchBackend):
         """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks and
         tensor-parallel gradient reduction (:meth:`_optimizer_steps`)."""
         self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
+        self._check_lockstep(samples)
         self._index_routes(samples)
         try:
             return super().train_rollout(samples, policy_version)
         finally:
             self._log_prob_hook_due = None
             self._routes = {}
+
+    def _check_lockstep(self, samples: list[Sample]) -> None:
+        """Expert-parallel ranks exchange tokens in every forward, so each must run as many micro-batches as
+        the others, in every pass and every optimizer step: a rank left without one would wait forever."""
+        if self.expert_dp is None:
+            return
+        size, replicas = self.spec.micro_batch_size, self.dp.size
+        per_step = max(1, self.spec.global_batch_size // size)
+        micro_batches = -(-len(samples) // size)
+        if micro_batches % replicas or per_step % replicas or micro_batches % per_step:
+            raise ValueError(f"--expert-model-parallel-size: {len(samples)} samples make {micro_batches} micro-batch(es) "
+                             f"of --micro-batch-size {size}, in optimizer steps of {per_step}; both must be multiples "
+                             f"of the {replicas} data-parallel ranks (and the rollout a whole number of steps)")
 
     def _before_step(self, role, step_id: int, micro_batches: int) -> None:
         """The before-train-step hook (actor steps) and the MoE auxiliary loss's averaging."""
