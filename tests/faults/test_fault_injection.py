@@ -34,13 +34,19 @@ def test_clean_run_trains_every_prompt_once(job):
 
 
 def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
-    code, log = job.run(faults="trainer.mid_step@5")
+    # Two data-parallel trainer ranks: one of them is killed (the first to reach the point) while the other
+    # would wait for it in the step's gradient sum, so the run must stop at once, not at the collective
+    # timeout. A single rank's death takes the same path (workers/trainer_group.py), with nobody waiting.
+    trainer = ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "1"]
+    started = time.monotonic()
+    code, log = job.run(*trainer, faults="trainer.mid_step@5")
     assert code == 1, log[-3000:]
     assert "the trainer process died during step 5" in log and "resume with --load" in log
+    assert time.monotonic() - started < 200  # far below the ranks' 30-minute collective timeout
     check_invariants(job, complete=False)
-    code, log = job.run()
+    code, log = job.run(*trainer)
     assert code == 0, log[-3000:]
-    assert "resuming from" in log and "step 4" in log
+    assert "resuming from" in log and "step 4" in log and "2 ranks" in log
     check_invariants(job)
 
 
