@@ -301,23 +301,53 @@ class TrainingRun:
         the trained model's (vime's own, or --rollout-external-engine-addrs) with the engine registry
         `vime engines` talks to and the health monitor (workers/engine_manager.py), and the other
         models of --vllm-config, whose engines start at the same time."""
-        import dataclasses
-
-        from vime.workers.engine_manager import EngineManager, EngineTemplate
-        from vime.workers.model_servers import engine_variants, has_static_roles, pd_router_args, start_encoders
+        from vime.workers.model_servers import pd_router_args, start_encoders
 
         s = self.s
-        external = getattr(s.args, "rollout_external_engine_addrs", None) or []
         launch = self.plan.model(self.trained_model) if self.plan else None
         pd = launch is not None and launch.router.pd_disaggregation
         if not pd:  # regular engines register with their router once they serve: it starts first
             self._start_router(launch.router.router_args if launch else s.router_args)
-        template = EngineTemplate(
+        template = self._engine_template()
+        self._make_engine_manager(template, launch, pd=pd)
+        started = time.monotonic()
+        encoders = {launch.name: start_encoders(self.engine_manager, launch, s.weights.engine_vllm_args)} if launch else {}
+        self._start_frozen_models(template)  # their language engines start while the trained model's do
+        self._start_trained_engines(launch)
+        if pd:  # a PD router learns its engines from its command line: they serve by now
+            self._start_router(pd_router_args(launch, self.engine_manager))
+            self.engine_manager.router = self.router_client
+        if len(self.engines):
+            self.log.say(f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s behind the "
+                         f"router {self.router_url}: {', '.join(self.engines.urls)}")
+        self.engine_manager.open_registry(self.ray_namespace)
+        self.engine_manager.start_monitor()
+        for model in self.frozen_models:
+            model.wait_serving()
+            encoders[model.name] = model.encoder_urls
+            self.log.say(f"model {model.name!r}: {len(model.manager.group)} engine(s) serving behind its router "
+                         f"{model.router.url}")
+        self._publish_model_endpoints(encoders)
+
+    def _engine_template(self):
+        """What every engine of the trained model starts from (frozen models take it with their own path)."""
+        from vime.workers.engine_manager import EngineTemplate
+
+        s = self.s
+        return EngineTemplate(
             model=s.train.hf_checkpoint, vllm_args=s.weights.engine_vllm_args(s.vllm.vllm_args),
             tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
             log_dir=os.path.join(self.run_dir, "logs"), startup_timeout=s.run.engine_startup_timeout,
             http_timeout=s.run.http_timeout, weight_dir=s.weight_dir,
             weight_transport=s.weights.update_weight_transport)
+
+    def _make_engine_manager(self, template, launch, *, pd: bool) -> None:
+        import dataclasses
+
+        from vime.workers.engine_manager import EngineManager
+        from vime.workers.model_servers import has_static_roles
+
+        s = self.s
         static = launch is not None and has_static_roles(launch)
         # A PD router lists its engines from its command line: nodes that join get no engines then.
         elastic = dataclasses.replace(s.elastic, rollout_elastic_resource=None) if static else s.elastic
@@ -325,11 +355,13 @@ class TrainingRun:
                                             say=self.log.say, record=self.log.write,
                                             external_router=self.router is None and not pd, static_roles=static)
         self.engines = self.engine_manager.group
-        started = time.monotonic()
-        encoders = {}
-        if launch is not None:
-            encoders[launch.name] = start_encoders(self.engine_manager, launch, s.weights.engine_vllm_args)
-        self._start_frozen_models(template)  # their language engines start while the trained model's do
+
+    def _start_trained_engines(self, launch) -> None:
+        """The trained model's language engines: --rollout-external-engine-addrs, or the planned ones."""
+        from vime.workers.model_servers import engine_variants
+
+        s = self.s
+        external = getattr(s.args, "rollout_external_engine_addrs", None) or []
         planned = launch.language_engines if launch else ()
         if external:
             self.log.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
@@ -340,25 +372,15 @@ class TrainingRun:
             self.engine_manager.start_owned(len(planned), variants=engine_variants(planned, s.weights.engine_vllm_args))
         else:
             self.log.say("--rollout-num-gpus 0: no local engines")
-        if pd:
-            self._start_router(pd_router_args(launch, self.engine_manager))
-            self.engine_manager.router = self.router_client
-        if len(self.engines):
-            self.log.say(f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s behind the "
-                         f"router {self.router_url}: {', '.join(self.engines.urls)}")
-        self.engine_manager.open_registry(self.ray_namespace)
-        self.engine_manager.start_monitor()
+
+    def _publish_model_endpoints(self, encoders: dict[str, list[str]]) -> None:
+        """get_model_url(args, name) and prime_encoder in rewards, rollout functions and hooks
+        (docs/vllm-config.md)."""
         routers = {self.trained_model or "default": self.router_url}
-        for model in self.frozen_models:
-            model.wait_serving()
-            routers[model.name] = model.address
-            encoders[model.name] = model.encoder_urls
-            self.log.say(f"model {model.name!r}: {len(model.manager.group)} engine(s) serving behind its router "
-                         f"{model.router.url}")
-        # get_model_url(args, name) and prime_encoder in rewards, rollout functions and hooks (docs/vllm-config.md).
-        s.args.vllm_model_routers = routers
+        routers.update({model.name: model.address for model in self.frozen_models})
+        self.s.args.vllm_model_routers = routers
         if self.plan is not None:
-            s.args.vllm_model_encoder_endpoints = self.plan.encoder_endpoints(encoders)
+            self.s.args.vllm_model_encoder_endpoints = self.plan.encoder_endpoints(encoders)
 
     def _start_frozen_models(self, template) -> None:
         """Start (waiting only for encoders) every model of --vllm-config besides the trained one."""
