@@ -20,7 +20,7 @@ import importlib.util
 import os
 import sys
 
-from gpu_common import REPO, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, missing_gpu_stack, skip  # noqa: E402 - this folder's shared helpers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default="/tmp/epd_gpu_runs")
     parser.add_argument("--timeout", type=float, default=1200)
     options = parser.parse_args(argv)
-    if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed (pip install -e '.[gpu]')")
-    import torch
-
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return skip("no CUDA device")
+    if reason := missing_gpu_stack("vllm"):
+        return skip(reason)
     spec = importlib.util.spec_from_file_location("epd_judge_run", os.path.join(REPO, "examples", "epd_judge",
                                                                                 "run.py"))
     example = importlib.util.module_from_spec(spec)

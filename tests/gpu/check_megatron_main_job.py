@@ -43,7 +43,6 @@ megatron-core): the reason is printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -52,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from gpu_common import REPO, demo_args, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 
 def preset_flags(name: str) -> list[str]:
@@ -119,17 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-parallel", type=int, default=1, help="--expert-model-parallel-size (with --moe-r3)")
     options = parser.parse_args(argv)
 
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        return skip("megatron-core is not installed (pip install -e '.[gpu]')")
-    if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed (pip install -e '.[gpu]')")
+    # Several ranks take a GPU each, beside the engine's.
+    gpus = 1 if options.trainer_ranks == 1 else options.trainer_ranks + 1
+    if reason := missing_gpu_stack("megatron.core", "vllm", gpus=gpus):
+        return skip(reason)
     import torch
-
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return skip("no CUDA device")
-    if options.trainer_ranks > 1 and torch.cuda.device_count() < options.trainer_ranks + 1:
-        return skip(f"--trainer-ranks {options.trainer_ranks} needs {options.trainer_ranks + 1} GPUs (one per rank "
-                    f"and the engine's); this machine has {torch.cuda.device_count()}")
 
     work = options.keep or tempfile.mkdtemp(prefix="vime-megatron-check-")
     os.makedirs(work, exist_ok=True)

@@ -22,7 +22,6 @@ vLLM): the reason is printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import threading
 import time
 import uuid
 
-from gpu_common import skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import missing_gpu_stack, skip  # noqa: E402 - this folder's shared helpers
 
 
 def in_thread(function):
@@ -80,14 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=600)
     options = parser.parse_args(argv)
 
-    if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed (pip install -e '.[gpu]')")
+    # NCCL refuses two ranks on one device: the trainer and the engine need a GPU each.
+    if reason := missing_gpu_stack("vllm", gpus=2):
+        return skip(reason)
     import torch
-
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return skip("no CUDA device")
-    if torch.cuda.device_count() < 2:
-        return skip(f"{torch.cuda.device_count()} GPU(s): NCCL needs the trainer and the engine on different GPUs")
 
     from transformers import AutoModelForCausalLM
 

@@ -23,7 +23,6 @@ the reason is printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from gpu_common import REPO, demo_args, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 CONFIG = """\
 vllm:
@@ -63,14 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500)
     options = parser.parse_args(argv)
 
-    if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed (pip install -e '.[gpu]')")
-    if importlib.util.find_spec("nixl") is None:
-        return skip("NIXL is not installed (pip install nixl)")
-    import torch
-
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return skip("no CUDA device")
+    if reason := missing_gpu_stack("vllm", "nixl"):
+        return skip(reason)
 
     work = options.keep or tempfile.mkdtemp(prefix="vime-pd-check-")
     os.makedirs(work, exist_ok=True)

@@ -14,6 +14,27 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # vime and tests.* from the checkout, whatever the working directory
 
 
+INSTALL = {"vllm": "vLLM is not installed (pip install -e '.[gpu]')",
+           "megatron.core": "megatron-core is not installed (pip install -e '.[gpu]')",
+           "nixl": "NIXL is not installed (pip install nixl)"}
+
+
+def missing_gpu_stack(*modules: str, gpus: int = 1) -> str | None:
+    """Why a GPU check cannot run here (a module of ``modules`` missing, fewer than ``gpus`` CUDA devices),
+    or None."""
+    for module in modules:
+        top = module.split(".")[0]
+        if importlib.util.find_spec(top) is None or importlib.util.find_spec(module) is None:
+            return INSTALL.get(module, f"{module} is not installed")
+    import torch
+
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "no CUDA device"
+    if torch.cuda.device_count() < gpus:
+        return f"{torch.cuda.device_count()} GPU(s) here, {gpus} needed"
+    return None
+
+
 def skip(reason: str) -> int:
     print(f"SKIP: {reason}", flush=True)
     return SKIP

@@ -66,7 +66,7 @@ def test_bad_rollout_function_path_is_named(tmp_path, model_dir):
 def test_attaches_to_a_running_ray_cluster(tmp_path, model_dir):
     # A head of its own, stopped by terminating it: `ray stop --force` would kill every Ray cluster on the
     # machine, a run of someone else's included.
-    from tests.integration.test_estimators_run import start_ray_head, wait_listening
+    from tests.integration.test_estimators_run import start_ray_head, stop_ray_head, wait_listening
 
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     head, port = start_ray_head(tmp_path / "ray_start.log")
@@ -86,9 +86,4 @@ def test_attaches_to_a_running_ray_cluster(tmp_path, model_dir):
         assert f"attaching to the Ray cluster at 127.0.0.1:{port}" in result.stdout
         assert "step    2/2" in result.stdout
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop_ray_head(head)

@@ -56,6 +56,15 @@ def start_ray_head(log_path) -> tuple[subprocess.Popen, int]:
     return head, port
 
 
+def stop_ray_head(head: subprocess.Popen) -> None:
+    head.terminate()
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait()
+
+
 def wait_listening(head: subprocess.Popen, port: int, log_path) -> None:
     deadline = time.monotonic() + 120
     while True:
@@ -108,12 +117,7 @@ def runs(tmp_path_factory):
         print(f"Ray head and {len(procs)} concurrent runs: {time.monotonic() - started:.1f}s")
         yield results
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        stop_ray_head(head)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
