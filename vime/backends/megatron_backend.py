@@ -37,8 +37,8 @@ import shutil
 import torch
 
 from vime.backends import megatron_critic
-from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.data_parallel import DataParallel
+from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
 from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, make_role
 from vime.config.base import ConfigError
@@ -328,8 +328,9 @@ class MegatronBackend(TorchBackend):
 
     # ------------------------------------------------------------------ one rollout
     def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
-        """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks and
-        tensor-parallel gradient reduction (:meth:`_optimizer_steps`)."""
+        """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks
+        (:meth:`_before_step`) and the tensor- and expert-parallel gradient reductions (:meth:`_sum_gradients`,
+        :meth:`_finish_gradients`)."""
         self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
         self._check_lockstep(samples)
         self._index_routes(samples)
@@ -423,13 +424,10 @@ class MegatronBackend(TorchBackend):
 
         experts = self._expert_params(params)
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        dense = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) not in experts),
-                    torch.zeros((), device=grads[0].device))
-        spread = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) in experts),
-                     torch.zeros((), device=grads[0].device))
-        dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())
+        zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        dense = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) not in experts), zero)
+        spread = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) in experts), zero)
+        dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())  # every rank, even one without grads
         norm = (dense + spread).sqrt()
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads:
