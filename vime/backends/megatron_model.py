@@ -136,7 +136,8 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
-        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32, use_cpu_initialization=not torch.cuda.is_available(),
+        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **_moe_config(args, moe or MoeOptions(), use_te), **(recompute or {}))
