@@ -144,6 +144,7 @@ class MegatronBackend(TorchBackend):
             init_hook(self.user_args)
 
         self.packing = self._packing(megatron.packing, mm.te_usable())
+        self._check_moe_tensor_parallelism(megatron, te=self.packing == "thd")
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
         self.model = mm.MegatronLM(self.gpt, megatron.model.vocab_size, self.packing,
@@ -178,6 +179,20 @@ class MegatronBackend(TorchBackend):
                              if algo.use_score_centering else None)
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec, *, te: bool) -> None:
+        """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which its
+        own (non-Transformer-Engine) norms refuse: say so before the model is built."""
+        if not megatron.model.is_moe or megatron.parallel.tensor == 1:
+            return
+        if not megatron.parallel.sequence_parallel:
+            raise ValueError("--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
+                             f"{megatron.parallel.tensor} only under sequence parallelism")
+        if not te:
+            raise ValueError("--tensor-model-parallel-size: an MoE model under tensor and sequence parallelism needs "
+                             "Transformer Engine's layers (thd packing, CUDA); megatron-core's own norms refuse "
+                             "sequence parallelism")
+
     @staticmethod
     def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
         ep, model = megatron.parallel.expert, megatron.model
