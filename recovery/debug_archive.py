@@ -314,22 +314,26 @@ def _refuse_unless_same(path: str, archive: DebugArchive) -> None:
                                        "away or give another path")
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Bit-for-bit equality of metric values (numbers as float64 bits, NaN equal to NaN)."""
+def _same(a: Any, b: Any, rel_tol: float = 0.0) -> bool:
+    """Equality of metric values: bit for bit (numbers as float64 bits, NaN equal to NaN), or within
+    ``rel_tol`` relative (and as much absolute) when it is not 0."""
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return np.float64(a).tobytes() == np.float64(b).tobytes() or (a != a and b != b)
+        if np.float64(a).tobytes() == np.float64(b).tobytes() or (a != a and b != b):
+            return True
+        return rel_tol > 0 and abs(a - b) <= rel_tol * max(abs(a), abs(b), 1.0)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k], rel_tol) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y, rel_tol) for x, y in zip(a, b))
     return a == b
 
 
-def metric_differences(recorded: dict[str, Any], replayed: dict[str, Any]) -> list[str]:
-    """Names of the metrics that differ bit for bit (timings, ``*_seconds``, excluded)."""
+def metric_differences(recorded: dict[str, Any], replayed: dict[str, Any], rel_tol: float = 0.0) -> list[str]:
+    """Names of the metrics that differ (timings, ``*_seconds``, excluded): bit for bit, or beyond ``rel_tol``
+    relative when the recording summed in another order (several trainer ranks)."""
     names = {k for k in (*recorded, *replayed) if not k.endswith("_seconds")}
-    return [name for name in sorted(names)
-            if name not in recorded or name not in replayed or not _same(recorded[name], replayed[name])]
+    return [name for name in sorted(names) if name not in recorded or name not in replayed
+            or not _same(recorded[name], replayed[name], rel_tol)]
 
 
 def _loose(value: Any) -> Any:

@@ -179,6 +179,10 @@ def test_metric_differences_are_bit_for_bit():
     assert da.metric_differences(recorded, {**recorded, "loss": 0.3}) == ["loss"]
     assert da.metric_differences(recorded, {**recorded, "per": {"1": [1.0, 2.0000000000000004]}}) == ["per"]
     assert da.metric_differences(recorded, {"loss": recorded["loss"]}) == ["grad_norm", "per"]
+    # A recording made on several trainer ranks summed in another order: compared within a tolerance.
+    assert da.metric_differences(recorded, {**recorded, "loss": 0.3, "per": {"1": [1.0, 2.0000000000000004]}},
+                                 rel_tol=1e-5) == []
+    assert da.metric_differences(recorded, {**recorded, "loss": 0.31}, rel_tol=1e-5) == ["loss"]
 
 
 # ------------------------------------------------------------------ replay in this process
