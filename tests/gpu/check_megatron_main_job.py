@@ -49,9 +49,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-from gpu_common import REPO, demo_args, missing_gpu_stack, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 
 def preset_flags(name: str) -> list[str]:
@@ -148,14 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--actor-num-gpus-per-node", str(options.trainer_ranks),
                  "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8",
                  "--expert-model-parallel-size", str(options.expert_parallel)]
-    print("$ vime train " + " ".join(args), flush=True)
-    started = time.monotonic()
-    result = subprocess.run(vime + ["train", *args], cwd=REPO, env=env, timeout=options.timeout)
-    print(f"run finished in {time.monotonic() - started:.0f}s with exit code {result.returncode}", flush=True)
-
-    failures: list[str] = []
-    if result.returncode != 0:
-        failures.append(f"vime train exited with {result.returncode}")
+    failures = run_vime_train(args, env=env, timeout=options.timeout)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
     evals = [r for r in records if r.get("kind") == "eval"]

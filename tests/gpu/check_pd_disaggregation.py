@@ -29,9 +29,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-from gpu_common import REPO, demo_args, missing_gpu_stack, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip  # noqa: E402 - this folder's shared helpers
 
 CONFIG = """\
 vllm:
@@ -78,14 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(options.num_rollout))
     args += ["--vllm-config", config, "--rollout-num-gpus", "2"]
-    print("$ vime train " + " ".join(args), flush=True)
-    started = time.monotonic()
-    result = subprocess.run(vime + ["train", *args], cwd=REPO, env=env, timeout=options.timeout)
-    print(f"run finished in {time.monotonic() - started:.0f}s with exit code {result.returncode}", flush=True)
-
-    failures: list[str] = []
-    if result.returncode != 0:
-        failures.append(f"vime train exited with {result.returncode}")
+    failures = run_vime_train(args, env=env, timeout=options.timeout)
     logs = os.path.join(run_dir, "logs")
     if "VllmPDRouter" not in read(os.path.join(logs, "router.log")):
         failures.append("the actor's router did not run in PD mode (no VllmPDRouter in logs/router.log)")

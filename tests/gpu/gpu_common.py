@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import time
 
 SKIP = 77
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,3 +56,13 @@ def set_flag(args: list[str], flag: str, value: str) -> None:
         args[args.index(flag) + 1] = value
     else:
         args += [flag, value]
+
+
+def run_vime_train(args: list[str], *, env: dict, timeout: float) -> list[str]:
+    """Run ``vime train args`` from the checkout (command and outcome printed); the failures so far:
+    none, or its non-zero exit status."""
+    print("$ vime train " + " ".join(args), flush=True)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO, env=env, timeout=timeout)
+    print(f"run finished in {time.monotonic() - started:.0f}s with exit code {result.returncode}", flush=True)
+    return [] if result.returncode == 0 else [f"vime train exited with {result.returncode}"]
