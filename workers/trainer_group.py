@@ -26,10 +26,6 @@ class TrainerGroup:
         """Rank 0: the one that writes weights and checkpoints and sends NCCL broadcasts."""
         return self.ranks[0]
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
     @classmethod
     def start(cls, spec, world_size: int, *, gpus_per_rank: float = 0, timeout: float = 600.0) -> "TrainerGroup":
         """Start ``world_size`` ranks of ``TrainerWorker(spec)``; with more than one, form their process group

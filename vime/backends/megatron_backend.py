@@ -163,6 +163,7 @@ class MegatronBackend(TorchBackend):
         self.critic_gpt, self.critic_model = None, None
         if algo.uses_critic:
             self.critic = self._build_critic(roles.role("critic"), roles.source, source)
+        self.expert_param_ids = self._routed_expert_param_ids()  # reduced over their own groups (EP)
         self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
         self.ref_gpt, self.ref_model = None, None
@@ -385,13 +386,12 @@ class MegatronBackend(TorchBackend):
 
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
-    def _expert_params(self, params: list[torch.Tensor]) -> set[int]:
-        """ids of the routed experts' parameters among ``params`` (actor's or critic's)."""
+    def _routed_expert_param_ids(self) -> set[int]:
+        """ids of the routed experts' parameters, actor's and critic's."""
         from vime.backends.megatron_model import is_expert_param
 
-        ids = {id(p) for p in params}
         return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
-                for name, p in gpt.named_parameters() if id(p) in ids and is_expert_param(name)}
+                for name, p in gpt.named_parameters() if is_expert_param(name)}
 
     def _sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' gradients add up; under expert parallelism an expert's only over the ranks that hold it
@@ -399,7 +399,7 @@ class MegatronBackend(TorchBackend):
         if self.expert_dp is None:
             self.dp.sum_gradients(params)
             return
-        experts = self._expert_params(params)
+        experts = self.expert_param_ids
         self.dp.sum_gradients([p for p in params if id(p) not in experts])
         self.expert_dp.sum_gradients([p for p in params if id(p) in experts])
 
@@ -437,7 +437,7 @@ class MegatronBackend(TorchBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        experts = self._expert_params(params)
+        experts = self.expert_param_ids
         grads = [p.grad for p in params if p.grad is not None]
         zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
         dense = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) not in experts), zero)
