@@ -1,7 +1,8 @@
 """Test-side shim that lets megatron-core 0.16 run its forward/backward on CPU.
 
 megatron-core hard-codes CUDA in a few places that a CPU forward reaches: buffers created with
-``device=torch.cuda.current_device()`` (tensor-parallel gathers, RoPE frequencies, masks) and the
+``device=torch.cuda.current_device()`` (tensor-parallel gathers, RoPE frequencies, masks), ``Tensor.cuda()``
+(the tied embedding's copy on the last pipeline stage) and the
 CUDA RNG tracker its attention forks around dropout. :func:`install` redirects both to the CPU for
 this process only: ``torch.cuda.current_device()`` answers ``"cpu"`` and the tracker keeps CPU
 generator states. Production code never installs it (the Megatron backend refuses a machine
@@ -72,6 +73,8 @@ def install() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.manual_seed_all = lambda seed: None
     torch.cuda.synchronize = lambda device=None: None  # dist-checkpoint writers synchronise after D2H copies
+    # Pipeline stages move the tied output layer's copy of the embedding "to the GPU" before its all-reduce.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     mp_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _INSTALLED = True

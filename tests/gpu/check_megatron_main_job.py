@@ -2,7 +2,7 @@
 
     python tests/gpu/check_megatron_main_job.py [--num-rollout 40] [--packing auto|thd|padded] [--keep DIR]
     python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
-    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2]   # 3+ GPUs
+    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2 | --pipeline-parallel 2]  # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-parallel 2   # 3+ GPUs
 
 Needs one CUDA GPU, the official vLLM and megatron-core (``pip install -e '.[gpu,dev]'``). It
@@ -30,7 +30,8 @@ algorithm checks still accept only an HF folder there, and only with a KL term.
 
 ``--trainer-ranks N`` trains on N Megatron ranks (``--actor-num-gpus-per-node N``, one GPU each, beside the
 engine's GPU), with ``--tensor-parallel T`` as ``--tensor-model-parallel-size`` (the rest are data-parallel
-replicas; docs/parallelism.md), or ``--expert-parallel E`` as ``--expert-model-parallel-size`` (with
+replicas; docs/parallelism.md), ``--pipeline-parallel P`` as ``--pipeline-model-parallel-size`` (the tiny
+Qwen2's two layers over P stages), or ``--expert-parallel E`` as ``--expert-model-parallel-size`` (with
 ``--moe-r3``: the experts spread over E ranks). It needs N + 1 GPUs.
 
 Ray normally hides the GPU from actors that reserve none; the run is started with
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-r3", action="store_true", help="a tiny Qwen3-MoE with --use-rollout-routing-replay")
     parser.add_argument("--trainer-ranks", type=int, default=1, help="Megatron trainer ranks, one GPU each")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-model-parallel-size of the ranks")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, help="--pipeline-model-parallel-size of the ranks")
     parser.add_argument("--expert-parallel", type=int, default=1, help="--expert-model-parallel-size (with --moe-r3)")
     options = parser.parse_args(argv)
 
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         # Two replicas share each step's micro-batches: the global batch must split evenly.
         args += ["--actor-num-gpus-per-node", str(options.trainer_ranks),
                  "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8",
+                 "--pipeline-model-parallel-size", str(options.pipeline_parallel),
                  "--expert-model-parallel-size", str(options.expert_parallel)]
     failures = run_vime_train(args, env=env, timeout=options.timeout)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")

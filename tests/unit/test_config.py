@@ -45,7 +45,9 @@ def test_colocate_is_synchronous(model_dir):
     (["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2", "--rollout-batch-size", "3",
       "--n-samples-per-prompt", "2"], "--global-batch-size"),
     (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
+    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),
 ])
 def test_bad_values_name_the_flag(model_dir, extra, flag):
@@ -82,6 +84,16 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
         s.megatron.expert_model_parallel_size, s.megatron.ckpt_format = 4, "torch_dist"
     s.megatron.tensor_model_parallel_size = 2
     with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with"):
+        check_trainer_parallelism(s)
+    # Pipeline stages: TP x PP must divide the ranks; the rest are replicas.
+    s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
+    check_trainer_parallelism(s)  # TP 2 x PP 2: one replica
+    s.megatron.pipeline_model_parallel_size = 4
+    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size: 4 x --tensor-model-parallel-size 2 must "
+                                          "divide the trainer's 4 rank"):
+        check_trainer_parallelism(s)
+    s.megatron.tensor_model_parallel_size, s.megatron.expert_model_parallel_size = 1, 2
+    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with --pipeline"):
         check_trainer_parallelism(s)
 
 

@@ -63,6 +63,24 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
         metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
         backend.save_training_state(os.path.join(work, "megatron_ckpt"))  # every rank: one torch_dist checkpoint
         results["megatron"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+    elif backend_name == "megatron_pp":  # two pipeline stages of one layer each, embeddings tied across them
+        from vime.backends.megatron_backend import MegatronBackend
+        from vime.backends.megatron_model import Parallelism
+
+        for name, algorithm in TORCH_RUNS.items():
+            backend = MegatronBackend(trainer_spec(model_dir, **algorithm),
+                                      megatron_spec(model_dir, parallel=Parallelism(pipeline=2)))
+            assert backend.pipeline.rank == rank and len(backend.gpt.decoder.layers) == 1
+            metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+            backend.save_training_state(os.path.join(work, f"pp_{name}_ckpt"))
+            backend.save_weights(os.path.join(work, f"pp_{name}_weights"))  # the first stage writes
+            results[name] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+        # An MoE model whose recorded routes (R3) each stage replays in its own layers, with the aux loss.
+        from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
+
+        backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
+        results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
+                                         for seed in (0, 1)]}
     else:  # expert parallelism 2 on an MoE model: each rank holds 2 of the 4 experts
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
@@ -77,6 +95,14 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
     torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _routed_specs(moe_dir: str, parallel):
+    from tests.unit.test_megatron_backend import megatron_spec, trainer_spec
+    from vime.backends.megatron_model import MoeOptions
+
+    return (trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]),
+            megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
 
 
 def _two_ranks(backend_name: str, model_dir: str, work: str) -> list[dict]:
@@ -161,6 +187,63 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     resumed.load_training_state(str(tmp_path / "ep_ckpt"))
     for name, tensor in resumed.hf_named_weights():
         torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)
+
+
+def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str) -> str:
+    import shutil
+
+    megatron_shim.tiny_hf_model(folder, "qwen2", tie=True)
+    for name in os.listdir(tokenizer_source):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(tokenizer_source, name), folder)
+    return folder
+
+
+def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
+    """Pipeline parallelism 2 (one decoder layer per stage; the input embedding on the first stage and its
+    tied copy, the output layer, on the last): the torch backend's single-rank numbers, with KL and entropy
+    and with PPO's critic (a pipelined value model too); the stages' weights gathered for export; the
+    torch_dist checkpoint resumed in one stage. And an MoE model with recorded routes (R3) and the
+    routers' auxiliary loss: the numbers of the same run in one stage."""
+    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
+    from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_model import Parallelism
+    from vime.backends.torch_backend import TorchBackend
+
+    tied = _tied_qwen2_with_tokenizer(str(tmp_path / "tied"), model_dir)
+    moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
+                                              **megatron_shim.MOE_VARIANTS["qwen3_moe"])
+    ranks = _two_ranks("megatron_pp", tied, str(tmp_path))
+    megatron_shim.install()
+    one_stage = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
+    for seed in (0, 1):
+        expected = one_stage.train_rollout(routed_samples(seed, routes=True), 0)
+        for rank in ranks:
+            assert_same_metrics(rank["moe_r3"]["metrics"][seed], expected)
+    for name, algorithm in TORCH_RUNS.items():
+        reference = TorchBackend(trainer_spec(tied, **algorithm))
+        for seed in (0, 1):
+            expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
+            for rank in ranks:
+                assert_same_metrics(rank[name]["metrics"][seed], expected)
+        expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
+        assert "lm_head.weight" not in ranks[0][name]["weights"]  # tied: exported once, as the embedding
+        for rank in ranks:
+            assert rank[name]["weights"].keys() == expected_weights.keys()
+            for param_name, tensor in expected_weights.items():
+                torch.testing.assert_close(rank[name]["weights"][param_name], tensor, rtol=0, atol=2e-5,
+                                           msg=f"{name}: {param_name}")
+        from vime.backends.megatron_convert import read_hf_state_dict
+
+        written = read_hf_state_dict(str(tmp_path / f"pp_{name}_weights"))
+        assert written.keys() == expected_weights.keys()
+        for param_name, tensor in expected_weights.items():
+            torch.testing.assert_close(written[param_name], tensor, rtol=0, atol=2e-5, msg=param_name)
+        resumed = MegatronBackend(trainer_spec(tied, **algorithm), megatron_spec(tied))
+        resumed.load_training_state(str(tmp_path / f"pp_{name}_ckpt"))
+        for param_name, tensor in resumed.hf_named_weights():
+            torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
 
 
 def test_expert_parallel_ranks_refuse_a_rollout_they_cannot_share_evenly():

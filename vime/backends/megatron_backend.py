@@ -7,9 +7,11 @@ from the Megatron flags (``vime.backends.megatron_args``):
 - batching: ``thd`` packing (sequences back to back, varlen attention) when Transformer Engine is
   usable on CUDA, otherwise right-padded micro-batches with an explicit causal mask, so no
   ``--seq-length`` is needed either way;
-- tensor parallelism inside the process group its caller set up (``vime train`` runs one trainer
-  process: TP = 1 there); the gradient norm for clipping is reduced over the tensor-parallel group
-  (each replicated parameter counted once), as are the norm gradients sequence parallelism leaves partial;
+- data, tensor, expert and pipeline parallelism inside the process group its caller set up (``vime train``
+  starts one trainer rank per GPU, docs/parallelism.md); the gradient norm for clipping is reduced over the
+  tensor-parallel and pipeline groups (each replicated parameter counted once), as are the norm gradients
+  sequence parallelism leaves partial; pipeline stages pass hidden states and their gradients
+  (``megatron_pipeline``);
 - a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA);
 - initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
   ``--hf-checkpoint``; the KL reference model from the same;
@@ -120,10 +122,11 @@ class MegatronBackend(TorchBackend):
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 
-        # Ranks beyond tensor parallelism hold replicas: data parallelism over Megatron's group.
+        # Ranks beyond tensor and pipeline parallelism hold replicas: data parallelism over Megatron's group.
         self.dp = DataParallel(ps.get_data_parallel_group())
-        if megatron.parallel.pipeline != 1 or megatron.parallel.context != 1:
-            raise NotImplementedError("pipeline and context parallelism are not wired into the Megatron backend")
+        if megatron.parallel.context != 1:
+            raise NotImplementedError("context parallelism is not wired into the Megatron backend")
+        self.pipeline = self._pipeline(megatron)
         self.expert_dp = None
         if megatron.parallel.expert > 1:
             self._check_expert_parallelism(megatron)
@@ -147,8 +150,7 @@ class MegatronBackend(TorchBackend):
         self._check_moe_tensor_parallelism(megatron, te=self.packing == "thd")
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
-        self.model = mm.MegatronLM(self.gpt, megatron.model.vocab_size, self.packing,
-                                   megatron.parallel.sequence_parallel, model_args=megatron.model)
+        self.model = self._language_model(self.gpt, megatron.model.vocab_size)
         self.model.train()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -170,8 +172,7 @@ class MegatronBackend(TorchBackend):
         if algo.needs_reference_model:
             self.ref_gpt = self._build_and_load(megatron.ref_load or spec.hf_checkpoint)
             self.ref_gpt.eval().requires_grad_(False)
-            self.ref_model = mm.MegatronLM(self.ref_gpt, megatron.model.vocab_size, self.packing,
-                                           megatron.parallel.sequence_parallel, model_args=megatron.model)
+            self.ref_model = self._language_model(self.ref_gpt, megatron.model.vocab_size)
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
         self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=spec.n_samples_per_prompt,
                                             rollout_temperature=spec.rollout_temperature,
@@ -180,6 +181,29 @@ class MegatronBackend(TorchBackend):
                              if algo.use_score_centering else None)
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _pipeline(megatron: MegatronBackendSpec):
+        """This rank's pipeline stage (None without pipeline parallelism)."""
+        from vime.backends.megatron_pipeline import Pipeline
+
+        stages, model = megatron.parallel.pipeline, megatron.model
+        if stages == 1:
+            return None
+        if model.num_layers % stages:
+            raise ValueError(f"--pipeline-model-parallel-size {stages} must divide the model's {model.num_layers} "
+                             "layers (--num-layers)")
+        if megatron.parallel.expert > 1:
+            raise NotImplementedError("--pipeline-model-parallel-size with --expert-model-parallel-size > 1 is not "
+                                      "wired yet")
+        return Pipeline()
+
+    def _language_model(self, gpt, vocab_size: int):
+        from vime.backends.megatron_model import MegatronLM
+
+        m = self.megatron
+        return MegatronLM(gpt, vocab_size, self.packing, m.parallel.sequence_parallel, model_args=m.model,
+                          pipeline=self.pipeline)
+
     @staticmethod
     def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec, *, te: bool) -> None:
         """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which its
@@ -248,8 +272,7 @@ class MegatronBackend(TorchBackend):
             megatron_critic.load_initial(self.critic_gpt, actor_source, m.model)
         self.critic_gpt.train()
         # The head's single output is batched like logits; R3 routes are the actor's and are not replayed here.
-        self.critic_model = mm.MegatronLM(self.critic_gpt, 1, self.packing, m.parallel.sequence_parallel,
-                                          model_args=m.model)
+        self.critic_model = self._language_model(self.critic_gpt, 1)
         self.critic_save = role.save
         return make_role("critic", self.critic_gpt, self.spec, role, yaml)
 
@@ -275,26 +298,48 @@ class MegatronBackend(TorchBackend):
         results come back to the CPU (differentiably), where the shared loss code runs."""
         if model is self.ref_model and self._log_prob_hook_due is not None:
             self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       routes=self._batch_routes(batch)).logits[:, :-1]
-        if self.spec.rollout_temperature > 0:
-            logits = logits / self.spec.rollout_temperature
-        log_softmax = torch.log_softmax(logits.float(), dim=-1)
-        targets = batch.targets.to(log_softmax.device)
-        out = Forward(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu())
-        if entropy == "loss":
-            out.entropy = token_entropy(log_softmax).cpu()
-        elif entropy == "metric":
-            with torch.no_grad():
-                out.entropy = token_entropy(log_softmax.detach()).cpu()
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       routes=self._batch_routes(batch))
+
+        def per_token(logits: torch.Tensor) -> list[torch.Tensor]:
+            logits = logits[:, :-1]
+            if self.spec.rollout_temperature > 0:
+                logits = logits / self.spec.rollout_temperature
+            log_softmax = torch.log_softmax(logits.float(), dim=-1)
+            targets = batch.targets.to(log_softmax.device)
+            results = [log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)]
+            if entropy == "loss":
+                results.append(token_entropy(log_softmax))
+            elif entropy == "metric":
+                with torch.no_grad():
+                    results.append(token_entropy(log_softmax.detach()))
+            if heads:
+                results.append(log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)))
+            return results
+
+        tokens = tuple(batch.targets.shape)
+        shapes = [tokens] * (1 + (entropy is not None)) + ([tuple(batch.head_ids.shape)] if heads else [])
+        results = [r.cpu() for r in self._stage_results(output, per_token, shapes)]
+        out = Forward(results.pop(0))
+        if entropy is not None:
+            out.entropy = results.pop(0)
         if heads:
-            out.head_log_probs = log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)).cpu()
+            out.head_log_probs = results.pop(0)
         return out
 
     def _values(self, batch) -> torch.Tensor:
         """The critic's value of each target's prefix, [B, T-1] on the CPU (differentiably), like the torch
         backend's."""
-        return self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1, 0].cpu()
+        output = self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        values = self._stage_results(output, lambda logits: [logits[:, :-1, 0]], [tuple(batch.targets.shape)])
+        return values[0].cpu()
+
+    def _stage_results(self, output, compute, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """``compute(logits)``; under pipeline parallelism the last stage's, on every stage
+        (``megatron_pipeline``)."""
+        if self.pipeline is None:
+            return compute(output.logits)
+        return self.pipeline.results(output, compute, shapes)
 
     def _batch_routes(self, batch) -> list[torch.Tensor] | None:
         """R3: the recorded experts of each row of ``batch`` (None without --use-rollout-routing-replay).
@@ -412,7 +457,11 @@ class MegatronBackend(TorchBackend):
         max_norm = clip_grad if clip_grad > 0 else math.inf
         if self.expert_dp is not None:
             return self._clip_with_expert_parallelism(params, max_norm)
-        if ps.get_tensor_model_parallel_world_size() == 1:
+        if self.pipeline is not None:
+            from vime.backends.megatron_pipeline import sum_tied_embedding_gradients
+
+            sum_tied_embedding_gradients(params)
+        elif ps.get_tensor_model_parallel_world_size() == 1:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         group = ps.get_tensor_model_parallel_group()
         for p in params:
@@ -423,9 +472,10 @@ class MegatronBackend(TorchBackend):
                 dist.all_reduce(p.grad, group=group)
         squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            # A tensor-parallel duplicate, or the last stage's copy of a tied embedding, counts once.
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
                 squares += p.grad.float().pow(2).sum()
-        dist.all_reduce(squares, group=group)
+        dist.all_reduce(squares, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
         norm = squares.sqrt()
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
@@ -461,7 +511,8 @@ class MegatronBackend(TorchBackend):
 
         from vime.backends.megatron_model import gather_canonical
 
-        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        if (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
+                or self.pipeline is not None):
             gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:

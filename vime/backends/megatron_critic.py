@@ -62,6 +62,8 @@ def build_value_gpt(args: ModelArgs, parallel, *, seed: int, **build_kwargs):
     # Untied: with tied embeddings megatron-core would hand the embedding matrix to the output layer
     # and tie the two in its sharded state dict; the critic's head has nothing to share.
     gpt = mm.build_gpt_model(dataclasses.replace(args, tie_embeddings=False), parallel, **build_kwargs)
+    if not gpt.post_process:
+        return gpt  # a pipeline stage before the last: no output layer, no head
     with torch.random.fork_rng(devices=[]):
         # Its own stream: the same head on every TP rank, and the run's RNG (dropout, the actor) untouched.
         torch.manual_seed(seed)
@@ -83,8 +85,9 @@ def load_hf_body(gpt, folder: str, args: ModelArgs) -> None:
     # No lm_head is needed (nor used) for the body: convert as a tied model.
     body = {k: v for k, v in hf_to_mcore(hf, dataclasses.replace(args, tie_embeddings=True)).items()
             if not k.startswith(HEAD_PREFIX)}
-    # load_canonical wants every parameter: the head's own values stand in for the missing head.
-    head = {HEAD_PREFIX + k: v.detach() for k, v in gpt.output_layer.state_dict().items()}
+    # load_canonical wants every parameter: the head's own values stand in for the missing head (on the
+    # last pipeline stage, which holds it).
+    head = {HEAD_PREFIX + k: v.detach() for k, v in gpt.output_layer.state_dict().items()} if gpt.post_process else {}
     load_canonical(gpt, {**body, **head}, args)
 
 
@@ -93,6 +96,8 @@ def load_torch_critic_head(gpt, folder: str) -> None:
 
     from vime.backends.torch_backend import VALUE_HEAD_FILE
 
+    if not gpt.post_process:
+        return  # a pipeline stage before the last holds no head
     state = load_file(os.path.join(folder, VALUE_HEAD_FILE))
     with torch.no_grad():
         for name, param in gpt.output_layer.named_parameters():

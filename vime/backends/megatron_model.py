@@ -136,7 +136,7 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
-        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32,
+        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -175,8 +175,11 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    from megatron.core import parallel_state as ps
+
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         vocab_size=args.padded_vocab_size(vocab_divisible_by, parallel.tensor),
         max_sequence_length=args.max_position_embeddings, parallel_output=False,
         share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope",
@@ -228,11 +231,30 @@ def _is_fc1(name: str) -> bool:
     return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _is_tied_copy(param) -> bool:
+    """The last pipeline stage's copy of a tied input embedding (megatron-core marks it ``shared``)."""
+    return getattr(param, "shared", False)
+
+
 def _canonical_names(model) -> dict[str, str]:
-    """Model parameter name -> canonical (local-spec) name, experts numbered globally: under expert
-    parallelism rank r's local expert i is expert ``r * local experts + i``."""
+    """Model parameter name -> canonical (local-spec) name, layers and experts numbered globally: a
+    pipeline stage's layer i is layer ``first layer of the stage + i``, and under expert parallelism rank
+    r's local expert i is expert ``r * local experts + i``. A last stage's copy of a tied embedding is the
+    embedding."""
+    from vime.backends.megatron_pipeline import stage_layers
+
     names = [n for n, _ in model.named_parameters()]
     canonical = dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
+    offset = stage_layers(model).start
+    if offset:
+        canonical = {n: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", c)
+                     for n, c in canonical.items()}
+    for name, param in model.named_parameters():
+        if _is_tied_copy(param):
+            canonical[name] = VOCAB_PARAMS[0]
     ep_rank, ep_size, _ = _ep()
     if ep_size == 1:
         return canonical
@@ -261,6 +283,7 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
     unused = set(canonical) - set(names.values())
     if _ep()[1] > 1:  # the other expert-parallel ranks' experts
         unused = {c for c in unused if _local_expert_index(c) is None}
+    unused = {c for c in unused if _held_by_this_stage(c, model)}
     unused = sorted(unused)
     if missing or unused:
         raise ValueError(f"state dict does not fit the model: missing {missing[:6]}, unused {unused[:6]}")
@@ -283,9 +306,21 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
             param.copy_(full.to(param.device))
 
 
+def _held_by_this_stage(canonical_name: str, model) -> bool:
+    """Whether a canonical tensor belongs to this pipeline stage's slice of the model."""
+    layer = _LAYER.match(canonical_name)
+    if layer is not None:
+        from vime.backends.megatron_pipeline import stage_layers
+
+        return int(layer.group(1)) in stage_layers(model)
+    if canonical_name.startswith("embedding."):
+        return model.pre_process
+    return model.post_process  # the final norm and the output layer
+
+
 def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str, torch.Tensor]:
-    """The canonical (full, unpadded) state dict of a tensor-parallel ``model``; every rank of the
-    tensor-parallel group must call it (it gathers)."""
+    """The canonical (full, unpadded) state dict of a tensor-, expert- or pipeline-parallel ``model``; every
+    rank of those groups must call it (it gathers)."""
     import torch.distributed as dist
 
     rank, size, group = _tp()
@@ -293,6 +328,8 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
     out = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if _is_tied_copy(param):
+                continue  # the first stage holds the embedding
             tensor = param.detach()
             if size > 1 and getattr(param, "tensor_model_parallel", False):
                 parts = [torch.empty_like(tensor) for _ in range(size)]
@@ -308,7 +345,22 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
     ep_rank, ep_size, ep_group = _ep()
     if ep_size > 1:
         out = _gather_experts(out, local_expert_count(model), ep_size, ep_group, to_cpu=to_cpu)
-    return out
+    return _gather_stages(out, to_cpu=to_cpu)
+
+
+def _gather_stages(local: dict[str, torch.Tensor], *, to_cpu: bool) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's tensors, in layer order (every rank of the pipeline group calls it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    size = ps.get_pipeline_model_parallel_world_size()
+    if size == 1:
+        return local
+    stages = [None] * size
+    dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in local.items()},
+                           group=ps.get_pipeline_model_parallel_group())
+    here = device()
+    return {name: tensor if to_cpu else tensor.to(here) for stage in stages for name, tensor in stage.items()}
 
 
 def _gather_experts(local: dict[str, torch.Tensor], experts: int, ep_size: int, group, *,
@@ -334,7 +386,8 @@ def _gather_experts(local: dict[str, torch.Tensor], experts: int, ep_size: int, 
 # ---------------------------------------------------------------------------------------------- forward
 @dataclasses.dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None = None  # a pipeline stage before the last: the hidden states it passes on
 
 
 class MegatronLM(torch.nn.Module):
@@ -348,16 +401,34 @@ class MegatronLM(torch.nn.Module):
     ``routes`` (MoE, R3): per row, the recorded experts [positions, MoE layers, topk] of its first
     positions (``megatron_routing.sample_routes``); the forward routes those positions to them.
     Without ``routes`` the routers choose freely.
+
+    Under pipeline parallelism (``pipeline``) a stage after the first takes its input from the previous
+    stage, and a stage before the last returns its hidden states (``CausalLMOutput.hidden``) instead of logits.
     """
 
     def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False,
-                 model_args: ModelArgs | None = None):
+                 model_args: ModelArgs | None = None, pipeline=None):
         super().__init__()
         self.gpt = gpt
         self.vocab_size = vocab_size
         self.packing = packing
         self.sequence_parallel = sequence_parallel
         self.model_args = model_args
+        self.pipeline = pipeline
+        self._stage_moe_layers = self._moe_layers_of_stage()
+
+    def _moe_layers_of_stage(self) -> list[int] | None:
+        """Positions, among the model's MoE layers, of those this pipeline stage holds (None: all)."""
+        if self.pipeline is None or self.model_args is None or not self.model_args.is_moe:
+            return None
+        from vime.backends.megatron_pipeline import stage_layers
+
+        held = stage_layers(self.gpt)
+        return [i for i, layer in enumerate(self.model_args.moe_layers) if layer in held]
+
+    @property
+    def _last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.last
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 routes: list[torch.Tensor] | None = None) -> CausalLMOutput:
@@ -372,13 +443,19 @@ class MegatronLM(torch.nn.Module):
             if len(routes) != input_ids.shape[0]:
                 raise ValueError(f"routes for {len(routes)} rows, the batch has {input_ids.shape[0]}")
         self._routes = routes
+        if self.pipeline is not None and not self.pipeline.first:
+            self.gpt.set_input_tensor(self.pipeline.receive_input(self.gpt.config.params_dtype, dev))
+        batch, length = input_ids.shape
         if self.packing == "thd":
-            logits = self._forward_thd(input_ids, attention_mask)
+            output = self._forward_thd(input_ids, attention_mask)
         else:
-            batch, length = input_ids.shape
             input_ids, attention_mask = self._lockstep_padded(input_ids, attention_mask)
-            logits = self._forward_padded(input_ids, attention_mask)[:batch, :length]
-        return CausalLMOutput(logits[..., :self.vocab_size].float())
+            output = self._forward_padded(input_ids, attention_mask)
+        if not self._last_stage:
+            return CausalLMOutput(logits=None, hidden=output)
+        if self.packing != "thd":
+            output = output[:batch, :length]
+        return CausalLMOutput(output[..., :self.vocab_size].float())
 
     def _lockstep(self):
         """The group whose ranks exchange tokens inside every MoE layer (expert parallelism), or None.
@@ -429,8 +506,11 @@ class MegatronLM(torch.nn.Module):
             mr.force_routes(self.gpt, None)
             return
         rank, size, _ = _tp()
-        mr.force_routes(self.gpt, mr.per_layer(layout_fn(), tp_rank=rank, tp_size=size,
-                                               sequence_parallel=self.sequence_parallel, device=device()))
+        layers = mr.per_layer(layout_fn(), tp_rank=rank, tp_size=size, sequence_parallel=self.sequence_parallel,
+                              device=device())
+        if self._stage_moe_layers is not None:
+            layers = [layers[i] for i in self._stage_moe_layers]
+        mr.force_routes(self.gpt, layers)
 
     def _tp_multiple(self) -> int:
         return _tp()[1] if self.sequence_parallel else 1
@@ -451,7 +531,8 @@ class MegatronLM(torch.nn.Module):
         self._force(lambda: padded_layout(self._routes, padded, self.model_args))
         padding = attention_mask == 0
         padding[self._real_rows:] = True  # lockstep padding rows stay out of the routers' statistics
-        return self.gpt(input_ids, positions, mask, **self._padding(padding))[:, :length]
+        output = self.gpt(input_ids, positions, mask, **self._padding(padding))
+        return output[:, :length] if self._last_stage else output
 
     def _forward_thd(self, input_ids, attention_mask):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -481,8 +562,11 @@ class MegatronLM(torch.nn.Module):
 
         self._force(lambda: packed_layout(self._routes, lengths, total + extra, self.model_args))
         padding = torch.arange(total + extra, device=input_ids.device) >= total
-        packed = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params,
-                          **self._padding(padding.unsqueeze(0)))[0]
+        output = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params,
+                          **self._padding(padding.unsqueeze(0)))
+        if not self._last_stage:
+            return output
+        packed = output[0]
         rows = [torch.nn.functional.pad(packed[start:start + n], (0, 0, 0, length - n))
                 for start, n in zip(bounds[:-1], lengths)]
         return torch.stack(rows)

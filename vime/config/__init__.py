@@ -153,26 +153,33 @@ def validate(settings: TrainSettings) -> None:
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:
     """The trainer's ranks (--actor-num-nodes x --actor-num-gpus-per-node) split into tensor-parallel groups
-    (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are shared by the replicas,
-    so (as in Megatron) --global-batch-size must be a multiple of --micro-batch-size x the replicas. Expert
-    parallelism (Megatron, MoE) spreads each layer's experts over groups of replicas."""
+    and pipeline stages (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are
+    shared by the replicas, so (as in Megatron) --global-batch-size must be a multiple of --micro-batch-size x
+    the replicas. Expert parallelism (Megatron, MoE) spreads each layer's experts over groups of replicas."""
     ranks, tp = settings.cluster.num_trainers, settings.megatron.tensor_model_parallel_size
+    pp = settings.megatron.pipeline_model_parallel_size
+    where = f"the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
     if tp > 1:
         require(settings.train.train_backend == "megatron", "--tensor-model-parallel-size",
                 f"{tp} needs --train-backend megatron (the torch backend's ranks are data-parallel replicas)")
-        require(ranks % tp == 0, "--tensor-model-parallel-size",
-                f"{tp} must divide the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)")
+        require(ranks % tp == 0, "--tensor-model-parallel-size", f"{tp} must divide {where}")
+    if pp > 1:
+        require(settings.train.train_backend == "megatron", "--pipeline-model-parallel-size",
+                f"{pp} needs --train-backend megatron")
+        require(ranks % (tp * pp) == 0, "--pipeline-model-parallel-size",
+                f"{pp} x --tensor-model-parallel-size {tp} must divide {where}")
     ep = settings.megatron.expert_model_parallel_size
     if ep > 1:
         require(settings.train.train_backend == "megatron", "--expert-model-parallel-size",
                 f"{ep} needs --train-backend megatron")
         require(tp == 1, "--expert-model-parallel-size",
                 "expert parallelism with --tensor-model-parallel-size > 1 is not wired yet")
-        require(ranks % ep == 0, "--expert-model-parallel-size",
-                f"{ep} must divide the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)")
+        require(pp == 1, "--expert-model-parallel-size",
+                "expert parallelism with --pipeline-model-parallel-size > 1 is not wired yet")
+        require(ranks % ep == 0, "--expert-model-parallel-size", f"{ep} must divide {where}")
         require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
                 "'torch' cannot hold experts spread over expert-parallel ranks; use torch_dist")
-    replicas = ranks // tp
+    replicas = ranks // (tp * pp)
     per_step = settings.train.micro_batch_size * replicas
     require(replicas == 1 or settings.global_batch_size % per_step == 0, "--global-batch-size",
             f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "

@@ -13,7 +13,7 @@ import dataclasses
 
 from vime.config.base import ConfigError, option, require
 
-NOT_WIRED = ("vime's trainer is data-, tensor- and expert-parallel only for now: pipeline and context parallelism "
+NOT_WIRED = ("vime's trainer is data-, tensor-, pipeline- and expert-parallel only for now: context parallelism "
              "and expert tensor parallelism are not wired, so this must be 1 (see docs/parallelism.md)")
 
 
@@ -46,7 +46,9 @@ class MegatronConfig:
     hidden_dropout: float = option(0.0, "Hidden dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     tensor_model_parallel_size: int = option(1, "Tensor parallelism of training.")
     sequence_parallel: bool = option(False, "Sequence parallelism (with TP).")
-    pipeline_model_parallel_size: int = option(1, "Pipeline parallelism of training.")
+    pipeline_model_parallel_size: int = option(
+        1, "Pipeline parallelism of training: the decoder layers split evenly over this many stages (Megatron "
+        "backend; stages run one micro-batch at a time, see docs/parallelism.md).")
     context_parallel_size: int = option(1, "Context parallelism of training.")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(None, "Tensor parallelism of MoE experts.")
@@ -138,9 +140,9 @@ class MegatronConfig:
     def validate(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
         require(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size", "must be >= 1")
-        for name in ("pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ConfigError("--" + name.replace("_", "-"), NOT_WIRED)
+        require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size", "must be >= 1")
+        if self.context_parallel_size != 1:
+            raise ConfigError("--context-parallel-size", NOT_WIRED)
         if self.expert_tensor_parallel_size not in (None, 1):
             raise ConfigError("--expert-tensor-parallel-size", NOT_WIRED)
         if self.make_vocab_size_divisible_by < 1:
