@@ -92,9 +92,9 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size: 4 x --tensor-model-parallel-size 2 must "
                                           "divide the trainer's 4 rank"):
         check_trainer_parallelism(s)
-    s.megatron.tensor_model_parallel_size, s.megatron.expert_model_parallel_size = 1, 2
-    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with --pipeline"):
-        check_trainer_parallelism(s)
+    s.megatron.tensor_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
+    s.megatron.expert_model_parallel_size = 2
+    check_trainer_parallelism(s)  # 2 stages of 2 ranks, experts spread over both ranks of a stage
 
 
 def test_missing_prompt_data_and_model_are_named(tmp_path):

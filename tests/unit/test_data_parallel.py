@@ -29,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) -> None:
+def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
         from tests import megatron_shim as shim
 
         shim.install()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
 
     results = {}
@@ -81,13 +81,14 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str) ->
         backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
         results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
                                          for seed in (0, 1)]}
-    else:  # expert parallelism 2 on an MoE model: each rank holds 2 of the 4 experts
+    else:  # expert parallelism 2 on an MoE model: each rank holds 2 of the 4 experts (and one layer with PP 2)
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
 
         backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
-                                  megatron_spec(model_dir, parallel=Parallelism(expert=2)))
+                                  megatron_spec(model_dir, parallel=Parallelism(expert=2, pipeline=world // 2)))
         assert local_expert_count(backend.gpt) == 2 and backend.dp.size == 2
+        assert len(backend.gpt.decoder.layers) == 2 // (world // 2)
         # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
         metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
         backend.save_training_state(os.path.join(work, "ep_ckpt"))
@@ -105,9 +106,10 @@ def _routed_specs(moe_dir: str, parallel):
             megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
 
 
-def _two_ranks(backend_name: str, model_dir: str, work: str) -> list[dict]:
-    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name), nprocs=2, join=True)
-    return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in (0, 1)]
+def _two_ranks(backend_name: str, model_dir: str, work: str, world: int = 2) -> list[dict]:
+    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world), nprocs=world,
+                                join=True)
+    return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +160,18 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     assert_same_weights(resumed, reference.model)
 
 
-def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
+@pytest.mark.parametrize("stages", [1, 2])
+def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, stages):
     """Expert parallelism 2 (tokens exchanged between the ranks inside every MoE layer; dense weights are
-    data-parallel replicas): the torch backend's single-rank numbers on the same HF MoE model, the experts
-    gathered back for export, and the torch_dist checkpoint resumed without expert parallelism."""
+    data-parallel replicas), alone and in each of two pipeline stages (four processes): the torch backend's
+    single-rank numbers on the same HF MoE model, the experts gathered back for export, and the torch_dist
+    checkpoint resumed without expert parallelism."""
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path))
+    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * stages)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
     for seed in (0, 1):

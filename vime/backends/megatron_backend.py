@@ -192,9 +192,6 @@ class MegatronBackend(TorchBackend):
         if model.num_layers % stages:
             raise ValueError(f"--pipeline-model-parallel-size {stages} must divide the model's {model.num_layers} "
                              "layers (--num-layers)")
-        if megatron.parallel.expert > 1:
-            raise NotImplementedError("--pipeline-model-parallel-size with --expert-model-parallel-size > 1 is not "
-                                      "wired yet")
         return Pipeline()
 
     def _language_model(self, gpt, vocab_size: int):
@@ -452,52 +449,49 @@ class MegatronBackend(TorchBackend):
         """Reduce what tensor parallelism leaves partial, then clip by the global norm; returns the norm."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         max_norm = clip_grad if clip_grad > 0 else math.inf
-        if self.expert_dp is not None:
-            return self._clip_with_expert_parallelism(params, max_norm)
+        if self.pipeline is None and self.expert_dp is None and ps.get_tensor_model_parallel_world_size() == 1:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         if self.pipeline is not None:
             from vime.backends.megatron_pipeline import sum_tied_embedding_gradients
 
             sum_tied_embedding_gradients(params)
-        elif ps.get_tensor_model_parallel_world_size() == 1:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        group = ps.get_tensor_model_parallel_group()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if getattr(p, "sequence_parallel", False):
                 # Each rank saw a slice of the sequence: the replicated norm weights' gradients add up.
-                dist.all_reduce(p.grad, group=group)
-        squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for p in params:
-            # A tensor-parallel duplicate, or the last stage's copy of a tied embedding, counts once.
-            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                squares += p.grad.float().pow(2).sum()
-        dist.all_reduce(squares, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
-        norm = squares.sqrt()
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        norm = self._global_norm(params)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coefficient)
         return norm
 
-    def _clip_with_expert_parallelism(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """The global norm counts the replicated parameters once and every rank's experts (TP is 1 here)."""
+    def _global_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the whole model's gradient: every parameter counted once (not a tensor-parallel
+        duplicate, nor the last stage's copy of a tied embedding), every expert-parallel rank's experts and
+        every pipeline stage's layers."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         experts = self.expert_param_ids
-        grads = [p.grad for p in params if p.grad is not None]
-        zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        dense = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) not in experts), zero)
-        spread = sum((p.grad.float().pow(2).sum() for p in params if p.grad is not None and id(p) in experts), zero)
-        dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())  # every rank, even one without grads
-        norm = (dense + spread).sqrt()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient)
-        return norm
+        dense = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        spread = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                if id(p) in experts:
+                    spread += p.grad.float().pow(2).sum()
+                else:
+                    dense += p.grad.float().pow(2).sum()
+        if self.expert_dp is not None:
+            # Dense weights are replicas over the expert-parallel ranks (TP is 1 there); experts are not.
+            dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())
+        squares = dense + spread
+        dist.all_reduce(squares, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
+        return squares.sqrt()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _writes_files(self) -> bool:

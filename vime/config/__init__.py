@@ -174,8 +174,6 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
                 f"{ep} needs --train-backend megatron")
         require(tp == 1, "--expert-model-parallel-size",
                 "expert parallelism with --tensor-model-parallel-size > 1 is not wired yet")
-        require(pp == 1, "--expert-model-parallel-size",
-                "expert parallelism with --pipeline-model-parallel-size > 1 is not wired yet")
         require(ranks % ep == 0, "--expert-model-parallel-size", f"{ep} must divide {where}")
         require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
                 "'torch' cannot hold experts spread over expert-parallel ranks; use torch_dist")
