@@ -48,6 +48,8 @@ def test_colocate_is_synchronous(model_dir):
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
     (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size"),
+    (["--expert-tensor-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-tensor-parallel-size"),
     (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),
 ])
 def test_bad_values_name_the_flag(model_dir, extra, flag):
@@ -76,7 +78,7 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.tensor_model_parallel_size, s.train.micro_batch_size = 1, 1
     s.megatron.expert_model_parallel_size = 4
     check_trainer_parallelism(s)
-    for field, value, message in (("expert_model_parallel_size", 3, "^--expert-model-parallel-size: 3 must divide"),
+    for field, value, message in (("expert_model_parallel_size", 3, "^--expert-model-parallel-size: --expert-model-parallel-size 3 x "),
                                   ("ckpt_format", "torch", "^--ckpt-format: 'torch' cannot hold experts")):
         setattr(s.megatron, field, value)
         with pytest.raises(ConfigError, match=message):
@@ -95,6 +97,22 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.tensor_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
     s.megatron.expert_model_parallel_size = 2
     check_trainer_parallelism(s)  # 2 stages of 2 ranks, experts spread over both ranks of a stage
+    s.megatron.expert_model_parallel_size = 4
+    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
+                                          "--expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 2 must"):
+        check_trainer_parallelism(s)
+    # Expert tensor parallelism: each expert split over ranks (TP 1 only, torch_dist checkpoints).
+    s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 1
+    s.megatron.expert_tensor_parallel_size = 2
+    check_trainer_parallelism(s)
+    s.megatron.ckpt_format = "torch"
+    with pytest.raises(ConfigError, match=r"^--ckpt-format: 'torch' cannot hold experts spread over ranks "
+                                          r"\(--expert-tensor-parallel-size 2\)"):
+        check_trainer_parallelism(s)
+    s.megatron.ckpt_format, s.megatron.tensor_model_parallel_size = "torch_dist", 2
+    s.megatron.expert_tensor_parallel_size = 1
+    with pytest.raises(ConfigError, match="^--expert-tensor-parallel-size: expert tensor parallelism with"):
+        check_trainer_parallelism(s)
 
 
 def test_missing_prompt_data_and_model_are_named(tmp_path):

@@ -29,7 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2) -> None:
+def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2,
+          layout: dict | None = None) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -81,14 +82,17 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
         backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
         results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
                                          for seed in (0, 1)]}
-    else:  # expert parallelism 2 on an MoE model: each rank holds 2 of the 4 experts (and one layer with PP 2)
+    else:  # experts spread (EP: 2 of the 4 on each rank) or split (ETP) over ranks, maybe in pipeline stages
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
 
+        parallel = Parallelism(**layout)
         backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
-                                  megatron_spec(model_dir, parallel=Parallelism(expert=2, pipeline=world // 2)))
-        assert local_expert_count(backend.gpt) == 2 and backend.dp.size == 2
-        assert len(backend.gpt.decoder.layers) == 2 // (world // 2)
+                                  megatron_spec(model_dir, parallel=parallel))
+        assert local_expert_count(backend.gpt) == 4 // parallel.expert and backend.dp.size == 2
+        assert len(backend.gpt.decoder.layers) == 2 // parallel.pipeline
+        fc1 = next(p for n, p in backend.gpt.named_parameters() if n.endswith("experts.local_experts.0.linear_fc1.weight"))
+        assert fc1.shape[0] == 2 * backend.megatron.model.moe_ffn_hidden_size // parallel.expert_tensor_size
         # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
         metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
         backend.save_training_state(os.path.join(work, "ep_ckpt"))
@@ -106,8 +110,8 @@ def _routed_specs(moe_dir: str, parallel):
             megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
 
 
-def _two_ranks(backend_name: str, model_dir: str, work: str, world: int = 2) -> list[dict]:
-    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world), nprocs=world,
+def _two_ranks(backend_name: str, model_dir: str, work: str, world: int = 2, layout: dict | None = None) -> list[dict]:
+    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world, layout), nprocs=world,
                                 join=True)
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
@@ -160,18 +164,20 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     assert_same_weights(resumed, reference.model)
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, stages):
-    """Expert parallelism 2 (tokens exchanged between the ranks inside every MoE layer; dense weights are
-    data-parallel replicas), alone and in each of two pipeline stages (four processes): the torch backend's
-    single-rank numbers on the same HF MoE model, the experts gathered back for export, and the torch_dist
-    checkpoint resumed without expert parallelism."""
+@pytest.mark.parametrize("layout", [{"expert": 2}, {"expert": 2, "pipeline": 2}, {"expert_tensor": 2}],
+                         ids=["ep2", "ep2_pp2", "etp2"])
+def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
+    """Expert parallelism 2 (each rank holds half of the experts), alone and in each of two pipeline stages (four
+    processes), and expert tensor parallelism 2 (each rank holds half of every expert's MLP). Tokens are
+    exchanged between the ranks inside every MoE layer; dense weights are data-parallel replicas. The torch
+    backend's single-rank numbers on the same HF MoE model, the experts gathered back for export, and the
+    torch_dist checkpoint resumed in one process."""
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * stages)
+    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * layout.get("pipeline", 1), layout=layout)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
     for seed in (0, 1):

@@ -83,6 +83,7 @@ class MegatronBackendSpec:
             model=resolve_model_args(m, AutoConfig.from_pretrained(s.train.hf_checkpoint)),
             parallel=Parallelism(tensor=m.tensor_model_parallel_size, pipeline=m.pipeline_model_parallel_size,
                                  context=m.context_parallel_size, expert=m.expert_model_parallel_size,
+                                 expert_tensor=m.expert_tensor_parallel_size,
                                  sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1),
             ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
             vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
@@ -128,9 +129,10 @@ class MegatronBackend(TorchBackend):
             raise NotImplementedError("context parallelism is not wired into the Megatron backend")
         self.pipeline = self._pipeline(megatron)
         self.expert_dp = None
-        if megatron.parallel.expert > 1:
+        parallel = megatron.parallel
+        if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
             self._check_expert_parallelism(megatron)
-            # Each expert lives on one expert-parallel rank: its gradient is summed over that rank's copies only.
+            # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
             self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
         if megatron.moe.routing_replay and not megatron.model.is_moe:
             raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
@@ -217,13 +219,18 @@ class MegatronBackend(TorchBackend):
 
     @staticmethod
     def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
-        ep, model = megatron.parallel.expert, megatron.model
+        """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
+        ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model
+        flag = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}"
         if not model.is_moe:
-            raise ValueError(f"--expert-model-parallel-size {ep}: {model.family} has no experts")
+            raise ValueError(f"{flag}: {model.family} has no experts")
         if model.num_experts % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
+        if model.moe_ffn_hidden_size % etp:
+            raise ValueError(f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
+                             f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)")
         if megatron.parallel.tensor != 1:
-            raise NotImplementedError("expert parallelism with tensor parallelism is not wired yet "
+            raise NotImplementedError(f"{flag}: expert (tensor) parallelism with tensor parallelism is not wired yet "
                                       "(--tensor-model-parallel-size must be 1)")
         if megatron.ckpt_format != "torch_dist":
             raise ValueError("--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use "
@@ -481,17 +488,16 @@ class MegatronBackend(TorchBackend):
         dense = torch.zeros((), dtype=torch.float32, device=params[0].device)
         spread = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                if id(p) in experts:
-                    spread += p.grad.float().pow(2).sum()
-                else:
-                    dense += p.grad.float().pow(2).sum()
-        if self.expert_dp is not None:
-            # Dense weights are replicas over the expert-parallel ranks (TP is 1 there); experts are not.
-            dist.all_reduce(spread, group=ps.get_expert_model_parallel_group())
-        squares = dense + spread
-        dist.all_reduce(squares, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
-        return squares.sqrt()
+            if id(p) in experts:  # this rank's experts, or its shards of them: counted by the expert groups
+                spread += p.grad.float().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                dense += p.grad.float().pow(2).sum()
+        dist.all_reduce(dense, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
+        if ps.get_expert_tensor_and_model_parallel_world_size() > 1:
+            dist.all_reduce(spread, group=ps.get_expert_tensor_and_model_parallel_group())
+        if self.pipeline is not None:
+            dist.all_reduce(spread, group=self.pipeline.group)
+        return (dense + spread).sqrt()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _writes_files(self) -> bool:
@@ -505,7 +511,7 @@ class MegatronBackend(TorchBackend):
 
         from vime.backends.megatron_model import gather_canonical
 
-        if (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1
+        if (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_and_model_parallel_world_size() > 1
                 or self.pipeline is not None):
             gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 

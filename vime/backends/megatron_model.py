@@ -38,7 +38,12 @@ class Parallelism:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
+    expert_tensor: int | None = None    # tensor parallelism inside each expert (None: as ``tensor``)
     sequence_parallel: bool = False
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,7 +106,8 @@ def init_parallel(parallel: Parallelism, *, seed: int | None = None) -> None:
                              f"{(parallel.tensor, parallel.pipeline, parallel.context)}")
     else:
         ps.initialize_model_parallel(parallel.tensor, parallel.pipeline, context_parallel_size=parallel.context,
-                                     expert_model_parallel_size=parallel.expert)
+                                     expert_model_parallel_size=parallel.expert,
+                                     expert_tensor_parallel_size=parallel.expert_tensor_size)
     if seed is not None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -136,7 +142,8 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
-        expert_model_parallel_size=parallel.expert, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor_size,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -161,7 +168,7 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
     )
 
     use_te = te_usable() if use_te is None else use_te
-    if parallel.tensor > 1:
+    if parallel.tensor > 1 or parallel.expert_tensor_size > 1:
         # megatron-core marks which tensors are split (tensor_model_parallel, partition_dim) only in its
         # initialisation code, and the gathers, shards and gradient norm here rely on those marks.
         config_kwargs["initialize"] = True
@@ -207,6 +214,19 @@ def _ep():
 
     return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), \
         ps.get_expert_model_parallel_group()
+
+
+def _etp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), \
+        ps.get_expert_tensor_parallel_group()
+
+
+def _tensor_split(canonical_name: str):
+    """(rank, size, group) of the tensor parallelism that splits a tensor: a routed expert's is the
+    expert tensor parallelism, every other tensor's the model's."""
+    return _etp() if is_expert_param(canonical_name) else _tp()
 
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
@@ -277,7 +297,6 @@ def _local_experts(canonical_names) -> int:
 def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -> None:
     """Copy a canonical state dict into ``model`` (this rank's tensor-parallel shard of every tensor;
     the vocabulary padded with zero rows). Every parameter must be found and every tensor used."""
-    rank, size, _ = _tp()
     names = _canonical_names(model)
     missing = [c for c in names.values() if c not in canonical]
     unused = set(canonical) - set(names.values())
@@ -290,6 +309,7 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
     with torch.no_grad():
         for name, param in model.named_parameters():
             full = canonical[names[name]].to(torch.float32)
+            rank, size, _ = _tensor_split(names[name])
             if names[name] in VOCAB_PARAMS:
                 padded = param.shape[0] * (size if getattr(param, "tensor_model_parallel", False) else 1)
                 full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
@@ -323,7 +343,6 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
     rank of those groups must call it (it gathers)."""
     import torch.distributed as dist
 
-    rank, size, group = _tp()
     names = _canonical_names(model)
     out = {}
     with torch.no_grad():
@@ -331,6 +350,7 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
             if _is_tied_copy(param):
                 continue  # the first stage holds the embedding
             tensor = param.detach()
+            _, size, group = _tensor_split(names[name])
             if size > 1 and getattr(param, "tensor_model_parallel", False):
                 parts = [torch.empty_like(tensor) for _ in range(size)]
                 dist.all_gather(parts, tensor.contiguous(), group=group)
@@ -458,13 +478,16 @@ class MegatronLM(torch.nn.Module):
         return CausalLMOutput(output[..., :self.vocab_size].float())
 
     def _lockstep(self):
-        """The group whose ranks exchange tokens inside every MoE layer (expert parallelism), or None.
-        Its ranks must run each forward on the same number of tokens: megatron-core's all-gather
-        dispatcher gathers equal slices."""
+        """The group whose ranks exchange tokens inside every MoE layer (expert and expert tensor
+        parallelism), or None. Its ranks must run each forward on the same number of tokens: megatron-core's
+        all-gather dispatcher gathers equal slices."""
         if self.model_args is None or not self.model_args.is_moe:
             return None
-        _, size, group = _ep()
-        return group if size > 1 else None
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_tensor_and_model_parallel_world_size() == 1:
+            return None
+        return ps.get_expert_tensor_and_model_parallel_group()
 
     def _agree(self, values: list[int]) -> list[int]:
         """The element-wise maximum of ``values`` over the lockstep group."""

@@ -169,14 +169,18 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
         require(ranks % (tp * pp) == 0, "--pipeline-model-parallel-size",
                 f"{pp} x --tensor-model-parallel-size {tp} must divide {where}")
     ep = settings.megatron.expert_model_parallel_size
-    if ep > 1:
-        require(settings.train.train_backend == "megatron", "--expert-model-parallel-size",
-                f"{ep} needs --train-backend megatron")
-        require(tp == 1, "--expert-model-parallel-size",
-                "expert parallelism with --tensor-model-parallel-size > 1 is not wired yet")
-        require(ranks % ep == 0, "--expert-model-parallel-size", f"{ep} must divide {where}")
+    etp = settings.megatron.expert_tensor_parallel_size or tp
+    spread = [("--expert-model-parallel-size", ep, "expert parallelism")] if ep > 1 else []
+    if etp != tp:
+        spread.append(("--expert-tensor-parallel-size", etp, "expert tensor parallelism"))
+    for flag, size, what in spread:
+        require(settings.train.train_backend == "megatron", flag, f"{size} needs --train-backend megatron")
+        require(tp == 1, flag, f"{what} with --tensor-model-parallel-size > 1 is not wired yet")
+        require(ranks % (ep * etp * pp) == 0, flag,
+                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
+                f"--pipeline-model-parallel-size {pp} must divide {where}")
         require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
-                "'torch' cannot hold experts spread over expert-parallel ranks; use torch_dist")
+                f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist")
     replicas = ranks // (tp * pp)
     per_step = settings.train.micro_batch_size * replicas
     require(replicas == 1 or settings.global_batch_size % per_step == 0, "--global-batch-size",

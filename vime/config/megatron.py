@@ -14,7 +14,7 @@ import dataclasses
 from vime.config.base import ConfigError, option, require
 
 NOT_WIRED = ("vime's trainer is data-, tensor-, pipeline- and expert-parallel only for now: context parallelism "
-             "and expert tensor parallelism are not wired, so this must be 1 (see docs/parallelism.md)")
+             "is not wired, so this must be 1 (see docs/parallelism.md)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,7 +51,9 @@ class MegatronConfig:
         "backend; stages run one micro-batch at a time, see docs/parallelism.md).")
     context_parallel_size: int = option(1, "Context parallelism of training.")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
-    expert_tensor_parallel_size: int | None = option(None, "Tensor parallelism of MoE experts.")
+    expert_tensor_parallel_size: int | None = option(
+        None, "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size). With tensor "
+        "parallelism 1, each expert's MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).")
     num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral).")
     moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
     moe_ffn_hidden_size: int | None = option(None, "Hidden size of each routed expert's MLP (config.json: "
@@ -143,8 +145,8 @@ class MegatronConfig:
         require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size", "must be >= 1")
         if self.context_parallel_size != 1:
             raise ConfigError("--context-parallel-size", NOT_WIRED)
-        if self.expert_tensor_parallel_size not in (None, 1):
-            raise ConfigError("--expert-tensor-parallel-size", NOT_WIRED)
+        require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+                "--expert-tensor-parallel-size", "must be >= 1")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by", "must be >= 1")
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:
