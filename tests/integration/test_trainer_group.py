@@ -1,6 +1,6 @@
 """The trainer's ranks as Ray actors (workers/trainer_group.py) with the Megatron backend at tensor
-parallelism 2: the ranks form their gloo group, read the same groups from a real straw queue, train, and
-publish and checkpoint with rank 0 writing while rank 1 takes part in the gathers.
+parallelism 2 and in two pipeline stages: the ranks form their gloo group, read the same groups from a real
+straw queue, train, and publish and checkpoint with rank 0 writing while rank 1 takes part in the gathers.
 
 megatron-core needs CUDA; the actors get the CPU shim (tests/megatron_shim.py) through Ray's
 ``worker_process_setup_hook``, the one place a test can reach into processes Ray starts.
@@ -32,7 +32,8 @@ def ray_with_shim():
     ray.shutdown()
 
 
-def test_megatron_tensor_parallel_ranks_train_publish_and_checkpoint_as_one(ray_with_shim, tmp_path):
+@pytest.mark.parametrize("layout", [{"tensor": 2}, {"pipeline": 2}], ids=["tp2", "pp2"])
+def test_megatron_model_parallel_ranks_train_publish_and_checkpoint_as_one(ray_with_shim, tmp_path, layout):
     from tests import megatron_shim
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_model import Parallelism
@@ -52,10 +53,9 @@ def test_megatron_tensor_parallel_ranks_train_publish_and_checkpoint_as_one(ray_
                             ref=writer.publish([s for s in samples if s.group_index == g], task_id=f"task-{g}",
                                                attempt_id="a", submission_id=f"s{g}"))
               for g in sorted({s.group_index for s in samples})]
-    spec = TrainerWorkerSpec(backend=trainer_spec(model_dir), megatron=megatron_spec(model_dir,
-                                                                                   parallel=Parallelism(tensor=2)),
-                             transport="straw", store=store, weight_dir=str(tmp_path / "weights"),
-                             keep_weight_versions=2)
+    spec = TrainerWorkerSpec(backend=trainer_spec(model_dir),
+                             megatron=megatron_spec(model_dir, parallel=Parallelism(**layout)), transport="straw",
+                             store=store, weight_dir=str(tmp_path / "weights"), keep_weight_versions=2)
     group = TrainerGroup.start(spec, 2, timeout=300)
     try:
         metrics = group.run("train_rollout", 0, groups, 0, timeout=300)
