@@ -82,7 +82,7 @@ def install() -> None:
 
 # ---------------------------------------------------------------------------------------------- tiny models
 def tiny_hf_model(out_dir: str, family: str, *, tie: bool = False, rope_scaling: bool = False, seed: int = 0,
-                  vocab_size: int = 16) -> str:
+                  vocab_size: int = 16, num_layers: int = 2) -> str:
     """A tiny random HF Qwen2 / Qwen3 / Llama whose every tensor (biases and norms included) is random.
 
     Qwen3 gets a head_dim (32) that differs from hidden_size / heads (16), as the real ones do;
@@ -98,7 +98,7 @@ def tiny_hf_model(out_dir: str, family: str, *, tie: bool = False, rope_scaling:
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         extra["rope_theta"] = 500000.0
     config = AutoConfig.for_model(
-        family, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        family, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32", **extra)
     torch.manual_seed(seed)

@@ -48,6 +48,8 @@ def test_colocate_is_synchronous(model_dir):
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
     (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
     (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers"),  # needs PP > 1
+    (["--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers"),
     (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size"),
     (["--expert-tensor-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-tensor-parallel-size"),
     (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),

@@ -76,6 +76,13 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
             backend.save_training_state(os.path.join(work, f"pp_{name}_ckpt"))
             backend.save_weights(os.path.join(work, f"pp_{name}_weights"))  # the first stage writes
             results[name] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+        # Three layers split unevenly: one in the first stage, two in the last.
+        uneven = os.path.join(work, "tied3")
+        backend = MegatronBackend(trainer_spec(uneven, **TORCH_RUNS["kl_loss_entropy"]),
+                                  megatron_spec(uneven, parallel=Parallelism(pipeline=2, first_stage_layers=1)))
+        assert len(backend.gpt.decoder.layers) == 1 + rank
+        results["uneven"] = {"metrics": [backend.train_rollout(make_samples(0, GROUPS), 0)],
+                             "weights": dict(backend.hf_named_weights())}
         # An MoE model whose recorded routes (R3) each stage replays in its own layers, with the aux loss.
         from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
 
@@ -200,10 +207,10 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
         torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)
 
 
-def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str) -> str:
+def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str, num_layers: int = 2) -> str:
     import shutil
 
-    megatron_shim.tiny_hf_model(folder, "qwen2", tie=True)
+    megatron_shim.tiny_hf_model(folder, "qwen2", tie=True, num_layers=num_layers)
     for name in os.listdir(tokenizer_source):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(tokenizer_source, name), folder)
@@ -214,8 +221,8 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
     """Pipeline parallelism 2 (one decoder layer per stage; the input embedding on the first stage and its
     tied copy, the output layer, on the last): the torch backend's single-rank numbers, with KL and entropy
     and with PPO's critic (a pipelined value model too); the stages' weights gathered for export; the
-    torch_dist checkpoint resumed in one stage. And an MoE model with recorded routes (R3) and the
-    routers' auxiliary loss: the numbers of the same run in one stage."""
+    torch_dist checkpoint resumed in one stage. Three layers split one and two. And an MoE model with recorded
+    routes (R3) and the routers' auxiliary loss: the numbers of the same run in one stage."""
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
     from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
     from vime.backends.megatron_backend import MegatronBackend
@@ -223,10 +230,18 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
     from vime.backends.torch_backend import TorchBackend
 
     tied = _tied_qwen2_with_tokenizer(str(tmp_path / "tied"), model_dir)
+    tied3 = _tied_qwen2_with_tokenizer(str(tmp_path / "tied3"), model_dir, num_layers=3)
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
                                               **megatron_shim.MOE_VARIANTS["qwen3_moe"])
     ranks = _two_ranks("megatron_pp", tied, str(tmp_path))
     megatron_shim.install()
+    reference = TorchBackend(trainer_spec(tied3, **TORCH_RUNS["kl_loss_entropy"]))
+    expected = reference.train_rollout(make_samples(0, GROUPS), 0)
+    for rank in ranks:
+        assert_same_metrics(rank["uneven"]["metrics"][0], expected)
+        for param_name, param in reference.model.named_parameters():
+            torch.testing.assert_close(rank["uneven"]["weights"][param_name], param.detach(), rtol=0, atol=2e-5,
+                                       msg=param_name)
     one_stage = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
     for seed in (0, 1):
         expected = one_stage.train_rollout(routed_samples(seed, routes=True), 0)
@@ -255,6 +270,21 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
         resumed.load_training_state(str(tmp_path / f"pp_{name}_ckpt"))
         for param_name, tensor in resumed.hf_named_weights():
             torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
+
+
+def test_pipeline_stages_must_split_the_layers_as_megatron_does():
+    from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_pipeline import check_stage_layers
+
+    check_stage_layers(3, Parallelism(pipeline=2, first_stage_layers=1))
+    check_stage_layers(6, Parallelism(pipeline=4, first_stage_layers=2, last_stage_layers=2))
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-size 2 must divide the model's 3 layers"):
+        check_stage_layers(3, Parallelism(pipeline=2))
+    with pytest.raises(ValueError, match="^--decoder-last-pipeline-num-layers 2: the model's 2 layers .* leave 0 for "
+                                         "the other 1"):
+        check_stage_layers(2, Parallelism(pipeline=2, last_stage_layers=2))
+    with pytest.raises(ValueError, match="^--decoder-first-pipeline-num-layers 1, --decoder-last-pipeline-num-layers 1:"):
+        check_stage_layers(3, Parallelism(pipeline=2, first_stage_layers=1, last_stage_layers=1))
 
 
 def test_expert_parallel_ranks_refuse_a_rollout_they_cannot_share_evenly():

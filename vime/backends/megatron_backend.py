@@ -84,6 +84,8 @@ class MegatronBackendSpec:
             parallel=Parallelism(tensor=m.tensor_model_parallel_size, pipeline=m.pipeline_model_parallel_size,
                                  context=m.context_parallel_size, expert=m.expert_model_parallel_size,
                                  expert_tensor=m.expert_tensor_parallel_size,
+                                 first_stage_layers=m.decoder_first_pipeline_num_layers,
+                                 last_stage_layers=m.decoder_last_pipeline_num_layers,
                                  sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1),
             ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
             vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
@@ -188,12 +190,11 @@ class MegatronBackend(TorchBackend):
         """This rank's pipeline stage (None without pipeline parallelism)."""
         from vime.backends.megatron_pipeline import Pipeline
 
-        stages, model = megatron.parallel.pipeline, megatron.model
-        if stages == 1:
+        from vime.backends.megatron_pipeline import check_stage_layers
+
+        if megatron.parallel.pipeline == 1:
             return None
-        if model.num_layers % stages:
-            raise ValueError(f"--pipeline-model-parallel-size {stages} must divide the model's {model.num_layers} "
-                             "layers (--num-layers)")
+        check_stage_layers(megatron.model.num_layers, megatron.parallel)
         return Pipeline()
 
     def _language_model(self, gpt, vocab_size: int):

@@ -40,6 +40,8 @@ class Parallelism:
     expert: int = 1
     expert_tensor: int | None = None    # tensor parallelism inside each expert (None: as ``tensor``)
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None   # decoder layers of the first / last pipeline stage (None: even split)
+    last_stage_layers: int | None = None
 
     @property
     def expert_tensor_size(self) -> int:
@@ -143,6 +145,8 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
         context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
         expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor_size,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,

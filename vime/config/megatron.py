@@ -49,6 +49,12 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = option(
         1, "Pipeline parallelism of training: the decoder layers split evenly over this many stages (Megatron "
         "backend; stages run one micro-batch at a time, see docs/parallelism.md).")
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "Decoder layers of the first pipeline stage (default: an even split); the other stages share the "
+        "rest evenly.")
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "Decoder layers of the last pipeline stage (default: an even split); the other stages share the "
+        "rest evenly.")
     context_parallel_size: int = option(1, "Context parallelism of training.")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(
@@ -143,6 +149,11 @@ class MegatronConfig:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
         require(self.expert_model_parallel_size >= 1, "--expert-model-parallel-size", "must be >= 1")
         require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size", "must be >= 1")
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                require(getattr(self, name) >= 1, flag, "must be >= 1")
+                require(self.pipeline_model_parallel_size > 1, flag, "needs --pipeline-model-parallel-size > 1")
         if self.context_parallel_size != 1:
             raise ConfigError("--context-parallel-size", NOT_WIRED)
         require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
