@@ -1,4 +1,4 @@
-"""Data parallelism over gloo (two spawned CPU processes): two ranks take the steps one rank takes.
+"""Several ranks over gloo (spawned CPU processes): the ranks take the steps one rank takes.
 
 Each backend trains the same rollouts in one process and on two data-parallel ranks; the metrics and the
 updated weights must agree (only the order of floating-point additions differs). The rollouts have three
@@ -117,7 +117,7 @@ def _routed_specs(moe_dir: str, parallel):
             megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
 
 
-def _two_ranks(backend_name: str, model_dir: str, work: str, world: int = 2, layout: dict | None = None) -> list[dict]:
+def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2, layout: dict | None = None) -> list[dict]:
     torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world, layout), nprocs=world,
                                 join=True)
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
@@ -132,7 +132,7 @@ def test_torch_backend_two_ranks_take_one_ranks_steps(model_dir, tmp_path):
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, trainer_spec
     from vime.backends.torch_backend import TorchBackend
 
-    ranks = _two_ranks("torch", model_dir, str(tmp_path))
+    ranks = _spawn_ranks("torch", model_dir, str(tmp_path))
     for name, algorithm in TORCH_RUNS.items():
         single = TorchBackend(trainer_spec(model_dir, **algorithm))
         for seed, got in zip((0, 1), ranks[0][name]["metrics"]):
@@ -154,7 +154,7 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
-    ranks = _two_ranks("megatron", model_dir, str(tmp_path))
+    ranks = _spawn_ranks("megatron", model_dir, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]))
     for seed in (0, 1):
@@ -185,7 +185,7 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    ranks = _two_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * layout.get("pipeline", 1), layout=layout)
+    ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * layout.get("pipeline", 1), layout=layout)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
     for seed in (0, 1):
@@ -233,7 +233,7 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
     tied3 = _tied_qwen2_with_tokenizer(str(tmp_path / "tied3"), model_dir, num_layers=3)
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
                                               **megatron_shim.MOE_VARIANTS["qwen3_moe"])
-    ranks = _two_ranks("megatron_pp", tied, str(tmp_path))
+    ranks = _spawn_ranks("megatron_pp", tied, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(tied3, **TORCH_RUNS["kl_loss_entropy"]))
     expected = reference.train_rollout(make_samples(0, GROUPS), 0)

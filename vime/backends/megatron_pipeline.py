@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_RANK_DIMS = 3  # hidden states are [sequence, batch, hidden] (thd: [tokens, 1, hidden])
+_HIDDEN_DIMS = 3  # hidden states are [sequence, batch, hidden] (thd: [tokens, 1, hidden])
 
 
 class Pipeline:
@@ -43,7 +43,7 @@ class Pipeline:
     def receive_input(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The previous stage's hidden states. Under autograd their gradient goes back to that stage as soon
         as the backward has computed it."""
-        shape = torch.empty(_RANK_DIMS, dtype=torch.long, device=device)
+        shape = torch.empty(_HIDDEN_DIMS, dtype=torch.long, device=device)
         dist.recv(shape, src=self.previous)
         hidden = torch.empty(shape.tolist(), dtype=dtype, device=device)
         dist.recv(hidden, src=self.previous)

@@ -47,8 +47,9 @@ class MegatronConfig:
     tensor_model_parallel_size: int = option(1, "Tensor parallelism of training.")
     sequence_parallel: bool = option(False, "Sequence parallelism (with TP).")
     pipeline_model_parallel_size: int = option(
-        1, "Pipeline parallelism of training: the decoder layers split evenly over this many stages (Megatron "
-        "backend; stages run one micro-batch at a time, see docs/parallelism.md).")
+        1, "Pipeline parallelism of training: the decoder layers split over this many stages, evenly unless "
+        "--decoder-first/last-pipeline-num-layers say otherwise (Megatron backend; stages run one micro-batch at "
+        "a time, see docs/parallelism.md).")
     decoder_first_pipeline_num_layers: int | None = option(
         None, "Decoder layers of the first pipeline stage (default: an even split); the other stages share the "
         "rest evenly.")
