@@ -89,6 +89,15 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
         backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
         results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
                                          for seed in (0, 1)]}
+    elif backend_name == "megatron_layout":  # a dense model in any layout of ``Parallelism`` fields
+        from vime.backends.megatron_backend import MegatronBackend
+        from vime.backends.megatron_model import Parallelism
+
+        backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
+                                  megatron_spec(model_dir, parallel=Parallelism(**layout)))
+        metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+        backend.save_training_state(os.path.join(work, "layout_ckpt"))
+        results["layout"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
     else:  # experts spread (EP: 2 of the 4 on each rank) or split (ETP) over ranks, maybe in pipeline stages
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
@@ -208,9 +217,14 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
 
 
 def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str, num_layers: int = 2) -> str:
+    return _with_tokenizer(folder, tokenizer_source, "qwen2", tie=True, num_layers=num_layers)
+
+
+def _with_tokenizer(folder: str, tokenizer_source: str, family: str, **model) -> str:
+    """A tiny random HF model of ``family`` with the tokenizer of ``tokenizer_source``."""
     import shutil
 
-    megatron_shim.tiny_hf_model(folder, "qwen2", tie=True, num_layers=num_layers)
+    megatron_shim.tiny_hf_model(folder, family, **model)
     for name in os.listdir(tokenizer_source):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(tokenizer_source, name), folder)
@@ -270,6 +284,31 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
         resumed.load_training_state(str(tmp_path / f"pp_{name}_ckpt"))
         for param_name, tensor in resumed.hf_named_weights():
             torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
+
+
+def test_megatron_tensor_parallel_qwen3_takes_one_ranks_steps(model_dir, tmp_path):
+    """Tensor parallelism 2 on Qwen3, whose query and key norms are shared by heads that the ranks split: their
+    gradients add up over the ranks. The torch backend's numbers and weights, and a resume in one process."""
+    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.torch_backend import TorchBackend
+
+    qwen3 = _with_tokenizer(str(tmp_path / "qwen3"), model_dir, "qwen3")
+    ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), layout={"tensor": 2})
+    megatron_shim.install()
+    reference = TorchBackend(trainer_spec(qwen3, **TORCH_RUNS["kl_loss_entropy"]))
+    for seed in (0, 1):
+        expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
+        for rank in ranks:
+            assert_same_metrics(rank["layout"]["metrics"][seed], expected)
+    expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
+    for rank in ranks:
+        for name, tensor in expected_weights.items():
+            torch.testing.assert_close(rank["layout"]["weights"][name], tensor, rtol=0, atol=2e-5, msg=name)
+    resumed = MegatronBackend(trainer_spec(qwen3, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(qwen3))
+    resumed.load_training_state(str(tmp_path / "layout_ckpt"))
+    for name, tensor in resumed.hf_named_weights():
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)
 
 
 def test_pipeline_stages_must_split_the_layers_as_megatron_does():

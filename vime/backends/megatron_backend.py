@@ -170,6 +170,7 @@ class MegatronBackend(TorchBackend):
         if algo.uses_critic:
             self.critic = self._build_critic(roles.role("critic"), roles.source, source)
         self.expert_param_ids = self._routed_expert_param_ids()  # reduced over their own groups (EP)
+        self.tp_partial_param_ids = self._tensor_parallel_partial_param_ids()
         self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
         self.ref_gpt, self.ref_model = None, None
@@ -443,6 +444,14 @@ class MegatronBackend(TorchBackend):
         return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
                 for name, p in gpt.named_parameters() if is_expert_param(name)}
 
+    def _tensor_parallel_partial_param_ids(self) -> set[int]:
+        """ids of the replicated parameters whose gradient each tensor-parallel rank computes only in part, to be
+        summed over the TP group: the norms sequence parallelism feeds a slice of the sequence, and the query and
+        key norms (--qk-layernorm), shared by every head while each rank holds some of the heads."""
+        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
+                for name, p in gpt.named_parameters()
+                if getattr(p, "sequence_parallel", False) or ".q_layernorm." in name or ".k_layernorm." in name}
+
     def _sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' gradients add up; under expert parallelism an expert's only over the ranks that hold it
         (the token exchange already brought every replica's tokens to it)."""
@@ -468,8 +477,7 @@ class MegatronBackend(TorchBackend):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if getattr(p, "sequence_parallel", False):
-                # Each rank saw a slice of the sequence: the replicated norm weights' gradients add up.
+            if id(p) in self.tp_partial_param_ids and ps.get_tensor_model_parallel_world_size() > 1:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         norm = self._global_norm(params)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
