@@ -2,9 +2,9 @@
 
 megatron-core hard-codes CUDA in a few places that a CPU forward reaches: buffers created with
 ``device=torch.cuda.current_device()`` (tensor-parallel gathers, RoPE frequencies, masks), ``Tensor.cuda()``
-(the tied embedding's copy on the last pipeline stage) and the
-CUDA RNG tracker its attention forks around dropout. :func:`install` redirects both to the CPU for
-this process only: ``torch.cuda.current_device()`` answers ``"cpu"`` and the tracker keeps CPU
+(the tied embedding's copy on the last pipeline stage), pinned memory (context parallelism's rotary
+positions) and the CUDA RNG tracker its attention forks around dropout. :func:`install` redirects them to the
+CPU for this process only: ``torch.cuda.current_device()`` answers ``"cpu"`` and the tracker keeps CPU
 generator states. Production code never installs it (the Megatron backend refuses a machine
 without CUDA unless this shim is active); tests call it before building a model.
 """
@@ -61,6 +61,15 @@ class CpuRngTracker:
             torch.set_rng_state(saved)
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron-core's choice of a context-parallel rank's rotary positions (chunks r and 2 x CP - 1 - r of
+    2 x CP), with its index tensor in ordinary memory."""
+    size, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    held = chunks.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device))
+    return held.view(*held.shape[:seq_dim], -1, *held.shape[seq_dim + 2:])
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA device and RNG tracker to the CPU (idempotent, per process)."""
     global _INSTALLED
@@ -75,6 +84,10 @@ def install() -> None:
     torch.cuda.synchronize = lambda device=None: None  # dist-checkpoint writers synchronise after D2H copies
     # Pipeline stages move the tied output layer's copy of the embedding "to the GPU" before its all-reduce.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # Context parallelism picks each rank's rotary positions with an index tensor in pinned memory (CUDA).
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     mp_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _INSTALLED = True

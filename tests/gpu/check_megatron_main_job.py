@@ -3,6 +3,7 @@
     python tests/gpu/check_megatron_main_job.py [--num-rollout 40] [--packing auto|thd|padded] [--keep DIR]
     python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
     python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2 | --pipeline-parallel 2]  # 3+ GPUs
+    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 --context-parallel 2 --packing padded  # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-parallel 2   # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-tensor-parallel 2   # 3+ GPUs
 
@@ -32,7 +33,8 @@ algorithm checks still accept only an HF folder there, and only with a KL term.
 ``--trainer-ranks N`` trains on N Megatron ranks (``--actor-num-gpus-per-node N``, one GPU each, beside the
 engine's GPU), with ``--tensor-parallel T`` as ``--tensor-model-parallel-size`` (the rest are data-parallel
 replicas; docs/parallelism.md), ``--pipeline-parallel P`` as ``--pipeline-model-parallel-size`` (the tiny
-Qwen2's two layers over P stages), or ``--expert-parallel E`` as ``--expert-model-parallel-size`` (with
+Qwen2's two layers over P stages), ``--context-parallel C`` as ``--context-parallel-size`` (each sequence
+split over C ranks; padded micro-batches), or ``--expert-parallel E`` as ``--expert-model-parallel-size`` (with
 ``--moe-r3``: the experts spread over E ranks). It needs N + 1 GPUs.
 
 Ray normally hides the GPU from actors that reserve none; the run is started with
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-ranks", type=int, default=1, help="Megatron trainer ranks, one GPU each")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="--tensor-model-parallel-size of the ranks")
     parser.add_argument("--pipeline-parallel", type=int, default=1, help="--pipeline-model-parallel-size of the ranks")
+    parser.add_argument("--context-parallel", type=int, default=1, help="--context-parallel-size of the ranks")
     parser.add_argument("--expert-parallel", type=int, default=1, help="--expert-model-parallel-size (with --moe-r3)")
     parser.add_argument("--expert-tensor-parallel", type=int, default=None,
                         help="--expert-tensor-parallel-size (with --moe-r3)")
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--actor-num-gpus-per-node", str(options.trainer_ranks),
                  "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8",
                  "--pipeline-model-parallel-size", str(options.pipeline_parallel),
+                 "--context-parallel-size", str(options.context_parallel),
                  "--expert-model-parallel-size", str(options.expert_parallel)]
         if options.expert_tensor_parallel is not None:
             args += ["--expert-tensor-parallel-size", str(options.expert_tensor_parallel)]

@@ -47,7 +47,8 @@ def test_colocate_is_synchronous(model_dir):
     (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
     (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--context-parallel-size", "2"], "--context-parallel-size"),  # the torch backend
+    (["--context-parallel-size", "0"], "--context-parallel-size"),
     (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers"),  # needs PP > 1
     (["--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers"),
     (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size"),
@@ -115,6 +116,22 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.expert_tensor_parallel_size = 1
     with pytest.raises(ConfigError, match="^--expert-tensor-parallel-size: expert tensor parallelism with"):
         check_trainer_parallelism(s)
+    # Context parallelism: TP x PP x CP must divide the ranks; the rest are replicas (--global-batch-size).
+    s.megatron.tensor_model_parallel_size, s.megatron.expert_tensor_parallel_size = 1, None
+    s.megatron.context_parallel_size = 2
+    check_trainer_parallelism(s)  # CP 2 x 2 replicas
+    s.megatron.pipeline_model_parallel_size = 4
+    with pytest.raises(ConfigError, match=r"^--context-parallel-size: 2 x --tensor-model-parallel-size 1 x "
+                                          "--pipeline-model-parallel-size 4 must divide the trainer's 4 rank"):
+        check_trainer_parallelism(s)
+    s.megatron.pipeline_model_parallel_size, s.megatron.expert_model_parallel_size = 1, 2
+    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with "
+                                          "--context-parallel-size > 1 is not wired"):
+        check_trainer_parallelism(s)
+    from vime.config.megatron import MegatronConfig
+
+    with pytest.raises(ConfigError, match=r"^--context-parallel-size: packed \(thd\) sequences are not supported"):
+        MegatronConfig(context_parallel_size=2, megatron_packing="thd").validate()
 
 
 def test_missing_prompt_data_and_model_are_named(tmp_path):

@@ -7,11 +7,11 @@ from the Megatron flags (``vime.backends.megatron_args``):
 - batching: ``thd`` packing (sequences back to back, varlen attention) when Transformer Engine is
   usable on CUDA, otherwise right-padded micro-batches with an explicit causal mask, so no
   ``--seq-length`` is needed either way;
-- data, tensor, expert and pipeline parallelism inside the process group its caller set up (``vime train``
-  starts one trainer rank per GPU, docs/parallelism.md); the gradient norm for clipping is reduced over the
-  tensor-parallel and pipeline groups (each replicated parameter counted once), as are the norm gradients
-  sequence parallelism leaves partial; pipeline stages pass hidden states and their gradients
-  (``megatron_pipeline``);
+- data, tensor, expert, pipeline and context parallelism inside the process group its caller set up
+  (``vime train`` starts one trainer rank per GPU, docs/parallelism.md); the gradient norm for clipping is
+  reduced over the tensor-parallel and pipeline groups (each replicated parameter counted once), as are the
+  norm gradients tensor parallelism leaves partial; pipeline stages pass hidden states and their gradients
+  (``megatron_pipeline``); context-parallel ranks gather each other's keys and values (``megatron_context``);
 - a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA);
 - initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
   ``--hf-checkpoint``; the KL reference model from the same;
@@ -125,11 +125,13 @@ class MegatronBackend(TorchBackend):
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 
-        # Ranks beyond tensor and pipeline parallelism hold replicas: data parallelism over Megatron's group.
+        # Ranks beyond tensor, pipeline and context parallelism hold replicas: data parallelism over Megatron's
+        # group. Context-parallel ranks train the same micro-batches (each over its part of every sequence), so
+        # their gradients add up with the replicas'.
         self.dp = DataParallel(ps.get_data_parallel_group())
-        if megatron.parallel.context != 1:
-            raise NotImplementedError("context parallelism is not wired into the Megatron backend")
+        self.gradient_dp = DataParallel(ps.get_data_parallel_group(with_context_parallel=True))
         self.pipeline = self._pipeline(megatron)
+        self.context = self._context(megatron)
         self.expert_dp = None
         parallel = megatron.parallel
         if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
@@ -150,7 +152,8 @@ class MegatronBackend(TorchBackend):
         if init_hook is not None:
             init_hook(self.user_args)
 
-        self.packing = self._packing(megatron.packing, mm.te_usable())
+        # Context parallelism runs megatron-core's own attention over padded rows (megatron_context).
+        self.packing = self._packing(megatron.packing, mm.te_usable() and self.context is None)
         self._check_moe_tensor_parallelism(megatron, te=self.packing == "thd")
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
@@ -198,12 +201,28 @@ class MegatronBackend(TorchBackend):
         check_stage_layers(megatron.model.num_layers, megatron.parallel)
         return Pipeline()
 
+    @staticmethod
+    def _context(megatron: MegatronBackendSpec):
+        """This rank's part of the context-parallel group (None without context parallelism)."""
+        from vime.backends.megatron_context import ContextSplit
+
+        parallel = megatron.parallel
+        if parallel.context == 1:
+            return None
+        if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
+            raise NotImplementedError(f"--context-parallel-size {parallel.context}: context parallelism with expert "
+                                      "(tensor) parallelism is not wired yet")
+        if megatron.packing == "thd":
+            raise ValueError(f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
+                             "use --megatron-packing padded (or auto)")
+        return ContextSplit.from_megatron()
+
     def _language_model(self, gpt, vocab_size: int):
         from vime.backends.megatron_model import MegatronLM
 
         m = self.megatron
         return MegatronLM(gpt, vocab_size, self.packing, m.parallel.sequence_parallel, model_args=m.model,
-                          pipeline=self.pipeline)
+                          pipeline=self.pipeline, context=self.context)
 
     @staticmethod
     def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec, *, te: bool) -> None:
@@ -456,10 +475,10 @@ class MegatronBackend(TorchBackend):
         """Replicas' gradients add up; under expert parallelism an expert's only over the ranks that hold it
         (the token exchange already brought every replica's tokens to it)."""
         if self.expert_dp is None:
-            self.dp.sum_gradients(params)
+            self.gradient_dp.sum_gradients(params)
             return
         experts = self.expert_param_ids
-        self.dp.sum_gradients([p for p in params if id(p) not in experts])
+        self.gradient_dp.sum_gradients([p for p in params if id(p) not in experts])
         self.expert_dp.sum_gradients([p for p in params if id(p) in experts])
 
     def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:

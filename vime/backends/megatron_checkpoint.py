@@ -148,11 +148,11 @@ def _has_state(optimizer: torch.optim.Optimizer | None) -> bool:
 
 # ---------------------------------------------------------------------------------------------- ranks
 def _ranks() -> tuple[int, int, int, int]:
-    """(tensor rank, tensor size, pipeline rank, data rank)."""
+    """(tensor rank, tensor size, pipeline rank, data rank); context-parallel ranks are replicas too."""
     from megatron.core import parallel_state as ps
 
     return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 def _rank_folder(tp_rank: int, pp_rank: int, pp_size: int) -> str:

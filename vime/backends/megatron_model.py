@@ -186,6 +186,10 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if parallel.context > 1:
+        from vime.backends.megatron_context import with_context_parallel_attention
+
+        spec = with_context_parallel_attention(spec)
     from megatron.core import parallel_state as ps
 
     model = GPTModel(
@@ -428,10 +432,13 @@ class MegatronLM(torch.nn.Module):
 
     Under pipeline parallelism (``pipeline``) a stage after the first takes its input from the previous
     stage, and a stage before the last returns its hidden states (``CausalLMOutput.hidden``) instead of logits.
+
+    Under context parallelism (``context``, a ``megatron_context.ContextSplit``) the model runs over this
+    rank's positions of each padded row, and the last stage gathers every rank's logits into whole rows.
     """
 
     def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False,
-                 model_args: ModelArgs | None = None, pipeline=None):
+                 model_args: ModelArgs | None = None, pipeline=None, context=None):
         super().__init__()
         self.gpt = gpt
         self.vocab_size = vocab_size
@@ -439,6 +446,10 @@ class MegatronLM(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.model_args = model_args
         self.pipeline = pipeline
+        self.context = context
+        if context is not None and packing == "thd":
+            raise ValueError("--context-parallel-size: packed (thd) sequences are not supported; use "
+                             "--megatron-packing padded")
         self._stage_moe_layers = self._moe_layers_of_stage()
 
     def _moe_layers_of_stage(self) -> list[int] | None:
@@ -544,9 +555,9 @@ class MegatronLM(torch.nn.Module):
 
     def _forward_padded(self, input_ids, attention_mask):
         batch, length = input_ids.shape
-        multiple = self._tp_multiple()
+        multiple = self._tp_multiple() * (1 if self.context is None else self.context.multiple)
         padded = -(-length // multiple) * multiple
-        if padded != length:  # sequence parallelism splits the sequence evenly over the TP ranks
+        if padded != length:  # sequence and context parallelism split the sequence evenly over the ranks
             input_ids = torch.nn.functional.pad(input_ids, (0, padded - length))
             attention_mask = torch.nn.functional.pad(attention_mask, (0, padded - length))
         positions = torch.arange(padded, device=input_ids.device).unsqueeze(0).expand(batch, padded)
@@ -555,11 +566,22 @@ class MegatronLM(torch.nn.Module):
         mask = causal[None, None] | (attention_mask == 0)[:, None, None, :]
         from vime.backends.megatron_routing import padded_layout
 
-        self._force(lambda: padded_layout(self._routes, padded, self.model_args))
         padding = attention_mask == 0
         padding[self._real_rows:] = True  # lockstep padding rows stay out of the routers' statistics
+        held = slice(None)  # the positions this rank holds, for the (CPU) routes
+        if self.context is not None:  # this rank's positions (queries) against every rank's (keys)
+            here = self.context.positions(padded, device=input_ids.device)
+            keys = self.context.gathered_positions(padded, device=input_ids.device)
+            mask = mask[:, :, here][..., keys]
+            input_ids, positions, padding = input_ids[:, here], positions[:, here], padding[:, here]
+            held = self.context.positions(padded)
+        self._force(lambda: padded_layout(self._routes, padded, self.model_args)[:, held])
         output = self.gpt(input_ids, positions, mask, **self._padding(padding))
-        return output[:, :length] if self._last_stage else output
+        if not self._last_stage:
+            return output
+        if self.context is not None:
+            output = self.context.gather_sequence(output, dim=1)
+        return output[:, :length]
 
     def _forward_thd(self, input_ids, attention_mask):
         from megatron.core.packed_seq_params import PackedSeqParams

@@ -152,8 +152,8 @@ def validate(settings: TrainSettings) -> None:
 
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:
-    """The trainer's ranks (--actor-num-nodes x --actor-num-gpus-per-node) split into tensor-parallel groups
-    and pipeline stages (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are
+    """The trainer's ranks (--actor-num-nodes x --actor-num-gpus-per-node) split into tensor-parallel groups,
+    pipeline stages and context-parallel groups (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are
     shared by the replicas, so (as in Megatron) --global-batch-size must be a multiple of --micro-batch-size x
     the replicas. Expert parallelism (Megatron, MoE) spreads each layer's experts over groups of replicas."""
     ranks, tp = settings.cluster.num_trainers, settings.megatron.tensor_model_parallel_size
@@ -168,6 +168,12 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
                 f"{pp} needs --train-backend megatron")
         require(ranks % (tp * pp) == 0, "--pipeline-model-parallel-size",
                 f"{pp} x --tensor-model-parallel-size {tp} must divide {where}")
+    cp = settings.megatron.context_parallel_size
+    if cp > 1:
+        require(settings.train.train_backend == "megatron", "--context-parallel-size",
+                f"{cp} needs --train-backend megatron")
+        require(ranks % (tp * pp * cp) == 0, "--context-parallel-size",
+                f"{cp} x --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide {where}")
     ep = settings.megatron.expert_model_parallel_size
     etp = settings.megatron.expert_tensor_parallel_size or tp
     spread = [("--expert-model-parallel-size", ep, "expert parallelism")] if ep > 1 else []
@@ -176,12 +182,13 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
     for flag, size, what in spread:
         require(settings.train.train_backend == "megatron", flag, f"{size} needs --train-backend megatron")
         require(tp == 1, flag, f"{what} with --tensor-model-parallel-size > 1 is not wired yet")
+        require(cp == 1, flag, f"{what} with --context-parallel-size > 1 is not wired yet")
         require(ranks % (ep * etp * pp) == 0, flag,
                 f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
                 f"--pipeline-model-parallel-size {pp} must divide {where}")
         require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
                 f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist")
-    replicas = ranks // (tp * pp)
+    replicas = ranks // (tp * pp * cp)
     per_step = settings.train.micro_batch_size * replicas
     require(replicas == 1 or settings.global_batch_size % per_step == 0, "--global-batch-size",
             f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "

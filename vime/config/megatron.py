@@ -13,10 +13,6 @@ import dataclasses
 
 from vime.config.base import ConfigError, option, require
 
-NOT_WIRED = ("vime's trainer is data-, tensor-, pipeline- and expert-parallel only for now: context parallelism "
-             "is not wired, so this must be 1 (see docs/parallelism.md)")
-
-
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
     num_layers: int | None = option(None, "Transformer layers.")
@@ -56,7 +52,10 @@ class MegatronConfig:
     decoder_last_pipeline_num_layers: int | None = option(
         None, "Decoder layers of the last pipeline stage (default: an even split); the other stages share the "
         "rest evenly.")
-    context_parallel_size: int = option(1, "Context parallelism of training.")
+    context_parallel_size: int = option(
+        1, "Context parallelism of training: each sequence split over this many ranks, which gather each "
+        "other's keys and values in every attention layer (Megatron backend, padded micro-batches; see "
+        "docs/parallelism.md).")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(
         None, "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size). With tensor "
@@ -155,8 +154,10 @@ class MegatronConfig:
                 flag = "--" + name.replace("_", "-")
                 require(getattr(self, name) >= 1, flag, "must be >= 1")
                 require(self.pipeline_model_parallel_size > 1, flag, "needs --pipeline-model-parallel-size > 1")
-        if self.context_parallel_size != 1:
-            raise ConfigError("--context-parallel-size", NOT_WIRED)
+        require(self.context_parallel_size >= 1, "--context-parallel-size", "must be >= 1")
+        if self.context_parallel_size > 1 and self.megatron_packing == "thd":
+            raise ConfigError("--context-parallel-size", "packed (thd) sequences are not supported with context "
+                              "parallelism; use --megatron-packing padded or auto")
         require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
                 "--expert-tensor-parallel-size", "must be >= 1")
         if self.make_vocab_size_divisible_by < 1:
