@@ -77,7 +77,7 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.tensor_model_parallel_size = 3
     with pytest.raises(ConfigError, match="^--tensor-model-parallel-size: 3 must divide the trainer's 4 rank"):
         check_trainer_parallelism(s)
-    # Expert parallelism: the experts of each layer spread over EP ranks (TP 1 only, torch_dist checkpoints).
+    # Expert parallelism: the experts of each layer spread over EP ranks (torch_dist checkpoints).
     s.megatron.tensor_model_parallel_size, s.train.micro_batch_size = 1, 1
     s.megatron.expert_model_parallel_size = 4
     check_trainer_parallelism(s)
@@ -87,9 +87,13 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
         with pytest.raises(ConfigError, match=message):
             check_trainer_parallelism(s)
         s.megatron.expert_model_parallel_size, s.megatron.ckpt_format = 4, "torch_dist"
+    # With tensor parallelism, each expert is split over --expert-tensor-parallel-size ranks (default: TP).
     s.megatron.tensor_model_parallel_size = 2
-    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: expert parallelism with"):
+    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
+                                          "--expert-tensor-parallel-size 2 x --pipeline-model-parallel-size 1 must"):
         check_trainer_parallelism(s)
+    s.megatron.expert_model_parallel_size = 2
+    check_trainer_parallelism(s)
     # Pipeline stages: TP x PP must divide the ranks; the rest are replicas.
     s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
     check_trainer_parallelism(s)  # TP 2 x PP 2: one replica
@@ -104,7 +108,7 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     with pytest.raises(ConfigError, match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
                                           "--expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 2 must"):
         check_trainer_parallelism(s)
-    # Expert tensor parallelism: each expert split over ranks (TP 1 only, torch_dist checkpoints).
+    # Expert tensor parallelism: each expert split over ranks (torch_dist checkpoints).
     s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 1
     s.megatron.expert_tensor_parallel_size = 2
     check_trainer_parallelism(s)
@@ -114,8 +118,7 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
         check_trainer_parallelism(s)
     s.megatron.ckpt_format, s.megatron.tensor_model_parallel_size = "torch_dist", 2
     s.megatron.expert_tensor_parallel_size = 1
-    with pytest.raises(ConfigError, match="^--expert-tensor-parallel-size: expert tensor parallelism with"):
-        check_trainer_parallelism(s)
+    check_trainer_parallelism(s)  # experts whole on each rank of a TP group
     # Context parallelism: TP x PP x CP must divide the ranks; the rest are replicas (--global-batch-size).
     s.megatron.tensor_model_parallel_size, s.megatron.expert_tensor_parallel_size = 1, None
     s.megatron.context_parallel_size = 2

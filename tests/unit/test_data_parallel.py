@@ -105,7 +105,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
             backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(**layout)))
             results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
                                              for seed in (0, 1)]}
-    else:  # experts spread (EP: 2 of the 4 on each rank) or split (ETP) over ranks, maybe in pipeline stages
+    else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
 
@@ -189,19 +189,24 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
 
 # Expert parallelism runs inside pipeline stages here: the pipeline adds its own reductions and takes none
 # of expert parallelism's away, and one four-process run costs less CI time than two runs.
-@pytest.mark.parametrize("layout", [{"expert": 2, "pipeline": 2}, {"expert_tensor": 2}], ids=["ep2_pp2", "etp2"])
+@pytest.mark.parametrize("layout", [{"expert": 2, "pipeline": 2},
+                                    {"expert": 2, "tensor": 2, "sequence_parallel": True},
+                                    {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True}],
+                         ids=["ep2_pp2", "ep2_tp2_sp", "ep2_tp2_sp_etp1"])
 def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
-    """Expert parallelism 2 (each rank of a stage holds half of the experts) in each of two pipeline stages (four
-    processes), and expert tensor parallelism 2 (each rank holds half of every expert's MLP). Tokens are
-    exchanged between the ranks inside every MoE layer; dense weights are data-parallel replicas. The torch
-    backend's single-rank numbers on the same HF MoE model, the experts gathered back for export, and the
-    torch_dist checkpoint resumed in one process."""
+    """Four processes, expert parallelism 2 (each rank holds half of the experts): in each of two pipeline
+    stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel ranks (expert
+    tensor parallelism 2, Megatron's default) or whole on each (expert tensor parallelism 1). Tokens are
+    exchanged between the ranks inside every MoE layer; dense weights are data-parallel replicas or tensor
+    shards. The torch backend's single-rank numbers on the same HF MoE model, the experts gathered back for
+    export, and the torch_dist checkpoint resumed in one process."""
     from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=2 * layout.get("pipeline", 1), layout=layout)
+    world = 2 * layout.get("pipeline", 1) * layout.get("tensor", 1)
+    ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=world, layout=layout)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
     for seed in (0, 1):
@@ -293,8 +298,8 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
             torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
 
 
-@pytest.mark.parametrize("layout", [{"tensor": 2, "context": 2}, {"context": 2, "pipeline": 2}],
-                         ids=["tp2_cp2", "cp2_pp2"])
+@pytest.mark.parametrize("layout", [{"tensor": 2, "sequence_parallel": True, "context": 2},
+                                    {"context": 2, "pipeline": 2}], ids=["tp2_sp_cp2", "cp2_pp2"])
 def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_dir, tmp_path, layout):
     """Qwen3 (query and key norms, head size unlike hidden / heads) in four processes: two tensor-parallel ranks
     (the norms are shared by heads the ranks split: their gradients add up) or two pipeline stages, each
@@ -309,9 +314,7 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
     from vime.backends.torch_backend import TorchBackend
 
     qwen3 = _with_tokenizer(str(tmp_path / "qwen3"), model_dir, "qwen3")
-    moe = "tensor" not in layout  # MoE under tensor parallelism needs sequence parallelism (GPU-only)
-    if moe:
-        moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
+    moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
                                                   **megatron_shim.MOE_VARIANTS["qwen3_moe"])
     ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), world=4, layout=layout)
     megatron_shim.install()
@@ -332,8 +335,6 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
         resumed.load_training_state(str(tmp_path / f"layout_{name}_ckpt"))
         for param_name, tensor in resumed.hf_named_weights():
             assert torch.equal(tensor, ranks[0][name]["weights"][param_name]), param_name
-    if not moe:
-        return
     one_process = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
     for seed in (0, 1):
         expected = one_process.train_rollout(routed_samples(seed, routes=True), 0)

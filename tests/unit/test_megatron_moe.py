@@ -261,10 +261,9 @@ def test_conversion_commands_round_trip(tmp_path, ckpt_format):
     assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
 
 
-def test_moe_under_tensor_parallelism_needs_sequence_parallelism_and_transformer_engine(qwen3_moe_dir):
-    """megatron-core refuses MoE training under TP without sequence parallelism, and its own norms refuse
-    sequence parallelism (checked on CPU: 'sequence parallel not supported by torch LayerNorm'), so the
-    backend says which flag or layer is missing before building anything."""
+def test_moe_under_tensor_parallelism_needs_sequence_parallelism(qwen3_moe_dir):
+    """megatron-core refuses MoE training under TP without sequence parallelism: the backend names the flag
+    before building anything."""
     pytest.importorskip("megatron.core")
     from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec
     from vime.backends.megatron_model import Parallelism
@@ -272,9 +271,6 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism_and_transformer
     model = model_args_from_hf(AutoConfig.from_pretrained(qwen3_moe_dir))
     check = MegatronBackend._check_moe_tensor_parallelism
     with pytest.raises(ValueError, match="^--sequence-parallel: megatron-core trains MoE layers"):
-        check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2)), te=True)
-    with_sp = MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, sequence_parallel=True))
-    with pytest.raises(ValueError, match="^--tensor-model-parallel-size: an MoE model .* needs Transformer Engine"):
-        check(with_sp, te=False)
-    check(with_sp, te=True)
-    check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=1)), te=False)
+        check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2)))
+    check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, sequence_parallel=True)))
+    check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=1)))

@@ -154,7 +154,7 @@ class MegatronBackend(TorchBackend):
 
         # Context parallelism runs megatron-core's own attention over padded rows (megatron_context).
         self.packing = self._packing(megatron.packing, mm.te_usable() and self.context is None)
-        self._check_moe_tensor_parallelism(megatron, te=self.packing == "thd")
+        self._check_moe_tensor_parallelism(megatron)
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
         self.model = self._language_model(self.gpt, megatron.model.vocab_size)
@@ -225,18 +225,14 @@ class MegatronBackend(TorchBackend):
                           pipeline=self.pipeline, context=self.context)
 
     @staticmethod
-    def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec, *, te: bool) -> None:
-        """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism, which its
-        own (non-Transformer-Engine) norms refuse: say so before the model is built."""
+    def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
+        """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism: say so
+        before the model is built."""
         if not megatron.model.is_moe or megatron.parallel.tensor == 1:
             return
         if not megatron.parallel.sequence_parallel:
             raise ValueError("--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
                              f"{megatron.parallel.tensor} only under sequence parallelism")
-        if not te:
-            raise ValueError("--tensor-model-parallel-size: an MoE model under tensor and sequence parallelism needs "
-                             "Transformer Engine's layers (thd packing, CUDA); megatron-core's own norms refuse "
-                             "sequence parallelism")
 
     @staticmethod
     def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
@@ -250,9 +246,6 @@ class MegatronBackend(TorchBackend):
         if model.moe_ffn_hidden_size % etp:
             raise ValueError(f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
                              f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)")
-        if megatron.parallel.tensor != 1:
-            raise NotImplementedError(f"{flag}: expert (tensor) parallelism with tensor parallelism is not wired yet "
-                                      "(--tensor-model-parallel-size must be 1)")
         if megatron.ckpt_format != "torch_dist":
             raise ValueError("--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use "
                              "torch_dist")

@@ -186,6 +186,10 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if parallel.sequence_parallel and not use_te:
+        from vime.backends.megatron_layers import with_sequence_parallel_norms
+
+        spec = with_sequence_parallel_norms(spec, config)
     if parallel.context > 1:
         from vime.backends.megatron_context import with_context_parallel_attention
 

@@ -41,7 +41,9 @@ class MegatronConfig:
     attention_dropout: float = option(0.0, "Attention dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     hidden_dropout: float = option(0.0, "Hidden dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     tensor_model_parallel_size: int = option(1, "Tensor parallelism of training.")
-    sequence_parallel: bool = option(False, "Sequence parallelism (with TP).")
+    sequence_parallel: bool = option(
+        False, "Sequence parallelism (with TP): norms and dropout over a slice of the sequence on each "
+        "tensor-parallel rank. MoE models under tensor parallelism need it.")
     pipeline_model_parallel_size: int = option(
         1, "Pipeline parallelism of training: the decoder layers split over this many stages, evenly unless "
         "--decoder-first/last-pipeline-num-layers say otherwise (Megatron backend; stages run one micro-batch at "
@@ -58,8 +60,8 @@ class MegatronConfig:
         "docs/parallelism.md).")
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(
-        None, "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size). With tensor "
-        "parallelism 1, each expert's MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).")
+        None, "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size): each expert's "
+        "MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).")
     num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral).")
     moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
     moe_ffn_hidden_size: int | None = option(None, "Hidden size of each routed expert's MLP (config.json: "

@@ -1,0 +1,59 @@
+"""Norm layers for megatron-core's own (non-Transformer-Engine) layer specs under sequence parallelism.
+
+megatron-core's torch norms (``WrappedTorchNorm``) refuse ``--sequence-parallel``: under it each tensor-parallel
+rank normalises a slice of the sequence, so the norms' weights get only part of their gradient on each
+rank, and nothing in a plain torch norm marks them for summing. :class:`SequenceParallelTorchNorm` marks
+them (``param.sequence_parallel``, as Transformer Engine's norms do) and the Megatron backend sums those
+gradients over the tensor-parallel ranks. :func:`with_sequence_parallel_norms` puts it in a layer spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class SequenceParallelTorchNorm:
+    """torch's ``LayerNorm`` or ``RMSNorm`` (``config.normalization``) whose weights carry
+    ``sequence_parallel`` = ``config.sequence_parallel``. The signature is megatron-core's norm interface."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"--normalization {config.normalization}: expected one of {', '.join(kinds)}")
+        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def with_sequence_parallel_norms(spec, config):
+    """A decoder block spec (``TransformerBlockSubmodules``; a single layer's spec is repeated for the layers
+    this pipeline stage builds) with every torch norm, the final one included, made a
+    :class:`SequenceParallelTorchNorm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if not isinstance(spec, TransformerBlockSubmodules):
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                          layer_norm=WrappedTorchNorm)
+    return _replaced(spec, WrappedTorchNorm, SequenceParallelTorchNorm, {})
+
+
+def _replaced(node, old, new, seen: dict):
+    """``node`` with every reference to ``old`` replaced by ``new`` (specs are dataclasses and lists; shared
+    sub-specs stay shared)."""
+    if node is old:
+        return new
+    if id(node) in seen:
+        return seen[id(node)]
+    if isinstance(node, list):
+        out = [_replaced(item, old, new, seen) for item in node]
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        out = dataclasses.replace(node, **{f.name: _replaced(getattr(node, f.name), old, new, seen)
+                                           for f in dataclasses.fields(node) if f.init})
+    else:
+        return node
+    seen[id(node)] = out
+    return out
