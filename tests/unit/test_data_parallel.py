@@ -191,8 +191,9 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
 # of expert parallelism's away, and one four-process run costs less CI time than two runs.
 @pytest.mark.parametrize("layout", [{"expert": 2, "pipeline": 2},
                                     {"expert": 2, "tensor": 2, "sequence_parallel": True},
-                                    {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True}],
-                         ids=["ep2_pp2", "ep2_tp2_sp", "ep2_tp2_sp_etp1"])
+                                    {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True},
+                                    {"expert": 2, "context": 2}],
+                         ids=["ep2_pp2", "ep2_tp2_sp", "ep2_tp2_sp_etp1", "ep2_cp2"])
 def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
     """Four processes, expert parallelism 2 (each rank holds half of the experts): in each of two pipeline
     stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel ranks (expert
@@ -205,7 +206,7 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    world = 2 * layout.get("pipeline", 1) * layout.get("tensor", 1)
+    world = 2 * layout.get("pipeline", 1) * layout.get("tensor", 1) * layout.get("context", 1)
     ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=world, layout=layout)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))

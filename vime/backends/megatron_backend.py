@@ -209,9 +209,6 @@ class MegatronBackend(TorchBackend):
         parallel = megatron.parallel
         if parallel.context == 1:
             return None
-        if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
-            raise NotImplementedError(f"--context-parallel-size {parallel.context}: context parallelism with expert "
-                                      "(tensor) parallelism is not wired yet")
         if megatron.packing == "thd":
             raise ValueError(f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
                              "use --megatron-packing padded (or auto)")
