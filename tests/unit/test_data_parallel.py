@@ -344,8 +344,8 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
 
 
 def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():
-    """Rank r of CP holds chunks r and 2CP-1-r of 2CP (megatron-core's rotary embeddings assume it), and what
-    context parallelism does not run is refused, naming the flag."""
+    """Rank r of CP holds chunks r and 2CP-1-r of 2CP (megatron-core's rotary embeddings assume it), and thd
+    packing, which context parallelism does not run, is refused naming the flag."""
     import types
 
     from vime.backends.megatron_backend import MegatronBackend
@@ -357,8 +357,6 @@ def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():
     assert ContextSplit(None, 1, 2).gathered_positions(8).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="does not split into 4 chunks"):
         ContextSplit(None, 0, 2).positions(6)
-    with pytest.raises(NotImplementedError, match="^--context-parallel-size 2: context parallelism with expert"):
-        MegatronBackend._context(types.SimpleNamespace(parallel=Parallelism(context=2, expert=2), packing="auto"))
     with pytest.raises(ValueError, match=r"^--context-parallel-size 2: packed \(thd\) sequences"):
         MegatronBackend._context(types.SimpleNamespace(parallel=Parallelism(context=2), packing="thd"))
 

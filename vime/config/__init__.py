@@ -181,7 +181,6 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
         spread.append(("--expert-tensor-parallel-size", etp, "expert tensor parallelism"))
     for flag, size, what in spread:
         require(settings.train.train_backend == "megatron", flag, f"{size} needs --train-backend megatron")
-        require(cp == 1, flag, f"{what} with --context-parallel-size > 1 is not wired yet")
         require(ranks % (ep * etp * pp) == 0, flag,
                 f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
                 f"--pipeline-model-parallel-size {pp} must divide {where}")
