@@ -78,6 +78,7 @@ class TrainingRun:
         self.trainer = None
         self.weight_sync = None             # vime.workers.engines.WeightSync, built at the first publication
         self.workers: list = []
+        self.first_worker = None            # rollout worker 0's actor, created early, until it is launched
         self.worker_runs: list = []
         self.worker_writers: list = []      # straw writer id of each rollout worker
         self.worker_leases: list = []       # the id each rollout worker leases under (fenced when it dies)
@@ -215,6 +216,9 @@ class TrainingRun:
                      + (" each)" if ranks > 1 else ")"))
         self.trainer = TrainerGroup.start(trainer_spec, ranks, gpus_per_rank=self._trainer_gpus_per_rank(),
                                           timeout=600)
+        # The first rollout worker's process starts (imports, tokenizer, hooks) while the trainer does; it
+        # opens its queue writer and generates only after recovery (_start_rollout_workers).
+        self.first_worker = self._create_worker(0)
         ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
         self.log.say(f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, "
                      f"{ready[0]['consumed']} trained")
@@ -497,12 +501,12 @@ class TrainingRun:
         self.workers, self.worker_runs, self.worker_writers = [], [], []
         self.worker_leases, self.worker_nodes = [], []
         self.worker_restarts = 0
-        self._launch_worker(0)
+        worker, self.first_worker = self.first_worker, None
+        self._launch_worker(0, worker=worker)
         self.log.say(f"{len(self.workers)} rollout worker(s) generating")
 
-    def _launch_worker(self, index: int, node_id: str | None = None) -> None:
-        """Start rollout worker ``index`` (anywhere, or on ``node_id``: a node that joined; a
-        worker that cannot start there within a minute is given up, its node's engines stay)."""
+    def _create_worker(self, index: int, node_id: str | None = None):
+        """Rollout worker ``index``'s actor (anywhere, or on ``node_id``), its queue not opened yet."""
         import ray
 
         from vime.workers.rollout_worker import RolloutWorker
@@ -512,10 +516,19 @@ class TrainingRun:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        worker = ray.remote(num_cpus=0)(RolloutWorker).options(**options).remote(self._rollout_spec(index),
-                                                                                 self.controller)
+        return ray.remote(num_cpus=0)(RolloutWorker).options(**options).remote(self._rollout_spec(index),
+                                                                              self.controller)
+
+    def _launch_worker(self, index: int, node_id: str | None = None, worker=None) -> None:
+        """Start rollout worker ``index`` (anywhere, or on ``node_id``: a node that joined; a
+        worker that cannot start there within a minute is given up, its node's engines stay).
+        ``worker``: its actor, already created by :meth:`_create_worker`."""
+        import ray
+
+        if worker is None:
+            worker = self._create_worker(index, node_id)
         try:
-            identity = ray.get(worker.ready.remote(), timeout=300 if node_id is None else 60)
+            identity = ray.get(worker.open_queue.remote(), timeout=300 if node_id is None else 60)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as error:
             if node_id is None:
                 raise
@@ -783,7 +796,8 @@ class TrainingRun:
 
         from vime.runtime.process import kill_processes_with_token
 
-        for step in (self._stop_rollout_workers, lambda: self.engine_manager and self.engine_manager.stop(),
+        for step in (self._stop_rollout_workers, lambda: self.first_worker and __import__("ray").kill(self.first_worker),
+                     lambda: self.engine_manager and self.engine_manager.stop(),
                      *(model.stop for model in self.frozen_models),
                      lambda: self.router and self.router.stop(),
                      lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30),

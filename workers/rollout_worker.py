@@ -91,11 +91,8 @@ class RolloutWorker:
 
         self.spec, self.controller = spec, controller
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
-        self.transport = make_transport(spec.transport, spec.store)
-        # Leasing under "<name>@<straw writer id>" lets a later controller find, from the journal
-        # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
-        self.writer_id = getattr(self.transport, "writer_id", None)
-        self.lease_id = f"{spec.worker_id}@{self.writer_id}" if self.writer_id else spec.worker_id
+        self.transport = None  # opened by open_queue()
+        self.writer_id, self.lease_id = None, spec.worker_id
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
@@ -112,11 +109,22 @@ class RolloutWorker:
         self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
-    def ready(self) -> dict[str, str | None]:
+    def open_queue(self) -> dict[str, str | None]:
+        """Open this worker's own handle on the queue and return its identity (worker, lease and writer id).
+
+        Apart from construction so that the driver can start the worker's process (imports, tokenizer, hooks)
+        while the trainer starts, and give it a queue writer only after recovery has dealt with the writers
+        of earlier workers."""
+        if self.transport is None:
+            self.transport = make_transport(self.spec.transport, self.spec.store)
+            # Leasing under "<name>@<straw writer id>" lets a later controller find, from the journal
+            # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
+            self.writer_id = getattr(self.transport, "writer_id", None)
+            self.lease_id = f"{self.spec.worker_id}@{self.writer_id}" if self.writer_id else self.spec.worker_id
         return {"worker_id": self.spec.worker_id, "lease_id": self.lease_id, "writer_id": self.writer_id}
 
     async def run(self) -> RolloutWorkerStats:
-        """Lease and generate until stop(); returns the worker's counters."""
+        """Lease and generate until stop() (after open_queue()); returns the worker's counters."""
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             self.session = session
