@@ -4,6 +4,7 @@ hooks, the trainer worker's backend choice, weight publication and checkpoints i
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,7 +83,19 @@ ALGORITHMS = {
     "kl_loss_entropy_reference": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
     "gspo_tis": {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4, "use_tis": True},
     "opd": {"use_opd": True, "opd_kl_coef": 0.5},
+    "score_centering_tis": {"use_score_centering": True, "score_centering_top_k": 3, "use_tis": True},
 }
+
+
+def with_heads(samples: list[Sample], k: int = 3) -> list[Sample]:
+    """The sampler's top-k heads (ids and log-probs) at each response token, as score centering reads them."""
+    rng = random.Random(7)
+    for sample in samples:
+        ids = [rng.sample(range(12), k) for _ in range(sample.response_length)]
+        sample.rollout_topk_token_ids = np.array(ids)
+        sample.rollout_topk_log_probs = np.array([[-0.5 - 0.7 * j - 0.1 * rng.random() for j in range(k)]
+                                                  for _ in ids])
+    return samples
 
 
 def with_teacher(samples: list[Sample]) -> list[Sample]:
@@ -96,7 +109,8 @@ def test_training_matches_the_torch_backend(model_dir, name):
     torch_backend = TorchBackend(trainer_spec(model_dir, **ALGORITHMS[name]))
     megatron = MegatronBackend(trainer_spec(model_dir, **ALGORITHMS[name]), megatron_spec(model_dir))
     for rollout in range(2):
-        samples = with_teacher(make_samples(rollout)) if name == "opd" else make_samples(rollout)
+        samples = make_samples(rollout)
+        samples = {"opd": with_teacher, "score_centering_tis": with_heads}.get(name, list)(samples)
         assert_same_metrics(megatron.train_rollout(samples, 0), torch_backend.train_rollout(samples, 0))
     assert_same_weights(megatron, torch_backend.model)
     assert megatron.rollouts_trained == 2
