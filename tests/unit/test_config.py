@@ -25,6 +25,20 @@ def test_defaults_and_derived_values(model_dir):
     assert s.router_args["policy"] == "round_robin"
 
 
+def test_cuda_is_required_of_this_machine_unless_the_trainer_runs_on_a_ray_cluster(model_dir):
+    """A driver on a CPU-only head node may train with Megatron and NCCL on the cluster's GPU nodes (the
+    trainer checks its own node); with in-process Ray this machine is where they run."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for flags, flag in ((["--train-backend", "megatron"], "--train-backend"),
+                        (["--update-weight-transport", "nccl"], "--update-weight-transport")):
+        with pytest.raises(ConfigError, match=f"^{flag}: .* needs CUDA GPUs"):
+            parse_train_args(base(model_dir, *flags))
+        assert parse_train_args(base(model_dir, *flags, "--ray-address", "10.0.0.1:6379")).cluster.ray_address
+
+
 def test_colocate_is_synchronous(model_dir):
     assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
 

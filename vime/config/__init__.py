@@ -138,6 +138,7 @@ def validate(settings: TrainSettings) -> None:
             f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
             f"--global-batch-size {settings.global_batch_size}")
     check_trainer_parallelism(settings)
+    check_local_cuda(settings)
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
     check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
@@ -149,6 +150,26 @@ def validate(settings: TrainSettings) -> None:
     require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
                  and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",
             "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'")
+
+
+def check_local_cuda(settings: TrainSettings) -> None:
+    """Megatron training (megatron-core 0.16 calls torch.cuda in its forward pass) and NCCL weight transfer need
+    CUDA GPUs. In-process Ray runs the trainer and the engines on this machine, which must have them. Attached
+    to a Ray cluster (--ray-address) they may run on other nodes, under a driver on a CPU-only head node: the
+    trainer checks its own node when it starts, naming the flag."""
+    if settings.cluster.ray_address:
+        return
+    if settings.train.train_backend == "megatron":
+        import torch
+
+        # vime's tests run megatron-core on CPU through a test-only shim (tests/megatron_shim.py); runs do not.
+        require(torch.cuda.is_available(), "--train-backend",
+                "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch")
+    if settings.weights.update_weight_transport == "nccl":
+        from vime.weights.nccl import cuda_available
+
+        require(cuda_available(), "--update-weight-transport",
+                "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'")
 
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:

@@ -305,17 +305,12 @@ class TrainConfig:
         if self.train_backend == "megatron":
             import importlib.util
 
-            import torch
-
             try:
                 found = importlib.util.find_spec("megatron.core") is not None
             except ModuleNotFoundError:  # no `megatron` package at all
                 found = False
             require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
-            # megatron-core 0.16 calls torch.cuda in its forward pass; vime's tests run it on CPU through a
-            # test-only shim (tests/megatron_shim.py), runs do not.
-            require(torch.cuda.is_available(), "--train-backend",
-                    "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch")
+            # CUDA: vime.config.check_local_cuda (this machine's, unless the trainer runs on a Ray cluster's).
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
         self._validate_lr_schedule()
@@ -434,10 +429,7 @@ class WeightSyncConfig:
         if self.update_weight_transport == "nccl":
             require(self.update_weight_mode == "full", "--update-weight-mode",
                     "'delta' applies to the disk transport; nccl broadcasts every tensor")
-            from vime.weights.nccl import cuda_available
-
-            require(cuda_available(), "--update-weight-transport",
-                    "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'")
+            # CUDA: vime.config.check_local_cuda.
 
     def engine_vllm_args(self, vllm_args: dict) -> dict:
         """The engines' vLLM flags plus what this transport needs (nccl: vime's worker extension)."""
