@@ -462,8 +462,8 @@ class MegatronBackend(TorchBackend):
                 if getattr(p, "sequence_parallel", False) or ".q_layernorm." in name or ".k_layernorm." in name}
 
     def _sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """Replicas' gradients add up; under expert parallelism an expert's only over the ranks that hold it
-        (the token exchange already brought every replica's tokens to it)."""
+        """Replicas' and context-parallel ranks' gradients add up; under expert parallelism an expert's only over
+        the ranks that hold it (the token exchange already brought every replica's tokens to it)."""
         if self.expert_dp is None:
             self.gradient_dp.sum_gradients(params)
             return
