@@ -783,6 +783,13 @@ class TrainingRun:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump({"weight_version": version, "eval_before": self.before, "eval_after": after}, f, indent=1)
 
+    def _kill_unlaunched_worker(self) -> None:
+        """A run that fails between creating the first rollout worker and launching it stops that actor too."""
+        if self.first_worker is not None:
+            import ray
+
+            ray.kill(self.first_worker)
+
     def _remove_encoder_cache(self) -> None:
         """EPD: the embeddings vime's default encoder cache kept in shared memory (docs/vllm-config.md)."""
         import shutil
@@ -796,7 +803,7 @@ class TrainingRun:
 
         from vime.runtime.process import kill_processes_with_token
 
-        for step in (self._stop_rollout_workers, lambda: self.first_worker and __import__("ray").kill(self.first_worker),
+        for step in (self._stop_rollout_workers, self._kill_unlaunched_worker,
                      lambda: self.engine_manager and self.engine_manager.stop(),
                      *(model.stop for model in self.frozen_models),
                      lambda: self.router and self.router.stop(),

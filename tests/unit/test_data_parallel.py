@@ -139,6 +139,16 @@ def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2, l
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def _assert_ranks_took_the_steps(ranks: list[dict], key: str, step) -> None:
+    """Every rank's metrics of rollouts 0 and 1 (under ``key``) equal ``step(seed)``'s, the reference's."""
+    from tests.unit.test_megatron_backend import assert_same_metrics
+
+    for seed in (0, 1):
+        expected = step(seed)
+        for rank in ranks:
+            assert_same_metrics(rank[key]["metrics"][seed], expected)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return megatron_shim.tiny_qwen2_with_tokenizer(str(tmp_path_factory.mktemp("dp_tiny")))
@@ -164,19 +174,15 @@ def test_torch_backend_two_ranks_take_one_ranks_steps(model_dir, tmp_path):
 
 
 def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir, tmp_path):
-    from tests.unit.test_megatron_backend import (
-        assert_same_metrics, assert_same_weights, make_samples, megatron_spec, trainer_spec,
-    )
+    from tests.unit.test_megatron_backend import assert_same_weights, make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
     ranks = _spawn_ranks("megatron", model_dir, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]))
-    for seed in (0, 1):
-        expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
-        for rank in ranks:
-            assert_same_metrics(rank["megatron"]["metrics"][seed], expected)
+    _assert_ranks_took_the_steps(ranks, "megatron",
+                                 lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
     for rank in ranks:
         for name, param in reference.model.named_parameters():
             torch.testing.assert_close(rank["megatron"]["weights"][name], param.detach(), rtol=0, atol=2e-5, msg=name)
@@ -201,7 +207,7 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
     exchanged between the ranks inside every MoE layer; dense weights are data-parallel replicas or tensor
     shards. The torch backend's single-rank numbers on the same HF MoE model, the experts gathered back for
     export, and the torch_dist checkpoint resumed in one process."""
-    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
+    from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
@@ -210,10 +216,7 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
     ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=world, layout=layout)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
-    for seed in (0, 1):
-        expected = reference.train_rollout(make_samples(seed), 0)
-        for rank in ranks:
-            assert_same_metrics(rank["megatron_ep"]["metrics"][seed], expected)
+    _assert_ranks_took_the_steps(ranks, "megatron_ep", lambda seed: reference.train_rollout(make_samples(seed), 0))
     # transformers fuses the experts in memory; its saved files name them one by one, as the export does.
     from vime.backends.megatron_convert import read_hf_state_dict
 
@@ -270,16 +273,11 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
             torch.testing.assert_close(rank["uneven"]["weights"][param_name], param.detach(), rtol=0, atol=2e-5,
                                        msg=param_name)
     one_stage = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
-    for seed in (0, 1):
-        expected = one_stage.train_rollout(routed_samples(seed, routes=True), 0)
-        for rank in ranks:
-            assert_same_metrics(rank["moe_r3"]["metrics"][seed], expected)
+    _assert_ranks_took_the_steps(ranks, "moe_r3",
+                                 lambda seed: one_stage.train_rollout(routed_samples(seed, routes=True), 0))
     for name, algorithm in TORCH_RUNS.items():
         reference = TorchBackend(trainer_spec(tied, **algorithm))
-        for seed in (0, 1):
-            expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
-            for rank in ranks:
-                assert_same_metrics(rank[name]["metrics"][seed], expected)
+        _assert_ranks_took_the_steps(ranks, name, lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
         expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
         assert "lm_head.weight" not in ranks[0][name]["weights"]  # tied: exported once, as the embedding
         for rank in ranks:
@@ -306,9 +304,9 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
     (the norms are shared by heads the ranks split: their gradients add up) or two pipeline stages, each
     context-parallel over two ranks (each runs half of every sequence and attends to the other's keys and
     values). The torch backend's numbers and weights, with KL and entropy and with PPO's critic, and a resume in
-    one process. In the pipeline, an MoE model too, with recorded routes (R3, sliced as the sequence is) and the
-    auxiliary loss: the numbers of one process."""
-    from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec
+    one process. And an MoE model with recorded routes (R3, sliced as the sequence is) and the auxiliary loss
+    (under tensor parallelism, the experts split over its ranks): the numbers of one process."""
+    from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
     from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.megatron_model import Parallelism
@@ -316,15 +314,12 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
 
     qwen3 = _with_tokenizer(str(tmp_path / "qwen3"), model_dir, "qwen3")
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
-                                                  **megatron_shim.MOE_VARIANTS["qwen3_moe"])
+                                              **megatron_shim.MOE_VARIANTS["qwen3_moe"])
     ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), world=4, layout=layout)
     megatron_shim.install()
     for name, algorithm in TORCH_RUNS.items():
         reference = TorchBackend(trainer_spec(qwen3, **algorithm))
-        for seed in (0, 1):
-            expected = reference.train_rollout(make_samples(seed, GROUPS), 0)
-            for rank in ranks:
-                assert_same_metrics(rank[name]["metrics"][seed], expected)
+        _assert_ranks_took_the_steps(ranks, name, lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
         # AdamW (lr 1e-3) turns the order of floating-point additions into differences of up to ~3e-5 where a
         # gradient is near zero; a wrong gradient moves a weight by about the learning rate.
         expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
@@ -337,10 +332,8 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
         for param_name, tensor in resumed.hf_named_weights():
             assert torch.equal(tensor, ranks[0][name]["weights"][param_name]), param_name
     one_process = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
-    for seed in (0, 1):
-        expected = one_process.train_rollout(routed_samples(seed, routes=True), 0)
-        for rank in ranks:
-            assert_same_metrics(rank["moe_r3"]["metrics"][seed], expected)
+    _assert_ranks_took_the_steps(ranks, "moe_r3",
+                                 lambda seed: one_process.train_rollout(routed_samples(seed, routes=True), 0))
 
 
 def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():

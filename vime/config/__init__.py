@@ -174,9 +174,10 @@ def check_local_cuda(settings: TrainSettings) -> None:
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:
     """The trainer's ranks (--actor-num-nodes x --actor-num-gpus-per-node) split into tensor-parallel groups,
-    pipeline stages and context-parallel groups (Megatron only) and data-parallel replicas; each optimizer step's micro-batches are
-    shared by the replicas, so (as in Megatron) --global-batch-size must be a multiple of --micro-batch-size x
-    the replicas. Expert parallelism (Megatron, MoE) spreads each layer's experts over groups of replicas."""
+    pipeline stages and context-parallel groups (Megatron only) and data-parallel replicas; each optimizer
+    step's micro-batches are shared by the replicas, so (as in Megatron) --global-batch-size must be a
+    multiple of --micro-batch-size x the replicas. Expert parallelism (Megatron, MoE) spreads each layer's
+    experts over groups of ranks."""
     ranks, tp = settings.cluster.num_trainers, settings.megatron.tensor_model_parallel_size
     pp = settings.megatron.pipeline_model_parallel_size
     where = f"the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
