@@ -127,6 +127,7 @@ class TrainingRun:
         self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
         # --
         self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
+        self._report_megatron_lm_flags()
         self._plan_engines()
         check_against_vllm(s.vllm.vllm_args)
         check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
@@ -151,6 +152,23 @@ class TrainingRun:
         self.tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
+
+    def _report_megatron_lm_flags(self) -> None:
+        """Say what the Megatron-LM flags passed through do (vime/config/megatron_lm.py): a flag vime's trainer does
+        not read reaches user code only, which a user should not have to guess."""
+        passthrough = self.s.megatron_lm
+        if not passthrough.values:
+            return
+        from vime.config.megatron_lm import transformer_overrides
+
+        model = transformer_overrides(passthrough) if self.s.train.train_backend == "megatron" else {}
+        if model:
+            self.log.say("Megatron-LM flags set the model's TransformerConfig: "
+                         + ", ".join(passthrough.flags[name] for name in model))
+        rest = [flag for name, flag in passthrough.flags.items() if name not in model]
+        if rest:
+            self.log.say("Megatron-LM flags that vime's trainer does not read (user code sees them in args): "
+                         + ", ".join(rest))
 
     def _plan_engines(self) -> None:
         """What to start, from the resolved topology (vime/config/vllm_config.py): the trained

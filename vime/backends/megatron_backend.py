@@ -65,6 +65,7 @@ class MegatronBackendSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     recompute: dict | None = None           # TransformerConfig recompute_* fields
+    config_overrides: dict | None = None    # TransformerConfig fields from Megatron-LM flags (config.megatron_lm)
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)   # MoE training; routing_replay = R3
     init_hook_path: str | None = None
     before_log_prob_hook_path: str | None = None
@@ -74,6 +75,8 @@ class MegatronBackendSpec:
     @classmethod
     def from_settings(cls, s) -> "MegatronBackendSpec":
         from transformers import AutoConfig
+
+        from vime.config.megatron_lm import transformer_overrides
 
         m = s.megatron
         recompute = {k: v for k, v in (("recompute_granularity", m.recompute_granularity),
@@ -90,6 +93,7 @@ class MegatronBackendSpec:
             ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
             vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
             hidden_dropout=m.hidden_dropout, recompute=recompute or None,
+            config_overrides=transformer_overrides(s.megatron_lm) if s.megatron_lm.values else None,
             moe=MoeOptions(load_balancing_type=m.moe_router_load_balancing_type, aux_loss_coeff=m.moe_aux_loss_coeff,
                            token_dispatcher_type=m.moe_token_dispatcher_type, grouped_gemm=m.moe_grouped_gemm,
                            routing_replay=m.use_rollout_routing_replay),
@@ -280,7 +284,7 @@ class MegatronBackend(TorchBackend):
         self.critic_gpt = megatron_critic.build_value_gpt(
             m.model, m.parallel, seed=self.spec.seed, vocab_divisible_by=m.vocab_divisible_by,
             use_te=self.packing == "thd", attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-            recompute=m.recompute, initialize=False, moe=m.moe)
+            recompute=m.recompute, initialize=False, moe=m.moe, overrides=m.config_overrides)
         if role.load is not None:
             megatron_critic.load_initial(self.critic_gpt, role.load, m.model, field=role.field("load"), yaml=yaml)
         else:
@@ -300,7 +304,7 @@ class MegatronBackend(TorchBackend):
         gpt = mm.build_gpt_model(m.model, m.parallel, vocab_divisible_by=m.vocab_divisible_by,
                                  use_te=self.packing == "thd", attention_dropout=m.attention_dropout,
                                  hidden_dropout=m.hidden_dropout, recompute=m.recompute, initialize=False,
-                                 moe=m.moe)
+                                 moe=m.moe, overrides=m.config_overrides)
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
         else:

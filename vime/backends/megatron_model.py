@@ -130,12 +130,33 @@ def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
         moe_enable_routing_replay=moe.routing_replay)
 
 
+# The TransformerConfig fields vime decides (model shape from the flags and the HF config, parallelism, precision,
+# fusions, MoE and recomputation); a Megatron-LM flag passed through may set any other (vime.config.megatron_lm).
+VIME_TRANSFORMER_FIELDS = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization",
+    "layernorm_epsilon", "hidden_dropout", "attention_dropout", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+    "params_dtype", "pipeline_dtype", "use_cpu_initialization", "perform_initialization", "bias_activation_fusion",
+    "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm", "apply_rope_fusion",
+    "gradient_accumulation_fusion", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_layer_freq", "moe_router_dtype", "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_enable_routing_replay",
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "fp16", "bf16", "fp8", "fp4",  # vime trains in float32
+})
+
+
 def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_dropout: float = 0.0,
                        hidden_dropout: float = 0.0, recompute: dict | None = None, initialize: bool = True,
-                       moe: MoeOptions | None = None, use_te: bool = False):
+                       moe: MoeOptions | None = None, use_te: bool = False, overrides: dict | None = None):
+    """The model's TransformerConfig; ``overrides`` (Megatron-LM flags passed through) set fields vime leaves at
+    megatron-core's defaults."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, gated_linear_unit=args.swiglu,
@@ -152,6 +173,12 @@ def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_drop
         perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **_moe_config(args, moe or MoeOptions(), use_te), **(recompute or {}))
+    unlisted = set(fields) - VIME_TRANSFORMER_FIELDS
+    assert not unlisted, f"VIME_TRANSFORMER_FIELDS misses {sorted(unlisted)}"
+    clash = sorted(set(overrides or {}) & VIME_TRANSFORMER_FIELDS)
+    if clash:
+        raise ValueError(f"TransformerConfig fields {clash} are vime's to set, not a passed-through flag's")
+    return TransformerConfig(**fields, **(overrides or {}))
 
 
 def _megatron_without_te() -> None:

@@ -22,6 +22,7 @@ from vime.config.framework import (
 from vime.config.framework import DebugConfig
 from vime.config.framework import ElasticConfig
 from vime.config.megatron import MegatronConfig
+from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.passthrough import split_prefixed
 from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
@@ -63,6 +64,7 @@ class TrainSettings:
     router_args: dict
     megatron: MegatronConfig
     args: argparse.Namespace
+    megatron_lm: Passthrough = dataclasses.field(default_factory=Passthrough)  # Megatron-LM's own flags given
 
     @property
     def run_dir(self) -> str:
@@ -93,13 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fully-asynchronous RL post-training: rollout workers generate through vLLM engines behind "
                     "vllm-router, a durable straw queue carries accepted groups, trainers update the policy and "
                     "publish new weights to the engines.",
-        usage="%(prog)s --hf-checkpoint DIR --prompt-data FILE [options]")
+        usage="%(prog)s --hf-checkpoint DIR --prompt-data FILE [options]",
+        allow_abbrev=False)  # as Megatron-LM's: an abbreviation would take a Megatron-LM flag passed through
     for _, section, title in SECTIONS:
         add_section_arguments(parser, section, title)
     vllm_args.add_help(parser)
     router_args.add_help(parser)
     add_section_arguments(parser, MegatronConfig, "Megatron-style model and parallelism flags",
-                          "With --train-backend torch these are optional cross-checks of the HF config.")
+                          "With --train-backend torch these are optional cross-checks of the HF config. "
+                          "Megatron-LM's other flags are accepted when a Megatron-LM checkout is on PYTHONPATH "
+                          "(docs/megatron.md).")
     return parser
 
 
@@ -107,7 +112,10 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
     """Parse and validate; raises ConfigError (naming the flag) or SystemExit for argparse errors."""
     vllm_forwarded, rest = split_prefixed(argv, "vllm-", vllm_args.VIME_OWNED)
     router_forwarded, rest = split_prefixed(rest, "router-", set())
-    args = build_parser().parse_args(rest)
+    args, unknown = build_parser().parse_known_args(rest)
+    passthrough = parse_passthrough(unknown, args)
+    for dest, value in passthrough.values.items():  # hooks see Megatron-LM's flags in ``args`` too
+        setattr(args, dest, value)
     args.vllm_args = vllm_forwarded
     args.router_args = router_forwarded
     sections = {name: section_from_args(cls, args) for name, cls, _ in SECTIONS}
@@ -117,7 +125,7 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
                                   vllm_args=vllm_forwarded),
         router_args=router_forwarded,
         megatron=section_from_args(MegatronConfig, args),
-        args=args,
+        args=args, megatron_lm=passthrough,
     )
     validate(settings)
     finalize(settings)
@@ -139,6 +147,8 @@ def validate(settings: TrainSettings) -> None:
             f"--global-batch-size {settings.global_batch_size}")
     check_trainer_parallelism(settings)
     check_local_cuda(settings)
+    if settings.megatron_lm.values and settings.train.train_backend == "megatron":
+        transformer_overrides(settings.megatron_lm)  # a flag setting a field vime decides fails now
     require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
             "values other than 1 select the fully-async rollout, which cannot run with --colocate")
     check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
