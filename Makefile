@@ -23,7 +23,7 @@ demo: setup
 	$(PY) examples/digit_shift/run_demo.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not e2e"

@@ -6,11 +6,13 @@ Enabled only through the environment (inherited by every process of a run, Ray a
     VIME_FAULT_STATE=/some/dir                                    # one-shot markers live here
 
     VIME_FAULT_DELAYS="trainer.mid_step=3"                        # sleep 3 s at every hit
+    VIME_FAULT_DELAYS_OFF=/some/file                              # ... until this file exists
 
 A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` behind, so a restarted
 process does not kill itself again. ``scope`` says what dies: the calling process, or its whole
 process group (the "whole job" when the driver leads the group, as the tests arrange).
-Delays make one component artificially slow (a slow trainer, a slow producer) without killing it.
+Delays make one component artificially slow (a slow trainer, a slow producer) without killing it; a test
+that needs the slowness only for a while creates the VIME_FAULT_DELAYS_OFF file when it is over.
 Without VIME_FAULTS / VIME_FAULT_DELAYS every call is a dictionary lookup and nothing else.
 """
 
@@ -45,7 +47,7 @@ def _delays() -> dict[str, float]:
 def fault_point(name: str, *, scope: str = "process") -> None:
     """Sleep here if ``name`` has a delay; SIGKILL if it is armed and this is its n-th hit (once per run)."""
     delay = _delays().get(name)
-    if delay:
+    if delay and not os.path.exists(os.environ.get("VIME_FAULT_DELAYS_OFF", "")):
         time.sleep(delay)
     armed = _armed()
     if name not in armed:

@@ -134,8 +134,11 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
     from ray.cluster_utils import Cluster
 
     run_dir = str(tmp_path / "run")
-    # The run's actors are started by this cluster's raylets: they inherit this process's environment.
+    # The run's actors are started by this cluster's raylets: they inherit this process's environment. The
+    # trainer is slow (so that the node joins and leaves mid-run) until the run has seen the node leave.
+    delays_off = tmp_path / "delays_off"
     monkeypatch.setenv("VIME_FAULT_DELAYS", "trainer.mid_step=2")
+    monkeypatch.setenv("VIME_FAULT_DELAYS_OFF", str(delays_off))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                             "node_ip_address": "127.0.0.1"})
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf",
@@ -156,6 +159,8 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
         assert [e["origin"] for e in listing["engines"]] == ["start", "node"], listing
         cluster.remove_node(node)  # the node leaves: its engine and worker with it; the run goes on
         node = None
+        run.wait_for(lambda line: "rollout worker 1 left with its node" in line, 400, "the worker's departure")
+        delays_off.touch()  # the rest of the epoch trains at full speed
         run.check(run.finish(timeout=400) == 0, "the run failed")
     finally:
         run.kill(run_dir)
@@ -184,7 +189,8 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
                      *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, FAULT_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5"})
+    delays_off = tmp_path / "delays_off"  # the trainer is slow until its engine has been killed and restarted
+    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5", "VIME_FAULT_DELAYS_OFF": str(delays_off)})
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         before = served_requests(external)
@@ -210,6 +216,7 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
         run.check(run.proc.poll() is None, "the run ended before the kill")
         engine_server(token, port).send_signal(signal.SIGKILL)
         run.wait_for(lambda line: "engine-0 (start, restarted) serves" in line, 400, "the engine's restart")
+        delays_off.touch()
         run.check(run.finish(timeout=400) == 0, "the run failed")
     finally:
         run.kill(run_dir)

@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2,
-          layout: dict | None = None) -> None:
+          layouts: dict[str, dict] | None = None) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -89,40 +89,55 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
         backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
         results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
                                          for seed in (0, 1)]}
-    elif backend_name == "megatron_layout":  # a dense model in any layout of ``Parallelism`` fields
+    elif backend_name == "megatron_layout":  # a dense model in layouts of ``Parallelism`` fields, one after another
+        from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism
 
-        for name, algorithm in TORCH_RUNS.items():
-            backend = MegatronBackend(trainer_spec(model_dir, **algorithm),
-                                      megatron_spec(model_dir, parallel=Parallelism(**layout)))
-            metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
-            backend.save_training_state(os.path.join(work, f"layout_{name}_ckpt"))
-            results[name] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
-        if os.path.isdir(os.path.join(work, "moe")):  # MoE with recorded routes (R3) and the aux loss
-            from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
-
+        for layout_id, layout in layouts.items():
+            for name, algorithm in TORCH_RUNS.items():
+                backend = MegatronBackend(trainer_spec(model_dir, **algorithm),
+                                          megatron_spec(model_dir, parallel=Parallelism(**layout)))
+                metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+                backend.save_training_state(os.path.join(work, f"{layout_id}_{name}_ckpt"))
+                results[f"{layout_id}/{name}"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+            # MoE with recorded routes (R3) and the aux loss
             backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(**layout)))
-            results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
-                                             for seed in (0, 1)]}
+            results[f"{layout_id}/moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
+                                                          for seed in (0, 1)]}
+            _reset_megatron()
     else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism, local_expert_count
 
-        parallel = Parallelism(**layout)
-        backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
-                                  megatron_spec(model_dir, parallel=parallel))
-        assert local_expert_count(backend.gpt) == 4 // parallel.expert and backend.dp.size == 2
-        assert len(backend.gpt.decoder.layers) == 2 // parallel.pipeline
-        fc1 = next(p for n, p in backend.gpt.named_parameters() if n.endswith("experts.local_experts.0.linear_fc1.weight"))
-        assert fc1.shape[0] == 2 * backend.megatron.model.moe_ffn_hidden_size // parallel.expert_tensor_size
-        # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
-        metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
-        backend.save_training_state(os.path.join(work, "ep_ckpt"))
-        results["megatron_ep"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+        for layout_id, layout in layouts.items():
+            parallel = Parallelism(**layout)
+            backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
+                                      megatron_spec(model_dir, parallel=parallel))
+            assert local_expert_count(backend.gpt) == 4 // parallel.expert and backend.dp.size == 2
+            assert len(backend.gpt.decoder.layers) == 2 // parallel.pipeline
+            fc1 = next(p for n, p in backend.gpt.named_parameters()
+                       if n.endswith("experts.local_experts.0.linear_fc1.weight"))
+            assert fc1.shape[0] == 2 * backend.megatron.model.moe_ffn_hidden_size // parallel.expert_tensor_size
+            # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
+            metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
+            backend.save_training_state(os.path.join(work, f"{layout_id}_ckpt"))
+            results[layout_id] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+            _reset_megatron()
     torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _reset_megatron() -> None:
+    """Tear megatron-core's parallel state down, so that the next layout sets its own up in the same processes
+    (one set of processes for several layouts: starting four processes costs more than a layout's steps)."""
+    import gc
+
+    from megatron.core import parallel_state as ps
+
+    gc.collect()
+    ps.destroy_model_parallel()
 
 
 def _routed_specs(moe_dir: str, parallel):
@@ -133,20 +148,20 @@ def _routed_specs(moe_dir: str, parallel):
             megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
 
 
-def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2, layout: dict | None = None) -> list[dict]:
-    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world, layout), nprocs=world,
-                                join=True)
+def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2,
+                 layouts: dict[str, dict] | None = None) -> list[dict]:
+    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world, layouts),
+                                nprocs=world, join=True)
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def _assert_ranks_took_the_steps(ranks: list[dict], key: str, step) -> None:
-    """Every rank's metrics of rollouts 0 and 1 (under ``key``) equal ``step(seed)``'s, the reference's."""
+def _assert_ranks_took_the_steps(ranks: list[dict], key: str, expected: list[dict]) -> None:
+    """Every rank's metrics of rollouts 0 and 1 (under ``key``) equal the reference's (``expected``)."""
     from tests.unit.test_megatron_backend import assert_same_metrics
 
-    for seed in (0, 1):
-        expected = step(seed)
+    for seed, reference in enumerate(expected):
         for rank in ranks:
-            assert_same_metrics(rank[key]["metrics"][seed], expected)
+            assert_same_metrics(rank[key]["metrics"][seed], reference)
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +196,8 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     ranks = _spawn_ranks("megatron", model_dir, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]))
-    _assert_ranks_took_the_steps(ranks, "megatron",
-                                 lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
+    _assert_ranks_took_the_steps(ranks, "megatron", [reference.train_rollout(make_samples(seed, GROUPS), 0)
+                                                     for seed in (0, 1)])
     for rank in ranks:
         for name, param in reference.model.named_parameters():
             torch.testing.assert_close(rank["megatron"]["weights"][name], param.detach(), rtol=0, atol=2e-5, msg=name)
@@ -193,43 +208,47 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     assert_same_weights(resumed, reference.model)
 
 
-# Expert parallelism runs inside pipeline stages here: the pipeline adds its own reductions and takes none
-# of expert parallelism's away, and one four-process run costs less CI time than two runs.
-@pytest.mark.parametrize("layout", [{"expert": 2, "pipeline": 2},
-                                    {"expert": 2, "tensor": 2, "sequence_parallel": True},
-                                    {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True},
-                                    {"expert": 2, "context": 2}],
-                         ids=["ep2_pp2", "ep2_tp2_sp", "ep2_tp2_sp_etp1", "ep2_cp2"])
-def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path, layout):
-    """Four processes, expert parallelism 2 (each rank holds half of the experts): in each of two pipeline
-    stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel ranks (expert
-    tensor parallelism 2, Megatron's default) or whole on each (expert tensor parallelism 1). Tokens are
-    exchanged between the ranks inside every MoE layer; dense weights are data-parallel replicas or tensor
-    shards. The torch backend's single-rank numbers on the same HF MoE model, the experts gathered back for
-    export, and the torch_dist checkpoint resumed in one process."""
+# Four processes, expert parallelism 2 (each rank holds half of the experts) in every layout.
+EXPERT_LAYOUTS = {
+    "ep2_pp2": {"expert": 2, "pipeline": 2},                                     # in each of two stages
+    "ep2_tp2_sp": {"expert": 2, "tensor": 2, "sequence_parallel": True},         # experts split over TP ranks
+    "ep2_tp2_sp_etp1": {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True},  # ... or whole
+    "ep2_cp2": {"expert": 2, "context": 2},                                      # over context-parallel ranks
+}
+
+
+def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
+    """Expert parallelism 2 in four processes (one after another in the same processes): in each of two
+    pipeline stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel
+    ranks (expert tensor parallelism 2, Megatron's default) or whole on each (expert tensor parallelism 1); and
+    over two context-parallel ranks. Tokens are exchanged between the ranks inside every MoE layer; dense
+    weights are data-parallel replicas or tensor shards. The torch backend's single-rank numbers on the same
+    HF MoE model, the experts gathered back for export, and each torch_dist checkpoint resumed in one
+    process."""
     from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_convert import read_hf_state_dict
     from vime.backends.torch_backend import TorchBackend
 
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), "qwen3_moe", with_tokenizer=True)
-    world = 2 * layout.get("pipeline", 1) * layout.get("tensor", 1) * layout.get("context", 1)
-    ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=world, layout=layout)
+    ranks = _spawn_ranks("megatron_ep", moe_dir, str(tmp_path), world=4, layouts=EXPERT_LAYOUTS)
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]))
-    _assert_ranks_took_the_steps(ranks, "megatron_ep", lambda seed: reference.train_rollout(make_samples(seed), 0))
+    expected = [reference.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
     # transformers fuses the experts in memory; its saved files name them one by one, as the export does.
-    from vime.backends.megatron_convert import read_hf_state_dict
-
     reference.save_weights(str(tmp_path / "reference"))
     expected_weights = read_hf_state_dict(str(tmp_path / "reference"))
-    for rank in ranks:
-        assert rank["megatron_ep"]["weights"].keys() == expected_weights.keys()
-        for name, tensor in expected_weights.items():
-            torch.testing.assert_close(rank["megatron_ep"]["weights"][name], tensor, rtol=0, atol=2e-5, msg=name)
-    resumed = MegatronBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(moe_dir))
-    resumed.load_training_state(str(tmp_path / "ep_ckpt"))
-    for name, tensor in resumed.hf_named_weights():
-        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=name)
+    for layout_id in EXPERT_LAYOUTS:
+        _assert_ranks_took_the_steps(ranks, layout_id, expected)
+        for rank in ranks:
+            assert rank[layout_id]["weights"].keys() == expected_weights.keys()
+            for name, tensor in expected_weights.items():
+                torch.testing.assert_close(rank[layout_id]["weights"][name], tensor, rtol=0, atol=2e-5,
+                                           msg=f"{layout_id}: {name}")
+        resumed = MegatronBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(moe_dir))
+        resumed.load_training_state(str(tmp_path / f"{layout_id}_ckpt"))
+        for name, tensor in resumed.hf_named_weights():
+            torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=f"{layout_id}: {name}")
 
 
 def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str, num_layers: int = 2) -> str:
@@ -273,11 +292,12 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
             torch.testing.assert_close(rank["uneven"]["weights"][param_name], param.detach(), rtol=0, atol=2e-5,
                                        msg=param_name)
     one_stage = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
-    _assert_ranks_took_the_steps(ranks, "moe_r3",
-                                 lambda seed: one_stage.train_rollout(routed_samples(seed, routes=True), 0))
+    _assert_ranks_took_the_steps(ranks, "moe_r3", [one_stage.train_rollout(routed_samples(seed, routes=True), 0)
+                                                   for seed in (0, 1)])
     for name, algorithm in TORCH_RUNS.items():
         reference = TorchBackend(trainer_spec(tied, **algorithm))
-        _assert_ranks_took_the_steps(ranks, name, lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
+        _assert_ranks_took_the_steps(ranks, name, [reference.train_rollout(make_samples(seed, GROUPS), 0)
+                                                   for seed in (0, 1)])
         expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
         assert "lm_head.weight" not in ranks[0][name]["weights"]  # tied: exported once, as the embedding
         for rank in ranks:
@@ -297,15 +317,18 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
             torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
 
 
-@pytest.mark.parametrize("layout", [{"tensor": 2, "sequence_parallel": True, "context": 2},
-                                    {"context": 2, "pipeline": 2}], ids=["tp2_sp_cp2", "cp2_pp2"])
-def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_dir, tmp_path, layout):
-    """Qwen3 (query and key norms, head size unlike hidden / heads) in four processes: two tensor-parallel ranks
-    (the norms are shared by heads the ranks split: their gradients add up) or two pipeline stages, each
-    context-parallel over two ranks (each runs half of every sequence and attends to the other's keys and
-    values). The torch backend's numbers and weights, with KL and entropy and with PPO's critic, and a resume in
-    one process. And an MoE model with recorded routes (R3, sliced as the sequence is) and the auxiliary loss
-    (under tensor parallelism, the experts split over its ranks): the numbers of one process."""
+QWEN3_LAYOUTS = {"tp2_sp_cp2": {"tensor": 2, "sequence_parallel": True, "context": 2},
+                 "cp2_pp2": {"context": 2, "pipeline": 2}}
+
+
+def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_dir, tmp_path):
+    """Qwen3 (query and key norms, head size unlike hidden / heads) in four processes, two layouts one after the
+    other: two tensor-parallel ranks with sequence parallelism (the norms are shared by heads the ranks split:
+    their gradients add up), and two pipeline stages; each context-parallel over two ranks (each runs half of
+    every sequence and attends to the other's keys and values). The torch backend's numbers and weights, with
+    KL and entropy and with PPO's critic, and a resume in one process. And an MoE model with recorded routes
+    (R3, sliced as the sequence is) and the auxiliary loss (under tensor parallelism, the experts split over its
+    ranks): the numbers of one process."""
     from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
     from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
     from vime.backends.megatron_backend import MegatronBackend
@@ -315,25 +338,29 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
     qwen3 = _with_tokenizer(str(tmp_path / "qwen3"), model_dir, "qwen3")
     moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
                                               **megatron_shim.MOE_VARIANTS["qwen3_moe"])
-    ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), world=4, layout=layout)
+    ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), world=4, layouts=QWEN3_LAYOUTS)
     megatron_shim.install()
     for name, algorithm in TORCH_RUNS.items():
         reference = TorchBackend(trainer_spec(qwen3, **algorithm))
-        _assert_ranks_took_the_steps(ranks, name, lambda seed: reference.train_rollout(make_samples(seed, GROUPS), 0))
+        expected = [reference.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
         # AdamW (lr 1e-3) turns the order of floating-point additions into differences of up to ~3e-5 where a
         # gradient is near zero; a wrong gradient moves a weight by about the learning rate.
         expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
-        for rank in ranks:
-            for param_name, tensor in expected_weights.items():
-                torch.testing.assert_close(rank[name]["weights"][param_name], tensor, rtol=0, atol=1e-4,
-                                           msg=f"{name}: {param_name}")
-        resumed = MegatronBackend(trainer_spec(qwen3, **algorithm), megatron_spec(qwen3))
-        resumed.load_training_state(str(tmp_path / f"layout_{name}_ckpt"))
-        for param_name, tensor in resumed.hf_named_weights():
-            assert torch.equal(tensor, ranks[0][name]["weights"][param_name]), param_name
+        for layout_id in QWEN3_LAYOUTS:
+            key = f"{layout_id}/{name}"
+            _assert_ranks_took_the_steps(ranks, key, expected)
+            for rank in ranks:
+                for param_name, tensor in expected_weights.items():
+                    torch.testing.assert_close(rank[key]["weights"][param_name], tensor, rtol=0, atol=1e-4,
+                                               msg=f"{key}: {param_name}")
+            resumed = MegatronBackend(trainer_spec(qwen3, **algorithm), megatron_spec(qwen3))
+            resumed.load_training_state(str(tmp_path / f"{layout_id}_{name}_ckpt"))
+            for param_name, tensor in resumed.hf_named_weights():
+                assert torch.equal(tensor, ranks[0][key]["weights"][param_name]), f"{key}: {param_name}"
     one_process = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
-    _assert_ranks_took_the_steps(ranks, "moe_r3",
-                                 lambda seed: one_process.train_rollout(routed_samples(seed, routes=True), 0))
+    expected = [one_process.train_rollout(routed_samples(seed, routes=True), 0) for seed in (0, 1)]
+    for layout_id in QWEN3_LAYOUTS:
+        _assert_ranks_took_the_steps(ranks, f"{layout_id}/moe_r3", expected)
 
 
 def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():
