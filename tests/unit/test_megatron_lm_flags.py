@@ -89,6 +89,21 @@ def test_transformer_config_fields_reach_the_model_and_vimes_own_are_refused(mod
     assert backend.gpt.config.init_method_std == 0.5
 
 
+def test_a_checkout_that_does_not_import_is_named_with_the_reason(model_dir, tmp_path, monkeypatch):
+    package = tmp_path / "broken" / "megatron" / "training"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "arguments.py").write_text("import module_megatron_lm_needs_but_is_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+    try:
+        with pytest.raises(ConfigError, match="^--init-method-std: not a vime flag, and the Megatron-LM checkout .* "
+                                              "does not import: No module named 'module_megatron_lm_needs"):
+            parse_train_args(base(model_dir, "--init-method-std", "0.5"))
+    finally:
+        for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+            del sys.modules[name]
+
+
 def test_parse_passthrough_keeps_what_was_given():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--init-method-std", type=float, default=0.02)

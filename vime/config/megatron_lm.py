@@ -26,13 +26,22 @@ HINT = "not a vime flag (vime train --help); Megatron-LM's own flags are accepte
        "(with megatron.training.arguments.add_megatron_arguments) is on PYTHONPATH"
 
 
-def megatron_lm_parser() -> argparse.ArgumentParser | None:
+def megatron_lm_parser(flag: str) -> argparse.ArgumentParser | None:
     """Megatron-LM's argument parser (``add_megatron_arguments``, in checkouts of the megatron-core 0.16 era), or
-    None without an importable checkout."""
+    None without a checkout. A checkout that fails to import raises ConfigError naming ``flag`` (the first flag
+    vime did not know) and the reason."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("megatron.training") is None:
+            return None
+    except ModuleNotFoundError:  # no `megatron` package at all
+        return None
     try:
         from megatron.training import arguments
-    except ImportError:
-        return None
+    except ImportError as error:
+        raise ConfigError(flag, f"not a vime flag, and the Megatron-LM checkout on PYTHONPATH, which may know it, "
+                                f"does not import: {error}") from None
     if not hasattr(arguments, "add_megatron_arguments"):
         return None  # an older checkout: its flags are built inside parse_args(), which reads sys.argv itself
     return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
@@ -52,7 +61,7 @@ def parse_passthrough(unknown: list[str], vime_args: argparse.Namespace,
     or a flag whose destination is one of vime's own (``vime_args``), raises ConfigError naming the flag."""
     if not unknown:
         return Passthrough()
-    parser = parser if parser is not None else megatron_lm_parser()
+    parser = parser if parser is not None else megatron_lm_parser(_first_flag(unknown))
     if parser is None:
         raise ConfigError(_first_flag(unknown), HINT)
     namespace, rest = parser.parse_known_args(unknown)
