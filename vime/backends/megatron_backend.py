@@ -450,20 +450,23 @@ class MegatronBackend(TorchBackend):
 
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
+    def _param_ids(self, keep) -> set[int]:
+        """ids of the actor's and critic's parameters for which ``keep(name, param)`` holds."""
+        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
+                for name, p in gpt.named_parameters() if keep(name, p)}
+
     def _routed_expert_param_ids(self) -> set[int]:
-        """ids of the routed experts' parameters, actor's and critic's."""
+        """ids of the routed experts' parameters."""
         from vime.backends.megatron_model import is_expert_param
 
-        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
-                for name, p in gpt.named_parameters() if is_expert_param(name)}
+        return self._param_ids(lambda name, _: is_expert_param(name))
 
     def _tensor_parallel_partial_param_ids(self) -> set[int]:
         """ids of the replicated parameters whose gradient each tensor-parallel rank computes only in part, to be
         summed over the TP group: the norms sequence parallelism feeds a slice of the sequence, and the query and
         key norms (--qk-layernorm), shared by every head while each rank holds some of the heads."""
-        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
-                for name, p in gpt.named_parameters()
-                if getattr(p, "sequence_parallel", False) or ".q_layernorm." in name or ".k_layernorm." in name}
+        return self._param_ids(lambda name, p: getattr(p, "sequence_parallel", False)
+                               or ".q_layernorm." in name or ".k_layernorm." in name)
 
     def _sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' and context-parallel ranks' gradients add up; under expert parallelism an expert's only over

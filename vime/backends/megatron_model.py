@@ -477,10 +477,7 @@ class MegatronLM(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.model_args = model_args
         self.pipeline = pipeline
-        self.context = context
-        if context is not None and packing == "thd":
-            raise ValueError("--context-parallel-size: packed (thd) sequences are not supported; use "
-                             "--megatron-packing padded")
+        self.context = context  # padded rows only: ContextParallelAttention refuses packed sequences
         self._stage_moe_layers = self._moe_layers_of_stage()
 
     def _moe_layers_of_stage(self) -> list[int] | None:
@@ -599,13 +596,13 @@ class MegatronLM(torch.nn.Module):
 
         padding = attention_mask == 0
         padding[self._real_rows:] = True  # lockstep padding rows stay out of the routers' statistics
-        held = slice(None)  # the positions this rank holds, for the (CPU) routes
+        held = slice(None)  # the positions this rank holds (on the CPU, as the routes are)
         if self.context is not None:  # this rank's positions (queries) against every rank's (keys)
-            here = self.context.positions(padded, device=input_ids.device)
+            held = self.context.positions(padded)
+            here = held.to(input_ids.device)
             keys = self.context.gathered_positions(padded, device=input_ids.device)
             mask = mask[:, :, here][..., keys]
             input_ids, positions, padding = input_ids[:, here], positions[:, here], padding[:, here]
-            held = self.context.positions(padded)
         self._force(lambda: padded_layout(self._routes, padded, self.model_args)[:, held])
         output = self.gpt(input_ids, positions, mask, **self._padding(padding))
         if not self._last_stage:
