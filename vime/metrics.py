@@ -27,6 +27,14 @@ class MetricsLog:
                 f"staleness {m['staleness_mean']:.2f}/{int(m['staleness_max'])} | "
                 f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | train {m['train_tokens_per_s']:.0f} tok/s | "
                 f"queue {int(m['queue_depth'])}")
+        if m.get("engines_total") and m.get("engines_serving") != m["engines_total"]:
+            line += f" | engines {m['engines_serving']}/{m['engines_total']}"
+        if m.get("rollout_engine_errors"):
+            line += f" | {m['rollout_engine_errors']} engine error(s), groups requeued"
+        for fault in m.get("engine_faults") or []:
+            line += f" | {fault}"
+        if m.get("queue_failed"):
+            line += f" | failed {m['queue_failed']}"
         print(line, file=self.stream, flush=True)
 
     def say(self, message: str) -> None:

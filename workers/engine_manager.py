@@ -28,6 +28,7 @@ When no engine serves or is on its way any more although the run had some, :meth
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +46,25 @@ NODE_POLL_SECONDS = 2.0
 REQUEST_POLL_SECONDS = 0.5
 SNAPSHOT_SECONDS = 1.0
 JOIN_SLACK_SECONDS = 120.0   # on top of --engine-startup-timeout: scheduling the actor, loading weights
+# A quarantined engine is probed after this many seconds, then after twice as long each time, up to the maximum.
+QUARANTINE_FIRST_PROBE_SECONDS = 1.0
+QUARANTINE_MAX_PROBE_SECONDS = 60.0
+
+
+class EngineState(str, enum.Enum):
+    """Where one engine of the run stands (a str, so that `vime engines list --json` shows the name)."""
+
+    STARTING = "starting"         # its process starts / it is checked, loads the current version, is probed
+    SERVING = "serving"           # registered with the router, gets every weight update
+    SYNCING = "syncing"           # nccl: started, waits for the next broadcast before it is registered
+    RESTARTING = "restarting"     # vime's own, died or failed its probes: a new process is on its way
+    QUARANTINED = "quarantined"   # external, failed its probes: out of the router, probed with back-off
+    DRAINING = "draining"         # `vime engines remove`: unregistered, its requests are being aborted
+    REMOVED = "removed"           # removed on request
+    LOST = "lost"                 # dropped for good (its node left, budget used up, a refused attach)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class EnginesLost(RuntimeError):
@@ -100,7 +120,7 @@ class Member:
     url: str | None = None
     gpus: int = 1
     worker_type: str = "regular"
-    state: str = "starting"     # starting | serving | restarting | draining | removed | lost
+    state: EngineState = EngineState.STARTING
     version: int = 0
     restarts: int = 0
     pending: Any = None         # ObjectRef of the join / restart / catch-up / drain in progress
@@ -111,6 +131,8 @@ class Member:
     since: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str = ""
     prefix: str = ""            # EngineTemplate.name_prefix
+    next_probe: float = 0.0     # quarantined: when the next probe is due
+    probe_backoff: float = QUARANTINE_FIRST_PROBE_SECONDS
 
     @property
     def name(self) -> str:
@@ -153,6 +175,7 @@ class EngineManager:
         self.nodes_handled: set[str] = set()
         self.nodes_lost: set[str] = set()
         self.events: list[NodeEvent] = []
+        self.notes: list[str] = []  # engine faults since the driver last asked (take_notes)
         self._next_index = 0
         self._nodes_ready: set[str] = set()
         self.ending = False         # the run is ending: lost engines are not restarted any more
@@ -176,7 +199,7 @@ class EngineManager:
 
     def wait_started(self) -> None:
         """Wait until every engine started at launch serves, and register them."""
-        starting = [m for m in self.members if m.state == "starting" and m.pending is not None]
+        starting = [m for m in self.members if m.state == EngineState.STARTING and m.pending is not None]
         self._wait_joined(starting, self.template.startup_timeout + JOIN_SLACK_SECONDS)
 
     def attach_external(self, addresses: list[str]) -> None:
@@ -198,7 +221,7 @@ class EngineManager:
             info = ray.get(m.pending)  # raises the engine's own error (with its log tail)
             m.pending = None
             self._joined(m, info)
-            if m.state not in ("serving", "syncing"):
+            if m.state not in (EngineState.SERVING, EngineState.SYNCING):
                 raise EngineError(m.url or m.name, m.last_error)
 
     # ================================================================== the driver's poll
@@ -214,6 +237,10 @@ class EngineManager:
     def start_monitor(self) -> None:
         self.monitor.start()
 
+    def updating(self):
+        """Around a weight update (the engines pause): health checks that overlap it count neither way."""
+        return self.monitor.updating()
+
     def poll(self, version: int) -> list[NodeEvent]:
         """Advance every membership change; returns node events for the driver. Never blocks long:
         each Ray call here is a bounded, quick one."""
@@ -224,6 +251,7 @@ class EngineManager:
             if member is not None:
                 self._lose(member, f"failed its health checks: {reason}")
         self._advance()
+        self._probe_quarantined(now)
         self._synced()
         if self.registry is not None and now - self._last["requests"] >= REQUEST_POLL_SECONDS:
             self._last["requests"] = now
@@ -254,7 +282,7 @@ class EngineManager:
         import ray
 
         self.monitor.stop()
-        live = [m for m in self.members if m.state not in ("removed", "lost")]
+        live = [m for m in self.members if m.state not in (EngineState.REMOVED, EngineState.LOST)]
         refs = [m.actor.stop.remote() for m in live]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=60)
@@ -328,6 +356,9 @@ class EngineManager:
                     continue
                 if what == "drain":
                     self._drained(m, result)
+                elif what == "probe":  # a quarantined engine generates again: load the current version
+                    self._pend(m, m.actor.rejoin.remote(self.template.weight_dir, self._join_version), "rejoin",
+                               self.group.call_timeout)
                 else:
                     self._joined(m, result)
             elif now > m.deadline:
@@ -368,7 +399,7 @@ class EngineManager:
     def _await_broadcast(self, m: Member) -> None:
         """nccl transport: the engine joins the weight group at the next synchronisation (which
         re-forms the group) and is registered with the router once it serves the current version."""
-        m.state, m.since, m.last_error = "syncing", time.monotonic(), ""
+        m.state, m.since, m.last_error = EngineState.SYNCING, time.monotonic(), ""
         self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
         self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
         self.say(f"{m.name} ({m.origin}) started at {m.url}; it receives weight version {self.version + 1} "
@@ -377,7 +408,7 @@ class EngineManager:
     def _synced(self) -> None:
         """Register the engines that now serve the current version after waiting for a broadcast."""
         for m in self.members:
-            if m.state != "syncing" or m.url not in self.group.urls:
+            if m.state != EngineState.SYNCING or m.url not in self.group.urls:
                 continue
             version = self.group.versions[self.group.urls.index(m.url)]
             if version == self.version:
@@ -392,16 +423,22 @@ class EngineManager:
             except EngineError as error:
                 self._failed(m, "registration", str(error))
                 return
-        restarted = m.state == "restarting" or m.restarts > 0 and m.state == "syncing"
-        m.state, m.since, m.last_error = "serving", time.monotonic(), ""
+        restarted = m.state == EngineState.RESTARTING or m.restarts > 0 and m.state == EngineState.SYNCING
+        rejoined = m.state == EngineState.QUARANTINED
+        m.state, m.since, m.last_error = EngineState.SERVING, time.monotonic(), ""
         if m.url not in self.group.urls:  # an engine that waited for a broadcast is in already
             self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
-            self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
-        seconds = info.get("startup_seconds")
-        self.say(f"{m.name} ({m.origin}{', restarted' if restarted else ''}) serves weight version {m.version} at "
-                 f"{m.url}" + (f" after {seconds:.0f}s" if seconds else "")
-                 + ("; registered with the router" if m.worker_type == "regular" else f" as {'an' if m.worker_type == 'encoder' else 'a'} {m.worker_type} engine"))
-        self.record({"kind": "engine", "event": "restarted" if restarted else "serving", "engine": m.name,
+            self.monitor.watch(m.url, self.config.rollout_health_check_first_wait, probe=m.worker_type == "regular")
+        seconds = None if rejoined else info.get("startup_seconds")
+        role = ("; registered with the router" if m.worker_type == "regular"
+                else f" as {'an' if m.worker_type == 'encoder' else 'a'} {m.worker_type} engine")
+        how = ", restarted" if restarted else ", passed its probe again" if rejoined else ""
+        self.say(f"{m.name} ({m.origin}{how}) serves weight version {m.version} at {m.url}"
+                 + (f" after {seconds:.0f}s" if seconds else "") + role)
+        if rejoined:
+            self._note(f"{m.name} back from quarantine")
+        event = "restarted" if restarted else "rejoined" if rejoined else "serving"
+        self.record({"kind": "engine", "event": event, "engine": m.name,
                      "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
                      "current_version": self.version, "join_seconds": seconds})
         if m.request:
@@ -423,9 +460,14 @@ class EngineManager:
                 "only behind your own PD router (--vllm-router-ip)")
 
     def _failed(self, m: Member, what: str, reason: str) -> None:
-        """A join / restart / catch-up / registration / drain failed."""
+        """A join / restart / catch-up / registration / drain / quarantine probe or rejoin failed."""
         if what == "drain":
             self._drained(m, None, reason)
+            return
+        if m.state == EngineState.QUARANTINED:  # still broken: probed again later, never given up on
+            m.last_error = f"{what} failed: {reason}"
+            m.probe_backoff = min(2 * m.probe_backoff, QUARANTINE_MAX_PROBE_SECONDS)
+            m.next_probe = time.monotonic() + m.probe_backoff
             return
         m.last_error = f"{what} failed: {reason}"
         if m.request or not m.owned:
@@ -434,16 +476,52 @@ class EngineManager:
             self._restart(m, m.last_error)
 
     def _lose(self, m: Member, reason: str, *, restart: bool = True) -> None:
-        """A serving engine is gone (health checks, a failed call, its node)."""
+        """A serving engine is gone or cannot serve (health checks and probes, a failed call, its node).
+        vime's own engines are restarted (within their budget); an external one is quarantined until
+        it passes a probe again; one whose node left is dropped."""
         self.group.remove(m.url)
         self.monitor.unwatch(m.url)
         self._unregister_quietly(m.url)
         self.record({"kind": "engine", "event": "down", "engine": m.name, "url": m.url, "reason": reason})
         m.last_error = reason
-        if restart and m.owned:
+        if not restart:
+            self._give_up(m, reason)
+        elif m.owned:
             self._restart(m, reason)
         else:
-            self._give_up(m, reason)
+            self._quarantine(m, reason)
+
+    def _quarantine(self, m: Member, reason: str) -> None:
+        """Keep an external engine that cannot serve out of the router and of weight updates; probe it
+        with back-off (QUARANTINE_*_PROBE_SECONDS) and let it rejoin when a probe passes."""
+        if self.ending:
+            self._give_up(m, f"{reason}; not probed again: the run is ending")
+            return
+        m.state, m.since, m.pending = EngineState.QUARANTINED, time.monotonic(), None
+        m.probe_backoff = QUARANTINE_FIRST_PROBE_SECONDS
+        m.next_probe = time.monotonic() + m.probe_backoff
+        self.say(f"{m.name} ({m.url}) quarantined: {reason}; it stays out of the router until a generation probe "
+                 "passes (probed with back-off)")
+        self.record({"kind": "engine", "event": "quarantined", "engine": m.name, "url": m.url, "reason": reason})
+        self._note(f"{m.name} quarantined: {_short(reason)}")
+
+    def _probe_quarantined(self, now: float) -> None:
+        for m in self.members:
+            if m.state == EngineState.QUARANTINED and m.pending is None and now >= m.next_probe:
+                self._pend(m, m.actor.probe.remote(), "probe", self.template.http_timeout + 30)
+
+    def _note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def take_notes(self) -> list[str]:
+        """Engine faults since the last call, one short line each (for the progress line)."""
+        notes, self.notes = self.notes, []
+        return notes
+
+    def serving_counts(self) -> tuple[int, int]:
+        """(engines serving, engines of the run not removed or lost)."""
+        live = [m for m in self.members if m.state not in (EngineState.REMOVED, EngineState.LOST)]
+        return sum(m.state == EngineState.SERVING for m in live), len(live)
 
     def _restart(self, m: Member, reason: str) -> None:
         budget = self.config.rollout_engine_restart_budget
@@ -458,7 +536,8 @@ class EngineManager:
                              "--rollout-engine-restart-budget)")
             return
         m.restarts += 1
-        m.state, m.since = "restarting", time.monotonic()
+        m.state, m.since = EngineState.RESTARTING, time.monotonic()
+        self._note(f"{m.name} restarting: {_short(reason)}")
         self.say(f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
                  f"{self.version}")
         if _actor_alive(m.actor):
@@ -471,12 +550,14 @@ class EngineManager:
             self._create_actor(m)
 
     def _give_up(self, m: Member, reason: str) -> None:
-        if m.state in ("serving", "syncing"):
+        if m.state in (EngineState.SERVING, EngineState.SYNCING):
             self.group.remove(m.url)
             self.monitor.unwatch(m.url)
             self._unregister_quietly(m.url)
-        m.state, m.last_error = "lost", reason
+        m.state, m.last_error = EngineState.LOST, reason
         self.say(f"{m.name} ({m.url or m.spec.external_url}) dropped: {reason}")
+        if not m.request:  # a refused `vime engines add` never served: its answer says why
+            self._note(f"{m.name} dropped: {_short(reason)}")
         self.record({"kind": "engine", "event": "lost", "engine": m.name, "url": m.url, "reason": reason})
         if m.request:
             self._finish(m, False, reason)
@@ -508,15 +589,15 @@ class EngineManager:
                 pass  # the router checks health too: a dead engine leaves its rotation anyway
 
     def _serving(self, url: str) -> Member | None:
-        return next((m for m in self.members if m.url == url and m.state in ("serving", "syncing")), None)
+        return next((m for m in self.members
+                     if m.url == url and m.state in (EngineState.SERVING, EngineState.SYNCING)), None)
 
     def _check_progress_possible(self) -> None:
-        if not self.members or any(m.state in ("starting", "serving", "syncing", "restarting", "draining")
-                                   for m in self.members):
+        if not self.members or any(m.state not in (EngineState.REMOVED, EngineState.LOST) for m in self.members):
             return
-        if all(m.state == "removed" for m in self.members):
+        if all(m.state == EngineState.REMOVED for m in self.members):
             return
-        why = "; ".join(f"{m.name} ({m.origin}): {m.last_error}" for m in self.members if m.state == "lost")
+        why = "; ".join(f"{m.name} ({m.origin}): {m.last_error}" for m in self.members if m.state == EngineState.LOST)
         raise EnginesLost(f"every rollout engine is gone and none is starting, so no sample can be generated: {why}. "
                           f"Engine logs are in {self.template.log_dir}")
 
@@ -544,7 +625,8 @@ class EngineManager:
         if self.template.weight_transport != "disk":
             raise ValueError("an external engine joins a running job with --update-weight-transport disk only "
                              "(with nccl it would need vime's worker extension, which vime cannot check)")
-        taken = next((m for m in self.members if m.url == url and m.state not in ("removed", "lost")), None)
+        taken = next((m for m in self.members
+                      if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None)
         if taken is not None:
             raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
         member = self._spawn("added", external_url=url, request=request["id"],
@@ -554,21 +636,26 @@ class EngineManager:
     def _request_remove(self, request: dict) -> None:
         target = request["target"]
         url = target if target.startswith("engine-") else engine_url(target)
-        member = next((m for m in self.members if (m.url == url or m.name == url) and m.state == "serving"), None)
+        member = next((m for m in self.members if (m.url == url or m.name == url)
+                       and m.state in (EngineState.SERVING, EngineState.QUARANTINED)), None)
         if member is None:
-            raise ValueError(f"no serving engine {target} in this run (see `vime engines list`)")
-        if sum(m.state == "serving" for m in self.members) == 1:
+            raise ValueError(f"no serving or quarantined engine {target} in this run (see `vime engines list`)")
+        if member.state == EngineState.QUARANTINED:  # out of the router already, nothing in flight
+            member.pending, member.request = None, request["id"]
+            self._drained(member, 0)
+            return
+        if sum(m.state == EngineState.SERVING for m in self.members) == 1:
             raise ValueError(f"{member.name} is the only serving engine of the run; add another one first")
         self.group.remove(member.url)
         self.monitor.unwatch(member.url)
         if self.register_with_router:
             self.router.remove_worker(member.url)
-        member.state, member.request = "draining", request["id"]
+        member.state, member.request = EngineState.DRAINING, request["id"]
         self._pend(member, member.actor.drain.remote(), "drain", self.group.call_timeout)
         self.say(f"vime engines remove {target}: {member.name} unregistered, draining its requests")
 
     def _drained(self, m: Member, aborted: int | None, error: str | None = None) -> None:
-        m.state = "removed"
+        m.state = EngineState.REMOVED
         self._dispose(m)
         what = (f"{aborted} request(s) in flight returned to the queue as continuations" if aborted is not None
                 else f"draining failed ({error}); its groups return to the queue when their requests fail")
@@ -598,9 +685,10 @@ class EngineManager:
             self.nodes_lost.add(node_id)
             self.say(f"node {node_id[:12]} left the Ray cluster")
             for m in self.members:
-                if m.node_id == node_id and m.state in ("starting", "serving", "syncing", "restarting"):
+                if m.node_id == node_id and m.state in (EngineState.STARTING, EngineState.SERVING, EngineState.SYNCING,
+                                                         EngineState.RESTARTING, EngineState.QUARANTINED):
                     m.pending = None
-                    if m.state == "serving":
+                    if m.state == EngineState.SERVING:
                         self._lose(m, f"its node {node_id[:12]} left the cluster", restart=False)
                     else:
                         self._give_up(m, f"its node {node_id[:12]} left the cluster")
@@ -631,10 +719,10 @@ class EngineManager:
         engines = []
         for m in self.members:
             h = health.get(m.url or "", {})
-            if m.state == "serving" and m.url in served:
+            if m.state == EngineState.SERVING and m.url in served:
                 m.version = served[m.url]
             engines.append({"name": m.name, "url": m.url or m.spec.external_url, "origin": m.origin,
-                            "owned": m.owned, "node_id": m.node_id, "state": m.state, "weight_version": m.version,
+                            "owned": m.owned, "node_id": m.node_id, "state": m.state.value, "weight_version": m.version,
                             "restarts": m.restarts, "gpus": m.gpus, "worker_type": m.worker_type,
                             "healthy": h.get("healthy"), "failed_checks": h.get("failures", 0),
                             "seconds_since_ok": h.get("seconds_since_ok"), "last_error": m.last_error})
@@ -657,6 +745,12 @@ def _actor_alive(actor) -> bool:
         return True
     except Exception:  # noqa: BLE001 - dead, or unreachable: treated alike
         return False
+
+
+def _short(reason: str, limit: int = 80) -> str:
+    """A reason cut to fit the progress line."""
+    reason = " ".join(reason.split())
+    return reason if len(reason) <= limit else reason[:limit - 3] + "..."
 
 
 def _reason(error: BaseException) -> str:

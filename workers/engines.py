@@ -29,6 +29,7 @@ from vime.config.framework import WeightSyncConfig
 from vime.engines.external import probe_engine
 from vime.engines.http import EngineError
 from vime.engines.vllm_server import EngineClient, VllmServer, swap_engine_weights, update_engine_weights
+from vime.recovery.faults import fault_point
 from vime.weights import disk
 from vime.weights.disk import WeightError
 from vime.weights.local import LocalWeights
@@ -99,8 +100,10 @@ class EngineActor:
 
     def join(self, weight_dir: str, version: int) -> dict:
         """Make this engine serve ``version`` before anyone routes to it: start its process (vime's
-        own) or check the external one (/health, /server_info), load the version, label it and read
-        the label back. Returns :meth:`info`."""
+        own) or check the external one (/health, /server_info), load the version, label it, read
+        the label back and probe a real generation with it (vime.engines.probe: an engine that
+        cannot serve a rollout is refused with the cause). Returns :meth:`info`."""
+        fault_point(f"engine.join.{self.spec.index}")  # tests: an engine that is slow to start
         started = time.monotonic()
         if self.client is None:
             if self.owned:
@@ -110,8 +113,36 @@ class EngineActor:
                                           wait=self.spec.startup_timeout)
                 self.client = EngineClient(self.spec.external_url, timeout=self.spec.http_timeout)
                 self.version = -1  # unknown: whatever it served before, it is (re)loaded below
+                if self.generates:  # refused before any weight is loaded into it when it cannot serve
+                    self.client.probe()
         self.load_version(weight_dir, version)
+        self._probe()
         self.startup_seconds = time.monotonic() - started
+        return self.info()
+
+    @property
+    def generates(self) -> bool:
+        """Whether rollouts reach this engine's generate route (prefill, decode and encoder engines
+        are reached through their PD/EPD partners only)."""
+        return (self.facts.worker_type if self.facts else self.spec.worker_type) == "regular"
+
+    def _probe(self) -> None:
+        """A real generate request with the version this engine serves (ProbeFailed if it fails)."""
+        if self.generates:
+            self.client.probe(expect_version=self.version)
+
+    def probe(self) -> dict:
+        """The quarantine's check: does the generate route work again? Returns :meth:`info`."""
+        if self.generates:
+            self.client.probe()
+        return self.info()
+
+    def rejoin(self, weight_dir: str, version: int) -> dict:
+        """A quarantined external engine that passes its probe again: whatever it serves now (it may
+        have been restarted by its owner), load ``version``, label it and probe. Returns :meth:`info`."""
+        self.version = -1  # unknown: reloaded, never trusted from before the quarantine
+        self.load_version(weight_dir, version)
+        self._probe()
         return self.info()
 
     def restart(self, weight_dir: str, version: int) -> dict:
@@ -133,6 +164,7 @@ class EngineActor:
     def catch_up(self, weight_dir: str, version: int) -> dict:
         """Load ``version`` (published while this engine joined); returns :meth:`info`."""
         self.load_version(weight_dir, version)
+        self._probe()
         return self.info()
 
     def load_version(self, weight_dir: str, version: int) -> int:
@@ -210,6 +242,7 @@ class EngineActor:
         local, _ = self.local.receive(path, version)
         update_engine_weights(self.client, local, version, flush)
         self.version = version
+        self._probe()  # the new weights generate, labelled with their version
         return time.monotonic() - started
 
     def nccl_join(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
@@ -227,6 +260,7 @@ class EngineActor:
         swap_engine_weights(self.client, version, flush,
                             lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata}))
         self.version = version
+        self._probe()
         return time.monotonic() - started
 
     def pause(self, mode: str) -> None:

@@ -1,12 +1,18 @@
 """Health checks of the rollout engines: a daemon thread of the driver.
 
 Every ``--rollout-health-check-interval`` seconds each watched engine's ``GET /health`` must answer
-200 within ``--rollout-health-check-timeout``; checks start ``--rollout-health-check-first-wait``
-seconds after an engine is watched. After ``--rollout-health-check-failures`` consecutive failed
-checks the engine is declared dead: ``on_dead(url, reason)`` runs at once in this thread (the
-driver unregisters it from the router there, so that no new request reaches it even while the
-driver is busy training), and the URL is queued for the driver, which restarts or drops the engine
+200 within ``--rollout-health-check-timeout`` and, for engines that rollouts reach, a real generate
+request must succeed (vime.engines.probe: ``/health`` stays 200 on a server that answers every
+generate with 403). Checks start ``--rollout-health-check-first-wait`` seconds after an engine is
+watched; after a failed check the next one comes within a second, so that a black hole is found in
+about ``interval + failures`` seconds. After ``--rollout-health-check-failures`` consecutive failed
+checks the engine is declared dead: ``on_dead(url, reason)`` runs at once in this thread (the driver
+unregisters it from the router there, so that no new request reaches it even while the driver is
+busy training), and the URL is queued for the driver, which restarts, quarantines or drops the engine
 at its next poll (workers/engine_manager.py).
+
+A weight update pauses the engines; a check that overlapped one (:meth:`HealthMonitor.updating`) is
+not counted either way.
 
 The thread only observes; it owns no engine and changes no membership. Checks run in parallel,
 so one hung engine does not delay the others' verdicts.
@@ -15,13 +21,17 @@ so one hung engine does not delay the others' verdicts.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import requests
+
+from vime.engines.http import EngineError
+from vime.engines.probe import probe_generation
 
 logger = logging.getLogger("vime.health")
 
@@ -35,17 +45,30 @@ class _Target:
     last_error: str = ""
     last_ok: float | None = None
     dead: bool = False
+    probe: bool = True            # also a generation probe (engines rollouts reach)
 
 
-def check_health(url: str, timeout: float) -> str | None:
-    """None when ``url``/health answers 200 within ``timeout`` seconds, else why not."""
+# After a failed check the next one comes this soon (at most): a broken engine is found in seconds.
+RECHECK_SECONDS = 1.0
+
+
+def check_health(url: str, timeout: float, *, probe: bool = False) -> str | None:
+    """None when ``url``/health answers 200 within ``timeout`` seconds (and, with ``probe``, a real
+    generate request passes), else why not."""
     try:
         response = requests.get(url.rstrip("/") + "/health", timeout=timeout)
     except requests.Timeout:
         return f"GET /health timed out after {timeout:g}s"
     except requests.RequestException as error:
         return f"GET /health failed: {type(error).__name__}"
-    return None if response.status_code == 200 else f"GET /health answered HTTP {response.status_code}"
+    if response.status_code != 200:
+        return f"GET /health answered HTTP {response.status_code}"
+    if probe:
+        try:
+            probe_generation(url, timeout=timeout)
+        except EngineError as error:
+            return error.message
+    return None
 
 
 class HealthMonitor:
@@ -57,13 +80,29 @@ class HealthMonitor:
         self._dead: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._updates = 0             # weight updates in progress
+        self._update_epoch = 0        # bumped at the start and end of each one
         self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
 
     # ------------------------------------------------------------------ the driver's side
-    def watch(self, url: str, first_wait: float = 0.0) -> None:
+    def watch(self, url: str, first_wait: float = 0.0, *, probe: bool = True) -> None:
+        """Check ``url`` from ``first_wait`` seconds on; ``probe``: with a generation probe too."""
         with self._lock:
-            self._targets[url] = _Target(next_check=time.monotonic() + first_wait)
+            self._targets[url] = _Target(next_check=time.monotonic() + first_wait, probe=probe)
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        """A weight update runs (the engines pause): checks that overlap it count neither way."""
+        with self._lock:
+            self._updates += 1
+            self._update_epoch += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._updates -= 1
+                self._update_epoch += 1
 
     def unwatch(self, url: str) -> None:
         with self._lock:
@@ -96,8 +135,9 @@ class HealthMonitor:
         """Check every engine that is due (one round of the thread; also callable directly)."""
         now = time.monotonic()
         with self._lock:
-            due = [url for url, t in self._targets.items() if not t.dead and t.next_check <= now]
-        futures = {url: self._pool.submit(check_health, url, self.timeout) for url in due}
+            due = [(url, t.probe) for url, t in self._targets.items() if not t.dead and t.next_check <= now]
+            epoch = None if self._updates else self._update_epoch
+        futures = {url: self._pool.submit(check_health, url, self.timeout, probe=probe) for url, probe in due}
         for url, future in futures.items():
             try:
                 error = future.result(timeout=self.timeout + 5)
@@ -113,6 +153,11 @@ class HealthMonitor:
                 if error is None:
                     target.healthy, target.failures, target.last_ok = True, 0, time.monotonic()
                     continue
+                if epoch is None or epoch != self._update_epoch or self._updates:
+                    # The check overlapped a weight update (a paused engine may time out): look again soon.
+                    target.next_check = time.monotonic() + min(self.interval, RECHECK_SECONDS)
+                    continue
+                target.next_check = time.monotonic() + min(self.interval, RECHECK_SECONDS)
                 target.healthy, target.last_error = False, error
                 target.failures += 1
                 if target.failures >= self.failures:

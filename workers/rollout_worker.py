@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import re
 import time
 
 import aiohttp
@@ -43,11 +42,9 @@ GET_SAMPLES_GRACE_SECONDS = 0.5
 ENGINE_RETRY_SECONDS = 1.0
 
 
-def engine_unavailable(error: GenerateError) -> bool:
-    """A request that failed because no engine could serve it (5xx from the router or engine, a
-    dropped connection, a timeout), as opposed to one the engine refused (4xx: retrying cannot help)."""
-    status = re.search(r" answered (\d{3})", str(error))
-    return status is None or int(status[1]) >= 500
+class InfrastructureFault(RuntimeError):
+    """A group could not be finished for a reason that is not the sample's (its payload could not be
+    written, say): the task goes back to the queue untouched, no attempt spent."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,8 +78,10 @@ class RolloutWorkerStats:
     rejected_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     samples_aborted: int = 0
     response_tokens: int = 0
-    errors: int = 0
+    errors: int = 0               # groups that failed (spent an attempt of their task)
     last_error: str = ""
+    engine_errors: int = 0        # requests an engine failed (no attempt spent: the group went back)
+    last_engine_error: str = ""
 
 
 class RolloutWorker:
@@ -219,24 +218,31 @@ class RolloutWorker:
     async def _generate_one(self, sample: Sample) -> Sample:
         if self._stopping.is_set():
             return sample  # draining: not started, stays PENDING and goes back with the group
-        if self.custom_generate is not None:
-            result = await call_maybe_async(self.custom_generate, self.spec.args, sample, self.spec.sampling.as_dict())
-            if not isinstance(result, Sample):
-                raise TypeError(f"--custom-generate-function-path {self.spec.custom_generate_function_path} returned "
-                                f"{type(result).__name__}; it must return the Sample")
-            return result
         try:
+            if self.custom_generate is not None:
+                result = await call_maybe_async(self.custom_generate, self.spec.args, sample,
+                                                self.spec.sampling.as_dict())
+                if not isinstance(result, Sample):
+                    raise TypeError(f"--custom-generate-function-path {self.spec.custom_generate_function_path} "
+                                    f"returned {type(result).__name__}; it must return the Sample")
+                return result
             return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
                                   timeout=self.spec.request_timeout)
         except GenerateError as error:
-            if not engine_unavailable(error):
+            if not error.engine_fault:
                 raise
-            # The engine serving this request died, hung or was removed (docs/elastic.md): the
-            # sample keeps what it had and its group returns to the queue as a continuation, to be
-            # resumed on another engine. The pause keeps a router without engines from spinning us.
-            self.stats.errors += 1
-            self.stats.last_error = f"GenerateError: {error}"
+            # An engine failed, hung, refused the route or was removed (docs/elastic.md): that is no fault of
+            # the sample's, so it spends no attempt of its task. The sample keeps what it had and its group
+            # returns to the queue as a continuation, to be resumed on another engine; the engine's own
+            # health probes quarantine it. The pause keeps a router without engines from spinning us.
+            self.stats.engine_errors += 1
+            self.stats.last_engine_error = f"GenerateError: {error}"
             await asyncio.sleep(ENGINE_RETRY_SECONDS)
+            if self.custom_generate is not None:
+                # A custom generator may have changed the sample before the failing turn: regenerate it
+                # from its prompt rather than trust a half-updated state.
+                raise InfrastructureFault(f"an engine failed a turn of --custom-generate-function-path: "
+                                          f"{error}") from error
             return sample
 
     def _restart(self, sample: Sample) -> None:
@@ -265,16 +271,25 @@ class RolloutWorker:
             fault_point("rollout.mid_generation")
             aborted = sum(s.status is Status.ABORTED for s in samples)
             if aborted or any(s.status is Status.PENDING for s in samples):
-                # A weight update (flush) or shutdown interrupted the group: it goes back to the
-                # queue as a continuation with everything generated so far.
+                # A weight update (flush), a failed engine or shutdown interrupted the group: it goes back
+                # to the queue as a continuation with everything generated so far; with nothing generated
+                # (an engine that failed every request at once) it goes back as it came, nothing written.
                 self.stats.samples_aborted += aborted
+                if assignment.partial is None and not any(s.response_length for s in samples):
+                    await self.controller.return_partial.remote(lease, assignment.task, None)
+                    return
                 await self._yield_continuation(item, samples)
                 return
             await self._finish_group(item, samples)
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
             raise
-        except Exception as error:  # a failed group is reported to the queue, which retries it elsewhere
+        except InfrastructureFault as error:  # not the sample's fault: back to the queue, no attempt spent
+            self.stats.engine_errors += 1
+            self.stats.last_engine_error = f"{error}"
+            logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
+            await self.controller.return_partial.remote(lease, assignment.task, None)
+        except Exception as error:  # the sample's fault (reward, hook, response): spends one of its attempts
             self.stats.errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
@@ -317,10 +332,14 @@ class RolloutWorker:
         if self.use_opd:
             await self._attach_teacher(samples)
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)
-        ref = await asyncio.get_running_loop().run_in_executor(
-            self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
-                                                        attempt_id=lease.attempt_id,
-                                                        submission_id=submission_id))
+        try:
+            ref = await asyncio.get_running_loop().run_in_executor(
+                self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
+                                                            attempt_id=lease.attempt_id,
+                                                            submission_id=submission_id))
+        except Exception as error:  # noqa: BLE001 - the queue's storage failed, not the sample
+            raise InfrastructureFault(f"publishing group {lease.task_id} to the queue failed: "
+                                      f"{type(error).__name__}: {error}") from error
         fault_point("rollout.after_publish")  # payload durable, not yet accepted
         tokens = sum(s.response_length for s in samples)
         min_version = min((v for s in samples for v in s.weight_versions), default=item.version)

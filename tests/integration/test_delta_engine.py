@@ -83,6 +83,9 @@ class RecordingClient:
     def update_weight_version(self, version):
         pass
 
+    def probe(self, expect_version=None):
+        pass
+
     def reload_weights(self, path):
         self.loaded.append(checksums(path))
 

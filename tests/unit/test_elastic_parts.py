@@ -20,7 +20,6 @@ from vime.rollout.generate import GenerateError
 from vime.tools import engines_cli
 from vime.workers.engine_registry import EngineRegistry
 from vime.workers.health import HealthMonitor
-from vime.workers.rollout_worker import engine_unavailable
 
 
 def test_engine_addresses_are_normalised_or_refused():
@@ -50,14 +49,24 @@ def test_server_info_gives_gpu_count_and_worker_type():
         facts_from_server_info("http://e:1", {"vllm_config": "VllmConfig(text form)"})
 
 
-def test_only_engine_side_failures_send_a_group_back_as_a_continuation():
-    back = ["POST http://r/inference/v1/generate answered 500: Request failed: error sending request",
-            "POST http://r/inference/v1/generate answered 503: No available workers (all circuits open or unhealthy)",
-            "POST http://r/inference/v1/generate timed out after 120s (--rollout-request-timeout)",
-            "POST http://r/inference/v1/generate failed: Server disconnected"]
-    assert all(engine_unavailable(GenerateError(text)) for text in back)
-    refused = "POST http://r/inference/v1/generate answered 400: This model's maximum context length is 64"
-    assert not engine_unavailable(GenerateError(refused))
+def test_only_the_samples_own_faults_spend_its_attempts():
+    """An engine that answers no request, 5xx, or a 4xx that is not about the request (403 from a server
+    without --enable-scale-out, 404) is at fault: the group goes back to the queue. A request the engine
+    refused for itself (400/413/422) or an answer this sample's settings cannot use is the sample's."""
+    engine = [GenerateError("answered 500", status=500), GenerateError("answered 503", status=503),
+              GenerateError("answered 403: Scale-out endpoints are disabled", status=403),
+              GenerateError("answered 404", status=404), GenerateError("answered 429", status=429),
+              GenerateError("timed out after 120s (--rollout-request-timeout)"),
+              GenerateError("failed: Server disconnected")]
+    assert all(error.engine_fault for error in engine)
+    sample = [GenerateError("answered 400: This model's maximum context length is 64", status=400),
+              GenerateError("answered 413", status=413), GenerateError("answered 422", status=422),
+              GenerateError("score centering: the engine returned 3 top log-probs", engine_fault=False)]
+    assert not any(error.engine_fault for error in sample)
+    import pickle  # crosses Ray actor boundaries whole
+
+    copy = pickle.loads(pickle.dumps(GenerateError("answered 403", status=403)))
+    assert (copy.status, copy.engine_fault, str(copy)) == (403, True, "answered 403")
 
 
 def test_elastic_flags_parse_and_validate(tmp_path):
@@ -81,20 +90,44 @@ def test_elastic_flags_parse_and_validate(tmp_path):
         parse_train_args(base + ["--rollout-engine-restart-budget", "-1"])
 
 
-class _Health(BaseHTTPRequestHandler):
+class _Engine(BaseHTTPRequestHandler):
+    """Stands in for a vLLM server in this unit test (no vLLM in the unit tier): /health, and the
+    generate route answering as vLLM 0.32 does, or with 403 when the server says it is a black hole."""
+
     def do_GET(self):  # noqa: N802 - http.server's name
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
+        self._answer(200 if self.path == "/health" else 404, b"")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path != "/inference/v1/generate":
+            self._answer(404, b"")
+        elif self.server.black_hole:
+            self._answer(403, b'{"error": {"message": "Scale-out endpoints are disabled."}}')
+        else:
+            self._answer(200, json.dumps({"choices": [{
+                "token_ids": [5], "finish_reason": "length", "logprobs": {"content": [{"token_id": 5, "logprob": -1.5}]},
+                "weight_versions": [{"version": self.server.label, "start": 0, "end": 1}]}]}).encode())
+
+    def _answer(self, status, body):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
-def test_health_monitor_declares_an_engine_dead_after_consecutive_failures():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+def _engine_server(black_hole=False, label="default"):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
+    server.black_hole, server.label = black_hole, label
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    alive = f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_health_monitor_declares_an_engine_dead_after_consecutive_failures():
+    server, alive = _engine_server()
+    hole, black_hole = _engine_server(black_hole=True)  # /health 200, generate 403: a black hole
     with socket.socket() as s:  # a port nobody listens on: connection refused
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -103,25 +136,59 @@ def test_health_monitor_declares_an_engine_dead_after_consecutive_failures():
     try:
         monitor.watch(alive)
         monitor.watch(dead)
+        monitor.watch(black_hole)
         monitor.watch("http://127.0.0.1:1", first_wait=3600)  # not checked during its first wait
         monitor.check_once()
         assert monitor.take_dead() == [] and monitor.status()[dead]["failures"] == 1
+        assert "answered 403; the server refuses the token-in/token-out route; start it with --enable-scale-out" \
+            in monitor.status()[black_hole]["last_error"]
         import time
 
         time.sleep(0.02)
+        with monitor.updating():  # a check during a weight update counts neither way
+            monitor.check_once()
+        assert monitor.take_dead() == [] and monitor.status()[dead]["failures"] == 1
+        time.sleep(0.02)
         monitor.check_once()
-        declared = monitor.take_dead()
-        assert [url for url, _ in declared] == [dead] and "2 consecutive failed check(s)" in declared[0][1]
-        assert verdicts == [dead]
+        declared = dict(monitor.take_dead())
+        assert sorted(declared) == sorted([dead, black_hole]) and "2 consecutive failed check(s)" in declared[dead]
+        assert sorted(verdicts) == sorted([dead, black_hole])
         status = monitor.status()
-        assert status[alive]["healthy"] is True and status[alive]["checks"] == 2
+        assert status[alive]["healthy"] is True and status[alive]["checks"] == 3
         assert status["http://127.0.0.1:1"]["checks"] == 0
         monitor.check_once()
         assert monitor.take_dead() == []  # declared once
     finally:
         monitor.stop()
-        server.shutdown()
-        server.server_close()
+        for s in (server, hole):
+            s.shutdown()
+            s.server_close()
+
+
+def test_generation_probe_checks_tokens_log_probs_and_the_version():
+    from vime.engines.probe import ProbeFailed, check_choice, probe_generation
+
+    server, url = _engine_server(label="4")
+    hole, black_hole = _engine_server(black_hole=True)
+    try:
+        assert probe_generation(url, timeout=5, expect_version=4)["token_ids"] == [5]
+        with pytest.raises(ProbeFailed, match="generated with weight version '4', expected 3"):
+            probe_generation(url, timeout=5, expect_version=3)
+        with pytest.raises(ProbeFailed, match="answered 403; .*start it with --enable-scale-out"):
+            probe_generation(black_hole, timeout=5)
+    finally:
+        for s in (server, hole):
+            s.shutdown()
+            s.server_close()
+    good = {"token_ids": [5], "logprobs": {"content": [{"logprob": -0.1}]},
+            "weight_versions": [{"version": "default", "start": 0, "end": 1}]}
+    assert check_choice("u", good, 0) is good  # vLLM's first label, "default", is version 0
+    assert check_choice("u", {"finish_reason": "abort", "token_ids": []}, 3)  # aborted by a weight update
+    for broken, why in (({**good, "token_ids": []}, "no generated token ids"),
+                        ({**good, "logprobs": None}, "0 log-prob"),
+                        ({**good, "weight_versions": None}, "no weight_versions")):
+        with pytest.raises(ProbeFailed, match=why):
+            check_choice("u", broken, None)
 
 
 def test_registry_requests_go_pending_running_done():
@@ -191,6 +258,9 @@ class _Client:
 
     def update_weight_version(self, version):
         self.label = str(version)
+
+    def probe(self, expect_version=None):
+        assert expect_version is None or str(expect_version) == self.label  # probed with the version it serves
 
     def weight_version(self):
         return self.label

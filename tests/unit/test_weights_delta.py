@@ -223,6 +223,9 @@ def test_engine_actor_loads_its_own_copy(tmp_path, trainer):
         def resume(self):
             self.calls.append("resume")
 
+        def probe(self, expect_version=None):
+            self.calls.append(f"probe:{expect_version}")
+
     root = str(tmp_path / "weights")
     publisher = WeightPublisher(root, keep=1)
     actor = EngineActor(EngineSpec(index=3, model="unused", vllm_args={}, tensor_parallel_size=1, run_token="t",
@@ -235,8 +238,9 @@ def test_engine_actor_loads_its_own_copy(tmp_path, trainer):
         folder, files = actor.client.loaded[-1]
         assert folder == os.path.join(root, ".engine_3", f"weight_v{version:06d}")
         assert files == expected_files(trainer, tmp_path, f"v{version}")
-    assert actor.client.calls[:5] == ["pause:abort", "reload", "reset", "version:1", "resume"]
-    assert actor.client.calls[5:9] == ["pause:keep", "reload", "version:2", "resume"]
+    # Every update ends with a generation probe at the new version, after the engine resumed.
+    assert actor.client.calls[:6] == ["pause:abort", "reload", "reset", "version:1", "resume", "probe:1"]
+    assert actor.client.calls[6:11] == ["pause:keep", "reload", "version:2", "resume", "probe:2"]
     assert actor.version == 3
     with pytest.raises(disk.WeightError, match="holds version 3, not the version 4"):
         actor.update_weights(path, 4, flush=False)

@@ -17,6 +17,7 @@ from typing import Any, Literal, NoReturn
 import requests
 
 from vime.engines.http import EngineError, call_json
+from vime.engines.probe import probe_generation
 from vime.runtime.ports import PortInUseError, free_port, port_is_free
 from vime.runtime.process import ManagedProcess
 
@@ -264,6 +265,11 @@ class EngineClient:
 
     def server_info(self) -> dict[str, Any]:
         return self._json("GET", "/server_info")
+
+    def probe(self, expect_version: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """One real generate request on the rollouts' path, checked (vime.engines.probe); raises
+        ProbeFailed naming the cause. ``expect_version``: the weight version it must generate with."""
+        return probe_generation(self.url, timeout=timeout or self.timeout, expect_version=expect_version)
 
     def generate(self, token_ids: Sequence[int], sampling_params: Mapping[str, Any],
                  timeout: float | None = None) -> dict[str, Any]:

