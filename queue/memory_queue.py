@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from vime.queue.rollout_queue import StaleLease
-from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+from vime.queue.tasks import LEASE_EXPIRED, AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport
 
 
 class IdempotencyConflict(RuntimeError):
@@ -38,6 +38,7 @@ class _Entry:
     expires: float = 0.0
     failures: int = 0
     state: str = "pending"
+    reason: str = ""
 
 
 class MemoryRolloutQueue:
@@ -72,10 +73,11 @@ class MemoryRolloutQueue:
         now = time.monotonic()
         for entry in self._entries.values():
             if entry.state == "leased" and entry.expires < now:
-                self._retry(entry)
+                self._retry(entry, LEASE_EXPIRED)
 
-    def _retry(self, entry: _Entry) -> None:
+    def _retry(self, entry: _Entry, reason: str) -> None:
         entry.failures += 1
+        entry.reason = reason
         entry.lease = None
         entry.state = "failed" if entry.failures >= self.max_attempts else "pending"
         entry.order = next(self._order)
@@ -133,9 +135,22 @@ class MemoryRolloutQueue:
     def fail(self, lease: MemoryLease, reason: str, request_id: str, retryable: bool = True) -> None:
         entry = self._current(lease)
         if retryable:
-            self._retry(entry)
+            self._retry(entry, reason)
         else:
-            entry.state, entry.lease = "failed", None
+            entry.failures += 1
+            entry.state, entry.lease, entry.reason = "failed", None, reason
+
+    def failed(self) -> list[FailedTask]:
+        self._expire()
+        return [FailedTask(e.task, e.failures, e.reason) for e in self._entries.values()
+                if e.state == "failed" and e.task.retried().task_id not in self._entries]
+
+    def retry_failed(self) -> RetryReport:
+        failed = self.failed()
+        todo = [(f.task.task_id, f.task.retried()) for f in failed if not f.rejected]
+        for _, task in todo:
+            self._entries[task.task_id] = _Entry(task, order=next(self._order))
+        return RetryReport(todo, rejected=sum(f.rejected for f in failed))
 
     def accepted(self, cursor: int, limit: int) -> tuple[list[AcceptedGroup], int]:
         page = self._accepted[cursor:cursor + limit]

@@ -9,6 +9,7 @@ completion returns the original receipt and different content for the same attem
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Any
 
@@ -17,11 +18,12 @@ from straw.backend import FilesystemBackend
 from straw.errors import IdempotencyConflict, InvalidReference, LeaseExpired, StaleAttempt
 
 from vime.queue.records import CODECS
-from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+from vime.queue.tasks import AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport, failure_reason, retry_id
 
 QUEUE_ID = "rollout"
 DATASET_PRODUCER = "dataset"
 TRAINING_CONSUMER = "training"
+RETRY_CHUNK = 500   # failed tasks resubmitted per journal transaction
 
 __all__ = ["StrawRolloutQueue", "StoreOptions", "open_store", "StaleLease", "IdempotencyConflict"]
 
@@ -82,8 +84,7 @@ class StrawRolloutQueue:
     # ----------------------------------------------------------------- prompts
     def submit(self, tasks: list[PromptTask], cursor: dict[str, Any]) -> None:
         """Submit prompts and move the dataset cursor in one journal transaction."""
-        specs = [TaskSpec(t.task_id, metadata=t.metadata(), allow_empty=True, max_attempts=self.max_attempts,
-                          priority=t.priority, scheduling_key=t.min_version) for t in tasks]
+        specs = [self._spec(t) for t in tasks]
         request = f"refill-{tasks[0].task_id}" if tasks else f"refill-empty-{cursor}"
         self.coordinator.submit_tasks(request, specs, producer_id=DATASET_PRODUCER, producer_state=cursor)
 
@@ -93,9 +94,35 @@ class StrawRolloutQueue:
 
     def regenerate(self, task: PromptTask, request_id: str) -> None:
         """Submit a prompt again without moving the dataset cursor (idempotent per request id)."""
-        spec = TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=self.max_attempts,
+        self.coordinator.submit_tasks(request_id, [self._spec(task)])
+
+    def _spec(self, task: PromptTask) -> TaskSpec:
+        return TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=self.max_attempts,
                         priority=task.priority, scheduling_key=task.min_version)
-        self.coordinator.submit_tasks(request_id, [spec])
+
+    # ----------------------------------------------------------------- failed tasks
+    def failed(self) -> list[FailedTask]:
+        """Every task that ended failed and has not been retried, in submission order (the rejected
+        ones too: ``FailedTask.rejected``). A failed task whose retry exists is not listed."""
+        tasks = self.coordinator.tasks
+        failed = [FailedTask(PromptTask.from_metadata(task_id, t["spec"]["metadata"]), t.get("failures", 0),
+                             failure_reason(t.get("failure")))
+                  for task_id, t in tasks.items() if t["state"] == "failed" and retry_id(task_id) not in tasks]
+        return sorted(failed, key=lambda f: (f.task.group_index, f.task.task_id))
+
+    def retry_failed(self) -> RetryReport:
+        """Submit every failed task again, except the rejected ones, as a fresh prompt with a new
+        attempt budget, without moving the dataset cursor. Idempotent: a retried task is no longer
+        listed by failed(), and a retry's task id and request id are deterministic, so a call
+        replayed after a crash submits nothing twice. The retry produces its own accepted group
+        (the failed task produced none), so the prompt is trained once."""
+        failed = self.failed()
+        todo = [(f.task.task_id, f.task.retried()) for f in failed if not f.rejected]
+        for start in range(0, len(todo), RETRY_CHUNK):
+            chunk = todo[start:start + RETRY_CHUNK]
+            digest = hashlib.sha256(" ".join(new.task_id for _, new in chunk).encode()).hexdigest()[:24]
+            self.coordinator.submit_tasks(f"retry-failed-{digest}", [self._spec(new) for _, new in chunk])
+        return RetryReport(todo, rejected=sum(f.rejected for f in failed))
 
     def dataset_cursor(self) -> dict[str, Any] | None:
         return self.coordinator.producer_state(DATASET_PRODUCER)

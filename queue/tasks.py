@@ -13,6 +13,10 @@ from typing import Any
 
 FRESH_PRIORITY = 0
 CONTINUATION_PRIORITY = 1
+REJECTED_PREFIX = "rejected:"   # a failure with this reason is the dynamic filter's verdict: terminal
+RETRY_MARK = ".retry"           # g000000042 -> g000000042.retry1 -> g000000042.retry2 ...
+LEASE_EXPIRED = "lease expired (no heartbeat in time)"
+LEASE_REVOKED = "lease revoked by a controller restart"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +46,58 @@ class PromptTask:
         makes the resubmission idempotent)."""
         return PromptTask(f"r{position:09d}", self.group_index, self.epoch, self.prompt_index)
 
+    def retried(self) -> "PromptTask":
+        """The same prompt again as a fresh task, for a task that ended failed (see
+        :func:`retry_id`: a deterministic id makes retrying it a second time a no-op). A
+        continuation's prefix is not carried over: the retry generates the group from scratch."""
+        return PromptTask(retry_id(self.task_id), self.group_index, self.epoch, self.prompt_index)
+
     def as_continuation(self, min_version: int) -> "PromptTask":
         return dataclasses.replace(self, stage="continuation", min_version=min_version)
 
     @property
     def priority(self) -> int:
         return CONTINUATION_PRIORITY if self.stage == "continuation" else FRESH_PRIORITY
+
+
+def retry_id(task_id: str) -> str:
+    """The id a failed task is retried under: one more than its own retry round."""
+    root, _, round_ = task_id.partition(RETRY_MARK)
+    return f"{root}{RETRY_MARK}{int(round_ or 0) + 1}"
+
+
+def failure_reason(failure: Any) -> str:
+    """straw's record of a task's last failure, as text: the reason given to fail_task, a lease
+    expiry, or nothing when every failed attempt was a lease revoked by a controller restart."""
+    if failure is None:
+        return LEASE_REVOKED
+    if isinstance(failure, dict):  # straw's own record of a lease that expired: {"reason": "Expired"}
+        return LEASE_EXPIRED if failure.get("reason") == "Expired" else str(failure.get("reason", failure))
+    return str(failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedTask:
+    """A task that ended *failed*: its attempts were spent (``failures`` of them, the last for
+    ``reason``), or the dynamic filter rejected it (``rejected``: terminal, never retried)."""
+
+    task: PromptTask
+    failures: int
+    reason: str
+
+    @property
+    def rejected(self) -> bool:
+        return self.reason.startswith(REJECTED_PREFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryReport:
+    """What ``retry_failed`` did: ``retried`` pairs each failed task's id with its retry (a fresh
+    prompt with a new attempt budget), in the order the tasks were submitted; ``rejected`` tasks
+    were left alone (terminal)."""
+
+    retried: list[tuple[str, PromptTask]]
+    rejected: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

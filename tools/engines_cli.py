@@ -59,21 +59,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def connect(run_dir: str):
-    """Attach to the run's Ray cluster and return its engine registry actor."""
+def attach(run_dir: str) -> str:
+    """Attach this process to a live run's Ray cluster (unless it is attached already); returns the
+    run's Ray namespace, where its named actors live (also used by ``vime queue retry-failed``)."""
     info = read_run_info(run_dir)
     for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
                        ("RAY_AUTH_MODE", "disabled")):
         os.environ.setdefault(key, value)
     import ray
 
+    if not ray.is_initialized():
+        with contextlib.redirect_stderr(io.StringIO()):  # Ray's connection banner is noise here
+            ray.init(address=info["ray_address"], namespace=info["ray_namespace"], log_to_driver=False,
+                     configure_logging=False)
+    return info["ray_namespace"]
+
+
+def connect(run_dir: str):
+    """Attach to the run's Ray cluster and return its engine registry actor."""
+    namespace = attach(run_dir)
+    import ray
+
     from vime.workers.engine_registry import REGISTRY_NAME
 
-    with contextlib.redirect_stderr(io.StringIO()):  # Ray's connection banner is noise here
-        ray.init(address=info["ray_address"], namespace=info["ray_namespace"], log_to_driver=False,
-                 configure_logging=False)
     try:
-        return ray.get_actor(REGISTRY_NAME, namespace=info["ray_namespace"])
+        return ray.get_actor(REGISTRY_NAME, namespace=namespace)
     except ValueError:
         raise EnginesCliError(f"the run in {run_dir} has no engine registry yet (still starting its engines?); "
                               "try again in a moment") from None

@@ -1,64 +1,117 @@
-"""``vime queue``: look into a run's durable queue (read-only) and reclaim its storage.
+"""``vime queue``: look into a run's durable queue (read-only), reclaim its storage, retry its failures.
 
     vime queue inspect --rollout-data-dir D [--save S] [--json]
     vime queue gc --rollout-data-dir D
     vime queue export --rollout-data-dir D [--save S] [--format jsonl|parquet] [--hf-checkpoint H] OUT
+    vime queue retry-failed --rollout-data-dir D | --run RUN_DIR [--json]
 
 ``inspect`` replays the queue's journal without writing to it, so it is safe on a live run. Groups
 count as trained when they lie before the surviving lineage's cursor: the latest checkpoint in
-``--save`` if given, else the queue's own committed cursor.
+``--save`` if given, else the queue's own committed cursor. Failed tasks are listed with their
+last failure reason.
 
 ``export`` writes one row per sample of every accepted group (same lineage rule: ``stage`` is
 trained, stale or accepted), with the token ids, reward, per-token weight versions, metadata,
 source name, group position and, with ``--hf-checkpoint``, the decoded prompt and response.
+
+``retry-failed`` returns every failed task (its attempts spent) to the queue as a fresh prompt with
+a new attempt budget; rejected tasks (the dynamic filter's verdict) stay terminal. On a stopped run
+``--rollout-data-dir D`` opens the queue itself, under the queue's fence (refused while a run drives
+it); on a live run ``--run RUN_DIR`` asks the run's controller. A second call retries nothing.
+Exit status: 0 done, 1 refused (a live run's queue; a run not live or not reachable), 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Any
 
 from vime.queue.journal_view import JournalView
+from vime.queue.tasks import LEASE_EXPIRED, LEASE_REVOKED, REJECTED_PREFIX, RetryReport, retry_id
 
-STAGES = ("fresh", "leased", "continuation", "accepted", "trained", "rejected", "failed")
+# retried: a failed task whose retry (a fresh task for the same prompt) has been submitted
+STAGES = ("fresh", "leased", "continuation", "accepted", "trained", "rejected", "failed", "retried")
+FAILED_SHOWN = 20   # failed tasks the text output of `inspect` lists (--json lists them all)
 
 
-def task_stages(view: JournalView) -> dict[str, str]:
-    """The current stage of every task, replayed from the journal."""
-    stage: dict[str, str] = {}
-    partial: dict[str, bool] = {}
+@dataclasses.dataclass
+class TaskState:
+    """A task as the journal tells it: its stage, and how its attempts failed."""
+
+    metadata: dict[str, Any]
+    max_attempts: int
+    stage: str = "fresh"
+    partial: bool = False     # carries a durable prefix (a continuation)
+    failures: int = 0         # failed attempts: failed calls, expired leases, leases revoked by a restart
+    reason: str = ""          # the last failure reason ("" when every failure was a revoked lease)
+
+
+def task_states(view: JournalView) -> dict[str, TaskState]:
+    """The current state of every task, replayed from the journal as straw counts attempts: a
+    failed call, an expired lease and a lease revoked by a controller restart each spend one, a
+    released or yielded task none; the task ends failed when max_attempts are spent, or at once
+    for a non-retryable failure (a rejection)."""
+    states: dict[str, TaskState] = {}
+
+    def of(task_id: str) -> TaskState:  # a task the journal names before its submission: none expected
+        return states.setdefault(task_id, TaskState({}, 3))
+
+    def spend(task_id: str, reason: str | None, final: bool | None = None) -> None:
+        state = of(task_id)
+        state.failures += 1
+        state.reason = state.reason if reason is None else reason
+        if final is None:
+            final = state.failures >= state.max_attempts
+        if final:
+            state.stage = "rejected" if state.reason.startswith(REJECTED_PREFIX) else "failed"
+        else:
+            state.stage = "continuation" if state.partial else "fresh"
+
     for event in view.events:
         kind = event.get("type")
         if kind == "Submitted":
             for task in event["tasks"]:
-                stage[task["task_id"]] = "fresh"
-                partial[task["task_id"]] = task.get("input_ref") is not None
+                states[task["task_id"]] = TaskState(task.get("metadata") or {}, task.get("max_attempts", 3),
+                                                    partial=task.get("input_ref") is not None)
         elif kind == "Leased":
             for lease in event["leases"]:
-                stage[lease["task_id"]] = "leased"
+                of(lease["task_id"]).stage = "leased"
         elif kind == "Completed":
-            stage[event["lease"]["task_id"]] = "accepted"
+            of(event["lease"]["task_id"]).stage = "accepted"
         elif kind == "Yielded":
-            task_id = event["task_id"]
-            if event.get("input_ref") is not None:
-                partial[task_id] = True
-            stage[task_id] = "continuation" if partial.get(task_id) else "fresh"
+            state = of(event["task_id"])
+            state.partial = state.partial or event.get("input_ref") is not None
+            state.stage = "continuation" if state.partial else "fresh"
         elif kind == "Failed":
-            final = event.get("response") == "failed"
-            rejected = str(event.get("failure", "")).startswith("rejected:")
             for task_id in event["task_ids"]:
-                if final:
-                    stage[task_id] = "rejected" if rejected else "failed"
-                else:
-                    stage[task_id] = "continuation" if partial.get(task_id) else "fresh"
+                spend(task_id, str(event.get("failure", "")), final=event.get("response") == "failed")
         elif kind in ("Expired", "Epoch"):
             for task_id in event.get("task_ids") or event.get("revoked") or []:
-                if stage.get(task_id) == "leased":
-                    stage[task_id] = "continuation" if partial.get(task_id) else "fresh"
-    return stage
+                if task_id in states and states[task_id].stage == "leased":
+                    spend(task_id, LEASE_EXPIRED if kind == "Expired" else None)
+    for task_id, state in states.items():
+        if state.stage == "failed" and retry_id(task_id) in states:
+            state.stage = "retried"
+    return states
+
+
+def task_stages(view: JournalView) -> dict[str, str]:
+    """The current stage of every task, replayed from the journal."""
+    return {task_id: state.stage for task_id, state in task_states(view).items()}
+
+
+def failed_tasks(states: dict[str, TaskState]) -> list[dict[str, Any]]:
+    """The failed tasks not retried yet, in submission order, with their last failure reason."""
+    failed = [(task_id, s) for task_id, s in states.items() if s.stage == "failed"]
+    failed.sort(key=lambda item: (item[1].metadata.get("group_index", 0), item[0]))
+    return [{"task_id": task_id, "prompt_index": s.metadata.get("prompt_index"),
+             "group_index": s.metadata.get("group_index"), "epoch": s.metadata.get("epoch"),
+             "attempts": s.failures, "max_attempts": s.max_attempts, "reason": s.reason or LEASE_REVOKED}
+            for task_id, s in failed]
 
 
 def lineage(data_dir: str, save: str | None, view: JournalView,
@@ -97,12 +150,12 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
     from vime.queue.transport import StrawTransport
 
     view = JournalView.read(data_dir)
-    stages = task_stages(view)
+    states = task_states(view)
     cursor, step_cursors, skipped, source = lineage(data_dir, save, view, run_id)
     accepted = view.accepted()
     counts = {name: 0 for name in STAGES}
-    for value in stages.values():
-        counts[value] += 1
+    for state in states.values():
+        counts[state.stage] += 1
     passed = [g for g in accepted if g.position < cursor]
     counts["accepted"] -= len(passed)
     counts["trained"] = sum(g.position not in skipped for g in passed)
@@ -129,7 +182,99 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
         groups.append(entry)
     transport.close()
     return {"rollout_data_dir": data_dir, "lineage": source, "trained_cursor": cursor, "counts": counts,
-            "disk_bytes": disk_bytes(data_dir), "trained_groups": groups}
+            "disk_bytes": disk_bytes(data_dir), "failed_tasks": failed_tasks(states), "trained_groups": groups}
+
+
+def format_inspect(report: dict[str, Any]) -> str:
+    lines = [f"queue {report['rollout_data_dir']}  ({report['disk_bytes'] / 2**20:.1f} MiB on disk)",
+             "  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items()),
+             f"  trained in the surviving lineage: {len(report['trained_groups'])} group(s) ({report['lineage']})"]
+    failed = report["failed_tasks"]
+    if failed:
+        lines.append(f"  failed: {len(failed)} task(s), attempts spent (return them to the queue with "
+                     "`vime queue retry-failed`):")
+        for task in failed[:FAILED_SHOWN]:
+            reason = " ".join(task["reason"].split())
+            reason = reason if len(reason) <= 100 else reason[:97] + "..."
+            lines.append(f"    {task['task_id']}  prompt {task['prompt_index']}  "
+                         f"{task['attempts']}/{task['max_attempts']} attempts  {reason}")
+        if len(failed) > FAILED_SHOWN:
+            lines.append(f"    ... and {len(failed) - FAILED_SHOWN} more (--json lists them all)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- retry-failed
+class RetryRefused(RuntimeError):
+    """The retry cannot be done as asked (the message names the flag and says why)."""
+
+
+def retry_failed_stopped(data_dir: str, run_id: str, declaration: dict | None = None) -> RetryReport:
+    """Retry the failed tasks of a stopped run's queue: under the queue's fence, so never beside a
+    live controller. Opening the queue recovers it, as a resumed run would (leases of the dead
+    run are revoked, which spends an attempt of each, as on any restart)."""
+    from vime.queue.fence import QueueBusy, QueueFence
+    from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
+
+    try:
+        fence = QueueFence.acquire(data_dir)
+    except QueueBusy:
+        with open(os.path.join(data_dir, "controller.lock")) as f:
+            holder = f.read().strip() or "unknown"
+        raise RetryRefused(f"--rollout-data-dir {data_dir}: a live run drives this queue (its controller: {holder}); "
+                           "use `vime queue retry-failed --run RUN_DIR` on the live run, or stop it first") from None
+    try:
+        with open(os.path.join(data_dir, "run.json")) as f:
+            identity = json.load(f)
+        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"), declaration=declaration)
+        queue = StrawRolloutQueue.open(options, owner="vime-queue-retry-failed",
+                                       lease_seconds=identity["lease_seconds"])
+        try:
+            return queue.retry_failed()
+        finally:
+            queue.close()
+    finally:
+        fence.release()
+
+
+def retry_failed_live(run_dir: str, timeout: float = 120.0) -> RetryReport:
+    """Ask a live run's controller (a named Ray actor, workers/controller.py) to retry."""
+    from vime.tools.engines_cli import EnginesCliError, attach
+
+    try:
+        namespace = attach(run_dir)
+    except EnginesCliError as error:
+        raise RetryRefused(f"--run {run_dir}: {error}") from None
+    import ray
+
+    from vime.workers.controller import Controller
+
+    try:
+        controller = ray.get_actor(Controller.ACTOR_NAME, namespace=namespace)
+    except ValueError:
+        raise RetryRefused(f"--run {run_dir}: the run has no controller reachable by name (still starting, or "
+                           "started by a vime without `retry-failed`); try again in a moment, or stop the run and "
+                           "use --rollout-data-dir") from None
+    try:
+        return ray.get(controller.retry_failed.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RetryRefused(f"--run {run_dir}: the controller did not answer within {timeout:g}s") from None
+    except ray.exceptions.RayActorError:
+        raise RetryRefused(f"--run {run_dir}: the run ended before its controller answered") from None
+
+
+def abbreviate(values: list, shown: int = 10) -> str:
+    text = ", ".join(str(v) for v in values[:shown])
+    return text + (f", ... ({len(values) - shown} more)" if len(values) > shown else "")
+
+
+def format_retry(report: RetryReport, live: bool) -> str:
+    rejected = f"; {report.rejected} rejected task(s) stay rejected" if report.rejected else ""
+    if not report.retried:
+        return f"no failed task to retry{rejected}"
+    prompts = [task.prompt_index for _, task in report.retried]
+    when = "the run leases them like any fresh prompt" if live else "they run when the run resumes (--load)"
+    return (f"retried {len(report.retried)} failed task(s) as fresh prompts with a new attempt budget "
+            f"(prompt indices {abbreviate(prompts)}); {when}{rejected}")
 
 
 
@@ -289,15 +434,27 @@ def export(data_dir: str, save: str | None, run_id: str, out: str, fmt: str, hf_
     return report
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vime queue", description=__doc__.split("\n")[0])
+    paragraphs = __doc__.replace("``", "").split("\n\n")
+    parser = argparse.ArgumentParser(prog="vime queue", description="\n\n".join(paragraphs[:2]),
+                                     epilog=paragraphs[4] + "\n\nvime queue COMMAND -h shows a command's options.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("inspect", "counts per stage, disk use and the trained groups"),
+    for name, text in (("inspect", "counts per stage, disk use, the trained groups, the failed tasks and why"),
                        ("gc", "reclaim storage nothing references any more (stopped runs only)"),
-                       ("export", "every accepted sample as jsonl or parquet, for analysis")):
-        command = sub.add_parser(name, help=text)
-        command.add_argument("--rollout-data-dir", required=True, help="the run's queue directory")
+                       ("export", "every accepted sample as jsonl or parquet, for analysis"),
+                       ("retry-failed", "return every failed task (not the rejected ones) to the queue as a fresh "
+                                        "prompt with a new attempt budget")):
+        command = sub.add_parser(name, help=text, description=text)
+        if name == "retry-failed":
+            where = command.add_mutually_exclusive_group(required=True)
+            where.add_argument("--rollout-data-dir", help="a stopped run's queue directory (refused while a run "
+                                                          "drives it)")
+            where.add_argument("--run", metavar="RUN_DIR", help="a live run's --run-dir: its controller retries")
+            command.add_argument("--json", action="store_true", help="machine-readable output")
+        else:
+            command.add_argument("--rollout-data-dir", required=True, help="the run's queue directory")
         command.add_argument("--rollout-queue-run-id", default="vime", help="queue identity (default: vime)")
-        if name == "gc":
+        if name in ("gc", "retry-failed"):
             command.add_argument("--rollout-storage-declaration", help="JSON (inline or @file) of a JuiceFS mount")
         if name == "inspect":
             command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
@@ -309,10 +466,20 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--hf-checkpoint", help="decode prompts and responses with this model's tokenizer")
             command.add_argument("out", metavar="OUT", help="the file to write")
     args = parser.parse_args(argv)
+    if args.command == "retry-failed" and args.run:
+        if not os.path.isdir(args.run):
+            print(f"vime queue retry-failed: error: --run {os.path.abspath(args.run)} does not exist", file=sys.stderr)
+            return 2
+        return _retry_failed(args, live=True)
     data_dir = os.path.abspath(args.rollout_data_dir)
-    if not os.path.exists(os.path.join(data_dir, "run.json")):
-        print(f"vime queue: error: --rollout-data-dir {data_dir} holds no queue", file=sys.stderr)
+    if not os.path.isdir(data_dir):
+        print(f"vime queue {args.command}: error: --rollout-data-dir {data_dir} does not exist", file=sys.stderr)
         return 2
+    if not os.path.exists(os.path.join(data_dir, "run.json")):
+        print(f"vime queue {args.command}: error: --rollout-data-dir {data_dir} holds no queue", file=sys.stderr)
+        return 2
+    if args.command == "retry-failed":
+        return _retry_failed(args, live=False, data_dir=data_dir)
     if args.command == "export":
         fmt = args.format or {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(args.out)[1])
         if fmt is None:
@@ -327,18 +494,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gc":
         from vime.queue.gc import collect_stopped
 
-        from vime.config.framework import QueueConfig
-
-        declaration = QueueConfig(rollout_storage_declaration=args.rollout_storage_declaration).storage_declaration()
-        print(json.dumps(collect_stopped(data_dir, args.rollout_queue_run_id, declaration), indent=1))
+        print(json.dumps(collect_stopped(data_dir, args.rollout_queue_run_id, _declaration(args)), indent=1))
         return 0
     report = inspect(data_dir, args.save, args.rollout_queue_run_id)
+    print(json.dumps(report, indent=1) if args.json else format_inspect(report))
+    return 0
+
+
+def _declaration(args) -> dict | None:
+    from vime.config.framework import QueueConfig
+
+    return QueueConfig(rollout_storage_declaration=args.rollout_storage_declaration).storage_declaration()
+
+
+def _retry_failed(args, *, live: bool, data_dir: str | None = None) -> int:
+    try:
+        if live:
+            report = retry_failed_live(os.path.abspath(args.run))
+        else:
+            report = retry_failed_stopped(data_dir, args.rollout_queue_run_id, _declaration(args))
+    except RetryRefused as error:
+        print(f"vime queue retry-failed: error: {error}", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(report, indent=1))
-        return 0
-    print(f"queue {report['rollout_data_dir']}  ({report['disk_bytes'] / 2**20:.1f} MiB on disk)")
-    print("  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items()))
-    print(f"  trained in the surviving lineage: {len(report['trained_groups'])} group(s) ({report['lineage']})")
+        print(json.dumps({"retried": [{"task_id": old, "retry_task_id": new.task_id, "prompt_index": new.prompt_index,
+                                       "epoch": new.epoch} for old, new in report.retried],
+                          "rejected": report.rejected}, indent=1))
+    else:
+        print(format_retry(report, live))
     return 0
 
 

@@ -8,7 +8,8 @@ USAGE = """usage: vime <command> [options]
 
 commands:
   train                       run RL training (vime train --help)
-  queue inspect|gc|export ... look into a run's durable queue, reclaim or export it (vime queue -h)
+  queue inspect|gc|export|retry-failed ...
+                              look into a run's durable queue, reclaim, export it, retry failures (vime queue -h)
   engines list|add|remove ... the engines of a running job (vime engines -h)
   tools make-tiny-model OUT   write a tiny random HF model + tokenizer (no download)
   tools convert-hf-to-megatron --hf-checkpoint HF --save OUT [--ckpt-format torch_dist|torch]

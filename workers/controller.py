@@ -8,6 +8,10 @@ needs.
 
 On crash: the fence is released with the process; a new controller recovers the queue from its
 journal, every lease of the dead incarnation is fenced and its task returns to the queue.
+
+The driver names the actor :attr:`Controller.ACTOR_NAME` in the run's Ray namespace, so that
+``vime queue retry-failed --run RUN_DIR`` reaches a live run (as ``vime engines`` reaches the
+engine registry).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from vime.recovery.faults import fault_point
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.records import decode_group
-from vime.queue.tasks import AcceptedGroup, Assignment, PromptTask
+from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport
 from vime.queue.transport import ObjectStoreTransport
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,8 @@ class ControllerStats:
 
 
 class Controller:
+    ACTOR_NAME = "vime-controller"   # the Ray actor's name in the run's namespace
+
     def __init__(self, spec: ControllerSpec):
         self.spec = spec
         self.incarnation = f"controller-{uuid.uuid4().hex[:12]}"
@@ -210,12 +216,23 @@ class Controller:
         (a non-retryable failure whose reason starts with 'rejected:'), never trained, prompt not
         regenerated. False if the lease is no longer current."""
         try:
-            self.queue.fail(lease, f"rejected: {reason}", request_id=f"reject-{lease.task_id}-{lease.attempt_id}",
+            self.queue.fail(lease, f"{REJECTED_PREFIX} {reason}",
+                            request_id=f"reject-{lease.task_id}-{lease.attempt_id}",
                             retryable=False)
         except (StaleLease, IdempotencyConflict):  # IdempotencyConflict: rejected before, for another reason
             return False
         self.rejected.add(lease.task_id)  # a replayed call (same request id) counts once
         return True
+
+    def retry_failed(self) -> RetryReport:
+        """Return every failed task, except the rejected ones, to the queue as a fresh prompt with
+        a new attempt budget (``vime queue retry-failed --run``). Idempotent: a second call retries
+        nothing; a call Ray replays after a controller restart finds the retries already submitted."""
+        report = self.queue.retry_failed()
+        if report.retried:
+            logger.warning("retried %d failed task(s) as fresh prompts (first: %s)", len(report.retried),
+                           report.retried[0][0])
+        return report
 
     # ------------------------------------------------------------------ trainer
     def sync(self, weight_version: int, cursor: int, trained: int) -> None:
