@@ -8,12 +8,22 @@ Enabled only through the environment (inherited by every process of a run, Ray a
     VIME_FAULT_DELAYS="trainer.mid_step=3"                        # sleep 3 s at every hit
     VIME_FAULT_DELAYS_OFF=/some/file                              # ... until this file exists
 
+    VIME_FAULT_HOLDS="driver.before_step=2"                       # hold from the 2nd position on
+    VIME_FAULT_RELEASE=/some/file                                 # ... until this file exists
+
 A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` behind, so a restarted
 process does not kill itself again. ``scope`` says what dies: the calling process, or its whole
 process group (the "whole job" when the driver leads the group, as the tests arrange).
 Delays make one component artificially slow (a slow trainer, a slow producer) without killing it; a test
 that needs the slowness only for a while creates the VIME_FAULT_DELAYS_OFF file when it is over.
-Without VIME_FAULTS / VIME_FAULT_DELAYS every call is a dictionary lookup and nothing else.
+A hold keeps a run open until the event a test waits for has happened (a node's worker generating, say),
+instead of hoping that the run lasts long enough: the component asks :func:`held` at a position (the
+driver: before each training step) and waits, still doing its other duties, while the answer is True;
+the test creates the VIME_FAULT_RELEASE file once the event has happened, and may delete it again to hold
+the run at the next position for a later event (a hold stops training, and so generation once the
+staleness bound is reached: events that need generation happen between holds).
+Without VIME_FAULTS / VIME_FAULT_DELAYS / VIME_FAULT_HOLDS every call is a dictionary lookup and nothing
+else.
 """
 
 from __future__ import annotations
@@ -42,6 +52,24 @@ def _delays() -> dict[str, float]:
         name, _, seconds = item.partition("=")
         delays[name] = float(seconds)
     return delays
+
+
+def _holds() -> dict[str, int]:
+    spec = os.environ.get("VIME_FAULT_HOLDS", "")
+    holds = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, position = item.partition("=")
+        holds[name] = int(position or 1)
+    return holds
+
+
+def held(name: str, position: int) -> bool:
+    """Whether a test holds ``name`` at ``position`` (VIME_FAULT_HOLDS: from that position on), until the
+    VIME_FAULT_RELEASE file exists."""
+    start = _holds().get(name)
+    if start is None or position < start:
+        return False
+    return not os.path.exists(os.environ.get("VIME_FAULT_RELEASE", ""))
 
 
 def fault_point(name: str, *, scope: str = "process") -> None:

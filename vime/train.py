@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +37,7 @@ from vime.rollout.rewards import resolve_reward
 from vime.runtime.plugins import PluginError, absolute_plugin_path, load_hook
 from vime.weights.policy import flush_for_sync
 from vime.recovery import checkpoint as ckpt
+from vime.recovery import faults
 
 POLL_SECONDS = 0.05
 MAX_WORKER_RESTARTS = 5
@@ -84,6 +86,8 @@ class TrainingRun:
         self.worker_leases: list = []       # the id each rollout worker leases under (fenced when it dies)
         self.worker_nodes: list = []        # the node a rollout worker was placed on (None: anywhere)
         self.worker_restarts = 0
+        self.engine_errors_seen = 0          # the rollout workers' engine_errors at the last step
+        self.leftover: list[str] = []        # processes of the run the teardown could not stop
         self.ray_started = False
         self.last_saved_step: int | None = None
         self.version = 0                     # the weight version every engine serves
@@ -222,8 +226,8 @@ class TrainingRun:
             data_source_path=s.data.data_source_path, args=s.args)
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
         # lease of the old one fenced) and calls in flight are retried against it.
-        self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1)(Controller).remote(
-            controller_spec)
+        self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1,
+                                     name=Controller.ACTOR_NAME)(Controller).remote(controller_spec)
         threads, affinity = self._trainer_cpus()
         trainer_spec = TrainerWorkerSpec.from_settings(s, transport=s.queue.rollout_data_transport,
                                                        store=self.store_options, threads=threads,
@@ -435,6 +439,28 @@ class TrainingRun:
                 if index < len(self.workers):
                     self.log.say(f"rollout worker {index} generating on node {event.node_id[:12]}")
 
+    def _engine_health(self) -> dict[str, Any]:
+        """For the step's record and progress line: engines serving, the engine faults since the last step
+        (quarantines, restarts, drops) and the generate requests that engines failed meanwhile (each
+        sent its group back to the queue; no attempt of the prompt was spent)."""
+        import ray
+
+        health: dict[str, Any] = {}
+        if self.engine_manager is not None:
+            serving, total = self.engine_manager.serving_counts()
+            health.update(engines_serving=serving, engines_total=total,
+                          engine_faults=self.engine_manager.take_notes())
+        try:
+            stats = ray.get([worker.get_stats.remote() for worker in self.workers], timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):  # a dead worker: _check_workers deals with it
+            return health
+        errors = sum(s.engine_errors for s in stats)
+        health["rollout_engine_errors"] = max(0, errors - self.engine_errors_seen)  # a new worker counts from 0
+        if health["rollout_engine_errors"] > 0:
+            health["rollout_last_engine_error"] = next((s.last_engine_error for s in stats if s.last_engine_error), "")
+        self.engine_errors_seen = errors
+        return health
+
     def _check_queue_identity(self) -> None:
         """An existing queue keeps the identity it was created with (straw refuses to recover it
         otherwise): say which flag differs instead."""
@@ -604,13 +630,18 @@ class TrainingRun:
         """Accepted groups trained in this lineage (the cursor minus those skipped as stale)."""
         return self.cursor - len(self.skipped)
 
-    def _wait_for_groups(self, count: int):
+    def _wait_for_groups(self, count: int, step: int):
         import ray
 
         last_accepted, last_progress = None, time.monotonic()
         while True:
             _raise_if_interrupted()
             self._poll_engines()  # engine membership and health (docs/elastic.md); never blocks long
+            if faults.held("driver.before_step", step):  # a test keeps the run open until its event happened
+                self._check_workers()
+                last_progress = time.monotonic()
+                time.sleep(POLL_SECONDS)
+                continue
             taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained))
             if taken.groups:
                 return taken
@@ -648,7 +679,8 @@ class TrainingRun:
 
             self.weight_sync = WeightSync(self.trainer, self.engines, self.s.weights)
         flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
-        report = self.weight_sync.sync(version, flush=flush)
+        with self.engine_manager.updating() if self.engine_manager else contextlib.nullcontext():
+            report = self.weight_sync.sync(version, flush=flush)
         self.log.write({"kind": "weight_sync", **report})
         # --
         self.version = version
@@ -669,7 +701,7 @@ class TrainingRun:
         for rollout_id in range(start_step, s.train.num_rollout):
             _raise_if_interrupted()
             try:
-                taken = self._wait_for_groups(batch)
+                taken = self._wait_for_groups(batch, rollout_id + 1)
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
@@ -705,7 +737,8 @@ class TrainingRun:
                       "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
                       "queue_leased": stats.leased, "queue_filtered": stats.rejected, "step_seconds": step_seconds,
                       "queue_reclaimed_bytes": stats.reclaimed_bytes,
-                      "groups_regenerated": len(taken.skipped)}
+                      "groups_regenerated": len(taken.skipped), "queue_failed": stats.failed,
+                      **self._engine_health()}
             self.log.write(record)
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
@@ -819,34 +852,62 @@ class TrainingRun:
         """Stop every process this run started, whatever state it is in."""
         import contextlib
 
-        from vime.runtime.process import kill_processes_with_token
+        from vime.runtime.process import sweep_run_processes
 
-        for step in (self._stop_rollout_workers, self._kill_unlaunched_worker,
-                     lambda: self.engine_manager and self.engine_manager.stop(),
-                     *(model.stop for model in self.frozen_models),
-                     lambda: self.router and self.router.stop(),
-                     lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30),
-                     self._remove_encoder_cache):
-            with contextlib.suppress(Exception):
-                step()
+        _TEARING_DOWN.set()  # from now on a Ctrl-C hurries the clean-up instead of cutting it short
+        try:
+            for step in (self._stop_rollout_workers, self._kill_unlaunched_worker,
+                         lambda: self.engine_manager and self.engine_manager.stop(),
+                         *(model.stop for model in self.frozen_models),
+                         lambda: self.router and self.router.stop(),
+                         lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(),
+                                                                           timeout=30),
+                         self._remove_encoder_cache):
+                if _HURRIED.is_set():
+                    break
+                with contextlib.suppress(Exception):
+                    step()
+        except _StopNow:
+            self.log.say("interrupted again: stopping every process of the run at once")
+        _HURRIED.set()  # from here on a Ctrl-C is only noted: nothing may cut the rest short
         if self.ray_started:
             import ray
 
+            # Always, and before the sweep: a driver still connected when its raylet is killed is ended by
+            # Ray itself (exit status 1), before it could say what it stopped.
             with contextlib.suppress(Exception):
                 ray.shutdown()
-        kill_processes_with_token(self.token, exclude_pids=[os.getpid()])
+        # Whatever the orderly steps left (or skipped), by the run token: vLLM's EngineCore and Worker too.
+        self.leftover = sweep_run_processes(self.token, exclude_pids=[os.getpid()])
+        if self.leftover:
+            self.log.say("these processes of the run could not be stopped: " + "; ".join(self.leftover))
         self.log.close()
+        _TEARING_DOWN.clear()
+        _HURRIED.clear()
 
 
 _INTERRUPTED = threading.Event()
+_TEARING_DOWN = threading.Event()
+_HURRIED = threading.Event()
+
+
+class _StopNow(BaseException):
+    """A Ctrl-C during the teardown: skip the orderly steps left and sweep the run's processes at once."""
 
 
 def _on_sigterm(signum, frame):
     # Raised here, and remembered: a KeyboardInterrupt raised while the interpreter runs a
     # finalizer (a Ray ObjectRef's __del__, say) is swallowed by Python ("Exception ignored"),
-    # so the training loop also checks the flag and stops at its next iteration.
+    # so the training loop also checks the flag and stops at its next iteration. During the
+    # teardown a KeyboardInterrupt would skip the rest of the clean-up, the final sweep included (the
+    # engines' EngineCore/Worker processes would outlive the run): the first Ctrl-C there skips to
+    # the sweep instead (_StopNow), later ones are only noted.
     _INTERRUPTED.set()
-    raise KeyboardInterrupt
+    if not _TEARING_DOWN.is_set():
+        raise KeyboardInterrupt
+    if not _HURRIED.is_set():
+        _HURRIED.set()
+        raise _StopNow
 
 
 def _raise_if_interrupted() -> None:
@@ -864,10 +925,14 @@ def main(argv: list[str] | None = None) -> int:
     _INTERRUPTED.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigterm)  # Ctrl-C: the same orderly stop, whatever an import installed
+    run = TrainingRun(settings)
     try:
-        return TrainingRun(settings).run()
+        return run.run()
     except KeyboardInterrupt:
-        print("vime train: interrupted; every process started by this run was stopped", file=sys.stderr)
+        # Said only after the teardown's sweep found no process of the run alive (sweep_run_processes).
+        stopped = ("every process started by this run was stopped" if not getattr(run, "leftover", None)
+                   else f"{len(run.leftover)} process(es) of this run could not be stopped: {'; '.join(run.leftover)}")
+        print(f"vime train: interrupted; {stopped}", file=sys.stderr)
         return 130
     except Exception as error:
         original = _unwrap(error)

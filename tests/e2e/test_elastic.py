@@ -7,7 +7,10 @@
   then the run's own engine is SIGKILLed and restarted; the run completes and ``vime queue inspect
   --json`` shows every prompt trained exactly once (no group lost, none failed).
 
-Both runs slow the trainer (VIME_FAULT_DELAYS, 1.5-2 s a step, idle) so that the events happen mid-run.
+Both runs slow the trainer (VIME_FAULT_DELAYS, 1.5 s a step, idle) so that the events happen mid-run;
+the node-join run is also held open before its second step (VIME_FAULT_HOLDS) until the node's rollout
+worker generates, however long the node's engine takes to start (VIME_TEST_NODE_ENGINE_DELAY adds an
+artificial delay to that start, e.g. 120 s, to prove it).
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vim
 from vime.runtime.process import kill_processes_with_token
 
 pytestmark = pytest.mark.e2e
-# Prompts (4 per step; a step >= 2 s / 1.5 s): enough steps for each test's events to happen mid-run
-# (the node's engine takes 25-45 s to start on a loaded 2-core machine).
+# Prompts (4 per step; a step >= 1.5 s): enough steps for each test's events to happen mid-run. The node-join
+# run does not depend on it for the node's start (it is held open until then), only for the new worker's
+# share of the groups after it: ~110 prompts are left then.
 NODE_PROMPTS, FAULT_PROMPTS = 128, 64
+# Seconds added to the start of the node's engine (0 in CI): the test must pass with 120.
+NODE_ENGINE_DELAY = float(os.environ.get("VIME_TEST_NODE_ENGINE_DELAY", "0"))
 FAST_HEALTH = ("--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3")
 
 
@@ -77,11 +83,13 @@ class Run:
         assert condition, message + "\n--- run output ---\n" + self.output[-6000:]
 
     def kill(self, run_dir: str) -> None:
+        """A test that failed mid-run stops what the run left (a run that ended by itself is not swept: the
+        test checks that it left nothing)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
-        if os.path.exists(os.path.join(run_dir, "run.json")):
-            kill_processes_with_token(run_token(run_dir))
+            if os.path.exists(os.path.join(run_dir, "run.json")):
+                kill_processes_with_token(run_token(run_dir))
 
 
 def vime(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -135,9 +143,10 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
 
     run_dir = str(tmp_path / "run")
     # The run's actors are started by this cluster's raylets: they inherit this process's environment. The
-    # trainer is slow (so that the node joins and leaves mid-run) until the run has seen the node leave.
-    delays_off = tmp_path / "delays_off"
-    monkeypatch.setenv("VIME_FAULT_DELAYS", "trainer.mid_step=2")
+    # trainer is slow (so that the node leaves mid-run) until the run has seen the node leave; the node's
+    # engine (engine-1) starts NODE_ENGINE_DELAY seconds late.
+    delays_off, release = tmp_path / "delays_off", tmp_path / "release"
+    monkeypatch.setenv("VIME_FAULT_DELAYS", f"trainer.mid_step=1.5,engine.join.1={NODE_ENGINE_DELAY:g}")
     monkeypatch.setenv("VIME_FAULT_DELAYS_OFF", str(delays_off))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                             "node_ip_address": "127.0.0.1"})
@@ -145,21 +154,28 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
                      "--ray-address", cluster.address, *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, NODE_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5"})
+    # The driver holds before step 2 (polling engines and nodes meanwhile) until the node's worker generates:
+    # the run cannot run out of prompts before the event under test, however slow the node's engine is.
+    run = Run(args, {"VIME_FAULT_HOLDS": "driver.before_step=2", "VIME_FAULT_RELEASE": str(release)})
     node = None
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         node = cluster.add_node(num_cpus=1, resources={"vime_rollout": 1}, node_ip_address="127.0.0.1")
-        run.wait_for(lambda line: "generating on node" in line, 400, "a rollout worker on the new node")
-        deadline = time.monotonic() + 120  # the new worker's groups reach the queue
+        run.wait_for(lambda line: "generating on node" in line, 600 + NODE_ENGINE_DELAY,
+                     "a rollout worker on the new node")
+        run.check(not any(line.startswith("step    2/") for line in run.lines), "the hold before step 2 failed")
+        release.touch()
+        deadline = time.monotonic() + 240  # the new worker's groups reach the queue
         while accepted_by_worker(run_dir).get("rollout-1", 0) < 2:
-            run.check(time.monotonic() < deadline, str(accepted_by_worker(run_dir)))
+            run.check(time.monotonic() < deadline and run.proc.poll() is None, str(accepted_by_worker(run_dir)))
             time.sleep(1)
         listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
         assert [e["origin"] for e in listing["engines"]] == ["start", "node"], listing
+        release.unlink()  # held again at the next step, so that the run sees the node leave before it ends
         cluster.remove_node(node)  # the node leaves: its engine and worker with it; the run goes on
         node = None
         run.wait_for(lambda line: "rollout worker 1 left with its node" in line, 400, "the worker's departure")
+        release.touch()
         delays_off.touch()  # the rest of the epoch trains at full speed
         run.check(run.finish(timeout=400) == 0, "the run failed")
     finally:
@@ -172,7 +188,8 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
     assert any(line.startswith("[vime] engine-1") and "dropped" in line and "its node left the cluster" in line
                for line in out.splitlines()), out[-4000:]
     joined = [e for e in metrics(run_dir, "engine") if e["event"] == "serving" and e["origin"] == "node"]
-    assert len(joined) == 1 and joined[0]["weight_version"] == joined[0]["current_version"] >= 2, joined
+    # It joined while the run was held before step 2: at version 1, the current one then (not the initial 0).
+    assert len(joined) == 1 and joined[0]["weight_version"] == joined[0]["current_version"] >= 1, joined
     # Both workers' groups were accepted, and every accepted group was trained (one epoch, none lost).
     by_worker = accepted_by_worker(run_dir)
     assert by_worker.get("rollout-0", 0) > 0 and by_worker.get("rollout-1", 0) > 0, by_worker
@@ -189,8 +206,12 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
                      *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, FAULT_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    delays_off = tmp_path / "delays_off"  # the trainer is slow until its engine has been killed and restarted
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5", "VIME_FAULT_DELAYS_OFF": str(delays_off)})
+    # The trainer is slow until its engine has been killed and restarted; the driver holds before step 2 while
+    # the engine is added (released then, for the added engine to get rollout requests) and again, from the
+    # next step on, while it is removed and the run's own engine is killed and restarted.
+    delays_off, release = tmp_path / "delays_off", tmp_path / "release"
+    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5", "VIME_FAULT_DELAYS_OFF": str(delays_off),
+                     "VIME_FAULT_HOLDS": "driver.before_step=2", "VIME_FAULT_RELEASE": str(release)})
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         before = served_requests(external)
@@ -199,10 +220,12 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
         listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
         engine = next(e for e in listing["engines"] if e["url"] == external)
         assert engine["state"] == "serving" and engine["origin"] == "added" and not engine["owned"]
-        deadline = time.monotonic() + 120
+        release.touch()
+        deadline = time.monotonic() + 240
         while served_requests(external) < before + 4:  # the router sends it rollout requests
-            run.check(time.monotonic() < deadline, "the added engine served no request")
+            run.check(time.monotonic() < deadline and run.proc.poll() is None, "the added engine served no request")
             time.sleep(0.5)
+        release.unlink()
 
         removed = vime("engines", "remove", "--run", run_dir, external, "--timeout", "120")
         run.check(removed.returncode == 0 and "returned to the queue as continuations" in removed.stdout,
@@ -216,6 +239,7 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
         run.check(run.proc.poll() is None, "the run ended before the kill")
         engine_server(token, port).send_signal(signal.SIGKILL)
         run.wait_for(lambda line: "engine-0 (start, restarted) serves" in line, 400, "the engine's restart")
+        release.touch()
         delays_off.touch()
         run.check(run.finish(timeout=400) == 0, "the run failed")
     finally:

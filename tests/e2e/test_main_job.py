@@ -249,3 +249,39 @@ def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case)
     assert "Traceback" not in result.stderr
     if os.path.exists(os.path.join(run_dir, "run.json")):
         assert_nothing_left(run_dir)
+
+
+def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_dir):
+    """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group (the driver and Ray's
+    processes of an in-process cluster), on a run that started its own engine — twice, the second while
+    the run is stopping, as an impatient user does (it used to cut the clean-up short, leaving vLLM's
+    EngineCore and Worker behind). The run stops within a bounded time, says every process was stopped
+    only after checking, and this test, sweeping nothing itself, finds none of the run's processes alive
+    once `vime train` has exited."""
+    run_dir = str(tmp_path / "run")
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000")
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group, as a shell's foreground job
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    2/"):
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        names = " ".join(" ".join(p.cmdline()[:1]) for p in processes_with_token(run_token(run_dir)))
+        assert "EngineCore" in names, names  # the processes a missed sweep would leave behind are there
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1.0)  # the run is stopping its rollout workers and engines now
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass  # it had stopped already
+        err, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(seen) + err
+    assert "interrupted; every process started by this run was stopped" in err, err
+    assert_nothing_left(run_dir)

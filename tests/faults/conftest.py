@@ -57,8 +57,10 @@ class Job:
                 "--rollout-queue-segment-mib", "1", "--rollout-queue-lease-seconds", "20",
                 "--num-epoch", str(epochs), *extra]
 
-    def start(self, *extra: str, faults: str = "", epochs: int = 1) -> subprocess.Popen:
-        env = dict(os.environ)
+    def start(self, *extra: str, faults: str = "", epochs: int = 1,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start the job; ``env``: more environment for it (VIME_FAULT_DELAYS, say)."""
+        env = dict(os.environ, **(env or {}))
         if faults:
             env.update(VIME_FAULTS=faults, VIME_FAULT_STATE=self.root)
         log = open(os.path.join(self.root, f"job-{time.time_ns()}.log"), "w")
@@ -66,7 +68,7 @@ class Job:
         return subprocess.Popen(self.args(*extra, epochs=epochs), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
-    def run(self, *extra: str, faults: str = "", timeout: float = 240, epochs: int = 1) -> tuple[int, str]:
+    def run(self, *extra: str, faults: str = "", timeout: float = 600, epochs: int = 1) -> tuple[int, str]:
         proc = self.start(*extra, faults=faults, epochs=epochs)
         try:
             proc.wait(timeout=timeout)

@@ -29,6 +29,7 @@ class Recorder:
 
     def __init__(self, url: str):
         self.url, self.label, self.loaded, self.broken = url, "default", [], False
+        self.black_hole, self.probes = False, []
 
     def _call(self):
         if self.broken:
@@ -53,6 +54,14 @@ class Recorder:
     def update_weight_version(self, version):
         self._call()
         self.label = str(version)
+
+    def probe(self, expect_version=None):
+        """The generation probe: fails as the engine does (``broken``) or while ``black_hole`` (a server
+        whose /health is fine but whose generate route fails)."""
+        self._call()
+        if self.black_hole:
+            raise EngineError(self.url, "generation probe: POST /inference/v1/generate answered 403")
+        self.probes.append(expect_version)
 
     def weight_version(self):
         self._call()
@@ -81,8 +90,11 @@ class RecordingEngine(EngineActor):
     def url(self):
         return self.client.url if self.client else self.spec.external_url
 
-    def break_(self):
-        self.client.broken = True
+    def break_(self, broken=True):
+        self.client.broken = broken
+
+    def black_hole(self, on=True):
+        self.client.black_hole = on
 
     def labels(self):
         return self.client.label, len(self.client.loaded)
@@ -158,15 +170,31 @@ def make_manager(tmp_path, model: str, budget: int, lines: list[str]) -> EngineM
                          register_with_router=False, actor_class=RecordingEngine)
 
 
-def settle(manager: EngineManager, version: int, rounds: int = 200):
+def settle(manager: EngineManager, version: int, timeout: float = 120.0):
+    """Poll until every member has settled; the deadline fits new Ray actors on a loaded machine."""
     import time
 
-    for _ in range(rounds):
+    deadline = time.monotonic() + timeout
+    while True:
         manager.poll(version)
         if all(m.state in ("serving", "lost", "removed") for m in manager.members):
             return
+        if time.monotonic() > deadline:
+            raise AssertionError([(m.name, m.state) for m in manager.members])
         time.sleep(0.05)
-    raise AssertionError([(m.name, m.state) for m in manager.members])
+
+
+def wait_for(manager: EngineManager, version: int, condition, timeout: float = 120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        manager.poll(version)
+        if condition():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError([(m.name, m.state, m.last_error) for m in manager.members])
+        time.sleep(0.05)
 
 
 def test_failed_engines_restart_at_the_current_version_then_the_run_stops_with_a_reason(tmp_path, ray_session):
@@ -229,27 +257,45 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
     assert ray.get(manager.registry.request.remote(add))["state"] == "done"
     assert "already engine-1" in ray.get(manager.registry.request.remote(again))["message"]
 
-    # An external engine that fails is dropped, never restarted.
+    # An external engine that fails is quarantined, never restarted: out of the router and of weight
+    # updates, probed with back-off; when a probe passes it loads the current version and serves again.
     ray.get(added.actor.break_.remote())
     manager.group.update_weights(publish(root, model, 3), 3, flush=True)
-    settle(manager, 3)
-    assert added.state == "lost" and added.restarts == 0
+    assert added.state == "quarantined" and manager.group.urls == [manager.members[0].url]
+    assert any("quarantined" in line for line in lines) and manager.serving_counts() == (1, 2)
+    manager.members[1].next_probe = 0.0
+    wait_for(manager, 3, lambda: added.pending is None and added.probe_backoff > 1.0)  # a probe failed: backs off
+    assert added.state == "quarantined" and "probe failed" in added.last_error
+    ray.get(added.actor.break_.remote(False))
+    added.next_probe = 0.0
+    wait_for(manager, 3, lambda: added.state == "serving")
+    assert added.restarts == 0 and added.version == 3 and ray.get(added.actor.labels.remote())[0] == "3"
+    assert manager.take_notes() == ["engine-1 quarantined: a call failed: engine http://10.0.0.9:8000: "
+                                    "connection refused", "engine-1 back from quarantine"]
+    # A black hole (/health fine, generation refused) fails the probe that ends every weight update.
+    ray.get(added.actor.black_hole.remote())
+    manager.group.update_weights(publish(root, model, 4), 4, flush=True)
+    assert added.state == "quarantined" and "answered 403" in added.last_error
+    quarantined = ray.get(manager.registry.submit.remote("remove", "engine-1"))  # a quarantined one is removed
+    manager._last["requests"] = 0.0
+    settle(manager, 4)
+    assert ray.get(manager.registry.request.remote(quarantined))["state"] == "done" and added.state == "removed"
 
     only = ray.get(manager.registry.submit.remote("remove", "engine-0"))
     manager._last["requests"] = 0.0
-    settle(manager, 3)
+    settle(manager, 4)
     assert "only serving engine" in ray.get(manager.registry.request.remote(only))["message"]
 
     add = ray.get(manager.registry.submit.remote("add", "http://10.0.0.7:8000"))
     manager._last["requests"] = 0.0
-    settle(manager, 3)
+    settle(manager, 4)
     remove = ray.get(manager.registry.submit.remote("remove", "10.0.0.7:8000"))
     manager._last["requests"] = 0.0
-    settle(manager, 3)
+    settle(manager, 4)
     done = ray.get(manager.registry.request.remote(remove))
     assert done["state"] == "done" and "3 request(s) in flight returned to the queue as continuations" in \
         done["message"] and "keeps running" in done["message"]
-    assert [m.state for m in manager.members] == ["serving", "lost", "removed"]
+    assert [m.state for m in manager.members] == ["serving", "removed", "removed"]
     assert manager.group.urls == [manager.members[0].url]
     assert os.path.isdir(root)
     manager.stop()
@@ -281,10 +327,14 @@ def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_refo
     manager.group.pause("keep")  # a failed call: out of the group, restarted
     manager.start_owned(1)
     second = manager.members[1]
-    for _ in range(200):
+    import time
+
+    deadline = time.monotonic() + 120  # both start new Ray actors: seconds on a loaded machine
+    while time.monotonic() < deadline:
         manager.poll(1)
-        if first.state == "syncing":
+        if (first.state, second.state) == ("syncing", "syncing"):
             break
+        time.sleep(0.05)
     assert (first.state, second.state) == ("syncing", "syncing"), lines
     assert first.version == 0 and second.version == 0 and sorted(manager.group.versions) == [0, 0]
 

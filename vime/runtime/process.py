@@ -204,19 +204,58 @@ def kill_processes_with_token(token: str, exclude_pids: Iterable[int] = ()) -> l
     """
     if not token:
         raise ValueError("token must be a non-empty string")
-    excluded = {os.getpid(), *exclude_pids}
     victims: list[psutil.Process] = []
-    for proc in psutil.process_iter():
-        if proc.pid in excluded:
-            continue
+    for proc in _with_token(token, {os.getpid(), *exclude_pids}):
         try:
-            if proc.environ().get(RUN_TOKEN_ENV) == token:
-                proc.kill()
-                victims.append(proc)
+            proc.kill()
+            victims.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue  # gone already, or not ours to read
+            continue  # gone already, or not ours to kill
     _wait_gone(victims, timeout=5)
     return [p.pid for p in victims]
+
+
+def sweep_run_processes(token: str, exclude_pids: Iterable[int] = (), *, settle: float = 1.0,
+                        timeout: float = 30.0) -> list[str]:
+    """Kill every process carrying the run token until sweeps find none for ``settle`` seconds.
+
+    One sweep is not enough: a process killed while it was spawning a child (vLLM's EngineCore starting
+    its Worker) leaves that child to appear after the sweep. Returns "pid (command)" for each process of
+    the run still alive after ``timeout`` seconds (empty: none is left), so that a caller says that
+    every process was stopped only when it is true."""
+    excluded = {os.getpid(), *exclude_pids}
+    deadline = time.monotonic() + timeout
+    quiet_since: float | None = None
+    while True:
+        killed = kill_processes_with_token(token, exclude_pids=excluded)
+        now = time.monotonic()
+        if killed:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= settle:
+            return []
+        if now >= deadline:
+            return [_describe(p) for p in _with_token(token, excluded) if _running(p)]
+        time.sleep(0.2)
+
+
+def _with_token(token: str, excluded: set[int]) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid not in excluded and proc.environ().get(RUN_TOKEN_ENV) == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} ({' '.join(proc.cmdline()[:3]) or proc.name()})"
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return str(proc.pid)
 
 
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
