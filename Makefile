@@ -22,10 +22,8 @@ setup: $(STAMP)
 demo: setup
 	$(PY) examples/digit_shift/run_demo.py
 
-# Two workers: the end-to-end tests (one shared vLLM engine) run one after another on one of them, the fault
-# tests likewise, everything else beside them (tests/conftest.py); most of a test's wall time is waiting.
 test: setup
-	$(PY) -m pytest -q --durations=30 -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not e2e"

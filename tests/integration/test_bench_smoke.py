@@ -34,6 +34,8 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
     pytest.param("calibrate_digit_shift.py", '"summary": true', 1, id="calibrate"),
     pytest.param("async/run.py", "== bench/async --smoke: the command lines of 4 modes checked", 1, id="async"),
     pytest.param("elastic/run.py", "== bench/elastic --smoke: the job's command line checked", 1, id="elastic"),
+    pytest.param("engine_faults/run.py", "== bench/engine_faults --smoke: the job's command line checked", 1,
+                 id="engine_faults"),
 ])
 def test_bench_smoke_without_engine(script, result_line, count):
     out = run_smoke(script, timeout=240)
