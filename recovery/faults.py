@@ -36,31 +36,25 @@ from collections import Counter
 _hits: Counter[str] = Counter()
 
 
+def _spec(variable: str, separator: str, value_type: type, default: str) -> dict:
+    """``name<separator>value,...`` from the environment variable (a value left out is ``default``)."""
+    spec = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(variable, "").split(","))):
+        name, _, value = item.partition(separator)
+        spec[name] = value_type(value or default)
+    return spec
+
+
 def _armed() -> dict[str, int]:
-    spec = os.environ.get("VIME_FAULTS", "")
-    armed = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, nth = item.partition("@")
-        armed[name] = int(nth or 1)
-    return armed
+    return _spec("VIME_FAULTS", "@", int, "1")
 
 
 def _delays() -> dict[str, float]:
-    spec = os.environ.get("VIME_FAULT_DELAYS", "")
-    delays = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, seconds = item.partition("=")
-        delays[name] = float(seconds)
-    return delays
+    return _spec("VIME_FAULT_DELAYS", "=", float, "0")
 
 
 def _holds() -> dict[str, int]:
-    spec = os.environ.get("VIME_FAULT_HOLDS", "")
-    holds = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, position = item.partition("=")
-        holds[name] = int(position or 1)
-    return holds
+    return _spec("VIME_FAULT_HOLDS", "=", int, "1")
 
 
 def held(name: str, position: int) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -755,7 +756,7 @@ _NOT_ON_THE_LINE = ("failed its health checks: ", "a call failed: ", "generation
 
 def _short(reason: str, limit: int = 110) -> str:
     """A reason shortened to fit the progress line: 'generate answered 403; the server refuses ...'."""
-    reason = " ".join(reason.split())
+    reason = re.sub(r"\bengine https?://\S+: ", "", " ".join(reason.split()))  # the engine is named already
     for words in _NOT_ON_THE_LINE:
         reason = reason.replace(words, "")
     return reason if len(reason) <= limit else reason[:limit - 3] + "..."

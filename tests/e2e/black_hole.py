@@ -25,11 +25,13 @@ SCALE_OUT_403 = b'{"error":{"message":"Scale-out endpoints are disabled. Restart
 
 class BlackHoleProxy:
     """A loopback reverse proxy in front of one real engine. ``broken``: generate requests get 403, every
-    other call is still forwarded. Counts the rollout generate requests (not vime's probes) it received."""
+    other call is still forwarded; ``refuse_rollouts``: only the rollouts' generate requests get 403, vime's
+    probes pass (an engine whose failures the probes do not see, so that a test can watch rollout requests
+    fail for as long as it wants). Counts the rollout generate requests (not the probes) it received."""
 
     def __init__(self, target: str):
         proxy = self
-        self.target, self.broken = target, False
+        self.target, self.broken, self.refuse_rollouts = target, False, False
         self.rollout_requests: list[tuple[float, int]] = []  # (time, status answered)
 
         class Handler(BaseHTTPRequestHandler):
@@ -42,7 +44,7 @@ class BlackHoleProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path.startswith("/inference/v1/generate"):
                     probe = json.loads(body or b"{}").get("token_ids") == list(PROBE_TOKEN_IDS)
-                    if proxy.broken:
+                    if proxy.broken or (proxy.refuse_rollouts and not probe):
                         if not probe:
                             proxy.rollout_requests.append((time.monotonic(), 403))
                         return self._answer(403, SCALE_OUT_403)

