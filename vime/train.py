@@ -40,6 +40,10 @@ from vime.recovery import checkpoint as ckpt
 from vime.recovery import faults
 
 POLL_SECONDS = 0.05
+# A rollout worker's process imports vime, torch and transformers and loads the tokenizer before it opens
+# its queue: seconds on an idle machine, over a minute on a loaded one (a node's worker was given up after
+# 60 s while the machine ran another job).
+WORKER_START_SECONDS = 300.0
 MAX_WORKER_RESTARTS = 5
 
 
@@ -565,14 +569,14 @@ class TrainingRun:
 
     def _launch_worker(self, index: int, node_id: str | None = None, worker=None) -> None:
         """Start rollout worker ``index`` (anywhere, or on ``node_id``: a node that joined; a
-        worker that cannot start there within a minute is given up, its node's engines stay).
+        worker that cannot start there within WORKER_START_SECONDS is given up, its node's engines stay).
         ``worker``: its actor, already created by :meth:`_create_worker`."""
         import ray
 
         if worker is None:
             worker = self._create_worker(index, node_id)
         try:
-            identity = ray.get(worker.open_queue.remote(), timeout=300 if node_id is None else 60)
+            identity = ray.get(worker.open_queue.remote(), timeout=WORKER_START_SECONDS)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as error:
             if node_id is None:
                 raise

@@ -212,8 +212,15 @@ def main() -> int:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
             second.start()
             second.wait_healthy(timeout=600)
+        # --smoke without --second-engine adds the job's own server a second time (under its other name): a
+        # version published while that "second" engine joins would change what the first one serves under
+        # it, so the job is held before its next step (recovery/faults.py) until the add is done.
+        release = os.path.join(out, "release")
+        shared = smoke and not options.second_engine
+        env = {**os.environ, "VIME_FAULT_HOLDS": f"driver.before_step={warmup_steps + 1}",
+               "VIME_FAULT_RELEASE": release} if shared else None
         job = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+                               stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         wait_for_step(run_dir, warmup_steps, job)
         listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
         first = listing["engines"][0]["url"]
@@ -227,6 +234,7 @@ def main() -> int:
         serving_seconds = time.monotonic() - added_at
         if added.returncode != 0:
             raise SystemExit(f"vime engines add failed: {added.stdout}{added.stderr}")
+        open(release, "w").close()
         while finished_requests(second_url) <= served_before:
             if time.monotonic() - added_at > 300:
                 raise SystemExit("the added engine finished no request within 300s")

@@ -23,7 +23,8 @@ the break to the quarantine, the rollout requests the black hole refused, and th
 ``--smoke`` checks that the benchmark still works, in seconds; its numbers mean nothing. Without an
 engine it checks that `vime train` accepts the job's command line; with ``--attach-engine HOST:PORT`` the
 job attaches that server (instead of starting an engine), the "second" engine is the same server under its
-other loopback name behind the proxy, and the job is the smallest (4 prompts x 2 samples a step, 4-token
+other loopback name behind the proxy (the job is held before its next step while it joins, so that no
+version is published meanwhile), and the job is the smallest (4 prompts x 2 samples a step, 4-token
 responses, 1 warm-up step, 3-second windows).
 """
 
@@ -122,6 +123,12 @@ def main() -> int:
                             vllm_args=elastic.VLLM_ARGS, cpu_cores=cores[-1:])
         target = second.url
     log_path = os.path.join(out, "job.log")
+    # --smoke adds the job's own server a second time (under its other name): a version published while
+    # that "second" engine joins would change what the first one serves under it. The job is held before
+    # its next step (recovery/faults.py) until the add is done.
+    release = os.path.join(out, "release")
+    env = {**os.environ, "VIME_FAULT_HOLDS": f"driver.before_step={warmup_steps + 1}",
+           "VIME_FAULT_RELEASE": release} if smoke else None
     try:
         if second is not None:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
@@ -129,7 +136,8 @@ def main() -> int:
             second.wait_healthy(timeout=600)
         proxy = BlackHoleProxy(engine_url(target))
         with open(log_path, "w") as log:
-            job = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            job = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=env)
         elastic.wait_for_step(run_dir, warmup_steps, job)
         print(f"job running with one engine; measuring {window:.0f}s", flush=True)
         one, _ = trained_per_second(run_dir, window, samples_per_step)
@@ -137,6 +145,7 @@ def main() -> int:
         added = elastic.vime("engines", "add", "--run", run_dir, proxy.url)
         if added.returncode != 0:
             raise SystemExit(f"vime engines add failed: {added.stdout}{added.stderr}")
+        open(release, "w").close()
         print(f"second engine added behind the proxy; measuring {window:.0f}s", flush=True)
         two, _ = trained_per_second(run_dir, window, samples_per_step)
 
