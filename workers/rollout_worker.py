@@ -289,6 +289,7 @@ class RolloutWorker:
             self.stats.last_engine_error = f"{error}"
             logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
             await self.controller.return_partial.remote(lease, assignment.task, None)
+            await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop on a full disk
         except Exception as error:  # the sample's fault (reward, hook, response): spends one of its attempts
             self.stats.errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
