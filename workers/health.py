@@ -153,11 +153,9 @@ class HealthMonitor:
                 if error is None:
                     target.healthy, target.failures, target.last_ok = True, 0, time.monotonic()
                     continue
+                target.next_check = time.monotonic() + min(self.interval, RECHECK_SECONDS)  # a failure: look again soon
                 if epoch is None or epoch != self._update_epoch or self._updates:
-                    # The check overlapped a weight update (a paused engine may time out): look again soon.
-                    target.next_check = time.monotonic() + min(self.interval, RECHECK_SECONDS)
-                    continue
-                target.next_check = time.monotonic() + min(self.interval, RECHECK_SECONDS)
+                    continue  # the check overlapped a weight update (a paused engine may time out): not counted
                 target.healthy, target.last_error = False, error
                 target.failures += 1
                 if target.failures >= self.failures:

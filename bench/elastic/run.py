@@ -55,6 +55,21 @@ EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 VLLM_ARGS = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32"}
 
 
+def set_ray_environment() -> None:
+    """What Ray needs on these machines (loopback only, no usage report, no auth tokens)."""
+    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                       ("RAY_AUTH_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+
+
+def held_job_environment(out: str, step: int) -> tuple[dict[str, str], str]:
+    """--smoke adds the job's own server a second time (under its other name): a version published while
+    that "second" engine joins would change what the first one serves under it. The job's environment that
+    holds it before ``step`` (recovery/faults.py), and the file that releases it once the add is done."""
+    release = os.path.join(out, "release")
+    return {**os.environ, "VIME_FAULT_HOLDS": f"driver.before_step={step}", "VIME_FAULT_RELEASE": release}, release
+
+
 def job_flags(run_dir: str, model: str) -> list[str]:
     return ["--hf-checkpoint", model,
             "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
@@ -179,9 +194,7 @@ def main() -> int:
     window = options.window if options.window is not None else (1.0 if smoke else 30.0)
     warmup_steps = options.warmup_steps if options.warmup_steps is not None else (1 if smoke else 3)
     settle = 0.5 if smoke else 5.0
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                       ("RAY_AUTH_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, value)
+    set_ray_environment()
 
     from vime.engines.external import engine_url
     from vime.engines.vllm_server import VllmServer
@@ -212,13 +225,8 @@ def main() -> int:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
             second.start()
             second.wait_healthy(timeout=600)
-        # --smoke without --second-engine adds the job's own server a second time (under its other name): a
-        # version published while that "second" engine joins would change what the first one serves under
-        # it, so the job is held before its next step (recovery/faults.py) until the add is done.
-        release = os.path.join(out, "release")
-        shared = smoke and not options.second_engine
-        env = {**os.environ, "VIME_FAULT_HOLDS": f"driver.before_step={warmup_steps + 1}",
-               "VIME_FAULT_RELEASE": release} if shared else None
+        env, release = held_job_environment(out, warmup_steps + 1) if smoke and not options.second_engine \
+            else (None, os.path.join(out, "release"))
         job = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         wait_for_step(run_dir, warmup_steps, job)

@@ -89,11 +89,8 @@ def main() -> int:
     smoke = options.smoke
     window = options.window if options.window is not None else (3.0 if smoke else 30.0)
     warmup_steps = options.warmup_steps if options.warmup_steps is not None else (1 if smoke else 3)
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                       ("RAY_AUTH_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
-        os.environ.setdefault(key, value)
-
     elastic = _elastic_bench()
+    elastic.set_ray_environment()
     from tests.e2e.black_hole import BlackHoleProxy
     from vime.engines.external import engine_url
     from vime.engines.vllm_server import VllmServer
@@ -123,12 +120,8 @@ def main() -> int:
                             vllm_args=elastic.VLLM_ARGS, cpu_cores=cores[-1:])
         target = second.url
     log_path = os.path.join(out, "job.log")
-    # --smoke adds the job's own server a second time (under its other name): a version published while
-    # that "second" engine joins would change what the first one serves under it. The job is held before
-    # its next step (recovery/faults.py) until the add is done.
-    release = os.path.join(out, "release")
-    env = {**os.environ, "VIME_FAULT_HOLDS": f"driver.before_step={warmup_steps + 1}",
-           "VIME_FAULT_RELEASE": release} if smoke else None
+    env, release = elastic.held_job_environment(out, warmup_steps + 1) if smoke else (None, os.path.join(out,
+                                                                                                         "release"))
     try:
         if second is not None:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
