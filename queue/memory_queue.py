@@ -15,7 +15,10 @@ import uuid
 from typing import Any
 
 from vime.queue.rollout_queue import StaleLease
-from vime.queue.tasks import LEASE_EXPIRED, AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport
+from vime.queue.tasks import (
+    INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, SAMPLE_ATTEMPTS, AcceptedGroup, Assignment, FailedTask, PromptTask,
+    RetryReport,
+)
 
 
 class IdempotencyConflict(RuntimeError):
@@ -36,14 +39,15 @@ class _Entry:
     order: int = 0
     lease: MemoryLease | None = None
     expires: float = 0.0
+    interruptions: int = 0   # expired leases: they spend no attempt (up to INTERRUPTION_ATTEMPTS)
     failures: int = 0
     state: str = "pending"
     reason: str = ""
 
 
 class MemoryRolloutQueue:
-    def __init__(self, *, lease_seconds: float, max_attempts: int = 3):
-        self.lease_seconds, self.max_attempts = lease_seconds, max_attempts
+    def __init__(self, *, lease_seconds: float, sample_attempts: int = SAMPLE_ATTEMPTS):
+        self.lease_seconds, self.sample_attempts = lease_seconds, sample_attempts
         self._entries: dict[str, _Entry] = {}
         self._order = itertools.count()
         self._accepted: list[AcceptedGroup] = []
@@ -73,13 +77,18 @@ class MemoryRolloutQueue:
         now = time.monotonic()
         for entry in self._entries.values():
             if entry.state == "leased" and entry.expires < now:
-                self._retry(entry, LEASE_EXPIRED)
+                # The worker died or hung: not the prompt's fault, so no attempt is spent.
+                entry.interruptions += 1
+                self._requeue(entry, LEASE_EXPIRED, failed=entry.interruptions >= INTERRUPTION_ATTEMPTS)
 
     def _retry(self, entry: _Entry, reason: str) -> None:
         entry.failures += 1
+        self._requeue(entry, reason, failed=entry.failures >= self.sample_attempts)
+
+    def _requeue(self, entry: _Entry, reason: str, *, failed: bool) -> None:
         entry.reason = reason
         entry.lease = None
-        entry.state = "failed" if entry.failures >= self.max_attempts else "pending"
+        entry.state = "failed" if failed else "pending"
         entry.order = next(self._order)
 
     def pending(self) -> list[PromptTask]:

@@ -8,6 +8,7 @@ completion returns the original receipt and different content for the same attem
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import os
@@ -17,8 +18,12 @@ from straw import Coordinator, RecordSetRef, SharedFilesystemStore, TaskSpec
 from straw.backend import FilesystemBackend
 from straw.errors import IdempotencyConflict, InvalidReference, LeaseExpired, StaleAttempt
 
+from vime.queue.journal_view import JournalView
 from vime.queue.records import CODECS
-from vime.queue.tasks import AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport, failure_reason, retry_id
+from vime.queue.tasks import (
+    INTERRUPTION_ATTEMPTS, SAMPLE_ATTEMPTS, AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport,
+    failure_reason, retry_id,
+)
 
 QUEUE_ID = "rollout"
 DATASET_PRODUCER = "dataset"
@@ -63,19 +68,29 @@ def open_store(data_dir: str, run_id: str, *, segment_mib: float = 64, profile: 
 
 @dataclasses.dataclass
 class StrawRolloutQueue:
+    """The queue. Attempts: straw counts every ended attempt against a task's ``max_attempts`` (a
+    failed call, an expired lease, a lease revoked by a recovery); vime spends a prompt's attempts on
+    failures of the sample only (``fail``), so tasks are submitted with straw's budget at
+    INTERRUPTION_ATTEMPTS and the queue fails a task itself at its ``sample_attempts``-th failed call.
+    The count of failed calls per task is rebuilt from the journal when the queue is recovered."""
+
     store: SharedFilesystemStore
     coordinator: Coordinator
-    max_attempts: int = 3
+    sample_attempts: int = SAMPLE_ATTEMPTS
+    sample_failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @classmethod
     def open(cls, options: StoreOptions, *, owner: str, lease_seconds: float,
-             max_attempts: int = 3) -> "StrawRolloutQueue":
+             sample_attempts: int = SAMPLE_ATTEMPTS) -> "StrawRolloutQueue":
         """Open (or recover, when a journal exists) the queue. The caller must hold the fence."""
         store = options.open()
         recover = os.path.exists(os.path.join(options.data_dir, "control", "journal.log"))
         coordinator = Coordinator(store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover,
                                   lease_seconds=lease_seconds)
-        return cls(store, coordinator, max_attempts)
+        queue = cls(store, coordinator, sample_attempts)
+        if recover:
+            queue.sample_failures = failed_calls(options.data_dir)
+        return queue
 
     def close(self) -> None:
         self.coordinator.close()
@@ -97,7 +112,7 @@ class StrawRolloutQueue:
         self.coordinator.submit_tasks(request_id, [self._spec(task)])
 
     def _spec(self, task: PromptTask) -> TaskSpec:
-        return TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=self.max_attempts,
+        return TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=INTERRUPTION_ATTEMPTS,
                         priority=task.priority, scheduling_key=task.min_version)
 
     # ----------------------------------------------------------------- failed tasks
@@ -105,10 +120,17 @@ class StrawRolloutQueue:
         """Every task that ended failed and has not been retried, in submission order (the rejected
         ones too: ``FailedTask.rejected``). A failed task whose retry exists is not listed."""
         tasks = self.coordinator.tasks
-        failed = [FailedTask(PromptTask.from_metadata(task_id, t["spec"]["metadata"]), t.get("failures", 0),
-                             failure_reason(t.get("failure")))
+        failed = [FailedTask(PromptTask.from_metadata(task_id, t["spec"]["metadata"]),
+                             self._attempts_spent(task_id, t), failure_reason(t.get("failure")))
                   for task_id, t in tasks.items() if t["state"] == "failed" and retry_id(task_id) not in tasks]
         return sorted(failed, key=lambda f: (f.task.group_index, f.task.task_id))
+
+    def _attempts_spent(self, task_id: str, task: dict) -> int:
+        """Attempts a task spent: its failed calls, or straw's count for a task submitted before vime
+        stopped counting interruptions (its journal's max_attempts is straw's default)."""
+        if task["spec"].get("max_attempts", 0) >= INTERRUPTION_ATTEMPTS:
+            return self.sample_failures.get(task_id, 0)
+        return task.get("failures", 0)
 
     def retry_failed(self) -> RetryReport:
         """Submit every failed task again, except the rejected ones, as a fresh prompt with a new
@@ -162,10 +184,15 @@ class StrawRolloutQueue:
             raise StaleLease(str(error)) from None
 
     def fail(self, lease, reason: str, request_id: str, retryable: bool = True) -> None:
+        """A failure of the sample itself: it spends one of the task's attempts, and the last one (or a
+        non-retryable failure) ends the task failed."""
+        spent = self.sample_failures[lease.task_id] + 1
+        final = not retryable or spent >= self.sample_attempts
         try:
-            self.coordinator.fail_task(lease, request_id=request_id, failure=reason[:2000], retryable=retryable)
+            self.coordinator.fail_task(lease, request_id=request_id, failure=reason[:2000], retryable=not final)
         except (StaleAttempt, LeaseExpired) as error:
             raise StaleLease(str(error)) from None
+        self.sample_failures[lease.task_id] = spent
 
     # ----------------------------------------------------------------- training consumer
     def accepted(self, cursor: int, limit: int) -> tuple[list[AcceptedGroup], int]:
@@ -201,3 +228,11 @@ class StrawRolloutQueue:
     # ----------------------------------------------------------------- inspection
     def counts(self) -> dict[str, int]:
         return dict(self.coordinator.metrics().get("tasks", {}))
+
+
+def failed_calls(data_dir: str) -> collections.Counter:
+    """Failed calls (``fail_task``) per task id, replayed from the queue's journal."""
+    counts: collections.Counter = collections.Counter()
+    for event in JournalView.read(data_dir).of_type("Failed"):
+        counts.update(event["task_ids"])
+    return counts

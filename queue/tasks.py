@@ -17,6 +17,14 @@ REJECTED_PREFIX = "rejected:"   # a failure with this reason is the dynamic filt
 RETRY_MARK = ".retry"           # g000000042 -> g000000042.retry1 -> g000000042.retry2 ...
 LEASE_EXPIRED = "lease expired (no heartbeat in time)"
 LEASE_REVOKED = "lease revoked by a controller restart"
+# A prompt's attempts are spent by failures of the sample itself only (its reward function raising,
+# a malformed response, the user's custom generate raising): SAMPLE_ATTEMPTS of them fail the task.
+# An interrupted attempt (a lease that expired because its worker died or hung, a lease revoked by a
+# controller restart) is the infrastructure's fault and returns the prompt to the queue; straw's own
+# attempt budget is set to INTERRUPTION_ATTEMPTS so that only a prompt that, say, kills its worker
+# every time it is tried ever ends failed that way.
+SAMPLE_ATTEMPTS = 3
+INTERRUPTION_ATTEMPTS = 1000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,9 @@ import sys
 from typing import Any
 
 from vime.queue.journal_view import JournalView
-from vime.queue.tasks import LEASE_EXPIRED, LEASE_REVOKED, REJECTED_PREFIX, RetryReport, retry_id
+from vime.queue.tasks import (
+    INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, LEASE_REVOKED, REJECTED_PREFIX, SAMPLE_ATTEMPTS, RetryReport, retry_id,
+)
 
 # retried: a failed task whose retry (a fresh task for the same prompt) has been submitted
 STAGES = ("fresh", "leased", "continuation", "accepted", "trained", "rejected", "failed", "retried")
@@ -43,29 +45,45 @@ class TaskState:
     """A task as the journal tells it: its stage, and how its attempts failed."""
 
     metadata: dict[str, Any]
-    max_attempts: int
+    straw_attempts: int       # straw's budget for the task (ended attempts of any kind)
     stage: str = "fresh"
     partial: bool = False     # carries a durable prefix (a continuation)
-    failures: int = 0         # failed attempts: failed calls, expired leases, leases revoked by a restart
+    failures: int = 0         # attempts spent (see task_states)
+    ended: int = 0            # ended attempts of any kind, as straw counts them against straw_attempts
     reason: str = ""          # the last failure reason ("" when every failure was a revoked lease)
+
+    @property
+    def counts_interruptions(self) -> bool:
+        """Whether interrupted attempts spend the task's attempts: only for tasks submitted before vime
+        stopped counting them (straw's default budget in the journal)."""
+        return self.straw_attempts < INTERRUPTION_ATTEMPTS
+
+    @property
+    def max_attempts(self) -> int:
+        return self.straw_attempts if self.counts_interruptions else SAMPLE_ATTEMPTS
 
 
 def task_states(view: JournalView) -> dict[str, TaskState]:
-    """The current state of every task, replayed from the journal as straw counts attempts: a
-    failed call, an expired lease and a lease revoked by a controller restart each spend one, a
-    released or yielded task none; the task ends failed when max_attempts are spent, or at once
-    for a non-retryable failure (a rejection)."""
+    """The current state of every task, replayed from the journal: a failed call (a failure of the
+    sample) spends one attempt; an expired lease or one revoked by a controller restart spends none
+    (one each for tasks a journal submitted with straw's default budget, as vime counted them then);
+    a released or yielded task none. The task ends failed when the failed call says so (vime fails
+    the last attempt, and a rejection, as non-retryable) or when straw's budget of ended attempts of
+    any kind is spent."""
     states: dict[str, TaskState] = {}
 
     def of(task_id: str) -> TaskState:  # a task the journal names before its submission: none expected
-        return states.setdefault(task_id, TaskState({}, 3))
+        return states.setdefault(task_id, TaskState({}, INTERRUPTION_ATTEMPTS))
 
-    def spend(task_id: str, reason: str | None, final: bool | None = None) -> None:
+    def end_attempt(task_id: str, reason: str | None, *, final: bool | None = None,
+                    interrupted: bool = False) -> None:
         state = of(task_id)
-        state.failures += 1
         state.reason = state.reason if reason is None else reason
+        state.ended += 1
+        if not interrupted or state.counts_interruptions:
+            state.failures += 1
         if final is None:
-            final = state.failures >= state.max_attempts
+            final = state.ended >= state.straw_attempts
         if final:
             state.stage = "rejected" if state.reason.startswith(REJECTED_PREFIX) else "failed"
         else:
@@ -88,11 +106,11 @@ def task_states(view: JournalView) -> dict[str, TaskState]:
             state.stage = "continuation" if state.partial else "fresh"
         elif kind == "Failed":
             for task_id in event["task_ids"]:
-                spend(task_id, str(event.get("failure", "")), final=event.get("response") == "failed")
+                end_attempt(task_id, str(event.get("failure", "")), final=event.get("response") == "failed")
         elif kind in ("Expired", "Epoch"):
             for task_id in event.get("task_ids") or event.get("revoked") or []:
                 if task_id in states and states[task_id].stage == "leased":
-                    spend(task_id, LEASE_EXPIRED if kind == "Expired" else None)
+                    end_attempt(task_id, LEASE_EXPIRED if kind == "Expired" else None, interrupted=True)
     for task_id, state in states.items():
         if state.stage == "failed" and retry_id(task_id) in states:
             state.stage = "retried"
@@ -211,7 +229,7 @@ class RetryRefused(RuntimeError):
 def retry_failed_stopped(data_dir: str, run_id: str, declaration: dict | None = None) -> RetryReport:
     """Retry the failed tasks of a stopped run's queue: under the queue's fence, so never beside a
     live controller. Opening the queue recovers it, as a resumed run would (leases of the dead
-    run are revoked, which spends an attempt of each, as on any restart)."""
+    run are revoked, as on any restart; that spends none of their attempts)."""
     from vime.queue.fence import QueueBusy, QueueFence
     from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 

@@ -13,7 +13,8 @@ from straw import TaskSpec
 
 from vime.data.source import DataKeys
 from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
-from vime.queue.tasks import LEASE_EXPIRED
+from vime.queue.memory_queue import MemoryRolloutQueue
+from vime.queue.tasks import INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, PromptTask
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
 from vime.tools import queue_cli
@@ -127,7 +128,9 @@ def test_retry_failed_on_a_stopped_run_requeues_once_and_the_prompt_is_accepted_
     # group is the prompt's only one (the failed task never had one).
     controller = Controller(make_spec(tmp_path, prompts))
     status = controller.queue.coordinator.task_status("g000000000.retry1")
-    assert (status["state"], status["failures"], status["spec"]["max_attempts"]) == ("pending", 0, 3)
+    assert (status["state"], status["failures"], status["spec"]["max_attempts"]) == ("pending", 0,
+                                                                                      INTERRUPTION_ATTEMPTS)
+    assert controller.queue.sample_failures["g000000000.retry1"] == 0
     item = lease_task(controller, "g000000000.retry1")
     assert (item.prompt.index, item.assignment.task.stage) == (0, "fresh")
     accept(tmp_path, controller, item)
@@ -157,9 +160,60 @@ def test_controller_retries_every_round_of_failures_and_never_the_rejected(tmp_p
     controller.shutdown()
 
 
-def test_inspect_counts_attempts_as_straw_does(tmp_path):
-    """A failed call, an expired lease and a lease revoked by a restart each spend an attempt: the
-    journal replay lists the same failed tasks, attempts and reasons as straw itself."""
+def test_interrupted_attempts_spend_nothing_and_failed_calls_are_counted_across_restarts(tmp_path):
+    """Expired leases (a dead or hung worker) and leases revoked by controller restarts return the
+    prompt to the queue without spending an attempt, however many there are; the sample's own
+    failures are counted across restarts (rebuilt from the journal) and the third ends the task
+    failed. The journal replay of `vime queue inspect` agrees with the queue."""
+    lease_seconds = 2.0
+    options = StoreOptions(str(tmp_path / "queue"), RUN_ID)
+    queue = StrawRolloutQueue.open(options, owner="first", lease_seconds=lease_seconds)
+    queue.submit([PromptTask.make(i, 0, i) for i in range(2)], {"epoch": 0, "offset": 2, "next_group_index": 2})
+
+    def lease(task_id):
+        return queue.coordinator.acquire("w", 1, task_ids=[task_id]).assignments[0].lease
+
+    lease("g000000000")
+    time.sleep(lease_seconds + 0.5)                               # expired: the worker died
+    queue.fail(lease("g000000001"), "boom 1", request_id="f1")
+    for restart in range(4):                                      # every restart revokes both leases
+        lease("g000000000")
+        lease("g000000001")
+        queue.close()
+        queue = StrawRolloutQueue.open(options, owner=f"restart-{restart}", lease_seconds=lease_seconds)
+    assert queue.failed() == []
+    statuses = {t: queue.coordinator.task_status(t)["state"] for t in ("g000000000", "g000000001")}
+    assert statuses == {"g000000000": "pending", "g000000001": "pending"}
+    assert queue.sample_failures["g000000001"] == 1               # rebuilt from the journal
+    queue.fail(lease("g000000001"), "boom 2", request_id="f2")
+    assert queue.failed() == []
+    queue.fail(lease("g000000001"), "boom 3", request_id="f3")
+    truth = [(f.task.task_id, f.failures, f.reason) for f in queue.failed()]
+    assert truth == [("g000000001", 3, "boom 3")]
+    assert queue.coordinator.task_status("g000000001")["state"] == "failed"
+    queue.close()
+    report = queue_cli.inspect(options.data_dir, None, RUN_ID)
+    assert [(t["task_id"], t["attempts"], t["max_attempts"], t["reason"]) for t in report["failed_tasks"]] == [
+        ("g000000001", 3, 3, "boom 3")]
+    assert report["counts"]["failed"] == 1 and report["counts"]["fresh"] == 1
+
+
+def test_the_in_memory_queue_spends_no_attempt_on_an_expired_lease():
+    queue = MemoryRolloutQueue(lease_seconds=0.05)
+    queue.submit([PromptTask.make(0, 0, 0)], {})
+    for _ in range(5):
+        assert len(queue.acquire("w", 1)) == 1
+        time.sleep(0.1)
+    assert queue.failed() == []
+    for attempt in range(3):
+        queue.fail(queue.acquire("w", 1)[0].lease, f"boom {attempt}", request_id=str(attempt))
+    assert [(f.task.task_id, f.failures, f.reason) for f in queue.failed()] == [("g000000000", 3, "boom 2")]
+
+
+def test_inspect_counts_attempts_of_an_older_journal_as_straw_did(tmp_path):
+    """Tasks an older vime submitted with straw's default budget (3): a failed call, an expired lease
+    and a lease revoked by a restart each spent an attempt, and the journal replay lists the same
+    failed tasks, attempts and reasons as straw itself."""
     # Long enough that no lease but the one meant to expire does (every call here writes the journal,
     # which takes a while on a loaded machine); the sleep outlasts it.
     lease_seconds = 4.0
