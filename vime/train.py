@@ -83,6 +83,7 @@ class TrainingRun:
         self.controller = None
         self.trainer = None
         self.weight_sync = None             # vime.workers.engines.WeightSync, built at the first publication
+        self.colocation = None              # vime.workers.colocation.ColocatedMemory with --colocate's offload
         self.workers: list = []
         self.first_worker = None            # rollout worker 0's actor, created early, until it is launched
         self.worker_runs: list = []
@@ -369,7 +370,7 @@ class TrainingRun:
             tensor_parallel_size=s.cluster.rollout_num_gpus_per_engine, run_token=self.token,
             log_dir=os.path.join(self.run_dir, "logs"), startup_timeout=s.run.engine_startup_timeout,
             http_timeout=s.run.http_timeout, weight_dir=s.weight_dir,
-            weight_transport=s.weights.update_weight_transport)
+            weight_transport=s.weights.update_weight_transport, sleep_mode=bool(s.rollout_sleep_level))
 
     def _make_engine_manager(self, template, launch, *, pd: bool) -> None:
         import dataclasses
@@ -691,6 +692,20 @@ class TrainingRun:
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained))
         return time.monotonic() - started
 
+    def _colocated_memory(self):
+        """The engines' and the trainer's turns with the GPUs' memory (--colocate; workers/colocation.py)."""
+        from vime.workers.colocation import ColocatedMemory, OffloadPlan
+
+        plan = OffloadPlan.from_settings(self.s)
+        if plan.active:
+            self.log.say(f"colocated memory: the engines sleep (level {plan.sleep_level}) while the trainer trains, "
+                         f"the trainer offloads while they generate" if plan.sleep_level and plan.offload_train else
+                         f"colocated memory: sleeping engines {bool(plan.sleep_level)}, offloaded trainer "
+                         f"{plan.offload_train}")
+        self.colocation = ColocatedMemory(plan, trainer=self.trainer, engines=self.engines,
+                                          health=self.engine_manager.updating if self.engine_manager else None)
+        return self.colocation
+
     def _train(self, start_step: int, version: int) -> int:
         import ray
 
@@ -702,6 +717,8 @@ class TrainingRun:
                                    maxlen=6)
         self.log.say(f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
                      f"{s.rollout.n_samples_per_prompt} sample(s)")
+        colocation = self._colocated_memory()
+        colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
         for rollout_id in range(start_step, s.train.num_rollout):
             _raise_if_interrupted()
             try:
@@ -710,6 +727,7 @@ class TrainingRun:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
             groups = taken.groups
+            colocation.before_training()
             try:
                 metrics = self.trainer.run("train_rollout", rollout_id, groups, version, timeout=None)
             except ray.exceptions.RayActorError as error:
@@ -725,6 +743,7 @@ class TrainingRun:
             sync_number += 1
             version += 1
             sync_seconds = self._publish(version, sync_number=sync_number)
+            colocation.after_weight_update()
             step = rollout_id + 1
             if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
                 self._save(step, version)

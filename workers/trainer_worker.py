@@ -58,7 +58,13 @@ class TrainerWorkerSpec:
             clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
             global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
             rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
-            threads=threads, cpu_affinity=cpu_affinity, lr_schedule=lr_schedule_from_settings(s))
+            threads=threads, cpu_affinity=cpu_affinity, lr_schedule=lr_schedule_from_settings(s),
+            bf16=s.train.bf16, engine_dtype=s.vllm.vllm_args.get("dtype"),
+            use_distributed_optimizer=s.train.use_distributed_optimizer,
+            log_probs_chunk_size=s.train.log_probs_chunk_size,
+            recompute_granularity=s.megatron.recompute_granularity,
+            use_dynamic_batch_size=s.train.use_dynamic_batch_size, max_tokens_per_gpu=s.train.max_tokens_per_gpu,
+            log_probs_max_tokens_per_gpu=s.train.log_probs_max_tokens_per_gpu, balance_data=s.train.balance_data)
         megatron = None
         if s.train.train_backend == "megatron":
             from vime.backends.megatron_backend import MegatronBackendSpec
@@ -228,6 +234,15 @@ class TrainerWorker:
         started = time.perf_counter()
         report = self.sender.send(self._named_weights(), self.nccl_metadata)
         return {**report, "seconds": time.perf_counter() - started}
+
+    # ------------------------------------------------------------------ colocated memory (--offload-train)
+    def offload_memory(self) -> None:
+        """The engines generate next: release this rank's device memory (docs/real-models.md)."""
+        self.backend.offload()
+
+    def reload_memory(self) -> None:
+        """Training comes next: take the memory :meth:`offload_memory` released back."""
+        self.backend.reload()
 
     def save_checkpoint(self, path: str) -> None:
         self.backend.save_training_state(path)

@@ -62,11 +62,13 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -
 @contextlib.contextmanager
 def attached(engine: RunningEngine) -> Iterator[list[str]]:
     """`vime train` flags that attach the shared engine (--rollout-external-engine-addrs) instead of
-    starting one (~20 s each); afterwards the engine gets its original weights and label back, as
-    the other tests expect."""
+    starting one (~20 s each); afterwards the engine is awake and gets its original weights and label
+    back, as the other tests expect."""
     try:
         yield ["--rollout-external-engine-addrs", engine.url.split("//")[1]]
     finally:
         client = engine.client()
+        if client.is_sleeping():  # a --colocate run that failed while its engines slept
+            client.wake_up()
         client.reload_weights(engine.model_dir)
         client.update_weight_version("default")

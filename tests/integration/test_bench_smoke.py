@@ -36,6 +36,7 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
     pytest.param("elastic/run.py", "== bench/elastic --smoke: the job's command line checked", 1, id="elastic"),
     pytest.param("engine_faults/run.py", "== bench/engine_faults --smoke: the job's command line checked", 1,
                  id="engine_faults"),
+    pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
 ])
 def test_bench_smoke_without_engine(script, result_line, count):
     out = run_smoke(script, timeout=240)

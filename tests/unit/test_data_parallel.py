@@ -7,7 +7,6 @@ still take part in the gradient sum. Only rank 0 writes checkpoints and weights.
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,16 +16,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
                                         "ignore::FutureWarning")
 
 from tests import megatron_shim  # noqa: E402
+from vime.runtime.ports import free_port  # noqa: E402
 
 GROUPS = 3  # x 4 samples = 3 micro-batches of 4; global batch 8: steps of 2 and 1 micro-batches
 TORCH_RUNS = {"kl_loss_entropy": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
               "ppo": {"advantage_estimator": "ppo", "kl_coef": 0.05}}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2,
@@ -150,7 +145,7 @@ def _routed_specs(moe_dir: str, parallel):
 
 def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2,
                  layouts: dict[str, dict] | None = None) -> list[dict]:
-    torch.multiprocessing.spawn(_rank, args=(_free_port(), model_dir, work, backend_name, world, layouts),
+    torch.multiprocessing.spawn(_rank, args=(free_port(), model_dir, work, backend_name, world, layouts),
                                 nprocs=world, join=True)
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 

@@ -22,6 +22,7 @@ def add_megatron_arguments(parser):
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true")
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--train-iters", dest="num_rollout", type=int)
     return parser
@@ -49,8 +50,8 @@ def megatron_lm_checkout(tmp_path, monkeypatch):
 
 
 def test_without_a_checkout_an_unknown_flag_is_refused_naming_it(model_dir):
-    with pytest.raises(ConfigError, match=r"^--use-distributed-optimizer: not a vime flag .* Megatron-LM checkout"):
-        parse_train_args(base(model_dir, "--use-distributed-optimizer"))
+    with pytest.raises(ConfigError, match=r"^--overlap-grad-reduce: not a vime flag .* Megatron-LM checkout"):
+        parse_train_args(base(model_dir, "--overlap-grad-reduce"))
     with pytest.raises(ConfigError, match="^--no-such-flag: not a vime flag"):
         parse_train_args(base(model_dir, "--no-such-flag", "3"))
     # Abbreviations of vime's flags are not taken: they could be Megatron-LM flags.
@@ -59,10 +60,13 @@ def test_without_a_checkout_an_unknown_flag_is_refused_naming_it(model_dir):
 
 
 def test_megatron_lm_flags_pass_through_to_args(model_dir, megatron_lm_checkout):
-    s = parse_train_args(base(model_dir, "--init-method-std=0.5", "--use-distributed-optimizer", "--lr", "1e-4"))
-    assert s.megatron_lm.values == {"init_method_std": 0.5, "use_distributed_optimizer": True}
+    s = parse_train_args(base(model_dir, "--init-method-std=0.5", "--overlap-grad-reduce", "--lr", "1e-4"))
+    assert s.megatron_lm.values == {"init_method_std": 0.5, "overlap_grad_reduce": True}
     assert s.megatron_lm.flags["init_method_std"] == "--init-method-std"
-    assert s.args.init_method_std == 0.5 and s.args.use_distributed_optimizer and s.train.lr == 1e-4
+    assert s.args.init_method_std == 0.5 and s.args.overlap_grad_reduce and s.train.lr == 1e-4
+    # --use-distributed-optimizer and --bf16 are vime's own flags now: parsed by vime, never passed through.
+    s = parse_train_args(base(model_dir, "--use-distributed-optimizer", "--bf16"))
+    assert s.train.use_distributed_optimizer and s.train.bf16 and not s.megatron_lm.values
     with pytest.raises(ConfigError, match="^--no-such-flag: not a vime flag .* nor one of the Megatron-LM"):
         parse_train_args(base(model_dir, "--init-method-std", "0.5", "--no-such-flag"))
     with pytest.raises(ConfigError, match="^--train-iters: Megatron-LM's flag sets 'num_rollout', which a vime flag"):

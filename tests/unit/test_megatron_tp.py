@@ -8,7 +8,6 @@ reference for every number.
 """
 
 import os
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
 from tests import megatron_shim  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
 from vime.backends.torch_backend import TorchBackend  # noqa: E402
+from vime.runtime.ports import free_port  # noqa: E402
 
 ALGORITHM = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}
 
@@ -55,11 +55,6 @@ def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_tensor_parallel_2_step_and_checkpoints_across_tp(tmp_path):
     from tests.unit.test_megatron_backend import (
@@ -74,7 +69,7 @@ def test_tensor_parallel_2_step_and_checkpoints_across_tp(tmp_path):
     assert_same_metrics(tp1.train_rollout(make_samples(0), 0), reference.train_rollout(make_samples(0), 0))
     tp1.save_training_state(str(tmp_path / "ckpt_a"))
 
-    torch.multiprocessing.spawn(_tp2_worker, args=(_free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_tp2_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
     tp2 = torch.load(tmp_path / "tp2.pt", weights_only=False)
     assert tp2["local_qkv_rows"] * 2 == tp1.gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
     assert tp2["rollouts_trained"] == 2

@@ -116,9 +116,12 @@ def _anneal(style: str, ratio: float) -> float:
     return 1.0 - math.sqrt(ratio)  # minus_sqrt
 
 
-def optimizer_steps_per_rollout(samples: int, global_batch_size: int, micro_batch_size: int) -> int:
+def optimizer_steps_per_rollout(samples: int, global_batch_size: int, micro_batch_size: int,
+                                dynamic: bool = False) -> int:
     """Optimizer steps of a full rollout, as the backends take them: one per ``global_batch_size //
-    micro_batch_size`` micro-batches (at least one)."""
+    micro_batch_size`` micro-batches (at least one); with token budgets (``dynamic``), one per global batch."""
+    if dynamic:
+        return math.ceil(samples / global_batch_size)
     micro_batches = math.ceil(samples / micro_batch_size)
     return math.ceil(micro_batches / max(1, global_batch_size // micro_batch_size))
 
@@ -151,7 +154,8 @@ def lr_schedule_from_settings(settings) -> LRSchedule:
     each role's of ``--megatron-config-path``, so that every schedule error surfaces at start-up."""
     s = settings
     steps = optimizer_steps_per_rollout(s.rollout.rollout_batch_size * s.rollout.n_samples_per_prompt,
-                                        s.global_batch_size, s.train.micro_batch_size)
+                                        s.global_batch_size, s.train.micro_batch_size,
+                                        dynamic=s.train.use_dynamic_batch_size)
     schedule = schedule_from_flags(s.train, steps)
     if s.algorithm.megatron_config_path is not None:
         roles = s.algorithm.role_config()

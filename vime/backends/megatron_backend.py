@@ -425,6 +425,10 @@ class MegatronBackend(TorchBackend):
         the others, in every pass and every optimizer step: a rank left without one would wait forever."""
         if self.expert_dp is None:
             return
+        spec = self.spec  # start-up validation refuses these too (vime.config.check_trainer_parallelism)
+        if getattr(spec, "use_dynamic_batch_size", False) or getattr(spec, "balance_data", False):
+            raise ValueError("--use-dynamic-batch-size and --balance-data cannot run with expert parallelism yet: "
+                             "its ranks need the same number of micro-batches in every step")
         size, replicas = self.spec.micro_batch_size, self.dp.size
         per_step = max(1, self.spec.global_batch_size // size)
         micro_batches = -(-len(samples) // size)
@@ -432,6 +436,10 @@ class MegatronBackend(TorchBackend):
             raise ValueError(f"--expert-model-parallel-size: {len(samples)} samples make {micro_batches} micro-batch(es) "
                              f"of --micro-batch-size {size}, in optimizer steps of {per_step}; both must be multiples "
                              f"of the {replicas} data-parallel ranks (and the rollout a whole number of steps)")
+
+    def _micro_batch_tokens(self, per_gpu: int) -> int:
+        """Context-parallel ranks each hold 1/N of every sequence: a micro-batch holds N x the per-GPU budget."""
+        return per_gpu * self.megatron.parallel.context
 
     def _before_step(self, role, step_id: int, micro_batches: int) -> None:
         """The before-train-step hook (actor steps) and the MoE auxiliary loss's averaging."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
 import random
@@ -22,8 +24,13 @@ import time
 import numpy as np
 import torch
 
+from vime.backends.activation_checkpointing import enable_full_recompute
+from vime.backends.chunked_logits import chunked_forward
 from vime.backends.data_parallel import DataParallel
+from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
+from vime.backends.precision import MasterWeights, engine_dtype, master_weights
+from vime.backends.micro_batches import BatchLayout, assign_to_ranks, dynamic_layout, fixed_layout, over_budget, regroup
 from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
 from vime.config.roles import FLAG as ROLES_FLAG
@@ -39,6 +46,8 @@ from vime.rl.opd import opd_advantages
 from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
 from vime.rl.tis import load_tis_function
 from vime.sample import Sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,6 +68,18 @@ class TorchTrainerSpec:
     cpu_affinity: list[int] | None = None   # CPU cores the trainer may use (None: any)
     # The command line's schedule (vime.backends.lr_schedule.lr_schedule_from_settings); None: constant --lr.
     lr_schedule: LRSchedule | None = None
+    bf16: bool = False                       # --bf16: bf16 model, float32 master weights (docs/real-models.md)
+    # The engines' --vllm-dtype (None or "auto": the checkpoint's torch_dtype): the dtype a --bf16 run publishes in.
+    engine_dtype: str | None = None
+    use_distributed_optimizer: bool = False  # --use-distributed-optimizer: FSDP2 over the ranks (torch backend)
+    log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: logits by chunks of N tokens (chunked_logits)
+    recompute_granularity: str | None = None  # --recompute-granularity: 'full' checkpoints every decoder layer
+    # Token budgets (vime.backends.micro_batches, docs/real-models.md): with use_dynamic_batch_size each step's
+    # samples are packed into micro-batches of at most max_tokens_per_gpu tokens (not micro_batch_size samples).
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
+    log_probs_max_tokens_per_gpu: int | None = None  # the no-gradient forwards' budget (None: max_tokens_per_gpu)
+    balance_data: bool = False  # --balance-data: data-parallel ranks get a step's micro-batches by token count
 
 
 @dataclasses.dataclass
@@ -239,8 +260,23 @@ def _replay_support(batch: PackedBatch, out: Forward) -> Forward:
     return Forward(out.log_probs - log_mass, out.entropy, on_support - log_mass.unsqueeze(-1))
 
 
+# Metrics reduced over the rollout's micro-batches (and ranks) by their maximum; the others by their mean.
+MAX_METRICS = frozenset({"train_rollout_logprob_abs_diff_max"})
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _relayout(values: list[torch.Tensor | None], source: list[PackedBatch], target: list[PackedBatch],
+              source_ids: list[list[int]], target_ids: list[list[int]]) -> list[torch.Tensor | None]:
+    """Per-micro-batch [B, T-1] values moved from the ``source`` micro-batches to the ``target`` ones (which
+    hold the same samples, grouped differently). Only the response positions carry over (0 elsewhere): the
+    loss reads nothing else."""
+    if all(v is None for v in values):
+        return [None] * len(target)
+    rows = [batch.rows(v) for batch, v in zip(source, values)]
+    return [batch.unrows(r) for batch, r in zip(target, regroup(rows, source_ids, target_ids))]
 
 
 # ---------------------------------------------------------------------- PPO's critic
@@ -282,7 +318,8 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, T]: the value of the prefix up to t
+        # The head in its own dtype (bf16 with --bf16), the values in float32: [B, T], the value of the prefix up to t.
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)
 
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
@@ -335,9 +372,10 @@ class ModelRole:
     """
 
     def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float,
-                 schedule: LRSchedule):
+                 schedule: LRSchedule, masters: MasterWeights | None = None):
         self.name, self.module, self.optimizer, self.clip_grad = name, module, optimizer, clip_grad
         self.schedule = schedule
+        self.masters = masters   # --bf16 unsharded: the float32 copies the optimizer steps (vime/backends/precision.py)
         self.lr_key = "lr" if name == "actor" else f"{name}_lr"   # its key in train_rollout's metrics
         self.device = next(module.parameters()).device
         self.awake = True
@@ -354,6 +392,8 @@ class ModelRole:
         """One optimizer step at the schedule's rate for it; returns that rate."""
         lr = self._set_lr()
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.refresh()   # the bf16 module follows its float32 masters
         self.optimizer_steps += 1
         self._set_lr()  # the next step's rate, as Megatron's scheduler leaves it: what hooks see before it
         return lr
@@ -368,7 +408,16 @@ class ModelRole:
         self._set_lr()
 
     def parameters(self):
-        return self.module.parameters()
+        """What the optimizer steps: the module's parameters, or with --bf16 their float32 masters (whose
+        gradients are summed over the ranks and clipped)."""
+        return iter(self.masters.params) if self.masters is not None else self.module.parameters()
+
+    def weights_as(self, dtype: torch.dtype | None = None):
+        """Context in which the module holds its float32 masters (cast to ``dtype``, float32 by default) for
+        saving or loading; without masters the module as it is."""
+        if self.masters is None:
+            return contextlib.nullcontext(self.module)
+        return self.masters.parameters_as(dtype or torch.float32)
 
     def sleep(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -385,6 +434,8 @@ class ModelRole:
 
     def _move(self, device: torch.device) -> None:
         self.module.to(device)  # in place: the optimizer keeps its parameter references
+        if self.masters is not None:
+            self.masters.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:  # moments; Adam's scalar step stays put
@@ -395,18 +446,23 @@ def make_role(name: str, module: torch.nn.Module, spec: "TorchTrainerSpec", role
               source: str | None) -> ModelRole:
     """A role with the command line's optimizer settings and schedule, overridden by the role's."""
     schedule = (spec.lr_schedule or LRSchedule(lr=spec.lr)).for_role(role, source)
-    return ModelRole(name, module, _optimizer(module, spec, role), role.get("clip_grad", spec.clip_grad), schedule)
+    masters = master_weights(module, spec.bf16)   # --bf16: the module becomes bf16, AdamW steps float32 masters
+    params = masters.params if masters is not None else module.parameters()
+    return ModelRole(name, module, _optimizer(params, spec, role), role.get("clip_grad", spec.clip_grad), schedule,
+                     masters=masters)
 
 
-def _optimizer(module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.optim.Optimizer:
-    """AdamW with the command line's settings, overridden by the role's (--megatron-config-path)."""
+def _optimizer(params, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with the command line's settings, overridden by the role's (--megatron-config-path)."""
     betas = (role.get("adam_beta1", spec.adam_betas[0]), role.get("adam_beta2", spec.adam_betas[1]))
-    return torch.optim.AdamW(module.parameters(), lr=role.get("lr", spec.lr), betas=betas,
+    return torch.optim.AdamW(params, lr=role.get("lr", spec.lr), betas=betas,
                              eps=role.get("adam_eps", spec.adam_eps),
                              weight_decay=role.get("weight_decay", spec.weight_decay))
 
 
 class TorchBackend:
+    sharding: Sharding | None = None   # set in __init__ (a class default: MegatronBackend skips that __init__)
+
     def __init__(self, spec: TorchTrainerSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -422,8 +478,14 @@ class TorchBackend:
         self._seed(spec.seed)
         # The trainer's ranks (TrainerWorker joins them before building the backend) are data-parallel.
         self.dp = DataParallel()
+        # --use-distributed-optimizer: FSDP2 over those ranks (vime/backends/fsdp.py); None: replicas.
+        self.sharding = Sharding(self.dp, bf16=spec.bf16) if spec.use_distributed_optimizer else None
         self.model = AutoModelForCausalLM.from_pretrained(spec.hf_checkpoint, dtype=torch.float32)
         self.model.train()
+        if spec.recompute_granularity == "full":
+            enable_full_recompute(self.model)
+        if self.sharding is not None:
+            self.sharding.shard(self.model)   # before the optimizer: it takes the sharded parameters
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         roles = algo.role_config()
@@ -440,9 +502,12 @@ class TorchBackend:
         # The reference model of the KL terms is frozen: it is never trained, saved or checkpointed.
         self.ref_model = None
         if algo.needs_reference_model:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(algo.ref_load or spec.hf_checkpoint,
-                                                                  dtype=torch.float32)
+            # With --bf16 the frozen reference is bf16 too: no masters needed, it never changes.
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                algo.ref_load or spec.hf_checkpoint, dtype=torch.bfloat16 if spec.bf16 else torch.float32)
             self.ref_model.eval().requires_grad_(False)
+            if self.sharding is not None:
+                self.sharding.shard(self.ref_model)
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
         # User TIS functions receive ``args`` like the reference framework's; here that is the algorithm's
         # flags plus the few others an importance weight may depend on.
@@ -451,6 +516,8 @@ class TorchBackend:
                                             hf_checkpoint=spec.hf_checkpoint)
         self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
                              if algo.use_score_centering else None)
+        # --bf16: weights reach the engines from the float32 masters, cast to the engines' dtype.
+        self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 
     def _build_critic(self, role: RoleOverrides, source: str | None) -> ModelRole:
         spec = self.spec
@@ -462,6 +529,10 @@ class TorchBackend:
         else:
             critic = ValueModel.from_pretrained(spec.hf_checkpoint)
         critic.train()
+        if spec.recompute_granularity == "full":
+            enable_full_recompute(critic.body)
+        if self.sharding is not None:
+            self.sharding.shard(critic)
         self.critic_save = role.save
         return make_role("critic", critic, spec, role, source)
 
@@ -471,6 +542,21 @@ class TorchBackend:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
+    # ------------------------------------------------------------------ colocated memory (--offload-train)
+    def offload(self) -> None:
+        """Release the trainer's device memory while the engines generate: the actor's parameters and
+        optimizer state move to host memory (on a CPU trainer only its gradients are freed), and so does
+        the reference model."""
+        self.actor.sleep()
+        if self.ref_model is not None and self.actor.device.type != "cpu":
+            self.ref_model.to("cpu")
+
+    def reload(self) -> None:
+        """Before training: back to the device :meth:`offload` moved from."""
+        self.actor.wake()
+        if self.ref_model is not None and self.actor.device.type != "cpu":
+            self.ref_model.to(self.actor.device)
+
     # ------------------------------------------------------------------ forward
     def _forward(self, model, batch: PackedBatch, *, entropy: str | None = None,
                  heads: bool = False) -> Forward:
@@ -479,6 +565,13 @@ class TorchBackend:
         ``entropy``: None, 'metric' (computed without a graph) or 'loss' (differentiable).
         ``heads``: also the log-probs at the sampler's top-k head ids (score centering).
         """
+        if self.spec.log_probs_chunk_size:
+            # Same results, without the micro-batch's whole [tokens x vocab] logits (vime.backends.chunked_logits).
+            inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+            chunked = chunked_forward(model, inputs, batch.targets, chunk_size=self.spec.log_probs_chunk_size,
+                                      temperature=self.spec.rollout_temperature, entropy=entropy,
+                                      head_ids=batch.head_ids if heads else None)
+            return Forward(chunked.log_probs, chunked.entropy, chunked.head_log_probs)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         if self.spec.rollout_temperature > 0:
             logits = logits / self.spec.rollout_temperature
@@ -505,6 +598,45 @@ class TorchBackend:
             raise ValueError("--mask-offpolicy-in-partial-rollout needs the policy version being trained")
         return [onpolicy_loss_mask(mask, s.weight_versions, policy_version) for mask, s in zip(masks, samples)]
 
+    # ------------------------------------------------------------------ micro-batches
+    def _batch_layout(self, samples: list[Sample]) -> BatchLayout:
+        """Which samples each micro-batch holds (vime.backends.micro_batches): --micro-batch-size samples, or
+        with --use-dynamic-batch-size each step's samples packed by the token budgets."""
+        spec = self.spec
+        if not spec.use_dynamic_batch_size:
+            return fixed_layout(len(samples), spec.micro_batch_size, spec.global_batch_size)
+        lengths = [len(s.tokens) for s in samples]
+        budget = self._micro_batch_tokens(spec.max_tokens_per_gpu)
+        forward_budget = self._micro_batch_tokens(spec.log_probs_max_tokens_per_gpu or spec.max_tokens_per_gpu)
+        longer = over_budget(lengths, budget)
+        if longer:  # trained anyway (alone in its micro-batch): the budget is a packing target, not a cut
+            logger.warning("%d sample(s) of this rollout are longer than --max-tokens-per-gpu %d (the longest: %d "
+                           "tokens); each trains in a micro-batch of its own", len(longer), spec.max_tokens_per_gpu,
+                           max(lengths[i] for i in longer))
+        return dynamic_layout(lengths, spec.global_batch_size, budget, forward_budget)
+
+    def _micro_batch_tokens(self, per_gpu: int) -> int:
+        """A micro-batch's token budget from a per-GPU one (the Megatron backend: x its context-parallel ranks,
+        which each hold a part of every sequence)."""
+        return per_gpu
+
+    def _training_batches(self, samples: list[Sample], loss_masks: list[list[int]], layout: BatchLayout,
+                          forward: list[PackedBatch], per_forward: tuple) -> tuple[list[PackedBatch], list[list]]:
+        """The training micro-batches of ``layout`` and, moved into them, the per-micro-batch [B, T-1] results of
+        the no-gradient forwards (``per_forward``: lists over ``forward``, or lists of None)."""
+        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
+                       with_heads=self.spec.algorithm.use_score_centering) for ids in layout.train]
+        moved = [_relayout(values, forward, packed, layout.forward, layout.train) for values in per_forward]
+        return packed, moved
+
+    def _my_micro_batches(self, packed: list[PackedBatch], step: range) -> list[int]:
+        """This data-parallel rank's micro-batches of one optimizer step: round-robin, or with --balance-data
+        by token count (every rank computes the same assignment; one left without any still joins the sums)."""
+        if not self.spec.balance_data or self.dp.size == 1:
+            return self.dp.share(step)
+        owners = assign_to_ranks([int(packed[i].attention_mask.sum()) for i in step], self.dp.size)
+        return [i for i, owner in zip(step, owners) if owner == self.dp.rank]
+
     # ------------------------------------------------------------------ one rollout
     def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
         """Advantages over the rollout, then one optimizer step per global batch.
@@ -519,7 +651,6 @@ class TorchBackend:
         """
         started = time.perf_counter()
         algo = self.spec.algorithm
-        size = self.spec.micro_batch_size
         if algo.use_tis or algo.use_rollout_logprobs or algo.use_score_centering:
             missing = next((s for s in samples if s.rollout_log_probs is None), None)
             if missing is not None:
@@ -528,10 +659,11 @@ class TorchBackend:
         loss_masks = self._loss_masks(samples, policy_version)
         masked_offpolicy = sum(sum(s.loss_mask or [1] * s.response_length) - sum(m)
                                for s, m in zip(samples, loss_masks))
-        micro_batches = [samples[i:i + size] for i in range(0, len(samples), size)]
-        packed = [pack(mb, self.pad_id, loss_masks[i * size:(i + 1) * size], with_heads=algo.use_score_centering,
-                       with_teacher=algo.use_opd)
-                  for i, mb in enumerate(micro_batches)]
+        layout = self._batch_layout(samples)
+        micro_batches = [[samples[i] for i in ids] for ids in layout.train]
+        # First the no-gradient forwards' micro-batches (rollout order: the advantages need it).
+        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
+                       with_heads=algo.use_score_centering, with_teacher=algo.use_opd) for ids in layout.forward]
         metrics: dict[str, list[float]] = collections.defaultdict(list)
         # SFT needs none of these: no old policy, reference or advantages.
         old, ref, advantages = [None] * len(packed), [None] * len(packed), [None] * len(packed)
@@ -544,24 +676,29 @@ class TorchBackend:
                 if algo.use_rollout_logprobs:
                     old = [b.rollout_log_probs for b in packed]
                 else:
-                    old = self.dp.fill([self._log_probs(b) if m else None for b, m in zip(packed, mine)])
+                    old = self.dp.fill(self._in_lock_step(self.model, packed, [
+                        self._log_probs(b) if m else None for b, m in zip(packed, mine)]))
                 self.model.train()
                 if self.ref_model is not None:
-                    ref = self.dp.fill([self._forward(self.ref_model, b).log_probs if m else None
-                                        for b, m in zip(packed, mine)])
+                    ref = self.dp.fill(self._in_lock_step(self.ref_model, packed, [
+                        self._forward(self.ref_model, b).log_probs if m else None for b, m in zip(packed, mine)]))
             if self.critic is not None:
                 self.actor.sleep()
                 self.critic.wake()
                 with torch.no_grad():
                     self.critic.module.eval()
-                    values = self.dp.fill([self._values(b) if m else None for b, m in zip(packed, mine)])
+                    values = self.dp.fill(self._in_lock_step(self.critic.module, packed, [
+                        self._values(b) if m else None for b, m in zip(packed, mine)]))
                     self.critic.module.train()
             advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
+        if layout.train != layout.forward:  # token budgets pack training apart from the forwards
+            packed, (old, ref, values, advantages, returns) = self._training_batches(
+                samples, loss_masks, layout, packed, (old, ref, values, advantages, returns))
 
-        per_step = max(1, self.spec.global_batch_size // size)
+        steps = layout.step_ranges()
         if self.critic is not None:
             self._optimizer_steps(
-                self.critic, packed, per_step, metrics, loss_key="value_loss", grad_key="critic_grad_norm",
+                self.critic, packed, steps, metrics, loss_key="value_loss", grad_key="critic_grad_norm",
                 micro_loss=lambda i, totals, terms: self._value_loss(packed[i], values[i], returns[i], totals,
                                                                      metrics))
             self.critic.sleep()
@@ -578,38 +715,43 @@ class TorchBackend:
                 self._logprob_metrics(packed[i], log_probs, on_policy[i], metrics)
                 return loss
 
-            self._optimizer_steps(self.actor, packed, per_step, metrics, loss_key="loss", grad_key="grad_norm",
+            self._optimizer_steps(self.actor, packed, steps, metrics, loss_key="loss", grad_key="grad_norm",
                                   micro_loss=actor_loss)
         self.rollouts_trained += 1
         metrics = self.dp.merge_metrics(metrics)
         elapsed = time.perf_counter() - started
-        result = {k: float(np.mean(v)) for k, v in metrics.items() if v}
+        result = {k: float(np.max(v) if k in MAX_METRICS else np.mean(v)) for k, v in metrics.items() if v}
         result["train_tokens"] = float(sum(len(s.tokens) for s in samples))
         result["train_seconds"] = elapsed
-        result["optimizer_steps"] = float(math.ceil(len(packed) / per_step)) if train_actor else 0.0
+        result["optimizer_steps"] = float(len(steps)) if train_actor else 0.0
+        result["train_micro_batches"] = float(len(packed))
+        result["train_max_micro_batch_tokens"] = float(max((sum(len(s.tokens) for s in mb) for mb in micro_batches),
+                                                           default=0))
         if self.critic is not None:
             result["critic_only"] = float(not train_actor)
         if algo.mask_offpolicy_in_partial_rollout:
             result["offpolicy_masked_tokens"] = float(masked_offpolicy)
         return result
 
-    def _optimizer_steps(self, role: ModelRole, packed: list[PackedBatch], per_step: int, metrics: dict, *,
-                         loss_key: str, grad_key: str, micro_loss) -> None:
-        """One optimizer step of ``role`` per ``per_step`` micro-batches; ``micro_loss(i, totals, step_terms)``
+    def _optimizer_steps(self, role: ModelRole, packed: list[PackedBatch], step_ranges: list[range], metrics: dict,
+                         *, loss_key: str, grad_key: str, micro_loss) -> None:
+        """One optimizer step of ``role`` per range of micro-batches; ``micro_loss(i, totals, step_terms)``
         returns micro-batch i's share of the step loss (micro-batch losses add up to the step's). Data-parallel
         ranks each run their share of a step's micro-batches and add up their gradients."""
-        for step_id, first in enumerate(range(0, len(packed), per_step)):
-            steps = range(first, min(first + per_step, len(packed)))
+        for step_id, steps in enumerate(step_ranges):
             totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
                       "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
             self._before_step(role, step_id, len(steps))
             role.optimizer.zero_grad(set_to_none=True)
             # Loss terms are each micro-batch's share of the step's value: they add up over the step.
             step_terms: dict[str, float] = collections.defaultdict(float)
-            for i in self.dp.share(steps):
+            for i in self._my_micro_batches(packed, steps):
                 loss = micro_loss(i, totals, step_terms)
                 loss.backward()
                 step_terms[loss_key] += float(loss.detach())
+            if self.sharding is not None:   # FSDP: every rank runs as many backwards as the busiest one
+                for _ in range(self.sharding.passes_owed(steps)):
+                    self.sharding.lockstep_backward(role.module, packed[steps[0]])
             step_terms = self.dp.sum_terms(step_terms)
             params = [p for p in role.parameters() if p.requires_grad]
             self._sum_gradients(params)
@@ -622,9 +764,18 @@ class TorchBackend:
     def _before_step(self, role: ModelRole, step_id: int, micro_batches: int) -> None:
         """Called before each optimizer step's micro-batches (the Megatron backend runs its hooks here)."""
 
+    def _in_lock_step(self, module, packed: list[PackedBatch], values: list) -> list:
+        """``values`` of a no-gradient pass over ``packed`` (this rank's computed, None elsewhere), after as
+        many dropped forwards of ``module`` as this rank owes to keep FSDP's all-gathers in lock step."""
+        if self.sharding is not None:
+            for _ in range(self.sharding.passes_owed(range(len(packed)))):
+                self.sharding.lockstep_forward(module, packed[0])
+        return values
+
     def _sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """Add up the data-parallel replicas' gradients."""
-        self.dp.sum_gradients(params)
+        """Add up the data-parallel replicas' gradients (FSDP has reduce-scattered them already)."""
+        if self.sharding is None or not self.sharding.active:
+            self.dp.sum_gradients(params)
 
     def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Clip the step's summed gradients by their global norm; returns the norm."""
@@ -791,6 +942,8 @@ class TorchBackend:
         if batch.rollout_log_probs.abs().sum() > 0:
             diff = (batch.rollout_log_probs - log_probs.detach()).abs() * mask
             metrics["train_rollout_logprob_abs_diff"].append(float(diff.sum()) / float(mask.sum().clamp(min=1)))
+            # The worst token (untrained positions are 0 in ``diff``): what bf16 costs shows here first.
+            metrics["train_rollout_logprob_abs_diff_max"].append(float(diff.max()))
             on_mask = mask * on_policy
             if on_mask.sum() > 0:
                 metrics["onpolicy_logprob_abs_diff"].append(float((diff * on_policy).sum() / on_mask.sum()))
@@ -802,27 +955,62 @@ class TorchBackend:
 
     def export_peer(self) -> None:
         """What a rank that writes nothing takes part in while rank 0 exports the weights: nothing here
-        (every data-parallel rank holds the whole model)."""
+        (every data-parallel rank holds the whole model), the gather of the shards with FSDP."""
+        if self.sharding is not None and self.sharding.active:
+            self.sharding.full_state_dict(self.model)
+
+    def _gathered(self) -> bool:
+        """Whether the weights are FSDP shards, which every rank gathers for rank 0 to write."""
+        return self.sharding is not None and self.sharding.active
 
     def save_hf(self, path: str) -> None:
+        if self._gathered():
+            self.sharding.save_pretrained(self.model, path, write=self._writes_files(), dtype=self.export_dtype)
+            if self.critic is not None and self.critic_save:
+                self._export_critic()
+            if self._writes_files():
+                self.tokenizer.save_pretrained(path)
+            return
         if not self._writes_files():
             return
-        self.model.save_pretrained(path, safe_serialization=True)
+        with self.actor.weights_as(self.export_dtype):   # --bf16: the masters, in the engines' dtype
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         if self.critic is not None and self.critic_save:
             self._export_critic()  # the final critic too, where its role's `save` says
 
     def save_weights(self, path: str) -> None:
-        """The inference weights only (what an engine reloads)."""
-        if self._writes_files():
-            self.model.save_pretrained(path, safe_serialization=True)
+        """The inference weights only (what an engine reloads). With FSDP every rank calls it or
+        :meth:`export_peer` at the same time (the gather); rank 0 writes."""
+        if self._gathered():
+            self.sharding.save_pretrained(self.model, path, write=self._writes_files(), dtype=self.export_dtype)
+        elif self._writes_files():
+            with self.actor.weights_as(self.export_dtype):   # --bf16: the masters, in the engines' dtype
+                self.model.save_pretrained(path, safe_serialization=True)
+
+    def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What the engines load over NCCL, by HF name (a tied parameter once, under its first name); with
+        --bf16 the float32 masters cast to the engines' dtype. With FSDP the gathered parameters: every rank
+        calls it or :meth:`export_peer` at once, rank 0 gets them."""
+        if self._gathered():
+            return self.sharding.named_weights(self.model, self.export_dtype)
+        if self.actor.masters is None:
+            return list(self.model.named_parameters())
+        return self.actor.masters.named_tensors(self.export_dtype)
 
     def save_training_state(self, path: str) -> None:
-        """Actor (model, optimizer), RNG, the rollout count and, with PPO, the critic (``critic/``)."""
+        """Actor (model, optimizer), RNG, the rollout count and, with PPO, the critic (``critic/``).
+        With --use-distributed-optimizer: the sharded format of vime/backends/fsdp.py, every rank writing."""
+        if self.sharding is not None:
+            self.sharding.save_checkpoint(path, self._trained_roles(), self._counters(), write=self._writes_files())
+            if self.critic is not None and self.critic_save:
+                self._export_critic()
+            return
         if not self._writes_files():
             return
         os.makedirs(path, exist_ok=True)
-        self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        with self.actor.weights_as():   # --bf16: the float32 masters, so that a resume is exact
+            self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
         torch.save({"optimizer": self.optimizer.state_dict(),
                     "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                             "torch": torch.get_rng_state()},
@@ -836,8 +1024,12 @@ class TorchBackend:
             if self.critic_save:
                 self._export_critic()
 
-    def _save_critic(self, path: str) -> None:
-        self.critic.module.save(path)
+    def _save_critic(self, path: str, gathered: dict | None = None) -> None:
+        if gathered is not None:  # FSDP: the critic's gathered weights (its optimizer is in the sharded checkpoint)
+            save_value_model(self.critic.module, gathered, path)
+            return
+        with self.critic.weights_as():   # --bf16: the float32 masters
+            self.critic.module.save(path)
         torch.save(self.critic.optimizer.state_dict(), os.path.join(path, CRITIC_OPTIMIZER_FILE))
 
     def _export_critic(self) -> None:
@@ -847,12 +1039,15 @@ class TorchBackend:
         import shutil
         import uuid
 
+        gathered = self.sharding.full_state_dict(self.critic.module) if self._gathered() else None  # every rank
+        if not self._writes_files():
+            return
         root = self.critic_save
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"iter_{self.rollouts_trained:07d}")
         staging = os.path.join(root, f".iter_{self.rollouts_trained:07d}.tmp-{uuid.uuid4().hex[:8]}")
         try:
-            self._save_critic(staging)
+            self._save_critic(staging, gathered)
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(staging, final)
@@ -863,11 +1058,27 @@ class TorchBackend:
             f.write(str(self.rollouts_trained))
         os.replace(latest + ".tmp", latest)
 
+    def _trained_roles(self) -> list[ModelRole]:
+        return [role for role in (self.actor, self.critic) if role is not None]
+
+    def _counters(self) -> dict:
+        """The rollout count and the schedules' positions (a role may step several times per rollout, or not
+        at all), as the sharded checkpoint keeps them."""
+        return {"rollouts_trained": self.rollouts_trained,
+                "optimizer_steps": {role.name: role.optimizer_steps for role in self._trained_roles()}}
+
     def load_training_state(self, path: str) -> None:
         from transformers import AutoModelForCausalLM
 
+        if self.sharding is not None:
+            saved = self.sharding.load_checkpoint(path, self._trained_roles())
+            self.rollouts_trained = int(saved["rollouts_trained"])
+            for role in self._trained_roles():
+                role.restore_steps(saved["optimizer_steps"].get(role.name))
+            return
         saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=torch.float32)
-        self.model.load_state_dict(saved.state_dict())
+        with self.actor.weights_as():   # --bf16: into the float32 masters (the bf16 copy is refreshed from them)
+            self.model.load_state_dict(saved.state_dict())
         state = torch.load(os.path.join(path, "optimizer_and_rng.pt"), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         random.setstate(state["rng"]["python"])
@@ -881,7 +1092,8 @@ class TorchBackend:
             if not is_critic_checkpoint(critic):
                 raise ValueError(f"{path} holds no critic state (it was saved by a run without "
                                  "--advantage-estimator ppo); a PPO run cannot resume from it")
-            self.critic.module.load_weights(critic)
+            with self.critic.weights_as():
+                self.critic.module.load_weights(critic)
             self.critic.optimizer.load_state_dict(
                 torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False))
             self.critic.restore_steps(steps.get("critic"))

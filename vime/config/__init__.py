@@ -72,7 +72,18 @@ class TrainSettings:
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.global_batch_size or self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        samples_per_rollout = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+        if self.train.global_batch_size:
+            return self.train.global_batch_size
+        return samples_per_rollout // (self.train.num_steps_per_rollout or 1)
+
+    @property
+    def rollout_sleep_level(self) -> int:
+        """vLLM sleep level of the engines while the trainer trains (0: they do not sleep). Level 2 frees the
+        weights too, which a full weight update replaces anyway; a delta needs the weights the engine holds."""
+        if not self.cluster.offloads_rollout:
+            return 0
+        return 1 if self.weights.update_weight_mode == "delta" else 2
 
     @property
     def max_staleness(self) -> int:
@@ -139,6 +150,7 @@ def validate(settings: TrainSettings) -> None:
     settings.megatron.validate()
     settings.router_args = router_args.resolve_router_args(settings.router_args)
     rollout, cluster = settings.rollout, settings.cluster
+    check_steps_per_rollout(settings)  # before anything reads the global batch size it derives
     require(settings.global_batch_size % rollout.n_samples_per_prompt == 0, "--global-batch-size",
             f"{settings.global_batch_size} must be a multiple of --n-samples-per-prompt {rollout.n_samples_per_prompt}")
     samples_per_rollout = rollout.rollout_batch_size * rollout.n_samples_per_prompt
@@ -146,6 +158,7 @@ def validate(settings: TrainSettings) -> None:
             f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
             f"--global-batch-size {settings.global_batch_size}")
     check_trainer_parallelism(settings)
+    check_torch_recompute(settings)
     check_local_cuda(settings)
     if settings.megatron_lm.values and settings.train.train_backend == "megatron":
         transformer_overrides(settings.megatron_lm)  # a flag setting a field vime decides fails now
@@ -160,6 +173,20 @@ def validate(settings: TrainSettings) -> None:
     require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
                  and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",
             "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'")
+
+
+def check_steps_per_rollout(settings: TrainSettings) -> None:
+    """--num-steps-per-rollout K (the reference framework's): the global batch is the rollout's samples / K."""
+    steps = settings.train.num_steps_per_rollout
+    if steps is None:
+        return
+    samples = settings.rollout.rollout_batch_size * settings.rollout.n_samples_per_prompt
+    require(samples % steps == 0, "--num-steps-per-rollout",
+            f"{steps} must divide --rollout-batch-size x --n-samples-per-prompt = {samples}")
+    explicit = settings.train.global_batch_size
+    require(explicit is None or explicit == samples // steps, "--num-steps-per-rollout",
+            f"{steps} steps of {samples // steps} samples disagree with --global-batch-size {explicit}; "
+            "give one of them")
 
 
 def check_local_cuda(settings: TrainSettings) -> None:
@@ -180,6 +207,23 @@ def check_local_cuda(settings: TrainSettings) -> None:
 
         require(cuda_available(), "--update-weight-transport",
                 "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'")
+
+
+def check_torch_recompute(settings: TrainSettings) -> None:
+    """The torch backend's activation checkpointing (vime.backends.activation_checkpointing) is HF's: every
+    decoder layer recomputed on its own, i.e. Megatron's ``full`` granularity with ``uniform`` method and one
+    layer per group. The Megatron flags that ask for anything else are refused there, not reinterpreted."""
+    m = settings.megatron
+    if settings.train.train_backend != "torch" or m.recompute_granularity is None:
+        return
+    require(m.recompute_granularity == "full", "--recompute-granularity",
+            "'selective' (Megatron recomputes the attention core only) has no counterpart on the torch backend; "
+            "use 'full' (every decoder layer) or --train-backend megatron")
+    require(m.recompute_method in (None, "uniform"), "--recompute-method",
+            f"{m.recompute_method!r}: the torch backend recomputes every decoder layer on its own (uniform, "
+            "1 layer per group)")
+    require(m.recompute_num_layers in (None, 1), "--recompute-num-layers",
+            f"{m.recompute_num_layers}: the torch backend recomputes every decoder layer on its own (1 per group)")
 
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:
@@ -218,9 +262,16 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
                 f"--pipeline-model-parallel-size {pp} must divide {where}")
         require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
                 f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist")
+    dynamic = settings.train.use_dynamic_batch_size
+    if settings.train.train_backend == "megatron" and spread:
+        # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
+        for flag, on in (("--use-dynamic-batch-size", dynamic), ("--balance-data", settings.train.balance_data)):
+            require(not on, flag, f"cannot be combined with {spread[0][0]} {spread[0][1]} yet: expert-parallel ranks "
+                                  "need the same number of micro-batches in every step (fixed --micro-batch-size)")
     replicas = ranks // (tp * pp * cp)
     per_step = settings.train.micro_batch_size * replicas
-    require(replicas == 1 or settings.global_batch_size % per_step == 0, "--global-batch-size",
+    # Token budgets pack each step's samples afresh: ranks short of a micro-batch still join the gradient sum.
+    require(replicas == 1 or dynamic or settings.global_batch_size % per_step == 0, "--global-batch-size",
             f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "
             f"x {replicas} data-parallel replica(s) = {per_step}")
 

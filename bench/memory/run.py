@@ -1,0 +1,361 @@
+"""Benchmark: the trainer's peak memory per parameter, and the largest model a training step fits (CPU).
+
+    .venv/bin/python bench/memory/run.py                 # the measurement and the search (~30 min, 2 cores)
+    .venv/bin/python bench/memory/run.py --no-search     # the measurement only (~5 min)
+    .venv/bin/python bench/memory/run.py --smoke         # seconds: a tiny model, numbers meaningless
+
+One training step (TorchBackend.train_rollout: GRPO, the old log-probs' forward, one optimizer step, in
+which AdamW allocates its state) of a random Qwen2-shaped model (32k vocabulary; 4 samples x 256 tokens), in
+fresh processes, one per trainer rank (gloo), for:
+
+  baseline  a plain HF float32 AdamW step (cross-entropy over the same batch), one process: the scale;
+  (a)       today's default: float32, a full replica of parameters, gradients and AdamW state per rank;
+  (b)       --bf16 --use-distributed-optimizer on 2 ranks (FSDP2: float32 shards, bf16 compute);
+  (c)       (b) + --recompute-granularity full + --log-probs-chunk-size 256 (and the same on 4 ranks).
+
+Memory is the rank's resident set: its peak during the step (VmHWM after /proc/self/clear_refs reset it
+once the trainer was built) minus its resident set before the model existed; "overall" also counts building
+the trainer (loading the checkpoint, sharding). Printed per rank in bytes per parameter, and the ratio
+(c) / (a) per rank (goal <= 0.4). Sharded over R ranks, float32 masters, their gradients and AdamW's two
+moments hold 16 / R bytes per parameter on each rank: 8 on 2 ranks, the floor (c) approaches there.
+
+The search doubles a Qwen2 shape (layers, then hidden size) and runs (a) and (c) on 2 ranks at each size until
+a step does not fit: the two ranks' resident sets together must stay below the memory available when the
+benchmark started, less a 1 GiB margin (a watchdog stops the ranks past it, so the machine never swaps or
+meets its OOM killer). Printed: the largest size that fits for each, and their ratio (goal >= 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+GIB = 1024 ** 3
+VOCAB = 32_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    vocab: int = VOCAB
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.hidden * 2.75) // 64 * 64
+
+    @property
+    def heads(self) -> int:
+        return max(2, self.hidden // 64)
+
+    def parameters(self) -> int:
+        h, i = self.hidden, self.intermediate
+        kv = h // 4 if self.heads >= 4 else h          # grouped-query attention, 4 query heads per kv head
+        layer = h * h * 2 + h * kv * 2 + (h + 2 * kv) + 3 * h * i + 2 * h   # q,o + k,v; q,k,v biases; MLP; norms
+        return 2 * self.vocab * h + self.layers * layer + h
+
+    def label(self) -> str:
+        return f"hidden {self.hidden} x {self.layers} layers ({self.parameters() / 1e6:.0f}M)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    ranks: int
+    flags: dict   # TorchTrainerSpec fields
+
+
+CONFIGS = {
+    "a": Config("(a) float32 replica", 2, {}),
+    "b": Config("(b) bf16 + FSDP2", 2, {"bf16": True, "use_distributed_optimizer": True}),
+    "c": Config("(c) (b) + recompute + chunked log-probs", 2,
+                {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full",
+                 "log_probs_chunk_size": 256}),
+    "c4": Config("(c) on 4 ranks", 4,
+                 {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full",
+                  "log_probs_chunk_size": 256}),
+}
+
+
+# ---------------------------------------------------------------------- model folders
+def model_folder(cache: str, shape: Shape) -> str:
+    """A random Qwen2 of ``shape`` (written once, in bf16 to halve the disk; the trainer loads it in its dtype)."""
+    folder = os.path.join(cache, f"qwen2-h{shape.hidden}-l{shape.layers}-v{shape.vocab}")
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=max(1, shape.heads // 4) if shape.heads >= 4 else shape.heads,
+                         max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    staging = folder + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(staging, safe_serialization=True)
+    del model
+    build_tokenizer().save_pretrained(staging)
+    os.replace(staging, folder)
+    return folder
+
+
+# ---------------------------------------------------------------------- one rank (a child process)
+def resident_bytes(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def make_samples(count: int, tokens: int, vocab: int, seed: int):
+    import random
+
+    from vime.sample import Sample, Status
+
+    rng = random.Random(seed)
+    prompt = 16
+    samples = []
+    for index in range(count):
+        ids = [rng.randrange(1, vocab) for _ in range(tokens)]
+        samples.append(Sample(group_index=0, index=index, tokens=ids, response_length=tokens - prompt,
+                              reward=float(index % 2), status=Status.COMPLETED,
+                              weight_versions=[0] * (tokens - prompt), loss_mask=[1] * (tokens - prompt)))
+    return samples
+
+
+def rank_main(request: dict) -> dict:
+    """Build the trainer on this rank, reset the peak, train one step; the resident sets measured."""
+    import torch
+
+    torch.set_num_threads(1)
+    rank, world = request["rank"], request["world"]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank,
+                                world_size=world)
+    from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
+    from vime.config.framework import AlgorithmConfig
+
+    samples = make_samples(request["samples"], request["tokens"], request["vocab"], seed=0)
+    baseline = resident_bytes()
+    algorithm = AlgorithmConfig()
+    algorithm.validate()
+    spec = TorchTrainerSpec(hf_checkpoint=request["model"], lr=1e-5, weight_decay=0.0, adam_betas=(0.9, 0.999),
+                            adam_eps=1e-8, clip_grad=1.0, micro_batch_size=request["micro_batch"],
+                            global_batch_size=request["samples"], n_samples_per_prompt=request["samples"],
+                            rollout_temperature=1.0, algorithm=algorithm, seed=0, threads=1, **request["flags"])
+    if request["baseline"]:
+        parameters, step_peak, built = plain_hf_step(request["model"], samples)
+    else:
+        backend = TorchBackend(spec)
+        parameters = sum(p.numel() for p in backend.model.parameters())  # a sharded DTensor counts its whole
+        built_peak, built = resident_bytes("VmHWM"), resident_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # VmHWM := VmRSS: the peak from here on is the step's
+        backend.train_rollout(samples, policy_version=0)
+        step_peak = resident_bytes("VmHWM")
+        overall = max(built_peak, step_peak)
+    if request["baseline"]:
+        overall = step_peak
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()  # gloo torn down at exit without it may abort the process
+    return {"rank": rank, "parameters": parameters, "baseline": baseline, "built": built, "step_peak": step_peak,
+            "overall_peak": overall}
+
+
+def plain_hf_step(model_dir: str, samples) -> tuple[int, int]:
+    """A plain HF float32 AdamW step on the batch (cross-entropy): the scale the others are read against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.tensor([s.tokens for s in samples])
+    built = resident_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    return sum(p.numel() for p in model.parameters()), resident_bytes("VmHWM"), built
+
+
+# ---------------------------------------------------------------------- the parent: ranks and the watchdog
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def run_ranks(model: str, config: Config | None, *, samples: int, tokens: int, micro_batch: int, vocab: int,
+              budget: int, timeout: float) -> dict:
+    """One step on ``config.ranks`` fresh processes (``config`` None: the plain HF baseline, one process).
+    Returns {"fits": bool, "ranks": [...]} or the reason it did not fit."""
+    import psutil
+
+    from vime.runtime.ports import free_port
+
+    ranks = config.ranks if config else 1
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        request = {"rank": rank, "world": ranks, "port": port, "model": model, "samples": samples, "tokens": tokens,
+                   "micro_batch": micro_batch, "vocab": vocab, "flags": config.flags if config else {},
+                   "baseline": config is None}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-request", json.dumps(request)],
+                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    started, peak_total, reason = time.monotonic(), 0, None
+    while any(p.poll() is None for p in procs):
+        total = 0
+        for p in procs:
+            try:
+                total += psutil.Process(p.pid).memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        peak_total = max(peak_total, total)
+        if total > budget:
+            reason = f"the ranks' resident sets reached {total / GIB:.1f} GiB (budget {budget / GIB:.1f} GiB)"
+        elif time.monotonic() - started > timeout:
+            reason = f"no result within {timeout:.0f}s"
+        if reason:
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.1)
+    outputs = [p.communicate() for p in procs]
+    if reason is None:
+        failed = [(p.returncode, err) for p, (_, err) in zip(procs, outputs) if p.returncode != 0]
+        if failed:
+            code, err = failed[0]
+            reason = f"a rank exited with {code}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+    if reason:
+        return {"fits": False, "reason": reason, "peak_total": peak_total}
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    return {"fits": True, "ranks": results, "peak_total": peak_total}
+
+
+def per_parameter(result: dict, key: str = "step_peak") -> float:
+    """The worst rank's peak (minus its baseline) per parameter of the whole model."""
+    return max((r[key] - r["baseline"]) / r["parameters"] for r in result["ranks"])
+
+
+def measure(options, cache: str, budget: int) -> dict:
+    shape = Shape(options.hidden, options.layers, options.vocab)
+    model = model_folder(cache, shape)
+    print(f"model: random Qwen2, {shape.label()}; batch {options.samples} x {options.tokens} tokens", flush=True)
+    common = dict(samples=options.samples, tokens=options.tokens, micro_batch=options.micro_batch,
+                  vocab=options.vocab, budget=budget, timeout=options.timeout)
+    rows = {}
+    for key, config in [("baseline", None)] + list(CONFIGS.items()):
+        result = run_ranks(model, config, **common)
+        name = config.name if config else "baseline: plain HF float32 AdamW step"
+        if not result["fits"]:
+            print(f"  {name:45s} did not run: {result['reason']}", flush=True)
+            rows[key] = None
+            continue
+        rows[key] = result
+        print(f"  {name:45s} {per_parameter(result):6.2f} bytes/parameter per rank in the step "
+              f"({per_parameter(result, 'built'):5.2f} held before it, "
+              f"{per_parameter(result, 'overall_peak'):5.2f} with building the trainer), "
+              f"{result['peak_total'] / GIB:.2f} GiB for all ranks", flush=True)
+    if rows.get("a") and rows.get("c"):
+        ratio = per_parameter(rows["c"]) / per_parameter(rows["a"])
+        print(f"ratio (c) / (a) per rank: {ratio:.2f} on 2 ranks (goal <= 0.4)"
+              + (f", {per_parameter(rows['c4']) / per_parameter(rows['a']):.2f} on 4 ranks" if rows.get("c4") else ""),
+              flush=True)
+    return rows
+
+
+def ladder(start: Shape, steps: int) -> list[Shape]:
+    """Each about twice the last: the layers doubled, then the hidden size doubled and the layers halved
+    (a layer's parameters grow with the square of the hidden size)."""
+    shapes = [start]
+    for i in range(steps):
+        last = shapes[-1]
+        shapes.append(Shape(last.hidden, last.layers * 2, last.vocab) if i % 2 == 0 or last.layers < 2 else
+                      Shape(last.hidden * 2, last.layers // 2, last.vocab))
+    return shapes
+
+
+def search(options, cache: str, budget: int) -> None:
+    shapes = ladder(Shape(options.hidden, options.layers, options.vocab), options.search_steps)
+    common = dict(samples=options.samples, tokens=options.tokens, micro_batch=options.micro_batch,
+                  vocab=options.vocab, budget=budget, timeout=options.timeout)
+    largest = {}
+    for key in ("a", "c"):
+        config = CONFIGS[key]
+        for shape in shapes:
+            result = run_ranks(model_folder(cache, shape), config, **common)
+            verdict = "fits" if result["fits"] else f"does not fit: {result['reason']}"
+            print(f"  {config.name:45s} {shape.label():40s} {verdict} "
+                  f"(peak {result['peak_total'] / GIB:.1f} GiB)", flush=True)
+            if not result["fits"]:
+                break
+            largest[key] = shape
+    if "a" in largest and "c" in largest:
+        ratio = largest["c"].parameters() / largest["a"].parameters()
+        print(f"largest step that fits in {budget / GIB:.1f} GiB with 2 ranks: (a) {largest['a'].label()}, "
+              f"(c) {largest['c'].label()}: {ratio:.1f}x the parameters (goal >= 3)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="seconds, on a tiny model; the numbers mean nothing")
+    parser.add_argument("--no-search", action="store_true", help="the per-parameter measurement only")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--search-steps", type=int, default=5, help="doublings the search tries at most")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
+    parser.add_argument("--cache", help="where the random models are kept (default: a temporary folder)")
+    parser.add_argument("--rank-request", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.rank_request:
+        print(json.dumps(rank_main(json.loads(options.rank_request))), flush=True)
+        os._exit(0)  # the result is out; gloo's threads have aborted interpreter teardown now and then
+    if options.smoke:
+        options.hidden, options.layers, options.vocab, options.tokens = 64, 2, 512, 32
+        options.no_search, options.timeout = True, 300
+    cache = options.cache or tempfile.mkdtemp(prefix="vime-bench-memory-")
+    budget = available_bytes() - GIB
+    print(f"memory available for the ranks: {budget / GIB:.1f} GiB", flush=True)
+    try:
+        rows = measure(options, cache, budget)
+        if any(row is None for row in rows.values()):
+            return 1
+        if not options.no_search:
+            search(options, cache, budget)
+    finally:
+        if not options.cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
