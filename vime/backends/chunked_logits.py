@@ -1,6 +1,6 @@
 """Token log-probs, entropy and head log-probs without the whole [tokens x vocab] logits (--log-probs-chunk-size).
 
-The unchunked forward (``TorchBackend._forward``) asks the model for its logits, so a micro-batch holds
+The unchunked forward (``TorchBackend.forward``) asks the model for its logits, so a micro-batch holds
 ``tokens x vocab`` float32 values at least twice (logits and their log-softmax), and autograd keeps them
 for the backward pass: with a 150k vocabulary and 8k tokens, ~5 GB each. Here the model's transformer
 body gives the final hidden states, and the LM head, the temperature and the log-softmax run on ``chunk_size``

@@ -1,8 +1,8 @@
 """Megatron-core training backend (``--train-backend megatron``).
 
-The same interface and the same RL objective as :class:`~vime.backends.torch_backend.TorchBackend`
-(whose loss, advantage, TIS and score-centering code it inherits), on a megatron-core GPTModel built
-from the Megatron flags (``vime.backends.megatron_args``):
+The same interface (:class:`vime.backends.protocol.TrainerBackend`), training loop
+(:class:`vime.backends.rollout_training.RolloutTraining`) and RL objective (:class:`vime.rl.objective.RLObjective`)
+as the torch backend, on a megatron-core GPTModel built from the Megatron flags (``vime.backends.megatron_args``):
 
 - batching: ``thd`` packing (sequences back to back, varlen attention) when Transformer Engine is
   usable on CUDA, otherwise right-padded micro-batches with an explicit causal mask, so no
@@ -21,7 +21,8 @@ from the Megatron flags (``vime.backends.megatron_args``):
   step, and R3 (``--use-rollout-routing-replay``): every forward over a sample routes its tokens to the
   experts the rollout engine recorded (``megatron_routing``);
 - PPO (``--advantage-estimator ppo``): a second GPTModel with a value head (``megatron_critic``) trained
-  by the torch backend's critic code (values, GAE, clipped value loss, turns, role overrides), saved in
+  by the shared objective (values, GAE, clipped value loss) and loop (turns), with the torch backend's role
+  overrides, saved in
   ``critic/`` of each checkpoint.
 
 megatron-core 0.16 calls ``torch.cuda`` in its forward pass: on a machine without CUDA the backend
@@ -42,13 +43,13 @@ from vime.backends import megatron_critic
 from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
-from vime.backends.torch_backend import Forward, ModelRole, TorchBackend, TorchTrainerSpec, make_role
+from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
 from vime.config.roles import FLAG as ROLES_FLAG
 from vime.config.roles import TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
+from vime.rl.batch import Forward
 from vime.rl.losses import token_entropy
-from vime.rl.score_centering import weighting
-from vime.rl.tis import load_tis_function
 from vime.sample import Sample
 
 
@@ -107,7 +108,10 @@ def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSp
     return megatron.ref_load or spec.hf_checkpoint
 
 
-class MegatronBackend(TorchBackend):
+class MegatronBackend(RolloutTraining):
+    """The model side of training on megatron-core (vime.backends.protocol.TrainerBackend); the loop and the
+    objective are inherited."""
+
     def __init__(self, spec: TorchTrainerSpec, megatron: MegatronBackendSpec):
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -125,7 +129,7 @@ class MegatronBackend(TorchBackend):
         if not mm.cuda_reachable():
             raise RuntimeError("--train-backend megatron: megatron-core 0.16 needs CUDA for its forward pass and "
                                "torch.cuda is not available here; use --train-backend torch on CPU")
-        self._seed(spec.seed)
+        seed_everything(spec.seed)
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 
@@ -185,12 +189,7 @@ class MegatronBackend(TorchBackend):
             self.ref_gpt = self._build_and_load(megatron.ref_load or spec.hf_checkpoint)
             self.ref_gpt.eval().requires_grad_(False)
             self.ref_model = self._language_model(self.ref_gpt, megatron.model.vocab_size)
-        self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
-        self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=spec.n_samples_per_prompt,
-                                            rollout_temperature=spec.rollout_temperature,
-                                            hf_checkpoint=spec.hf_checkpoint)
-        self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
-                             if algo.use_score_centering else None)
+        self.objective = make_objective(spec)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -312,9 +311,9 @@ class MegatronBackend(TorchBackend):
         return gpt
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, model, batch, *, entropy: str | None = None, heads: bool = False) -> Forward:
+    def forward(self, model, batch, *, entropy: str | None = None, heads: bool = False) -> Forward:
         """As the torch backend's, with the vocabulary-sized work on the model's device; the [B, T-1]
-        results come back to the CPU (differentiably), where the shared loss code runs."""
+        results come back to the CPU (differentiably), where the shared objective runs."""
         if model is self.ref_model and self._log_prob_hook_due is not None:
             self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
         output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -346,7 +345,7 @@ class MegatronBackend(TorchBackend):
             out.head_log_probs = results.pop(0)
         return out
 
-    def _values(self, batch) -> torch.Tensor:
+    def critic_values(self, batch) -> torch.Tensor:
         """The critic's value of each target's prefix, [B, T-1] on the CPU (differentiably), like the torch
         backend's."""
         output = self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
@@ -408,9 +407,9 @@ class MegatronBackend(TorchBackend):
 
     # ------------------------------------------------------------------ one rollout
     def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
-        """:meth:`TorchBackend.train_rollout` (same objective, same metrics), with the Megatron hooks
-        (:meth:`_before_step`) and the tensor- and expert-parallel gradient reductions (:meth:`_sum_gradients`,
-        :meth:`_finish_gradients`)."""
+        """:meth:`RolloutTraining.train_rollout` (same objective, same metrics), with the Megatron hooks
+        (:meth:`before_step`) and the tensor- and expert-parallel gradient reductions (:meth:`sum_gradients`,
+        :meth:`finish_gradients`)."""
         self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
         self._check_lockstep(samples)
         self._index_routes(samples)
@@ -437,11 +436,11 @@ class MegatronBackend(TorchBackend):
                              f"of --micro-batch-size {size}, in optimizer steps of {per_step}; both must be multiples "
                              f"of the {replicas} data-parallel ranks (and the rollout a whole number of steps)")
 
-    def _micro_batch_tokens(self, per_gpu: int) -> int:
+    def micro_batch_tokens(self, per_gpu: int) -> int:
         """Context-parallel ranks each hold 1/N of every sequence: a micro-batch holds N x the per-GPU budget."""
         return per_gpu * self.megatron.parallel.context
 
-    def _before_step(self, role, step_id: int, micro_batches: int) -> None:
+    def before_step(self, role, step_id: int, micro_batches: int) -> None:
         """The before-train-step hook (actor steps) and the MoE auxiliary loss's averaging."""
         if self.train_step_hook is not None and role is self.actor:
             self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
@@ -476,7 +475,7 @@ class MegatronBackend(TorchBackend):
         return self._param_ids(lambda name, p: getattr(p, "sequence_parallel", False)
                                or ".q_layernorm." in name or ".k_layernorm." in name)
 
-    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' and context-parallel ranks' gradients add up; under expert parallelism an expert's only over
         the ranks that hold it (the token exchange already brought every replica's tokens to it)."""
         if self.expert_dp is None:
@@ -486,7 +485,7 @@ class MegatronBackend(TorchBackend):
         self.gradient_dp.sum_gradients([p for p in params if id(p) not in experts])
         self.expert_dp.sum_gradients([p for p in params if id(p) in experts])
 
-    def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+    def finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Reduce what tensor parallelism leaves partial, then clip by the global norm; returns the norm."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps

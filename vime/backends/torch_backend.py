@@ -1,7 +1,10 @@
 """PyTorch training backend on a Hugging Face causal LM (CPU or a single device).
 
-Sequences are right-padded into one [batch, tokens] tensor per micro-batch; losses are computed
-on response tokens only (shifted by one: the logits at position t predict token t + 1).
+The backend owns the models (their precision, FSDP2 sharding, files); the RL objective is
+:class:`vime.rl.objective.RLObjective` and the loop over a rollout
+:class:`vime.backends.rollout_training.RolloutTraining`, which runs it through this backend's model ops
+(:class:`vime.backends.protocol.TrainerBackend`). Sequences are right-padded into one [batch, tokens]
+tensor per micro-batch (:func:`vime.rl.batch.pack`).
 
 With ``--advantage-estimator ppo`` the worker also trains a critic (:class:`ValueModel`: the policy's
 transformer body with a one-output linear head) and the two take turns (:class:`ModelRole`): the
@@ -10,16 +13,11 @@ critic wakes to compute values and train, then sleeps while the actor trains.
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import dataclasses
-import functools
-import logging
 import math
 import os
 import random
-import time
 
 import numpy as np
 import torch
@@ -30,24 +28,16 @@ from vime.backends.data_parallel import DataParallel
 from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
-from vime.backends.micro_batches import BatchLayout, assign_to_ranks, dynamic_layout, fixed_layout, over_budget, regroup
+from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
 from vime.config.roles import FLAG as ROLES_FLAG
 from vime.config.roles import RoleOverrides
-from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, whiten_ragged
-from vime.rl.kl import approx_kl
-from vime.rl.losses import (
-    cispo_loss, clipped_value_loss, gspo_loss, nll_loss, ppo_clip_loss, reduce_loss, reinforce_loss,
-    sequence_log_ratio, token_entropy,
-)
-from vime.rl.offpolicy import onpolicy_loss_mask
-from vime.rl.opd import opd_advantages
-from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
-from vime.rl.tis import load_tis_function
-from vime.sample import Sample
-
-logger = logging.getLogger(__name__)
+# The batch and the forward's result live with the objective (vime/rl/); imported here under their old
+# names too, for callers that still take them from the torch backend.
+from vime.rl.batch import Forward, PackedBatch, pack  # noqa: F401
+from vime.rl.losses import token_entropy
+from vime.rl.objective import MAX_METRICS, RLObjective  # noqa: F401
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -80,203 +70,6 @@ class TorchTrainerSpec:
     max_tokens_per_gpu: int | None = None
     log_probs_max_tokens_per_gpu: int | None = None  # the no-gradient forwards' budget (None: max_tokens_per_gpu)
     balance_data: bool = False  # --balance-data: data-parallel ranks get a step's micro-batches by token count
-
-
-@dataclasses.dataclass
-class PackedBatch:
-    input_ids: torch.Tensor        # [B, T]
-    attention_mask: torch.Tensor   # [B, T]
-    targets: torch.Tensor          # [B, T-1] token predicted at each position
-    response_mask: torch.Tensor    # [B, T-1] 1 where the target is a trained response token
-    rollout_log_probs: torch.Tensor  # [B, T-1] sampler log-probs at the same places (0 elsewhere)
-    starts: list[int] = dataclasses.field(default_factory=list)   # first response position of each row
-    lengths: list[int] = dataclasses.field(default_factory=list)  # response length of each row
-    # Score centering: the sampler's top-k heads, or its top-p supports right-padded to the widest.
-    head_ids: torch.Tensor | None = None        # [B, T-1, k] sampler token ids
-    head_log_probs: torch.Tensor | None = None  # [B, T-1, k] their sampler log-probs
-    head_rows: torch.Tensor | None = None       # [B, T-1] True at trained tokens (where the correction applies)
-    head_valid: torch.Tensor | None = None      # [B, T-1, k] top-p only: True on the support, False on padding
-    teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
-
-    def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """The response part of each row of a [B, T-1] tensor (ragged, one tensor per sample)."""
-        return [values[row, start:start + n] for row, (start, n) in enumerate(zip(self.starts, self.lengths))]
-
-    def unrows(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """Inverse of :meth:`rows`: place per-sample response values into the [B, T-1] layout (0 elsewhere)."""
-        out = torch.zeros(self.targets.shape, dtype=rows[0].dtype if rows else torch.float32)
-        for row, (start, values) in enumerate(zip(self.starts, rows)):
-            out[row, start:start + values.numel()] = values
-        return out
-
-
-def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None = None,
-         with_heads: bool = False, with_teacher: bool = False) -> PackedBatch:
-    """Right-pad ``samples`` into one batch. ``loss_masks`` overrides the samples' own masks;
-    ``with_heads`` also packs the sampler's top-k heads or top-p supports (score centering),
-    ``with_teacher`` the teacher's log-probs (on-policy distillation)."""
-    length = max(len(s.tokens) for s in samples)
-    batch = len(samples)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, length), dtype=torch.long)
-    response_mask = torch.zeros((batch, length - 1))
-    rollout = torch.zeros((batch, length - 1))
-    starts, lengths = [], []
-    for row, sample in enumerate(samples):
-        n = len(sample.tokens)
-        input_ids[row, :n] = torch.tensor(sample.tokens)
-        attention[row, :n] = 1
-        start = sample.prompt_length - 1
-        if loss_masks is not None:
-            mask = loss_masks[row]
-        else:
-            mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
-        response_mask[row, start:start + sample.response_length] = torch.tensor(mask, dtype=torch.float32)
-        if sample.rollout_log_probs is not None:
-            rollout[row, start:start + sample.response_length] = torch.tensor(sample.rollout_log_probs)
-        starts.append(start)
-        lengths.append(sample.response_length)
-    packed = PackedBatch(input_ids, attention, input_ids[:, 1:], response_mask, rollout, starts, lengths)
-    if with_heads:
-        _pack_heads(packed, samples)
-    if with_teacher:
-        packed.teacher_log_probs = packed.unrows([_teacher_row(s) for s in samples])
-    return packed
-
-
-def _teacher_row(sample: Sample) -> torch.Tensor:
-    values = sample.teacher_log_probs
-    if values is None:
-        raise ValueError(f"--use-opd: sample {sample.index} of group {sample.group_index} has no teacher_log_probs; "
-                         "the rollout side records them (e.g. --custom-rm-path vime.rollout.teacher.reward_func, "
-                         "or vime.rollout.teacher.attach_teacher_log_probs in your reward function)")
-    row = torch.as_tensor(np.asarray(values, dtype=np.float32)).reshape(-1)
-    if row.numel() != sample.response_length:
-        raise ValueError(f"sample {sample.index} of group {sample.group_index}: {row.numel()} teacher log-probs for "
-                         f"{sample.response_length} response tokens")
-    return row
-
-
-def _pack_heads(packed: PackedBatch, samples: list[Sample]) -> None:
-    kinds = {_capture_kind(sample) for sample in samples}
-    if None in kinds:
-        missing = next(sample for sample in samples if _capture_kind(sample) is None)
-        raise ValueError(f"score centering needs the sampler's top-k heads or top-p supports: sample {missing.index} "
-                         f"of group {missing.group_index} has neither (rollout_topk_token_ids / rollout_topp_ids)")
-    if kinds == {"support"}:
-        _pack_supports(packed, samples)
-    elif kinds == {"topk"}:
-        _pack_topk(packed, samples)
-    else:
-        raise ValueError("samples of one batch carry both top-k heads and top-p supports")
-
-
-def _capture_kind(sample: Sample) -> str | None:
-    if sample.rollout_topp_offsets is not None:
-        return "support"
-    if sample.rollout_topk_token_ids is not None and sample.rollout_topk_log_probs is not None:
-        return "topk"
-    return None
-
-
-def _pack_topk(packed: PackedBatch, samples: list[Sample]) -> None:
-    heads = []
-    for sample in samples:
-        ids = torch.as_tensor(np.asarray(sample.rollout_topk_token_ids), dtype=torch.long)
-        log_probs = torch.as_tensor(np.asarray(sample.rollout_topk_log_probs), dtype=torch.float32)
-        if ids.dim() != 2 or ids.shape != log_probs.shape or ids.shape[0] != sample.response_length:
-            raise ValueError(f"sample {sample.index} of group {sample.group_index}: top-k heads of shape "
-                             f"{tuple(ids.shape)} / {tuple(log_probs.shape)}, expected [{sample.response_length}, k]")
-        heads.append((ids, log_probs))
-    k = {ids.shape[1] for ids, _ in heads}
-    if len(k) != 1:
-        raise ValueError(f"samples of one batch carry top-k heads of different sizes {sorted(k)}")
-    shape = (*packed.targets.shape, k.pop())
-    packed.head_ids = torch.zeros(shape, dtype=torch.long)
-    packed.head_log_probs = torch.zeros(shape)
-    for row, ((ids, log_probs), start, n) in enumerate(zip(heads, packed.starts, packed.lengths)):
-        packed.head_ids[row, start:start + n] = ids
-        packed.head_log_probs[row, start:start + n] = log_probs
-    # Untrained tokens (tool output, off-policy masking) have no head worth centring: their rows may be empty.
-    packed.head_rows = packed.response_mask > 0
-
-
-def _pack_supports(packed: PackedBatch, samples: list[Sample]) -> None:
-    supports = []
-    for sample in samples:
-        where = f"sample {sample.index} of group {sample.group_index}"
-        ids = torch.as_tensor(np.asarray(sample.rollout_topp_ids), dtype=torch.long).reshape(-1)
-        log_probs = torch.as_tensor(np.asarray(sample.rollout_topp_log_probs), dtype=torch.float32).reshape(-1)
-        offsets = torch.as_tensor(np.asarray(sample.rollout_topp_offsets), dtype=torch.long).reshape(-1)
-        lengths = offsets[1:] - offsets[:-1]
-        if (offsets.numel() != sample.response_length + 1 or offsets[0] != 0 or (lengths < 0).any()
-                or offsets[-1] != ids.numel() or ids.numel() != log_probs.numel()):
-            raise ValueError(f"{where}: top-p support offsets must rise from 0 to the {ids.numel()} support ids in "
-                             f"{sample.response_length + 1} steps, with one log-prob per id")
-        supports.append((ids, log_probs, offsets, lengths))
-    width = max([1] + [int(lengths.max()) for *_, lengths in supports if lengths.numel()])
-    shape = (*packed.targets.shape, width)
-    packed.head_ids = torch.zeros(shape, dtype=torch.long)
-    packed.head_log_probs = torch.zeros(shape)
-    packed.head_valid = torch.zeros(shape, dtype=torch.bool)
-    for row, ((ids, log_probs, offsets, lengths), start) in enumerate(zip(supports, packed.starts)):
-        token = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-        column = torch.arange(ids.numel()) - offsets[token]
-        packed.head_ids[row, start + token, column] = ids
-        packed.head_log_probs[row, start + token, column] = log_probs
-        packed.head_valid[row, start + token, column] = True
-    packed.head_rows = packed.response_mask > 0
-    # Replay normalises the trainer on the recorded support, so a trained token must lie in its own.
-    covered = ((packed.head_ids == packed.targets.unsqueeze(-1)) & packed.head_valid).any(-1)
-    uncovered = packed.head_rows & ~covered
-    if uncovered.any():
-        row, position = (int(i) for i in uncovered.nonzero()[0])
-        sample = samples[row]
-        raise ValueError(f"sample {sample.index} of group {sample.group_index}: response token "
-                         f"{position - packed.starts[row]} is trained but lies outside its recorded top-p support")
-
-
-@dataclasses.dataclass
-class Forward:
-    log_probs: torch.Tensor                    # [B, T-1] of the target tokens
-    entropy: torch.Tensor | None = None        # [B, T-1]
-    head_log_probs: torch.Tensor | None = None  # [B, T-1, k] at the sampler's head ids
-
-
-def _replay_support(batch: PackedBatch, out: Forward) -> Forward:
-    """Top-p replay: at every trained token, the trainer's log-probs (of the sampled token and of the
-    support) normalised on the sampler's recorded support, as the sampler's are; unchanged without
-    supports. The policy trained is then the truncated one the sampler drew from."""
-    if batch.head_valid is None:
-        return out
-    rows = batch.head_rows
-    # Rows without a correction keep one (finite) entry, so that no logsumexp is -inf: its gradient
-    # would be NaN even where torch.where discards the value.
-    first = torch.zeros_like(batch.head_valid)
-    first[..., 0] = True
-    keep = batch.head_valid | (first & ~rows.unsqueeze(-1))
-    on_support = out.head_log_probs.masked_fill(~keep, float("-inf"))
-    log_mass = torch.where(rows, torch.logsumexp(on_support, -1), torch.zeros((), dtype=on_support.dtype))
-    return Forward(out.log_probs - log_mass, out.entropy, on_support - log_mass.unsqueeze(-1))
-
-
-# Metrics reduced over the rollout's micro-batches (and ranks) by their maximum; the others by their mean.
-MAX_METRICS = frozenset({"train_rollout_logprob_abs_diff_max"})
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
-
-
-def _relayout(values: list[torch.Tensor | None], source: list[PackedBatch], target: list[PackedBatch],
-              source_ids: list[list[int]], target_ids: list[list[int]]) -> list[torch.Tensor | None]:
-    """Per-micro-batch [B, T-1] values moved from the ``source`` micro-batches to the ``target`` ones (which
-    hold the same samples, grouped differently). Only the response positions carry over (0 elsewhere): the
-    loss reads nothing else."""
-    if all(v is None for v in values):
-        return [None] * len(target)
-    rows = [batch.rows(v) for batch, v in zip(source, values)]
-    return [batch.unrows(r) for batch, r in zip(target, regroup(rows, source_ids, target_ids))]
 
 
 # ---------------------------------------------------------------------- PPO's critic
@@ -460,8 +253,17 @@ def _optimizer(params, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.o
                              weight_decay=role.get("weight_decay", spec.weight_decay))
 
 
-class TorchBackend:
-    sharding: Sharding | None = None   # set in __init__ (a class default: MegatronBackend skips that __init__)
+def make_objective(spec: TorchTrainerSpec) -> RLObjective:
+    """The RL objective of a trainer spec (both backends train it)."""
+    return RLObjective(spec.algorithm, n_samples_per_prompt=spec.n_samples_per_prompt,
+                       rollout_temperature=spec.rollout_temperature, hf_checkpoint=spec.hf_checkpoint)
+
+
+class TorchBackend(RolloutTraining):
+    """The model side of training on an HF causal LM: forward passes, gradient reductions, weights and
+    checkpoints (vime.backends.protocol.TrainerBackend); the loop and the objective are inherited."""
+
+    sharding: Sharding | None
 
     def __init__(self, spec: TorchTrainerSpec):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -475,7 +277,7 @@ class TorchBackend:
             os.sched_setaffinity(0, spec.cpu_affinity)
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self._seed(spec.seed)
+        seed_everything(spec.seed)
         # The trainer's ranks (TrainerWorker joins them before building the backend) are data-parallel.
         self.dp = DataParallel()
         # --use-distributed-optimizer: FSDP2 over those ranks (vime/backends/fsdp.py); None: replicas.
@@ -508,14 +310,7 @@ class TorchBackend:
             self.ref_model.eval().requires_grad_(False)
             if self.sharding is not None:
                 self.sharding.shard(self.ref_model)
-        self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
-        # User TIS functions receive ``args`` like the reference framework's; here that is the algorithm's
-        # flags plus the few others an importance weight may depend on.
-        self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=spec.n_samples_per_prompt,
-                                            rollout_temperature=spec.rollout_temperature,
-                                            hf_checkpoint=spec.hf_checkpoint)
-        self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
-                             if algo.use_score_centering else None)
+        self.objective = make_objective(spec)
         # --bf16: weights reach the engines from the float32 masters, cast to the engines' dtype.
         self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 
@@ -536,30 +331,8 @@ class TorchBackend:
         self.critic_save = role.save
         return make_role("critic", critic, spec, role, source)
 
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-
-    # ------------------------------------------------------------------ colocated memory (--offload-train)
-    def offload(self) -> None:
-        """Release the trainer's device memory while the engines generate: the actor's parameters and
-        optimizer state move to host memory (on a CPU trainer only its gradients are freed), and so does
-        the reference model."""
-        self.actor.sleep()
-        if self.ref_model is not None and self.actor.device.type != "cpu":
-            self.ref_model.to("cpu")
-
-    def reload(self) -> None:
-        """Before training: back to the device :meth:`offload` moved from."""
-        self.actor.wake()
-        if self.ref_model is not None and self.actor.device.type != "cpu":
-            self.ref_model.to(self.actor.device)
-
-    # ------------------------------------------------------------------ forward
-    def _forward(self, model, batch: PackedBatch, *, entropy: str | None = None,
-                 heads: bool = False) -> Forward:
+    # ------------------------------------------------------------------ model ops (vime.backends.protocol)
+    def forward(self, model, batch: PackedBatch, *, entropy: str | None = None, heads: bool = False) -> Forward:
         """Log-probs of the targets under ``model`` at the sampling temperature.
 
         ``entropy``: None, 'metric' (computed without a graph) or 'loss' (differentiable).
@@ -586,367 +359,30 @@ class TorchBackend:
             out.head_log_probs = log_softmax.gather(-1, batch.head_ids)
         return out
 
-    def _log_probs(self, batch: PackedBatch) -> torch.Tensor:
-        support = batch.head_valid is not None
-        return _replay_support(batch, self._forward(self.model, batch, heads=support)).log_probs
+    def critic_values(self, batch: PackedBatch) -> torch.Tensor:
+        """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
+        return self.critic.module(batch.input_ids, batch.attention_mask)[:, :-1]
 
-    def _loss_masks(self, samples: list[Sample], policy_version: int | None) -> list[list[int]]:
-        masks = [list(s.loss_mask) if s.loss_mask is not None else [1] * s.response_length for s in samples]
-        if not self.spec.algorithm.mask_offpolicy_in_partial_rollout:
-            return masks
-        if policy_version is None:
-            raise ValueError("--mask-offpolicy-in-partial-rollout needs the policy version being trained")
-        return [onpolicy_loss_mask(mask, s.weight_versions, policy_version) for mask, s in zip(masks, samples)]
-
-    # ------------------------------------------------------------------ micro-batches
-    def _batch_layout(self, samples: list[Sample]) -> BatchLayout:
-        """Which samples each micro-batch holds (vime.backends.micro_batches): --micro-batch-size samples, or
-        with --use-dynamic-batch-size each step's samples packed by the token budgets."""
-        spec = self.spec
-        if not spec.use_dynamic_batch_size:
-            return fixed_layout(len(samples), spec.micro_batch_size, spec.global_batch_size)
-        lengths = [len(s.tokens) for s in samples]
-        budget = self._micro_batch_tokens(spec.max_tokens_per_gpu)
-        forward_budget = self._micro_batch_tokens(spec.log_probs_max_tokens_per_gpu or spec.max_tokens_per_gpu)
-        longer = over_budget(lengths, budget)
-        if longer:  # trained anyway (alone in its micro-batch): the budget is a packing target, not a cut
-            logger.warning("%d sample(s) of this rollout are longer than --max-tokens-per-gpu %d (the longest: %d "
-                           "tokens); each trains in a micro-batch of its own", len(longer), spec.max_tokens_per_gpu,
-                           max(lengths[i] for i in longer))
-        return dynamic_layout(lengths, spec.global_batch_size, budget, forward_budget)
-
-    def _micro_batch_tokens(self, per_gpu: int) -> int:
-        """A micro-batch's token budget from a per-GPU one (the Megatron backend: x its context-parallel ranks,
-        which each hold a part of every sequence)."""
-        return per_gpu
-
-    def _training_batches(self, samples: list[Sample], loss_masks: list[list[int]], layout: BatchLayout,
-                          forward: list[PackedBatch], per_forward: tuple) -> tuple[list[PackedBatch], list[list]]:
-        """The training micro-batches of ``layout`` and, moved into them, the per-micro-batch [B, T-1] results of
-        the no-gradient forwards (``per_forward``: lists over ``forward``, or lists of None)."""
-        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
-                       with_heads=self.spec.algorithm.use_score_centering) for ids in layout.train]
-        moved = [_relayout(values, forward, packed, layout.forward, layout.train) for values in per_forward]
-        return packed, moved
-
-    def _my_micro_batches(self, packed: list[PackedBatch], step: range) -> list[int]:
-        """This data-parallel rank's micro-batches of one optimizer step: round-robin, or with --balance-data
-        by token count (every rank computes the same assignment; one left without any still joins the sums)."""
-        if not self.spec.balance_data or self.dp.size == 1:
-            return self.dp.share(step)
-        owners = assign_to_ranks([int(packed[i].attention_mask.sum()) for i in step], self.dp.size)
-        return [i for i, owner in zip(step, owners) if owner == self.dp.rank]
-
-    # ------------------------------------------------------------------ one rollout
-    def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
-        """Advantages over the rollout, then one optimizer step per global batch.
-
-        ``policy_version`` (the version of the weights being trained) lets the metrics compare the
-        sampler's log-probs with the trainer's on the samples generated entirely by those weights:
-        ``onpolicy_logprob_abs_diff`` is ~0 exactly when the engines serve what the trainer holds.
-        It is also the version --mask-offpolicy-in-partial-rollout keeps.
-
-        With PPO the critic computes the values, GAE the advantages and returns, the critic trains on
-        the returns and then (after --num-critic-only-steps rollouts) the actor on the advantages.
-        """
-        started = time.perf_counter()
-        algo = self.spec.algorithm
-        if algo.use_tis or algo.use_rollout_logprobs or algo.use_score_centering:
-            missing = next((s for s in samples if s.rollout_log_probs is None), None)
-            if missing is not None:
-                raise ValueError(f"sample {missing.index} of group {missing.group_index} has no rollout_log_probs, "
-                                 "which --use-tis, --use-rollout-logprobs and --use-score-centering need")
-        loss_masks = self._loss_masks(samples, policy_version)
-        masked_offpolicy = sum(sum(s.loss_mask or [1] * s.response_length) - sum(m)
-                               for s, m in zip(samples, loss_masks))
-        layout = self._batch_layout(samples)
-        micro_batches = [[samples[i] for i in ids] for ids in layout.train]
-        # First the no-gradient forwards' micro-batches (rollout order: the advantages need it).
-        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
-                       with_heads=algo.use_score_centering, with_teacher=algo.use_opd) for ids in layout.forward]
-        metrics: dict[str, list[float]] = collections.defaultdict(list)
-        # SFT needs none of these: no old policy, reference or advantages.
-        old, ref, advantages = [None] * len(packed), [None] * len(packed), [None] * len(packed)
-        values, returns = [None] * len(packed), [None] * len(packed)
-        if algo.policy_loss != "sft":
-            self.actor.wake()
-            mine = [self.dp.owns(i) for i in range(len(packed))]
-            with torch.no_grad():
-                self.model.eval()
-                if algo.use_rollout_logprobs:
-                    old = [b.rollout_log_probs for b in packed]
-                else:
-                    old = self.dp.fill(self._in_lock_step(self.model, packed, [
-                        self._log_probs(b) if m else None for b, m in zip(packed, mine)]))
-                self.model.train()
-                if self.ref_model is not None:
-                    ref = self.dp.fill(self._in_lock_step(self.ref_model, packed, [
-                        self._forward(self.ref_model, b).log_probs if m else None for b, m in zip(packed, mine)]))
-            if self.critic is not None:
-                self.actor.sleep()
-                self.critic.wake()
-                with torch.no_grad():
-                    self.critic.module.eval()
-                    values = self.dp.fill(self._in_lock_step(self.critic.module, packed, [
-                        self._values(b) if m else None for b, m in zip(packed, mine)]))
-                    self.critic.module.train()
-            advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
-        if layout.train != layout.forward:  # token budgets pack training apart from the forwards
-            packed, (old, ref, values, advantages, returns) = self._training_batches(
-                samples, loss_masks, layout, packed, (old, ref, values, advantages, returns))
-
-        steps = layout.step_ranges()
-        if self.critic is not None:
-            self._optimizer_steps(
-                self.critic, packed, steps, metrics, loss_key="value_loss", grad_key="critic_grad_norm",
-                micro_loss=lambda i, totals, terms: self._value_loss(packed[i], values[i], returns[i], totals,
-                                                                     metrics))
-            self.critic.sleep()
-        train_actor = self.critic is None or self.rollouts_trained >= algo.num_critic_only_steps
-        self.actor.wake()
-        if train_actor:
-            on_policy = [torch.tensor([float(bool(s.weight_versions) and min(s.weight_versions) == policy_version
-                                             == max(s.weight_versions)) for s in mb]).unsqueeze(1)
-                         for mb in micro_batches]
-
-            def actor_loss(i: int, totals: dict, step_terms: dict) -> torch.Tensor:
-                loss, log_probs = self._micro_batch_loss(packed[i], old[i], ref[i], advantages[i], totals,
-                                                         step_terms, metrics)
-                self._logprob_metrics(packed[i], log_probs, on_policy[i], metrics)
-                return loss
-
-            self._optimizer_steps(self.actor, packed, steps, metrics, loss_key="loss", grad_key="grad_norm",
-                                  micro_loss=actor_loss)
-        self.rollouts_trained += 1
-        metrics = self.dp.merge_metrics(metrics)
-        elapsed = time.perf_counter() - started
-        result = {k: float(np.max(v) if k in MAX_METRICS else np.mean(v)) for k, v in metrics.items() if v}
-        result["train_tokens"] = float(sum(len(s.tokens) for s in samples))
-        result["train_seconds"] = elapsed
-        result["optimizer_steps"] = float(len(steps)) if train_actor else 0.0
-        result["train_micro_batches"] = float(len(packed))
-        result["train_max_micro_batch_tokens"] = float(max((sum(len(s.tokens) for s in mb) for mb in micro_batches),
-                                                           default=0))
-        if self.critic is not None:
-            result["critic_only"] = float(not train_actor)
-        if algo.mask_offpolicy_in_partial_rollout:
-            result["offpolicy_masked_tokens"] = float(masked_offpolicy)
-        return result
-
-    def _optimizer_steps(self, role: ModelRole, packed: list[PackedBatch], step_ranges: list[range], metrics: dict,
-                         *, loss_key: str, grad_key: str, micro_loss) -> None:
-        """One optimizer step of ``role`` per range of micro-batches; ``micro_loss(i, totals, step_terms)``
-        returns micro-batch i's share of the step loss (micro-batch losses add up to the step's). Data-parallel
-        ranks each run their share of a step's micro-batches and add up their gradients."""
-        for step_id, steps in enumerate(step_ranges):
-            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
-                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
-            self._before_step(role, step_id, len(steps))
-            role.optimizer.zero_grad(set_to_none=True)
-            # Loss terms are each micro-batch's share of the step's value: they add up over the step.
-            step_terms: dict[str, float] = collections.defaultdict(float)
-            for i in self._my_micro_batches(packed, steps):
-                loss = micro_loss(i, totals, step_terms)
-                loss.backward()
-                step_terms[loss_key] += float(loss.detach())
-            if self.sharding is not None:   # FSDP: every rank runs as many backwards as the busiest one
-                for _ in range(self.sharding.passes_owed(steps)):
-                    self.sharding.lockstep_backward(role.module, packed[steps[0]])
-            step_terms = self.dp.sum_terms(step_terms)
-            params = [p for p in role.parameters() if p.requires_grad]
-            self._sum_gradients(params)
-            grad_norm = self._finish_gradients(params, role.clip_grad)
-            metrics[role.lr_key].append(role.step())
-            for name, value in step_terms.items():
-                metrics[name].append(value)
-            metrics[grad_key].append(float(grad_norm))
-
-    def _before_step(self, role: ModelRole, step_id: int, micro_batches: int) -> None:
-        """Called before each optimizer step's micro-batches (the Megatron backend runs its hooks here)."""
-
-    def _in_lock_step(self, module, packed: list[PackedBatch], values: list) -> list:
-        """``values`` of a no-gradient pass over ``packed`` (this rank's computed, None elsewhere), after as
-        many dropped forwards of ``module`` as this rank owes to keep FSDP's all-gathers in lock step."""
+    def owed_forwards(self, module, packed: list[PackedBatch]) -> None:
+        """FSDP: as many dropped forwards of ``module`` as this rank owes to keep the all-gathers in lock step."""
         if self.sharding is not None:
             for _ in range(self.sharding.passes_owed(range(len(packed)))):
                 self.sharding.lockstep_forward(module, packed[0])
-        return values
 
-    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
+    def owed_backwards(self, module, packed: list[PackedBatch], step: range) -> None:
+        """FSDP: every rank runs as many backwards as the busiest one."""
+        if self.sharding is not None:
+            for _ in range(self.sharding.passes_owed(step)):
+                self.sharding.lockstep_backward(module, packed[step[0]])
+
+    def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Add up the data-parallel replicas' gradients (FSDP has reduce-scattered them already)."""
         if self.sharding is None or not self.sharding.active:
             self.dp.sum_gradients(params)
 
-    def _finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+    def finish_gradients(self, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
         """Clip the step's summed gradients by their global norm; returns the norm."""
         return torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else math.inf)
-
-    def _values(self, batch: PackedBatch) -> torch.Tensor:
-        """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
-        return self.critic.module(batch.input_ids, batch.attention_mask)[:, :-1]
-
-    def _value_loss(self, batch: PackedBatch, old_values: torch.Tensor, returns: torch.Tensor, totals: dict,
-                    metrics: dict) -> torch.Tensor:
-        """The micro-batch's share of the step's clipped value loss (reduced like the policy loss)."""
-        algo = self.spec.algorithm
-        mask = batch.response_mask
-        per_token, clipped = clipped_value_loss(self._values(batch), old_values, returns, value_clip=algo.value_clip)
-        metrics["value_clipfrac"].append(_masked_mean(clipped, mask))
-        metrics["value_mean"].append(_masked_mean(old_values, mask))
-        metrics["return_mean"].append(_masked_mean(returns, mask))
-        return reduce_loss(per_token, mask, per_token_loss=algo.calculate_per_token_loss, **totals)
-
-    def _advantages(self, samples: list[Sample], packed: list[PackedBatch], old: list[torch.Tensor],
-                    ref: list[torch.Tensor | None], values: list[torch.Tensor | None],
-                    metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Token advantages of the whole rollout (whitening and group baselines span micro-batches) and,
-        with PPO, the critic's returns, both in each micro-batch's [B, T-1] layout."""
-        algo = self.spec.algorithm
-        if any(s.reward is None for s in samples):
-            missing = next(s for s in samples if s.reward is None)
-            raise ValueError(f"sample {missing.index} of group {missing.group_index} has no reward")
-        masks = [row for b in packed for row in b.rows(b.response_mask)]
-        kl = None
-        if algo.kl_coef:
-            # Reward shaping compares the policy that generated the batch (old log-probs) with the reference.
-            kl = [row for b, o, r in zip(packed, old, ref) for row in b.rows(approx_kl(o, r, algo.kl_loss_type))]
-        rewards = torch.tensor([float(s.reward) for s in samples])
-        token_returns = None
-        if algo.uses_critic:
-            value_rows = [row for b, v in zip(packed, values) for row in b.rows(v)]
-            token_advantages, token_returns = ppo_advantages_and_returns(
-                rewards, value_rows, masks, kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd)
-        else:
-            token_advantages = compute_advantages(
-                algo.advantage_estimator, rewards, masks, group_size=self.spec.n_samples_per_prompt, kl=kl,
-                kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd,
-                normalize_std=not algo.disable_grpo_std_normalization, normalize=False)
-        if algo.use_opd:
-            student = [row for b, o in zip(packed, old) for row in b.rows(o)]
-            teacher = [row for b in packed for row in b.rows(b.teacher_log_probs)]
-            token_advantages, reverse_kl = opd_advantages(token_advantages, student, teacher, masks,
-                                                          kl_coef=algo.opd_kl_coef)
-            flat_mask = torch.cat(masks) if masks else torch.zeros(0)
-            metrics["opd_reverse_kl"].append(_masked_mean(torch.cat(reverse_kl) if reverse_kl else flat_mask,
-                                                          flat_mask))
-        if algo.normalize_advantages:
-            token_advantages = whiten_ragged(token_advantages, masks)
-        out, out_returns, first = [], [], 0
-        for b in packed:
-            out.append(b.unrows(token_advantages[first:first + len(b.starts)]))
-            out_returns.append(None if token_returns is None else b.unrows(token_returns[first:first + len(b.starts)]))
-            first += len(b.starts)
-        return out, out_returns
-
-    def _micro_batch_loss(self, batch: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
-                          advantages: torch.Tensor | None, totals: dict, step_terms: dict,
-                          metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's share of the step loss (micro-batch losses add up to the step's), and its log-probs.
-
-        Loss terms are added to ``step_terms`` (shares of the step's value), token averages to ``metrics``.
-        """
-        algo = self.spec.algorithm
-        mask = batch.response_mask
-        reduce = functools.partial(reduce_loss, per_token_loss=algo.calculate_per_token_loss, **totals)
-        kind = algo.policy_loss
-        out = self._forward(self.model, batch, entropy="loss" if algo.entropy_coef else "metric",
-                            heads=algo.use_score_centering)
-        out = _replay_support(batch, out)
-        log_probs = out.log_probs
-        if kind == "sft":
-            loss = reduce(nll_loss(log_probs), mask)
-            metrics["entropy"].append(_masked_mean(out.entropy, mask))
-            return loss, log_probs
-
-        if kind == "gspo":
-            per_token, clipped = gspo_loss(log_probs, old, advantages, mask, eps_clip=algo.eps_clip,
-                                           eps_clip_high=algo.eps_clip_high)
-            ppo_kl = -sequence_log_ratio(log_probs.detach(), old, mask).expand_as(log_probs)
-        else:
-            if kind == "ppo":
-                per_token, clipped = ppo_clip_loss(log_probs, old, advantages, eps_clip=algo.eps_clip,
-                                                   eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c)
-            elif kind == "cispo":
-                per_token, clipped = cispo_loss(log_probs, old, advantages, eps_clip=algo.eps_clip,
-                                                eps_clip_high=algo.eps_clip_high)
-            else:
-                per_token, clipped = reinforce_loss(log_probs, advantages), torch.zeros_like(log_probs)
-            ppo_kl = old - log_probs.detach()
-        if self.tis_function is not None:
-            # REINFORCE has no old policy in its objective: its weight compares the current trainer (detached).
-            trainer = log_probs.detach() if kind == "reinforce" else old
-            per_token = self._apply_tis(batch, per_token, trainer, metrics)
-        if algo.use_score_centering:
-            per_token = per_token + advantages.detach() * self._score_centering(batch, out, log_probs, metrics)
-
-        pg_loss = reduce(per_token, mask)
-        entropy_loss = reduce(out.entropy, mask)
-        loss = pg_loss - algo.entropy_coef * entropy_loss if algo.entropy_coef else pg_loss
-        if ref is not None:
-            kl = approx_kl(log_probs if algo.use_kl_loss else log_probs.detach(), ref, algo.kl_loss_type)
-            if algo.use_kl_loss:
-                kl_loss = reduce(kl, mask)
-                step_terms["kl_loss"] += float(kl_loss.detach())
-                if algo.kl_loss_coef:
-                    loss = loss + algo.kl_loss_coef * kl_loss
-            metrics["kl"].append(_masked_mean(kl, mask))
-        step_terms["pg_loss"] += float(pg_loss.detach())
-        metrics["entropy"].append(_masked_mean(out.entropy, mask))
-        metrics["pg_clipfrac"].append(_masked_mean(clipped, mask))
-        metrics["ppo_kl"].append(_masked_mean(ppo_kl, mask))
-        return loss, log_probs
-
-    def _apply_tis(self, batch: PackedBatch, per_token: torch.Tensor, trainer_log_probs: torch.Tensor,
-                   metrics: dict) -> torch.Tensor:
-        """Weight the per-token loss with the TIS function; tokens it rejects leave the numerator only."""
-        masks = batch.rows(batch.response_mask)
-        pg_loss, new_masks, tis_metrics = self.tis_function(
-            self.hook_args, pg_loss=torch.cat(batch.rows(per_token)), train_log_probs=batch.rows(trainer_log_probs),
-            rollout_log_probs=batch.rows(batch.rollout_log_probs), loss_masks=masks,
-            total_lengths=[start + 1 + n for start, n in zip(batch.starts, batch.lengths)],
-            response_lengths=list(batch.lengths))
-        weighted = batch.unrows(list(pg_loss.split(batch.lengths)))
-        if new_masks is not masks:
-            weighted = weighted * batch.unrows([m.to(weighted.dtype) for m in new_masks])
-        flat_mask = torch.cat(masks)
-        for name, values in tis_metrics.items():
-            metrics[name].append(_masked_mean(values, flat_mask))
-        return weighted
-
-    def _score_centering(self, batch: PackedBatch, out: Forward, log_probs: torch.Tensor,
-                         metrics: dict) -> torch.Tensor:
-        """Per-token centring correction ([B, T-1], differentiable) and its diagnostics."""
-        rows = batch.head_rows
-        if batch.head_valid is None:
-            corr, sampler_mass, train_mass = topk_correction(out.head_log_probs[rows], batch.head_log_probs[rows],
-                                                             **self.sc_weighting)
-        else:
-            valid = batch.head_valid[rows]
-            offsets = torch.zeros(valid.shape[0] + 1, dtype=torch.long)
-            torch.cumsum(valid.sum(-1), 0, out=offsets[1:])
-            corr, sampler_mass, train_mass = support_correction(
-                out.head_log_probs[rows][valid], batch.head_log_probs[rows][valid], offsets, **self.sc_weighting)
-        correction = torch.zeros_like(log_probs).masked_scatter(rows, corr)
-        mask = batch.response_mask
-        for name, values in (("sc_correction", correction),
-                             ("sc_sampler_head_mass", torch.zeros_like(mask).masked_scatter(rows, sampler_mass)),
-                             ("sc_train_head_mass", torch.zeros_like(mask).masked_scatter(rows, train_mass)),
-                             ("sc_importance_weight", sampled_importance_weight(
-                                 log_probs, batch.rollout_log_probs, **self.sc_weighting))):
-            metrics[name].append(_masked_mean(values, mask))
-        return correction
-
-    def _logprob_metrics(self, batch: PackedBatch, log_probs: torch.Tensor, on_policy: torch.Tensor,
-                         metrics: dict) -> None:
-        mask = batch.response_mask
-        if batch.rollout_log_probs.abs().sum() > 0:
-            diff = (batch.rollout_log_probs - log_probs.detach()).abs() * mask
-            metrics["train_rollout_logprob_abs_diff"].append(float(diff.sum()) / float(mask.sum().clamp(min=1)))
-            # The worst token (untrained positions are 0 in ``diff``): what bf16 costs shows here first.
-            metrics["train_rollout_logprob_abs_diff_max"].append(float(diff.max()))
-            on_mask = mask * on_policy
-            if on_mask.sum() > 0:
-                metrics["onpolicy_logprob_abs_diff"].append(float((diff * on_policy).sum() / on_mask.sum()))
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _writes_files(self) -> bool:
