@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from straw.errors import WriterBusy
+from straw.errors import UnsafeRecovery, WriterBusy
 
 from vime.queue.journal_view import JournalView
 
@@ -37,6 +37,14 @@ def writer_ids(data_dir: str) -> list[str]:
     return sorted(name for shard in os.listdir(root) for name in os.listdir(os.path.join(root, shard)))
 
 
+def never_started(data_dir: str, writer: str) -> bool:
+    """Whether ``writer`` died between creating its journal and writing the journal's first transaction
+    (its identity): an empty journal, so it published nothing. straw refuses to recover such a writer
+    (UnsafeRecovery: "Journal run/configuration identity mismatch"); there is nothing to recover."""
+    journal = os.path.join(data_dir, "control", "writers", writer[:2], writer, "operations", "control", "journal.log")
+    return os.path.isfile(journal) and os.path.getsize(journal) == 0
+
+
 def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
     attempts: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for event in view.of_type("Leased"):
@@ -58,11 +66,16 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
     attempts = attempts_by_writer(view)
     completed = {(e["lease"]["task_id"], e["lease"]["attempt_id"]) for e in view.of_type("Completed")}
     inputs = {e["input_ref"]["digest"] for e in view.of_type("Yielded") if e.get("input_ref")}
-    retired = released = 0
+    retired = released = unstarted = 0
     for writer in dead:
         try:
             store.retire_writer(writer, policy="recover")
         except WriterBusy:
+            continue
+        except UnsafeRecovery:
+            if not never_started(data_dir, writer):
+                raise
+            unstarted += 1   # killed while it was being created (seen after a SIGKILL of the whole job)
             continue
         retired += 1
         for task_id, attempt_id in attempts.get(writer, []):
@@ -74,7 +87,7 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
                 if orphans:
                     store.release_publications(orphans)
                     released += len(orphans)
-    return {"writers_retired": retired, "publications_released": released}
+    return {"writers_retired": retired, "publications_released": released, "writers_never_started": unstarted}
 
 
 def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None) -> dict[str, int]:

@@ -66,6 +66,9 @@ class MemoryRolloutQueue:
     def task(self, task_id: str) -> PromptTask:
         return self._entries[task_id].task
 
+    def has_task(self, task_id: str) -> bool:
+        return task_id in self._entries
+
     def regenerate(self, task: PromptTask, request_id: str) -> None:
         if task.task_id not in self._entries:
             self._entries[task.task_id] = _Entry(task, order=next(self._order))

@@ -107,6 +107,9 @@ class StrawRolloutQueue:
         spec = self.coordinator.task_status(task_id)["spec"]
         return PromptTask.from_metadata(task_id, spec["metadata"])
 
+    def has_task(self, task_id: str) -> bool:
+        return task_id in self.coordinator.tasks
+
     def regenerate(self, task: PromptTask, request_id: str) -> None:
         """Submit a prompt again without moving the dataset cursor (idempotent per request id)."""
         self.coordinator.submit_tasks(request_id, [self._spec(task)])

@@ -52,7 +52,7 @@ class PromptTask:
     def regenerated(self, position: int) -> "PromptTask":
         """The same prompt again, for the stale group accepted at ``position`` (a deterministic id
         makes the resubmission idempotent)."""
-        return PromptTask(f"r{position:09d}", self.group_index, self.epoch, self.prompt_index)
+        return PromptTask(regenerated_id(position), self.group_index, self.epoch, self.prompt_index)
 
     def retried(self) -> "PromptTask":
         """The same prompt again as a fresh task, for a task that ended failed (see
@@ -66,6 +66,12 @@ class PromptTask:
     @property
     def priority(self) -> int:
         return CONTINUATION_PRIORITY if self.stage == "continuation" else FRESH_PRIORITY
+
+
+def regenerated_id(position: int) -> str:
+    """The id the prompt of the accepted group at ``position`` is submitted again under (deterministic:
+    once submitted, in any lineage of the run, the group is never trained itself)."""
+    return f"r{position:09d}"
 
 
 def retry_id(task_id: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import msgspec
 
 from vime.recovery.faults import fault_point
+from vime.recovery.lineage import Lineage
 from vime.runtime.durable import fsync_path
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -35,6 +36,8 @@ class CheckpointState(msgspec.Struct, frozen=True):
     run_options: dict[str, Any]     # options a resumed run must not change
     step_cursors: list[int] = []    # consumer cursor after each step of this lineage
     skipped: list[int] = []         # positions before the cursor not trained (too stale; regenerated)
+    # restores in place of this lineage (recovery/lineage.py): which versions are lost, which step a version is
+    lineage: Lineage = msgspec.field(default_factory=Lineage)
 
 
 def iteration_dir(root: str, step: int) -> str:

@@ -38,6 +38,7 @@ from vime.runtime.plugins import PluginError, absolute_plugin_path, load_hook
 from vime.weights.policy import flush_for_sync
 from vime.recovery import checkpoint as ckpt
 from vime.recovery import faults
+from vime.recovery.lineage import Lineage
 
 POLL_SECONDS = 0.05
 # A rollout worker's process imports vime, torch and transformers and loads the tokenizer before it opens
@@ -93,12 +94,16 @@ class TrainingRun:
         self.worker_restarts = 0
         self.engine_errors_seen = 0          # the rollout workers' engine_errors at the last step
         self.leftover: list[str] = []        # processes of the run the teardown could not stop
+        self.guard = None                    # vime.runtime.incarnations.RunGuard: the reaper and the record
         self.ray_started = False
         self.last_saved_step: int | None = None
         self.version = 0                     # the weight version every engine serves
         self.cursor = 0                      # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []    # the cursor after each step of this lineage
         self.skipped: list[int] = []         # positions passed over as too stale (prompts regenerated)
+        self.lineage = Lineage()             # restores in place: which versions are lost (recovery/lineage.py)
+        self.step = 0                        # steps trained in the surviving lineage
+        self.restarter = None                # vime.workers.trainer_restart.TrainerRestarter
 
     # ================================================================== entry
     def run(self) -> int:
@@ -106,6 +111,7 @@ class TrainingRun:
             from vime.replay import replay
             return replay(self.s, self.log)
         try:
+            self._guard_processes()
             self._check_inputs()
             self._start_processes()
             start_step, version = self._restore()
@@ -119,6 +125,15 @@ class TrainingRun:
             self._teardown()
 
     # ================================================================== set-up
+    def _guard_processes(self) -> None:
+        """Before any process starts: stop what dead runs on this queue left behind, and start the reaper
+        that stops this run's processes if the driver dies without its teardown (a SIGKILL, the OOM
+        killer). See vime/runtime/reaper.py and vime/runtime/incarnations.py."""
+        from vime.runtime.incarnations import RunGuard
+
+        self.guard = RunGuard.start(self.token, data_dir=self.s.rollout_data_dir, run_dir=self.run_dir,
+                                    say=self.log.say)
+
     def _check_inputs(self) -> None:
         s = self.s
         keys = DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key)
@@ -281,6 +296,10 @@ class TrainingRun:
         import ray
 
         os.environ["VIME_RUN_TOKEN"] = self.token  # every process started below inherits it
+        # Ray's workers retitle themselves ("ray::TrainerWorker.train_rollout") with setproctitle's code,
+        # which would otherwise overwrite the memory /proc/PID/environ reads, hiding the token from the
+        # sweeps (the teardown's, the reaper's: vime/runtime/reaper.py).
+        os.environ["SPT_NOENV"] = "1"
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -508,6 +527,7 @@ class TrainingRun:
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
         self.skipped = list(state.skipped)
+        self.lineage = state.lineage
         self._publish(state.weight_version, sync_number=1)
         return state.step, state.weight_version
 
@@ -647,7 +667,8 @@ class TrainingRun:
                 last_progress = time.monotonic()
                 time.sleep(POLL_SECONDS)
                 continue
-            taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained))
+            taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained,
+                                                               lineage=self.lineage))
             if taken.groups:
                 return taken
             self._check_workers()
@@ -655,7 +676,7 @@ class TrainingRun:
             if stats.end_of_data:
                 # The prompts are exhausted: the last step trains whatever was accepted.
                 taken = ray.get(self.controller.take_groups.remote(self.cursor, count, self.version, self.trained,
-                                                                   allow_partial=True))
+                                                                   allow_partial=True, lineage=self.lineage))
                 if taken.groups:
                     return taken
                 if taken.skipped:  # only stale groups were left: their prompts are being regenerated
@@ -689,7 +710,7 @@ class TrainingRun:
         self.log.write({"kind": "weight_sync", **report})
         # --
         self.version = version
-        ray.get(self.controller.sync.remote(version, self.cursor, self.trained))
+        ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
         return time.monotonic() - started
 
     def _colocated_memory(self):
@@ -709,6 +730,10 @@ class TrainingRun:
     def _train(self, start_step: int, version: int) -> int:
         import ray
 
+        from vime.workers.trainer_group import TrainerDied
+        from vime.workers.trainer_restart import TrainerStepFailed
+
+        assert version == self.version  # what every engine serves; _publish keeps it from now on
         s = self.s
         batch = s.rollout.rollout_batch_size
         sync_number = 1 if self.resume else 0  # the restore already published once
@@ -719,42 +744,29 @@ class TrainingRun:
                      f"{s.rollout.n_samples_per_prompt} sample(s)")
         colocation = self._colocated_memory()
         colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
-        for rollout_id in range(start_step, s.train.num_rollout):
+        self.restarter = self._trainer_restarter()
+        rollout_id = self.step = start_step
+        while rollout_id < s.train.num_rollout:
             _raise_if_interrupted()
             try:
                 taken = self._wait_for_groups(batch, rollout_id + 1)
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
-            groups = taken.groups
-            colocation.before_training()
             try:
-                metrics = self.trainer.run("train_rollout", rollout_id, groups, version, timeout=None)
-            except ray.exceptions.RayActorError as error:
-                where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
-                raise RunError(f"the trainer process died during step {rollout_id + 1}; its state since the last "
-                               f"checkpoint is lost; {where} (no accepted sample is lost). Cause: {error}") from None
-            if s.debug.save_debug_rollout_data:  # debug replay: archive the batch just trained (vime/replay.py)
-                from vime.replay import save_trained_batch
-                save_trained_batch(self, rollout_id, groups, version, metrics)
-            self.cursor = taken.next_cursor
-            self.skipped.extend(taken.skipped)
-            self.step_cursors.append(self.cursor)
+                metrics = self._train_step(rollout_id, taken, colocation, sync_number=sync_number + 1)
+            except (TrainerDied, TrainerStepFailed) as error:  # restored in place, or the run stops
+                rollout_id = self._restart_trainer(error, rollout_id + 1, colocation)
+                sync_number = 1  # the restore published once, flushing
+                continue
             sync_number += 1
-            version += 1
-            sync_seconds = self._publish(version, sync_number=sync_number)
-            colocation.after_weight_update()
-            step = rollout_id + 1
-            if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
-                self._save(step, version)
-            elif not s.checkpoint.save:
-                ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
+            rollout_id = step = self.step = rollout_id + 1
+            version = self.version
             stats = ray.get(self.controller.stats.remote())
             now = time.monotonic()
             step_seconds = now - window[-1][0]
             window.append((now, stats.accepted_response_tokens))
             record = {"kind": "train", "step": step, "weight_version": version, **metrics,
-                      "weight_sync_seconds": sync_seconds,
                       "rollout_tokens_per_s": (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0]),
                       "train_tokens_per_s": metrics["train_tokens"] / max(metrics["train_seconds"], 1e-9),
                       "queue_depth": stats.queue_depth, "queue_pending": stats.pending,
@@ -766,7 +778,116 @@ class TrainingRun:
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
                 self._evaluate(version, step=step, label=f"step {step}")
+        return self.version
+
+    def _train_step(self, rollout_id: int, taken, colocation, *, sync_number: int) -> dict[str, Any]:
+        """Train on ``taken``, publish the new weights, checkpoint or commit: the trainer's part of a step
+        (what a trainer restored in place redoes). Returns the step's metrics."""
+        import ray
+
+        from vime.workers.trainer_restart import TrainerStepFailed
+
+        s, step = self.s, rollout_id + 1
+        colocation.before_training()
+        try:
+            metrics = self.trainer.train_rollout(rollout_id, taken.groups, self.version, self.lineage)
+        except ray.exceptions.RayTaskError as error:
+            if isinstance(_unwrap(error), _user_errors()):
+                raise  # the user's to fix: it would fail again after a restart
+            raise TrainerStepFailed(f"{type(_unwrap(error)).__name__}: {_unwrap(error)}") from error
+        if s.debug.save_debug_rollout_data:  # debug replay: archive the batch just trained (vime/replay.py)
+            from vime.replay import save_trained_batch
+            save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
+        self.cursor = taken.next_cursor
+        self.skipped.extend(taken.skipped)
+        self.step_cursors.append(self.cursor)
+        metrics["weight_sync_seconds"] = self._publish(self.version + 1, sync_number=sync_number)
+        colocation.after_weight_update()
+        if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
+            self._save(step, self.version)
+        elif not s.checkpoint.save:
+            ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
+        return metrics
+
+    def _trainer_restarter(self):
+        from vime.workers.trainer_restart import TrainerRestarter
+
+        return TrainerRestarter(self.trainer, budget=self.s.checkpoint.trainer_restart_budget,
+                                save_dir=self.s.checkpoint.save, resumed=self.resume)
+
+    def _restart_trainer(self, error: Exception, step: int, colocation) -> int:
+        """The trainer died during ``step`` (or failed inside it, not by the user's fault): restore it in place
+        from the lineage's latest checkpoint while generation goes on (workers/trainer_restart.py), or stop the
+        run when --trainer-restart-budget is spent. Returns the rollout id to go on from."""
+        from vime.workers.trainer_group import TrainerDied
+        from vime.workers.trainer_restart import RestartCause, restart_cause
+
+        restarter = self.restarter
+        cause = restart_cause(error)
+        started = time.monotonic()
+        while True:
+            if restarter.spent:
+                raise self._trainer_lost(error, step, cause)
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.log.say(f"the trainer {cause.value} during step {step} ({first_line}); restarting it in place "
+                         f"({restarter.used + 1}/{restarter.budget} of --trainer-restart-budget) while generation "
+                         "goes on")
+            try:
+                restored = restarter.restore(self.last_saved_step)
+                version = self._serve_restored(restored, colocation)
+                break
+            except TrainerDied as again:  # it died again while being restored: that is one more restart
+                error, cause = again, RestartCause.DIED
+        self.step = restored.step
+        seconds = time.monotonic() - started
+        self.log.write({"kind": "trainer_restart", "step": step, "cause": cause.value, "error": str(error)[:2000],
+                        "restored_step": restored.step, "checkpoint": restored.folder, "weight_version": version,
+                        "lost_versions": [restored.weight_version + 1, version - 1], "seconds": round(seconds, 3),
+                        "restarts": restarter.used, "budget": restarter.budget})
+        self.log.say(f"trainer restored in {seconds:.1f}s from "
+                     + (restored.folder or "the initial weights (no checkpoint yet)")
+                     + f": step {restored.step}, serving as weight version {version} (versions "
+                     f"{restored.weight_version + 1}..{version - 1} are lost; groups carrying them are generated "
+                     "again)")
+        return restored.step
+
+    def _serve_restored(self, restored, colocation) -> int:
+        """Rewind to what the restored trainer holds and publish it to the engines; returns its new version."""
+        import ray
+
+        from vime.weights.disk import published_versions
+
+        if not ray.get(self.controller.history_available.remote(restored.consumer_cursor)):
+            raise RunError(f"the trainer cannot be restored to step {restored.step}: the accepted groups after it "
+                           "were reclaimed by --rollout-queue-online-gc") from None
+        # Back to the restored step's cursor: the groups accepted after it are trained again (those that carry
+        # tokens of lost versions are not: their prompts run again, recovery/lineage.py).
+        self.cursor, self.step_cursors, self.skipped = (restored.consumer_cursor, restored.step_cursors,
+                                                        restored.skipped)
+        # Versions only ever increase: one the dead trainer wrote but no engine loaded is lost too, and so is
+        # one an earlier attempt of this restore gave out.
+        version = 1 + max([self.version, *published_versions(self.s.weight_dir),
+                           *(r.version for r in self.lineage.restores)])
+        self.lineage = self.lineage.restored(step=restored.step, restored_version=restored.weight_version,
+                                             new_version=version)
+        if self.weight_sync is not None:
+            self.weight_sync.trainer_restarted()
+        self._publish(version, sync_number=1)  # flushes: requests in flight run on weights that are lost
+        colocation.after_weight_update()
         return version
+
+    def _trainer_lost(self, error: Exception, step: int, cause) -> Exception:
+        """The error that stops the run when the trainer cannot be restored (any more)."""
+        from vime.workers.trainer_restart import RestartCause
+
+        s, budget = self.s, self.restarter.budget
+        if cause is RestartCause.INTERNAL_ERROR:
+            return error.__cause__ or error  # an internal error: reported as before
+        where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
+        spent = (f" It was restarted in place {budget} time(s): --trainer-restart-budget {budget} is spent."
+                 if budget else "")
+        return RunError(f"the trainer process died during step {step}; its state since the last checkpoint is "
+                        f"lost; {where} (no accepted sample is lost).{spent} Cause: {error}")
 
     # ================================================================== evaluation and the end
     def _evaluate(self, version: int, *, step: int, label: str) -> dict[str, float]:
@@ -796,7 +917,7 @@ class TrainingRun:
 
         state = ckpt.CheckpointState(schema=1, step=step, weight_version=version, consumer_cursor=self.cursor,
                                      run_options=self._run_options(), step_cursors=list(self.step_cursors),
-                                     skipped=list(self.skipped))
+                                     skipped=list(self.skipped), lineage=self.lineage)
         folder = ckpt.save_checkpoint(self.s.checkpoint.save, state,
                                       lambda path: self.trainer.run("save_checkpoint", path, timeout=3600,
                                                                     what=f"saving {path}"))
@@ -843,11 +964,11 @@ class TrainingRun:
 
         s = self.s
         self._stop_rollout_workers()
-        after = self._evaluate(version, step=version, label="after training")
+        after = self._evaluate(version, step=self.step, label="after training")
         for name, before in self.before.items():
             self.log.say(f"held-out reward on {name!r}: {before:.3f} -> {after[name]:.3f}")
-        if s.checkpoint.save and self.last_saved_step != version:
-            self._save(version, version)  # one step per weight version: the final step is the version
+        if s.checkpoint.save and self.last_saved_step != self.step:
+            self._save(self.step, version)  # a restore in place publishes a version that is no step
         if s.checkpoint.save_hf:
             path = os.path.join(self.run_dir, "hf_final")
             self.trainer.run("save_hf", path, timeout=3600, what=f"saving {path}")
@@ -904,6 +1025,9 @@ class TrainingRun:
         self.leftover = sweep_run_processes(self.token, exclude_pids=[os.getpid()])
         if self.leftover:
             self.log.say("these processes of the run could not be stopped: " + "; ".join(self.leftover))
+        if self.guard is not None:
+            with contextlib.suppress(Exception):  # the record stays: the next start on this queue sweeps it
+                self.guard.close(everything_stopped=not self.leftover)
         self.log.close()
         _TEARING_DOWN.clear()
         _HURRIED.clear()

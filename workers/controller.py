@@ -28,10 +28,11 @@ from vime.data.source import DataKeys, DatasetCursor, PromptRecord, open_prompt_
 from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
 from vime.recovery.faults import fault_point
+from vime.recovery.lineage import Lineage
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.records import decode_group
-from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport
+from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport, regenerated_id
 from vime.queue.transport import ObjectStoreTransport
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class Controller:
         self.reclaimed_bytes = 0
         self.rejected: set[str] = set()          # task ids the dynamic filter dropped (this incarnation)
         self.min_versions: dict[int, int] = {}   # oldest token version of each accepted group
+        self.token_versions: dict[int, frozenset[int]] = {}  # every version of a group that may carry lost ones
+        self.lineage = Lineage()                 # the driver's, restated by sync()/take_groups()
         self.regenerated: set[int] = set()       # positions whose prompt was submitted again
         self._refill()
 
@@ -169,7 +172,8 @@ class Controller:
         counts = self.queue.counts()
         stale_ahead = sum(1 for position in self.regenerated if position >= self.consumed)
         outstanding = counts.get("leased", 0) + (self.accepted - self.consumed - stale_ahead)
-        limit = (self.weight_version + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
+        step = self.lineage.step_of(self.weight_version)  # a restore's jump in numbering is no step
+        limit = (step + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
         return max(0, limit - self.trained - outstanding)
 
     def lease(self, worker_id: str, max_tasks: int) -> list[LeasedPrompt]:
@@ -235,31 +239,37 @@ class Controller:
         return report
 
     # ------------------------------------------------------------------ trainer
-    def sync(self, weight_version: int, cursor: int, trained: int) -> None:
+    def sync(self, weight_version: int, cursor: int, trained: int, lineage: Lineage | None = None) -> None:
         """The driver's view: every engine serves ``weight_version``, the groups before ``cursor``
-        are done with, ``trained`` of them were trained. Admission moves on with them. Idempotent."""
+        are done with, ``trained`` of them were trained, ``lineage`` says which versions were lost to
+        a trainer restored in place (recovery/lineage.py). Admission moves on with them. Idempotent;
+        the cursor may move back (a restored trainer retrains the groups after its checkpoint)."""
         self.weight_version = weight_version
         self.consumed, self.trained = cursor, trained
+        if lineage is not None:
+            self.lineage = lineage
 
     def take_groups(self, cursor: int, count: int, weight_version: int, trained: int, *,
-                    allow_partial: bool = False) -> TakenGroups:
+                    allow_partial: bool = False, lineage: Lineage | None = None) -> TakenGroups:
         """The next ``count`` trainable accepted groups from ``cursor`` on, in acceptance order, or
         none until that many exist (``allow_partial``: whatever exists, for the last step).
 
-        A group whose oldest token is more than --max-staleness versions older than
-        ``weight_version`` (the policy that would train it) is skipped and its prompt submitted
-        again: it is never trained, and never lost. Every call restates the driver's view (as
-        sync() does), so a restarted controller admits work again as soon as the trainer asks.
+        A group whose oldest token is more than --max-staleness steps (of the surviving lineage:
+        ``lineage``) older than ``weight_version`` (the policy that would train it) is skipped and its prompt submitted
+        again: it is never trained, and never lost. So is a group carrying a token of a lost version
+        (weights of steps a restored trainer threw away), and a group whose prompt was already submitted
+        again (in a lineage that was lost since): its prompt is trained through the resubmission only.
+        Every call restates the driver's view (as sync() does), so a restarted controller admits work
+        again as soon as the trainer asks.
         """
-        self.sync(weight_version, cursor, trained)
+        self.sync(weight_version, cursor, trained, lineage)
         groups, skipped, position = [], [], cursor
         while len(groups) < count and position < self.accepted:
             page, _ = self.queue.accepted(position, min(count - len(groups), self.accepted - position))
             if not page:
                 break
             for group in page:
-                oldest = self._min_version(group)
-                if oldest is not None and weight_version - oldest > self.spec.max_staleness:
+                if not self._trainable(group, weight_version):
                     skipped.append(group.position)
                     self._regenerate(group)
                 else:
@@ -269,20 +279,45 @@ class Controller:
             return TakenGroups([], [], cursor)
         return TakenGroups(groups, skipped, position)
 
+    def _trainable(self, group: AcceptedGroup, weight_version: int) -> bool:
+        """Whether the policy at ``weight_version`` may train ``group`` (see take_groups)."""
+        if group.position in self.regenerated or self.queue.has_task(regenerated_id(group.position)):
+            return False
+        oldest = self._min_version(group)
+        if oldest is None:
+            return True  # unreadable here: the trainer reads it and stops the run naming the group
+        if oldest <= self.lineage.newest_lost:  # it may carry tokens of lost versions: look at every one
+            versions = self._token_versions(group)
+            if versions is not None and any(self.lineage.lost(v) for v in versions):
+                return False
+        return self.lineage.staleness(weight_version, oldest) <= self.spec.max_staleness
+
+    def _read_samples(self, group: AcceptedGroup) -> list | None:
+        try:
+            if isinstance(self.queue, StrawRolloutQueue):
+                return decode_group(list(self.queue.store.read(group.ref)))
+            return ObjectStoreTransport().read(group.ref)
+        except Exception as error:  # corrupt or reclaimed: not the controller's call to make
+            logger.warning("accepted group %s: payload unreadable (%s); leaving it to the trainer",
+                           group.task_id, error)
+            return None
+
+    def _token_versions(self, group: AcceptedGroup) -> frozenset[int] | None:
+        if group.position not in self.token_versions:
+            samples = self._read_samples(group)
+            if samples is None:
+                return None
+            self.token_versions[group.position] = frozenset(v for s in samples for v in s.weight_versions)
+        return self.token_versions[group.position]
+
     def _min_version(self, group: AcceptedGroup) -> int | None:
         """The oldest token version of an accepted group; None when its payload cannot be read
         here (the trainer then reads it and stops the run naming the group)."""
         if group.position not in self.min_versions:  # accepted before a controller restart
-            try:
-                if isinstance(self.queue, StrawRolloutQueue):
-                    samples = decode_group(list(self.queue.store.read(group.ref)))
-                else:
-                    samples = ObjectStoreTransport().read(group.ref)
-            except Exception as error:  # corrupt or reclaimed: not the controller's call to make
-                logger.warning("accepted group %s: payload unreadable (%s); leaving it to the trainer",
-                               group.task_id, error)
+            versions = self._token_versions(group)
+            if versions is None:
                 return None
-            self.min_versions[group.position] = min((v for s in samples for v in s.weight_versions), default=0)
+            self.min_versions[group.position] = min(versions, default=0)
         return self.min_versions[group.position]
 
     def _regenerate(self, group: AcceptedGroup) -> None:

@@ -475,6 +475,15 @@ class WeightSync:
                 "weight_publish_seconds": report["seconds"], "weight_load_seconds": max(results[len(sent):])}
 
 
+    def trainer_restarted(self) -> None:
+        """The trainer's ranks were started again (workers/trainer_restart.py): the engines leave the NCCL
+        group the dead rank 0 formed; the next synchronisation forms a new one. Disk needs nothing."""
+        if self.nccl_metadata is not None:
+            engines = [actor for url, actor in self.nccl_members if self.engines and url in self.engines.urls]
+            wait_all([actor.nccl_leave.remote() for actor in engines], self.timeout,
+                     "leaving the dead trainer's NCCL weight group", error=WeightError)
+            self.nccl_metadata, self.nccl_members = None, ()
+
     def _close_nccl(self, still_there: list) -> None:
         """Everyone still alive leaves the old group; the next synchronisation forms a new one."""
         leaving = [actor.nccl_leave.remote() for actor in still_there] + [self.trainer.leader.nccl_close.remote()]

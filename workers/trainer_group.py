@@ -4,6 +4,10 @@
 rank, because the ranks meet inside collectives (gradient sums, tensor-parallel gathers, checkpoint
 barriers); rank 0's answer is the group's. A rank that fails fails the call at once: the others would wait
 for it in their next collective.
+
+When a rank dies, :meth:`TrainerGroup.run` raises :class:`TrainerDied`; :meth:`TrainerGroup.restart` then
+kills what is left of the group and starts every rank again from the same spec (the driver's
+workers/trainer_restart.py decides whether, and restores the state).
 """
 
 from __future__ import annotations
@@ -15,11 +19,18 @@ from vime.workers.calls import wait_all
 COLLECTIVE_TIMEOUT_S = 1800.0
 
 
+class TrainerDied(RuntimeError):
+    """A rank's process is gone (killed, out of memory, its node lost): the group's state since the
+    last checkpoint is lost with it."""
+
+
 class TrainerGroup:
-    def __init__(self, ranks: list):
+    def __init__(self, ranks: list, *, spec=None, gpus_per_rank: float = 0, timeout: float = 600.0):
         if not ranks:
             raise ValueError("a trainer group needs at least one rank")
         self.ranks = list(ranks)
+        # What start() was given, so that restart() builds the same group again.
+        self.spec, self.gpus_per_rank, self.timeout = spec, gpus_per_rank, timeout
 
     @property
     def leader(self):
@@ -30,18 +41,52 @@ class TrainerGroup:
     def start(cls, spec, world_size: int, *, gpus_per_rank: float = 0, timeout: float = 600.0) -> "TrainerGroup":
         """Start ``world_size`` ranks of ``TrainerWorker(spec)``; with more than one, form their process group
         (rank 0's node serves the rendezvous) and build each rank's backend inside it."""
+        group = cls(cls._create_ranks(spec, world_size, gpus_per_rank), spec=spec, gpus_per_rank=gpus_per_rank,
+                    timeout=timeout)
+        group._join()
+        return group
+
+    @staticmethod
+    def _create_ranks(spec, world_size: int, gpus_per_rank: float) -> list:
         import ray
 
         from vime.workers.trainer_worker import TrainerWorker
 
         remote = ray.remote(num_cpus=0, num_gpus=gpus_per_rank)(TrainerWorker)
-        ranks = [remote.remote(spec, rank=rank, world_size=world_size) for rank in range(world_size)]
-        group = cls(ranks)
-        if world_size > 1:
-            address, port = ray.get(group.leader.rendezvous_endpoint.remote(), timeout=timeout)
-            group.run("join", address, port, COLLECTIVE_TIMEOUT_S, timeout=timeout,
-                      what=f"forming the trainer's process group ({world_size} ranks)")
-        return group
+        return [remote.remote(spec, rank=rank, world_size=world_size) for rank in range(world_size)]
+
+    def _join(self) -> None:
+        import ray
+
+        if len(self.ranks) > 1:
+            address, port = ray.get(self.leader.rendezvous_endpoint.remote(), timeout=self.timeout)
+            self._wait([rank.join.remote(address, port, COLLECTIVE_TIMEOUT_S) for rank in self.ranks], self.timeout,
+                       f"forming the trainer's process group ({len(self.ranks)} ranks)")
+
+    def restart(self) -> None:
+        """Kill every rank still alive (the survivors of a dead one would wait for it in their next
+        collective) and start the group again from the same spec: fresh ranks from --hf-checkpoint,
+        whose state the caller then loads. The group object stays the same: whoever holds it (the
+        weight synchronisation, the colocated memory) calls the new ranks."""
+        if self.spec is None:
+            raise ValueError("a trainer group built from existing ranks cannot be restarted")
+        self.kill()
+        self.ranks = self._create_ranks(self.spec, len(self.ranks), self.gpus_per_rank)
+        self._join()
+        self.ready()
+
+    # ------------------------------------------------------------------ named calls (every rank)
+    def ready(self) -> None:
+        """Wait until every rank has built its backend (loaded --hf-checkpoint)."""
+        self._wait([rank.ready.remote() for rank in self.ranks], self.timeout, "starting the trainer")
+
+    def train_rollout(self, rollout_id: int, groups: list, policy_version: int, lineage=None) -> dict:
+        """One step on ``groups``; no time bound (a step's length is the user's)."""
+        return self._wait([rank.train_rollout.remote(rollout_id, groups, policy_version, lineage=lineage)
+                           for rank in self.ranks], None, f"training step {rollout_id + 1}")
+
+    def load_checkpoint(self, folder: str, *, timeout: float = 3600.0) -> None:
+        self._wait([rank.load_checkpoint.remote(folder) for rank in self.ranks], timeout, f"loading {folder}")
 
     def call(self, method: str, *args, **kwargs) -> list:
         """``method`` started on every rank; the object refs, rank 0's first."""
@@ -49,8 +94,16 @@ class TrainerGroup:
 
     def run(self, method: str, *args, timeout: float | None, what: str | None = None, **kwargs):
         """``method`` on every rank, waited for (the first failure raised at once); rank 0's result."""
-        refs = self.call(method, *args, **kwargs)
-        return wait_all(refs, timeout, what or f"the trainer's {method}")[0]
+        return self._wait(self.call(method, *args, **kwargs), timeout, what or f"the trainer's {method}")
+
+    def _wait(self, refs: list, timeout: float | None, what: str):
+        """Rank 0's result of calls on every rank; a dead rank raises TrainerDied at once."""
+        import ray
+
+        try:
+            return wait_all(refs, timeout, what)[0]
+        except ray.exceptions.RayActorError as error:
+            raise TrainerDied(f"a trainer rank died while {what}: {error}") from error
 
     def kill(self) -> None:
         import ray

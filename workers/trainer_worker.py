@@ -21,6 +21,7 @@ from vime.queue.tasks import AcceptedGroup
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
+from vime.recovery.lineage import Lineage
 from vime.rollout.rewards import reward_by_source
 from vime.sample import Sample
 from vime.weights.publisher import Publication, WeightPublisher
@@ -154,14 +155,17 @@ class TrainerWorker:
         by_position = {g.position: members for batch, result in zip(batches, read) for g, members in zip(batch, result)}
         return [sample for group in groups for sample in by_position[group.position]]
 
-    def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int) -> dict[str, float]:
-        """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics."""
+    def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int,
+                      lineage: Lineage | None = None) -> dict[str, float]:
+        """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics.
+        ``lineage``: the run's restores in place, so that staleness counts steps, not version numbers."""
         started = time.perf_counter()
         samples = self.read_groups(groups)
         read_seconds = time.perf_counter() - started
         fault_point("trainer.mid_step")
         metrics = self.backend.train_rollout(samples, policy_version)
-        staleness = [policy_version - min(s.weight_versions) for s in samples if s.weight_versions]
+        lineage = lineage or Lineage()
+        staleness = [lineage.staleness(policy_version, min(s.weight_versions)) for s in samples if s.weight_versions]
         metrics.update(
             rollout_id=float(rollout_id),
             reward_mean=statistics.fmean(s.reward or 0.0 for s in samples),  # SFT samples carry no reward

@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search-steps", type=int, default=5, help="doublings the search tries at most")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--cache", help="where the random models are kept (default: a temporary folder)")
+    parser.add_argument("--budget-gib", type=float,
+                        help="memory the ranks may use together (default: what is available at the start, less 1 GiB)")
     parser.add_argument("--rank-request", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.rank_request:
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         options.hidden, options.layers, options.vocab, options.tokens = 64, 2, 512, 32
         options.no_search, options.timeout = True, 300
     cache = options.cache or tempfile.mkdtemp(prefix="vime-bench-memory-")
-    budget = available_bytes() - GIB
+    budget = int(options.budget_gib * GIB) if options.budget_gib else available_bytes() - GIB
     print(f"memory available for the ranks: {budget / GIB:.1f} GiB", flush=True)
     try:
         rows = measure(options, cache, budget)

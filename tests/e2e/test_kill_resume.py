@@ -15,8 +15,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
-from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vime_args
-from vime.runtime.process import kill_processes_with_token
+from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, processes_with_token, run_token, vime_args
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
@@ -51,7 +50,8 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)   # the whole job, as a lost machine
         proc.wait(timeout=30)
-        kill_processes_with_token(run_token(run_dir))
+    # What left the process group (Ray's workers, the router) is stopped by the run's reaper, not here.
+    assert_nothing_left(run_dir, within=30)
 
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -67,3 +67,44 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     assert [g["step"] for g in trained] == sorted(g["step"] for g in trained)
     assert trained[-1]["step"] == NUM_PROMPTS // 4
     assert all(g["n_samples"] == 4 for g in trained)
+
+
+def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains(tmp_path, tiny_model_dir):
+    """The OOM killer's kill: SIGKILL of the driver process alone, on a run that started its own engine.
+    The parent-death signal stops only the driver's direct children; vLLM's EngineCore and Worker, Ray's
+    workers and the rest must be stopped by the run's reaper (vime/runtime/reaper.py) within a bounded
+    time, with this test sweeping nothing itself. The next run on the same queue then finds nothing left
+    and trains."""
+    prompts = tmp_path / "prompts.jsonl"
+    with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
+        prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--save", save,
+                     "--save-interval", "1", "--load", save, "--no-save-hf")
+    args[args.index("--prompt-data") + 1] = str(prompts)
+    args[args.index("--rollout-batch-size") + 1] = "4"
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 400
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    2/"):  # step 1 is checkpointed
+                break
+            assert time.monotonic() < deadline, "".join(seen)
+        assert any(line.startswith("step    2/") for line in seen), "".join(seen)
+        names = " ".join(" ".join(p.cmdline()[:1]) for p in processes_with_token(run_token(run_dir)))
+        assert "EngineCore" in names, names  # what the parent-death signal cannot reach is there
+    finally:
+        proc.kill()  # the driver alone
+        proc.wait(timeout=30)
+    killed = time.monotonic()
+    assert_nothing_left(run_dir, within=30)
+    print(f"nothing of the killed run left after {time.monotonic() - killed:.1f}s")
+
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resuming from" in result.stdout
+    assert "left by an earlier run" not in result.stdout  # the reaper had stopped everything
+    assert_nothing_left(run_dir)

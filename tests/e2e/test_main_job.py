@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
+from vime.runtime.process import kill_processes_with_token
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
@@ -52,12 +53,17 @@ def run_token(run_dir: str) -> str:
         return json.load(f)["run_token"]
 
 
-def assert_nothing_left(run_dir: str) -> None:
+def assert_nothing_left(run_dir: str, within: float = 15) -> None:
+    """No process of the run is alive ``within`` seconds; the caller swept nothing before. Only when
+    this fails are the leftovers killed (so that the tests after it are not poisoned)."""
     token = run_token(run_dir)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + within
     while (left := processes_with_token(token)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+    if left:
+        described = [" ".join(p.cmdline()[:4]) for p in left]
+        kill_processes_with_token(token)
+        raise AssertionError(f"{len(left)} process(es) of the run outlived it by {within:.0f}s: {described}")
 
 
 def read_accepted_groups(run_dir: str):

@@ -8,6 +8,7 @@ so each start costs seconds: the subject here is the queue and recovery, and eve
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import REPO
@@ -24,6 +26,9 @@ from vime.runtime.process import kill_processes_with_token
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 PLUGIN = os.path.join(REPO, "tests", "plugins", "steady_rollout.py") + ":generate_rollout"
 NUM_PROMPTS = 24
+# After a kill, every process of the job must be gone within this many seconds (the reaper sees the
+# driver's death at once and sweeps for a second after the last kill; the rest is a loaded machine).
+LEAK_BOUND_S = 20.0
 
 
 @dataclasses.dataclass
@@ -73,7 +78,7 @@ class Job:
         try:
             proc.wait(timeout=timeout)
         finally:
-            self.kill(proc)
+            self.kill(proc)  # a run that ended by itself is only checked: it must have left nothing
         return proc.returncode, self.last_log()
 
     def last_log(self) -> str:
@@ -81,19 +86,71 @@ class Job:
         with open(os.path.join(self.root, logs[-1])) as f:
             return f.read()
 
-    def kill(self, proc: subprocess.Popen) -> None:
-        """SIGKILL the whole job, then anything of it that left the process group."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def kill(self, proc: subprocess.Popen, *, driver_only: bool = False) -> None:
+        """SIGKILL the job if it still runs (its whole process group, as a lost terminal or a scheduler's
+        job kill would; ``driver_only``: the driver process alone, as the OOM killer would), then assert
+        that no process of the job is left a few seconds later. Stopping what left the group is the run's
+        own job (its reaper, vime/runtime/reaper.py): the harness sweeps only after that assertion
+        failed, so that a leak fails the test that caused it and not the tests after it."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if driver_only:
+                    proc.kill()
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        try:
-            with open(os.path.join(self.run_dir, "run.json")) as f:
-                token = json.load(f)["run_token"]
-        except FileNotFoundError:
-            return
+        assert_job_left_nothing(self.data_dir, self.run_dir, proc.pid)
+
+
+def job_processes(data_dir: str, run_dir: str, driver_pid: int) -> tuple[str | None, list[psutil.Process]]:
+    """(the run token of the job whose driver had ``driver_pid``, its processes still running).
+
+    The token is the driver's incarnation record (written before it starts any process; it stays when
+    the run dies without its teardown), else run.json (a clean teardown drops the record). A job's
+    processes: those carrying its token, its reaper, and whatever is still in its process group."""
+    from vime.runtime import incarnations
+    from vime.runtime.process import processes_with_tokens
+
+    record = next((r for r in incarnations.read(data_dir) if r.pid == driver_pid), None)
+    token = record.token if record else None
+    if token is None:
+        with contextlib.suppress(FileNotFoundError, KeyError, json.JSONDecodeError):
+            with open(os.path.join(run_dir, "run.json")) as f:
+                info = json.load(f)
+            token = info["run_token"] if info.get("pid") == driver_pid else None
+    found = {p.pid: p for p in processes_with_tokens([token]).get(token, [])} if token else {}
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (proc.pid not in found and os.getpgid(proc.pid) == driver_pid
+                    and proc.status() != psutil.STATUS_ZOMBIE):
+                found[proc.pid] = proc
+    if record and record.reaper_pid:
+        with contextlib.suppress(psutil.Error):
+            reaper = psutil.Process(record.reaper_pid)
+            if reaper.status() != psutil.STATUS_ZOMBIE and reaper.create_time() >= record.pid_start - 1:
+                found[reaper.pid] = reaper
+    return token, list(found.values())
+
+
+def assert_job_left_nothing(data_dir: str, run_dir: str, driver_pid: int, within: float = LEAK_BOUND_S) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        token, left = job_processes(data_dir, run_dir, driver_pid)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    if not left:
+        return
+    described = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"{proc.pid} ({' '.join(proc.cmdline()[:3])})")
+        with contextlib.suppress(psutil.Error):
+            proc.kill()  # clean up only now, so that later tests are not poisoned
+    if token:
         kill_processes_with_token(token)
+    raise AssertionError(f"{len(left)} process(es) of the job (driver pid {driver_pid}) outlived it by "
+                         f"{within:.0f}s: {'; '.join(described)}")
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,10 @@ def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
     # Two data-parallel trainer ranks: one of them is killed (the first to reach the point) while the other
     # would wait for it in the step's gradient sum, so the run must stop at once, not at the collective
     # timeout. A single rank's death takes the same path (workers/trainer_group.py), with nobody waiting.
+    # --trainer-restart-budget 0: stop and tell, as before restarts in place (with the default budget the
+    # run heals itself: tests/faults/test_trainer_restart.py).
     trainer = ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "1"]
-    proc = job.start(*trainer, faults="trainer.mid_step@5")
+    proc = job.start(*trainer, "--trainer-restart-budget", "0", faults="trainer.mid_step@5")
     try:
         proc.wait(timeout=600)
         exited = time.time()

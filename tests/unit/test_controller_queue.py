@@ -147,3 +147,31 @@ def test_stale_groups_are_skipped_and_their_prompts_regenerated_once(tmp_path, p
         leased[i].assignment.task.prompt_index for i in (0, 2))
     assert controller.stats().regenerated == 2
     controller.shutdown()
+
+
+def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(tmp_path, prompts):
+    """A SIGKILL of the whole job can land between a producer creating its straw journal and writing the
+    journal's first transaction (seen in the random-kill fault test): straw then refuses to recover it
+    (UnsafeRecovery). It published nothing, so reaping skips it; a dead writer that did publish is
+    still retired, and any other unrecoverable writer still stops the reaping."""
+    import os
+
+    from straw.errors import CorruptData, UnsafeRecovery
+
+    controller = Controller(make_spec(tmp_path, prompts))
+    data_dir = str(tmp_path / "queue")
+    [leased] = controller.lease("w", 1)
+    publish(tmp_path, "straw", leased)          # a producer that published, then died
+    unstarted = StrawTransport(StoreOptions(data_dir, "run"))
+    unstarted.publish([], task_id="x", attempt_id="y", submission_id="z")
+    unstarted_id = unstarted.store.writer_id
+    journal = os.path.join(data_dir, "control", "writers", unstarted_id[:2], unstarted_id, "operations", "control",
+                           "journal.log")
+    open(journal, "w").close()                  # what the kill left: the journal created, nothing in it
+    report = controller.reap_writers([])
+    assert report["writers_never_started"] == 1 and report["writers_retired"] >= 1
+    with open(journal, "wb") as f:
+        f.write(b"not a journal")               # not the empty journal of a kill: refused, not hidden
+    with pytest.raises((CorruptData, UnsafeRecovery)):
+        controller.reap_writers([])
+    controller.shutdown()

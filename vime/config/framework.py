@@ -530,8 +530,13 @@ class CheckpointConfig:
     load: str | None = option(None, "Resume from this checkpoint directory.")
     ckpt_step: int | None = option(None, "Step to load from --load (default: latest_checkpointed_iteration.txt).")
     save_hf: bool = option(True, "Save the final model as an HF checkpoint in <run-dir>/hf_final. vime-specific.")
+    trainer_restart_budget: int = option(
+        3, "Times a trainer that died (or failed with an internal error) is restarted in place from the latest "
+        "checkpoint in --save while generation goes on (docs/queue-and-recovery.md); 0: the run stops instead. "
+        "vime-specific.")
 
     def validate(self) -> None:
+        require(self.trainer_restart_budget >= 0, "--trainer-restart-budget", "must be >= 0")
         require(self.save_interval is None or self.save_interval >= 1, "--save-interval", "must be >= 1")
         require(self.save_interval is None or self.save is not None, "--save-interval", "needs --save")
         require(self.ckpt_step is None or self.load is not None, "--ckpt-step", "needs --load")

@@ -240,6 +240,32 @@ def sweep_run_processes(token: str, exclude_pids: Iterable[int] = (), *, settle:
         time.sleep(0.2)
 
 
+def processes_with_tokens(tokens: Iterable[str], exclude_pids: Iterable[int] = ()) -> dict[str, list[psutil.Process]]:
+    """The running processes carrying each of ``tokens``, found in one scan of the process table.
+
+    For the start-up check of earlier incarnations (vime/runtime/incarnations.py): one scan finds whether
+    any of them left something, where a sweep per token would cost a settle time each. Zombies are left
+    out (they hold no memory; their parent or init reaps them)."""
+    wanted = set(tokens)
+    found: dict[str, list[psutil.Process]] = {}
+    excluded = {os.getpid(), *exclude_pids}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid in excluded:
+                continue
+            token = proc.environ().get(RUN_TOKEN_ENV)
+            if token in wanted and _running(proc):
+                found.setdefault(token, []).append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def describe_process(proc: psutil.Process) -> str:
+    """"pid (command)" for messages that say what was stopped."""
+    return _describe(proc)
+
+
 def _with_token(token: str, excluded: set[int]) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():

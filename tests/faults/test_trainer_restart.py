@@ -1,0 +1,76 @@
+"""The trainer restarts in place (workers/trainer_restart.py): real SIGKILLs of a trainer rank's process while
+the rollout worker, the controller and the queue go on; the invariants are read from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.faults.conftest import check_invariants
+
+pytestmark = pytest.mark.integration
+
+TWO_RANKS = ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "1"]
+
+
+def records(job, kind: str) -> list[dict]:
+    with open(os.path.join(job.run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == kind]
+
+
+def test_a_trainer_killed_mid_step_is_restored_in_place_and_the_run_finishes(job):
+    # One of two ranks is killed in step 4 (the other waits for it in the gradient sum): both are started
+    # again from the checkpoint of step 2 (--save-interval 2), and the run goes on by itself. Step 3's
+    # weights (version 3) are lost: what they generated is generated again.
+    code, log = job.run(*TWO_RANKS, faults="trainer.mid_step@4")
+    assert code == 0, log[-3000:]
+    assert os.path.exists(os.path.join(job.root, "trainer.mid_step.fired"))
+    assert "the trainer died during step 4" in log and "restarting it in place (1/3" in log
+    assert "trainer restored in" in log and "iter_0000002" in log
+    assert log.count("starting Ray") == 1 and "rollout worker 0 died" not in log  # generation went on
+    [event] = records(job, "trainer_restart")
+    assert event["step"] == 4 and event["cause"] == "died" and event["restored_step"] == 2
+    assert event["checkpoint"].endswith("iter_0000002") and event["seconds"] > 0
+    train = records(job, "train")
+    before = [r for r in train if r["time"] < event["time"]]
+    after = [r for r in train if r["time"] > event["time"]]
+    assert [r["step"] for r in before] == [1, 2, 3] and [r["step"] for r in after][:2] == [3, 4]
+    # Versions only increase: the restored weights got a new number, and step 3's version is lost.
+    assert event["weight_version"] == 4 and event["lost_versions"] == [3, 3]
+    assert after[0]["weight_version"] == 5
+    assert not any("3" in r["tokens_per_version"] for r in after), "a token of the lost version was trained"
+    assert sum(r["groups_regenerated"] for r in after) > 0  # the groups version 3 generated
+    assert all(r["staleness_max"] <= 1 for r in after)  # in steps of the surviving lineage (--max-staleness 1)
+    facts = check_invariants(job)  # every prompt trained exactly once in the surviving lineage
+    assert facts["state"].lineage.restores[0].version == 4
+
+
+def test_a_trainer_killed_before_the_first_checkpoint_restarts_from_the_initial_weights(job):
+    code, log = job.run(faults="trainer.mid_step@2")  # --save-interval 2: nothing is saved before step 2 ends
+    assert code == 0, log[-3000:]
+    assert "from the initial weights (no checkpoint yet)" in log
+    [event] = records(job, "trainer_restart")
+    assert event["step"] == 2 and event["restored_step"] == 0 and event["checkpoint"] is None
+    check_invariants(job)
+
+
+def test_a_spent_restart_budget_stops_the_run_naming_the_flag(job):
+    # Without VIME_FAULT_STATE the point fires in every trainer process at its 3rd step: the first dies in
+    # step 3 (restored from step 2), the restarted one in step 5, with the budget of one restart spent.
+    proc = job.start("--trainer-restart-budget", "1", env={"VIME_FAULTS": "trainer.mid_step@3"})
+    try:
+        proc.wait(timeout=600)
+    finally:
+        job.kill(proc)
+    code, log = proc.returncode, job.last_log()
+    assert code == 1, log[-3000:]
+    assert "the trainer died during step 3" in log and "restarting it in place (1/1" in log
+    assert "the trainer process died during step 5" in log and "--trainer-restart-budget 1 is spent" in log
+    assert "resume with --load" in log
+    assert [(e["step"], e["restored_step"]) for e in records(job, "trainer_restart")] == [(3, 2)]
+    check_invariants(job, complete=False)
+    code, log = job.run()
+    assert code == 0, log[-3000:]
+    check_invariants(job)
