@@ -17,6 +17,8 @@ from vime.workers.calls import wait_all
 # Bounds every collective of the run: a rank waits this long for the slowest one (a long checkpoint
 # write on rank 0, say) before the group gives up.
 COLLECTIVE_TIMEOUT_S = 1800.0
+# How long a rank's failed call waits for Ray to report a peer's death (which is what usually made it fail).
+DEATH_GRACE_S = 10.0
 
 
 class TrainerDied(RuntimeError):
@@ -104,6 +106,29 @@ class TrainerGroup:
             return wait_all(refs, timeout, what)[0]
         except ray.exceptions.RayActorError as error:
             raise TrainerDied(f"a trainer rank died while {what}: {error}") from error
+        except ray.exceptions.RayTaskError as error:
+            # A rank whose peer died fails its collective first (gloo: "Connection reset by peer"), before Ray
+            # reports the peer's death: the death is the cause, not the survivor's error.
+            dead = self._dead_rank(refs)
+            if dead is not None:
+                raise TrainerDied(f"a trainer rank died while {what}: {dead}") from error
+            raise
+
+    @staticmethod
+    def _dead_rank(refs: list, grace: float = DEATH_GRACE_S):
+        """The RayActorError of a rank that died, among ``refs``, waiting up to ``grace`` seconds for Ray to
+        report it; None when every rank is alive."""
+        import ray
+
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace)
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as error:
+                return error
+            except Exception:  # noqa: BLE001 - another rank's own error: not a death
+                continue
+        return None
 
     def kill(self) -> None:
         import ray

@@ -77,6 +77,18 @@ def read_accepted_groups(run_dir: str):
     return [transport.read(group.ref) for group in JournalView.read(data_dir).accepted()]
 
 
+def accepted_groups_by_task(run_dir: str) -> dict[str, list]:
+    """Every accepted group, decoded, by the id of the task that produced it (a prompt regenerated as too
+    stale is accepted again under another task id, with the same group index)."""
+    from vime.queue.journal_view import JournalView
+    from vime.queue.rollout_queue import StoreOptions
+    from vime.queue.transport import StrawTransport
+
+    data_dir = os.path.join(run_dir, "rollout_data")
+    transport = StrawTransport(StoreOptions(data_dir, "vime"))
+    return {group.task_id: transport.read(group.ref) for group in JournalView.read(data_dir).accepted()}
+
+
 def continuation_prefixes(run_dir: str) -> list[tuple[str, list]]:
     """(task id, partial samples) of every group a flush sent back to the queue."""
     from vime.queue.journal_view import JournalView
@@ -194,7 +206,9 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None
     assert f"resuming from {ckpt.iteration_dir(save, done)}" in result.stdout
     assert_nothing_left(run_dir)
     # Every interrupted group that was resumed kept its prefix: tokens, versions and log-probs.
-    final = {f"g{g[0].group_index:09d}": g for g in read_accepted_groups(run_dir)}
+    # By task: a continuation skipped as too stale is accepted once more as a fresh task (same group index),
+    # generated from scratch; the continuation's own accepted group is the one that must keep its prefix.
+    final = accepted_groups_by_task(run_dir)
     resumed = [(task, group) for task, group in interrupted if task in final]
     assert resumed, "no continuation was resumed"
     for task, partial in resumed:

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.unit.test_process import _gone, _wait_for
 from vime.runtime import incarnations
 from vime.runtime.process import RUN_TOKEN_ENV, kill_processes_with_token, processes_with_tokens
 from vime.runtime.reaper import OwnerState, owner_alive, process_start_time, watch_owner
@@ -57,20 +58,6 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _start_driver(tmp_path: Path, token: str, mode: str, end: str = "hold") -> tuple[subprocess.Popen, dict]:
