@@ -5,8 +5,9 @@ VENV   := .venv
 STAMP  := $(VENV)/.installed
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
+RUFF   := $(VENV)/bin/ruff
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo lint test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,10 +23,15 @@ setup: $(STAMP)
 demo: setup
 	$(PY) examples/digit_shift/run_demo.py
 
-test: setup
+# ruff's lint rules and its formatter's check (configured in pyproject.toml), before any test runs.
+lint: setup
+	$(RUFF) check .
+	$(RUFF) format --check .
+
+test: setup lint
 	$(PY) -m pytest -q --durations=30 tests
 
-test-fast: setup
+test-fast: setup lint
 	$(PY) -m pytest -q tests -m "not e2e"
 
 clean:

@@ -88,8 +88,19 @@ class Config:
 
 
 # --smoke: the smallest configuration that runs every part of the loop.
-SMOKE = dict(batch=2, n=2, steps=2, eval_every=1, staleness=1, hidden_size=64, intermediate_size=128,
-             num_layers=1, num_heads=2, num_kv_heads=1, eval_prompts=16)
+SMOKE = dict(
+    batch=2,
+    n=2,
+    steps=2,
+    eval_every=1,
+    staleness=1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    eval_prompts=16,
+)
 
 
 def load_jsonl(path: str) -> list[dict]:
@@ -154,8 +165,13 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # Build through the real tool so that we calibrate exactly what it produces.
         path = make_tiny_model(
-            tmp, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, seed=cfg.seed,
+            tmp,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_layers,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            seed=cfg.seed,
         )
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -168,7 +184,7 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
 
     train_prompts, train_labels = encode(load_jsonl(os.path.join(EXAMPLE, "train.jsonl")))
     test_rows = load_jsonl(os.path.join(EXAMPLE, "test.jsonl"))
-    test_prompts, test_labels = encode(test_rows[:cfg.eval_prompts] if cfg.eval_prompts > 0 else test_rows)
+    test_prompts, test_labels = encode(test_rows[: cfg.eval_prompts] if cfg.eval_prompts > 0 else test_rows)
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -193,8 +209,14 @@ def run(cfg: Config, log_path: str | None, tag: str = "") -> dict:
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
             curve[step] = evaluate(model, test_prompts, test_labels, id_to_char, cfg.max_new_tokens)
-            emit({"tag": tag, "step": step, "eval": round(curve[step], 4),
-                  "s_per_step": round(sum(step_times) / max(1, len(step_times)), 4)})
+            emit(
+                {
+                    "tag": tag,
+                    "step": step,
+                    "eval": round(curve[step], 4),
+                    "s_per_step": round(sum(step_times) / max(1, len(step_times)), 4),
+                }
+            )
         if step == cfg.steps:
             break
         t0 = time.perf_counter()
@@ -246,8 +268,11 @@ def parse_args(argv=None) -> tuple[Config, str | None, str]:
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--log", default=None, help="append JSON lines here")
     p.add_argument("--tag", default="", help="a name for this configuration in the log")
-    p.add_argument("--smoke", action="store_true",
-                   help="seconds-long check that the script works (smallest sizes; overrides the sizes given)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long check that the script works (smallest sizes; overrides the sizes given)",
+    )
     a = vars(p.parse_args(argv))
     log, tag = a.pop("log"), a.pop("tag")
     if a.pop("smoke"):

@@ -14,8 +14,10 @@ import os
 import socket
 import time
 
+from vime.errors import UserError
 
-class QueueBusy(RuntimeError):
+
+class QueueBusy(UserError, RuntimeError):
     """Another live controller holds the queue."""
 
 
@@ -24,7 +26,7 @@ class QueueFence:
         self._fd, self.path = fd, path
 
     @classmethod
-    def acquire(cls, data_dir: str) -> "QueueFence":
+    def acquire(cls, data_dir: str) -> QueueFence:
         os.makedirs(data_dir, exist_ok=True)
         path = os.path.join(data_dir, "controller.lock")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -36,8 +38,10 @@ class QueueFence:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
             finally:
                 os.close(fd)
-            raise QueueBusy(f"the queue in {data_dir} is driven by another live controller ({holder or 'unknown'}); "
-                            "stop that run or use another --rollout-data-dir") from None
+            raise QueueBusy(
+                f"the queue in {data_dir} is driven by another live controller ({holder or 'unknown'}); "
+                "stop that run or use another --rollout-data-dir"
+            ) from None
         owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, owner.encode(), 0)

@@ -75,7 +75,7 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
         except UnsafeRecovery:
             if not never_started(data_dir, writer):
                 raise
-            unstarted += 1   # killed while it was being created (seen after a SIGKILL of the whole job)
+            unstarted += 1  # killed while it was being created (seen after a SIGKILL of the whole job)
             continue
         retired += 1
         for task_id, attempt_id in attempts.get(writer, []):
@@ -101,8 +101,7 @@ def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None)
     try:
         with open(os.path.join(data_dir, "run.json")) as f:
             identity = json.load(f)
-        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"),
-                               declaration=declaration)
+        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"), declaration=declaration)
         queue = StrawRolloutQueue.open(options, owner="vime-queue-gc", lease_seconds=identity["lease_seconds"])
         try:
             own = queue.store.writer_id
@@ -110,8 +109,11 @@ def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None)
             before = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(data_dir) for f in fs)
             queue.store.seal()
             gc = queue.coordinator.collect_garbage()
-            report.update(reclaimed_files=gc.get("reclaimed_files", 0), reclaimed_bytes=gc.get("reclaimed_bytes", 0),
-                          disk_bytes_before=before)
+            report.update(
+                reclaimed_files=gc.get("reclaimed_files", 0),
+                reclaimed_bytes=gc.get("reclaimed_bytes", 0),
+                disk_bytes_before=before,
+            )
             return report
         finally:
             queue.close()

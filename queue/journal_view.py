@@ -22,7 +22,7 @@ class JournalView:
     events: list[dict[str, Any]]
 
     @classmethod
-    def read(cls, data_dir: str) -> "JournalView":
+    def read(cls, data_dir: str) -> JournalView:
         backend = FilesystemBackend(data_dir)
         with backend.open_committed("run.json") as stream:
             identity = decode(stream.read())
@@ -39,8 +39,9 @@ class JournalView:
         groups = {}
         for event in self.of_type("Completed"):
             receipt = event["receipt"]
-            groups[receipt["position"]] = AcceptedGroup(receipt["position"], event["lease"]["task_id"],
-                                                        RecordSetRef.from_dict(receipt["result_ref"]))
+            groups[receipt["position"]] = AcceptedGroup(
+                receipt["position"], event["lease"]["task_id"], RecordSetRef.from_dict(receipt["result_ref"])
+            )
         return [groups[p] for p in sorted(groups)]
 
     def consumer_cursor(self) -> int:

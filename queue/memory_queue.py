@@ -14,15 +14,23 @@ import time
 import uuid
 from typing import Any
 
+from vime.errors import InternalError
 from vime.queue.rollout_queue import StaleLease
 from vime.queue.tasks import (
-    INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, SAMPLE_ATTEMPTS, AcceptedGroup, Assignment, FailedTask, PromptTask,
+    INTERRUPTION_ATTEMPTS,
+    LEASE_EXPIRED,
+    SAMPLE_ATTEMPTS,
+    AcceptedGroup,
+    Assignment,
+    FailedTask,
+    PromptTask,
     RetryReport,
 )
 
 
-class IdempotencyConflict(RuntimeError):
-    pass
+class IdempotencyConflict(InternalError, RuntimeError):
+    """A submission id came back with other content than the first time: the queue contract forbids it
+    (DESIGN.md section 3), so a caller is wrong."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,7 @@ class _Entry:
     order: int = 0
     lease: MemoryLease | None = None
     expires: float = 0.0
-    interruptions: int = 0   # expired leases: they spend no attempt (up to INTERRUPTION_ATTEMPTS)
+    interruptions: int = 0  # expired leases: they spend no attempt (up to INTERRUPTION_ATTEMPTS)
     failures: int = 0
     state: str = "pending"
     reason: str = ""
@@ -154,8 +162,11 @@ class MemoryRolloutQueue:
 
     def failed(self) -> list[FailedTask]:
         self._expire()
-        return [FailedTask(e.task, e.failures, e.reason) for e in self._entries.values()
-                if e.state == "failed" and e.task.retried().task_id not in self._entries]
+        return [
+            FailedTask(e.task, e.failures, e.reason)
+            for e in self._entries.values()
+            if e.state == "failed" and e.task.retried().task_id not in self._entries
+        ]
 
     def retry_failed(self) -> RetryReport:
         failed = self.failed()
@@ -165,7 +176,7 @@ class MemoryRolloutQueue:
         return RetryReport(todo, rejected=sum(f.rejected for f in failed))
 
     def accepted(self, cursor: int, limit: int) -> tuple[list[AcceptedGroup], int]:
-        page = self._accepted[cursor:cursor + limit]
+        page = self._accepted[cursor : cursor + limit]
         return page, cursor + len(page)
 
     def open_consumer(self, owner: str) -> str:

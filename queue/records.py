@@ -25,6 +25,7 @@ from straw import Record
 from straw.errors import CorruptData
 from straw.tensor import tensor_record
 
+from vime.errors import InternalError
 from vime.sample import Sample, Status
 
 HEADER_CODEC = "vime.sample.v1"
@@ -42,7 +43,7 @@ OPTIONAL_TENSORS = (
 )
 
 
-class IncompleteCapture(ValueError):
+class IncompleteCapture(InternalError, ValueError):
     """A sample's optional capture does not cover its tokens; it must not be published."""
 
 
@@ -60,7 +61,7 @@ class SampleHeader(msgspec.Struct, frozen=True):
     session_id: str | None
     label: Any
     response: str
-    rows: dict[str, tuple[int, int]]              # tensor field -> this sample's rows [start, end)
+    rows: dict[str, tuple[int, int]]  # tensor field -> this sample's rows [start, end)
     source: str | None = None
 
 
@@ -96,15 +97,17 @@ def check_capture(sample: Sample) -> None:
     for name in ("rollout_topk_token_ids", "rollout_topk_log_probs", "teacher_log_probs"):
         value = getattr(sample, name)
         if value is not None and len(value) != sample.response_length:
-            raise IncompleteCapture(f"{name} has {len(value)} rows, expected response_length = "
-                                    f"{sample.response_length}")
+            raise IncompleteCapture(
+                f"{name} has {len(value)} rows, expected response_length = {sample.response_length}"
+            )
     if sample.rollout_topp_offsets is not None:
         rows = len(sample.rollout_topp_offsets) - 1
         if rows != sample.response_length:
             raise IncompleteCapture(f"top-p support covers {rows} tokens, expected {sample.response_length}")
     if len(sample.weight_versions) != sample.response_length:
-        raise IncompleteCapture(f"{len(sample.weight_versions)} weight versions for "
-                                f"{sample.response_length} response tokens")
+        raise IncompleteCapture(
+            f"{len(sample.weight_versions)} weight versions for {sample.response_length} response tokens"
+        )
     if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) != sample.response_length:
         raise IncompleteCapture("rollout_log_probs must have one entry per response token")
 
@@ -140,12 +143,22 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
             offsets[name] += len(value)
             parts[name].append(value)
         header = SampleHeader(
-            schema=2, group_index=sample.group_index, index=sample.index, prompt_index=sample.prompt_index,
-            source_name=sample.source_name, response_length=sample.response_length,
-            reward=None if sample.reward is None else float(sample.reward), status=sample.status.value,
-            version_segments=run_length(sample.weight_versions), metadata=sample.metadata,
-            session_id=sample.session_id, label=sample.label, response=sample.response, rows=rows,
-            source=sample.source)
+            schema=2,
+            group_index=sample.group_index,
+            index=sample.index,
+            prompt_index=sample.prompt_index,
+            source_name=sample.source_name,
+            response_length=sample.response_length,
+            reward=None if sample.reward is None else float(sample.reward),
+            status=sample.status.value,
+            version_segments=run_length(sample.weight_versions),
+            metadata=sample.metadata,
+            session_id=sample.session_id,
+            label=sample.label,
+            response=sample.response,
+            rows=rows,
+            source=sample.source,
+        )
         records.append(Record(f"{prefix}:s{sample.index}", msgspec.msgpack.encode(header), HEADER_CODEC, dict(owner)))
     for name in fields:
         try:
@@ -192,12 +205,20 @@ def decode_group(records: list[Record]) -> list[Sample]:
         if "tokens" not in tensors or "loss_mask" not in tensors:
             raise CorruptData(f"record {record_id}: tokens or loss mask missing")
         sample = Sample(
-            group_index=header.group_index, index=header.index, prompt_index=header.prompt_index,
-            label=header.label, tokens=tensors["tokens"].tolist(), response=header.response,
-            response_length=header.response_length, loss_mask=tensors["loss_mask"].tolist(),
-            reward=header.reward, status=Status(header.status),
+            group_index=header.group_index,
+            index=header.index,
+            prompt_index=header.prompt_index,
+            label=header.label,
+            tokens=tensors["tokens"].tolist(),
+            response=header.response,
+            response_length=header.response_length,
+            loss_mask=tensors["loss_mask"].tolist(),
+            reward=header.reward,
+            status=Status(header.status),
             rollout_log_probs=tensors["rollout_log_probs"].tolist() if "rollout_log_probs" in tensors else None,
-            weight_versions=expand(header.version_segments), metadata=header.metadata, source=header.source,
+            weight_versions=expand(header.version_segments),
+            metadata=header.metadata,
+            source=header.source,
             session_id=header.session_id,
         )
         for name in OPTIONAL_TENSORS:

@@ -18,22 +18,30 @@ from straw import Coordinator, RecordSetRef, SharedFilesystemStore, TaskSpec
 from straw.backend import FilesystemBackend
 from straw.errors import IdempotencyConflict, InvalidReference, LeaseExpired, StaleAttempt
 
+from vime.errors import MemberDied
 from vime.queue.journal_view import JournalView
 from vime.queue.records import CODECS
 from vime.queue.tasks import (
-    INTERRUPTION_ATTEMPTS, SAMPLE_ATTEMPTS, AcceptedGroup, Assignment, FailedTask, PromptTask, RetryReport,
-    failure_reason, retry_id,
+    INTERRUPTION_ATTEMPTS,
+    SAMPLE_ATTEMPTS,
+    AcceptedGroup,
+    Assignment,
+    FailedTask,
+    PromptTask,
+    RetryReport,
+    failure_reason,
+    retry_id,
 )
 
 QUEUE_ID = "rollout"
 DATASET_PRODUCER = "dataset"
 TRAINING_CONSUMER = "training"
-RETRY_CHUNK = 500   # failed tasks resubmitted per journal transaction
+RETRY_CHUNK = 500  # failed tasks resubmitted per journal transaction
 
 __all__ = ["StrawRolloutQueue", "StoreOptions", "open_store", "StaleLease", "IdempotencyConflict"]
 
 
-class StaleLease(RuntimeError):
+class StaleLease(MemberDied, RuntimeError):
     """The lease is no longer current (expired, fenced by a restart, or already reassigned)."""
 
 
@@ -43,18 +51,20 @@ class StoreOptions:
 
     data_dir: str
     run_id: str = "vime"
-    segment_mib: float = 64.0     # packs are sealed (and become reclaimable) at about this size
+    segment_mib: float = 64.0  # packs are sealed (and become reclaimable) at about this size
     collect_online: bool = False  # the controller reclaims storage at every commit
-    profile: str = "local"        # local | juicefs
+    profile: str = "local"  # local | juicefs
     declaration: dict | None = None  # what straw requires to trust a JuiceFS mount
 
     def open(self) -> SharedFilesystemStore:
-        return open_store(self.data_dir, self.run_id, segment_mib=self.segment_mib, profile=self.profile,
-                          declaration=self.declaration)
+        return open_store(
+            self.data_dir, self.run_id, segment_mib=self.segment_mib, profile=self.profile, declaration=self.declaration
+        )
 
 
-def open_store(data_dir: str, run_id: str, *, segment_mib: float = 64, profile: str = "local",
-               declaration: dict | None = None) -> SharedFilesystemStore:
+def open_store(
+    data_dir: str, run_id: str, *, segment_mib: float = 64, profile: str = "local", declaration: dict | None = None
+) -> SharedFilesystemStore:
     """One writer/reader handle; each process opens its own (a handle must not cross a fork).
 
     straw's storage catalog is always on (``online_gc=True``): without it nothing can ever be
@@ -62,8 +72,14 @@ def open_store(data_dir: str, run_id: str, *, segment_mib: float = 64, profile: 
     Whether the run itself collects is --rollout-queue-online-gc.
     """
     backend = FilesystemBackend(data_dir, profile=profile, declaration=declaration)
-    return SharedFilesystemStore(data_dir, run_id, backend=backend, codecs=CODECS,
-                                 segment_target_bytes=int(segment_mib * 1024**2), online_gc=True)
+    return SharedFilesystemStore(
+        data_dir,
+        run_id,
+        backend=backend,
+        codecs=CODECS,
+        segment_target_bytes=int(segment_mib * 1024**2),
+        online_gc=True,
+    )
 
 
 @dataclasses.dataclass
@@ -80,13 +96,15 @@ class StrawRolloutQueue:
     sample_failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @classmethod
-    def open(cls, options: StoreOptions, *, owner: str, lease_seconds: float,
-             sample_attempts: int = SAMPLE_ATTEMPTS) -> "StrawRolloutQueue":
+    def open(
+        cls, options: StoreOptions, *, owner: str, lease_seconds: float, sample_attempts: int = SAMPLE_ATTEMPTS
+    ) -> StrawRolloutQueue:
         """Open (or recover, when a journal exists) the queue. The caller must hold the fence."""
         store = options.open()
         recover = os.path.exists(os.path.join(options.data_dir, "control", "journal.log"))
-        coordinator = Coordinator(store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover,
-                                  lease_seconds=lease_seconds)
+        coordinator = Coordinator(
+            store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover, lease_seconds=lease_seconds
+        )
         queue = cls(store, coordinator, sample_attempts)
         if recover:
             queue.sample_failures = failed_calls(options.data_dir)
@@ -115,17 +133,29 @@ class StrawRolloutQueue:
         self.coordinator.submit_tasks(request_id, [self._spec(task)])
 
     def _spec(self, task: PromptTask) -> TaskSpec:
-        return TaskSpec(task.task_id, metadata=task.metadata(), allow_empty=True, max_attempts=INTERRUPTION_ATTEMPTS,
-                        priority=task.priority, scheduling_key=task.min_version)
+        return TaskSpec(
+            task.task_id,
+            metadata=task.metadata(),
+            allow_empty=True,
+            max_attempts=INTERRUPTION_ATTEMPTS,
+            priority=task.priority,
+            scheduling_key=task.min_version,
+        )
 
     # ----------------------------------------------------------------- failed tasks
     def failed(self) -> list[FailedTask]:
         """Every task that ended failed and has not been retried, in submission order (the rejected
         ones too: ``FailedTask.rejected``). A failed task whose retry exists is not listed."""
         tasks = self.coordinator.tasks
-        failed = [FailedTask(PromptTask.from_metadata(task_id, t["spec"]["metadata"]),
-                             self._attempts_spent(task_id, t), failure_reason(t.get("failure")))
-                  for task_id, t in tasks.items() if t["state"] == "failed" and retry_id(task_id) not in tasks]
+        failed = [
+            FailedTask(
+                PromptTask.from_metadata(task_id, t["spec"]["metadata"]),
+                self._attempts_spent(task_id, t),
+                failure_reason(t.get("failure")),
+            )
+            for task_id, t in tasks.items()
+            if t["state"] == "failed" and retry_id(task_id) not in tasks
+        ]
         return sorted(failed, key=lambda f: (f.task.group_index, f.task.task_id))
 
     def _attempts_spent(self, task_id: str, task: dict) -> int:
@@ -144,7 +174,7 @@ class StrawRolloutQueue:
         failed = self.failed()
         todo = [(f.task.task_id, f.task.retried()) for f in failed if not f.rejected]
         for start in range(0, len(todo), RETRY_CHUNK):
-            chunk = todo[start:start + RETRY_CHUNK]
+            chunk = todo[start : start + RETRY_CHUNK]
             digest = hashlib.sha256(" ".join(new.task_id for _, new in chunk).encode()).hexdigest()[:24]
             self.coordinator.submit_tasks(f"retry-failed-{digest}", [self._spec(new) for _, new in chunk])
         return RetryReport(todo, rejected=sum(f.rejected for f in failed))
@@ -158,8 +188,10 @@ class StrawRolloutQueue:
     # ----------------------------------------------------------------- leases
     def acquire(self, worker_id: str, max_tasks: int) -> list[Assignment]:
         result = self.coordinator.acquire(worker_id, max_tasks)
-        return [Assignment(PromptTask.from_metadata(a.task.task_id, a.task.metadata), a.lease, a.task.input_ref)
-                for a in result.assignments]
+        return [
+            Assignment(PromptTask.from_metadata(a.task.task_id, a.task.metadata), a.lease, a.task.input_ref)
+            for a in result.assignments
+        ]
 
     def heartbeat(self, leases: list) -> list[bool]:
         """True for each lease that is still current."""
@@ -168,8 +200,9 @@ class StrawRolloutQueue:
     def complete(self, lease, submission_id: str, ref: RecordSetRef) -> int:
         """Accept a group; returns its position. Idempotent per submission id."""
         try:
-            receipt = self.coordinator.complete_task(lease, submission_id=submission_id, result_ref=ref,
-                                                     result_digest=ref.digest)
+            receipt = self.coordinator.complete_task(
+                lease, submission_id=submission_id, result_ref=ref, result_digest=ref.digest
+            )
         except (StaleAttempt, LeaseExpired) as error:
             raise StaleLease(str(error)) from None
         return receipt.position
@@ -180,9 +213,18 @@ class StrawRolloutQueue:
             if partial is None:
                 self.coordinator.release_tasks([lease], request_id=request_id)
             else:
-                self.coordinator.yield_tasks([{"lease": lease, "input_ref": partial, "priority": task.priority,
-                                               "scheduling_key": task.min_version, "metadata": task.metadata()}],
-                                             request_id=request_id)
+                self.coordinator.yield_tasks(
+                    [
+                        {
+                            "lease": lease,
+                            "input_ref": partial,
+                            "priority": task.priority,
+                            "scheduling_key": task.min_version,
+                            "metadata": task.metadata(),
+                        }
+                    ],
+                    request_id=request_id,
+                )
         except (StaleAttempt, LeaseExpired) as error:
             raise StaleLease(str(error)) from None
 
@@ -212,8 +254,14 @@ class StrawRolloutQueue:
 
     def commit_consumer(self, token: str, cursor: int, state_ref: RecordSetRef, request_id: str) -> None:
         """Durably mark every accepted group before ``cursor`` as trained."""
-        self.coordinator.save_consumer_state(TRAINING_CONSUMER, token=token, request_id=request_id,
-                                             state_ref=state_ref, fetch_cursor=cursor, processed_cursor=cursor)
+        self.coordinator.save_consumer_state(
+            TRAINING_CONSUMER,
+            token=token,
+            request_id=request_id,
+            state_ref=state_ref,
+            fetch_cursor=cursor,
+            processed_cursor=cursor,
+        )
 
     def history_available(self, cursor: int) -> bool:
         """Whether the accepted groups from ``cursor`` on can still be read (GC keeps only what

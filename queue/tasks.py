@@ -13,8 +13,8 @@ from typing import Any
 
 FRESH_PRIORITY = 0
 CONTINUATION_PRIORITY = 1
-REJECTED_PREFIX = "rejected:"   # a failure with this reason is the dynamic filter's verdict: terminal
-RETRY_MARK = ".retry"           # g000000042 -> g000000042.retry1 -> g000000042.retry2 ...
+REJECTED_PREFIX = "rejected:"  # a failure with this reason is the dynamic filter's verdict: terminal
+RETRY_MARK = ".retry"  # g000000042 -> g000000042.retry1 -> g000000042.retry2 ...
 LEASE_EXPIRED = "lease expired (no heartbeat in time)"
 LEASE_REVOKED = "lease revoked by a controller restart"
 # A prompt's attempts are spent by failures of the sample itself only (its reward function raising,
@@ -30,37 +30,48 @@ INTERRUPTION_ATTEMPTS = 1000
 @dataclasses.dataclass(frozen=True)
 class PromptTask:
     task_id: str
-    group_index: int        # running index of the group in the run (submission order)
+    group_index: int  # running index of the group in the run (submission order)
     epoch: int
-    prompt_index: int       # row of --prompt-data
-    stage: str = "fresh"    # fresh | continuation
-    min_version: int = 0    # oldest weight version among the partial tokens (continuations)
+    prompt_index: int  # row of --prompt-data
+    stage: str = "fresh"  # fresh | continuation
+    min_version: int = 0  # oldest weight version among the partial tokens (continuations)
 
     @staticmethod
-    def make(group_index: int, epoch: int, prompt_index: int) -> "PromptTask":
+    def make(group_index: int, epoch: int, prompt_index: int) -> PromptTask:
         return PromptTask(f"g{group_index:09d}", group_index, epoch, prompt_index)
 
     def metadata(self) -> dict[str, Any]:
-        return {"group_index": self.group_index, "epoch": self.epoch, "prompt_index": self.prompt_index,
-                "stage": self.stage, "min_version": self.min_version}
+        return {
+            "group_index": self.group_index,
+            "epoch": self.epoch,
+            "prompt_index": self.prompt_index,
+            "stage": self.stage,
+            "min_version": self.min_version,
+        }
 
     @staticmethod
-    def from_metadata(task_id: str, metadata: dict[str, Any]) -> "PromptTask":
-        return PromptTask(task_id, metadata["group_index"], metadata["epoch"], metadata["prompt_index"],
-                          metadata.get("stage", "fresh"), metadata.get("min_version", 0))
+    def from_metadata(task_id: str, metadata: dict[str, Any]) -> PromptTask:
+        return PromptTask(
+            task_id,
+            metadata["group_index"],
+            metadata["epoch"],
+            metadata["prompt_index"],
+            metadata.get("stage", "fresh"),
+            metadata.get("min_version", 0),
+        )
 
-    def regenerated(self, position: int) -> "PromptTask":
+    def regenerated(self, position: int) -> PromptTask:
         """The same prompt again, for the stale group accepted at ``position`` (a deterministic id
         makes the resubmission idempotent)."""
         return PromptTask(regenerated_id(position), self.group_index, self.epoch, self.prompt_index)
 
-    def retried(self) -> "PromptTask":
+    def retried(self) -> PromptTask:
         """The same prompt again as a fresh task, for a task that ended failed (see
         :func:`retry_id`: a deterministic id makes retrying it a second time a no-op). A
         continuation's prefix is not carried over: the retry generates the group from scratch."""
         return PromptTask(retry_id(self.task_id), self.group_index, self.epoch, self.prompt_index)
 
-    def as_continuation(self, min_version: int) -> "PromptTask":
+    def as_continuation(self, min_version: int) -> PromptTask:
         return dataclasses.replace(self, stage="continuation", min_version=min_version)
 
     @property
@@ -128,6 +139,6 @@ class Assignment:
 class AcceptedGroup:
     """An accepted group in the order the trainer consumes it."""
 
-    position: int           # acceptance order; the training consumer's cursor counts these
+    position: int  # acceptance order; the training consumer's cursor counts these
     task_id: str
-    ref: Any                # transport reference of the group's records
+    ref: Any  # transport reference of the group's records

@@ -57,10 +57,12 @@ class ObjectRefBox:
 class ObjectStoreTransport:
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> ObjectRefBox:
         import ray
+
         return ObjectRefBox(ray.put(samples))
 
     def read(self, ref: ObjectRefBox) -> list[Sample]:
         import ray
+
         return ray.get(ref.ref, timeout=120)
 
     def discard(self, ref: ObjectRefBox) -> None:

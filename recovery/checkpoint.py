@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
+from vime.errors import UserError
 from vime.recovery.faults import fault_point
 from vime.recovery.lineage import Lineage
 from vime.runtime.durable import fsync_path
@@ -24,18 +26,18 @@ LATEST = "latest_checkpointed_iteration.txt"
 STATE = "vime_state.json"
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(UserError, ValueError):
+    """A --load that cannot be resumed from: no checkpoint there, or one made with other run options."""
 
 
 class CheckpointState(msgspec.Struct, frozen=True):
     schema: int
-    step: int                       # rollouts trained
+    step: int  # rollouts trained
     weight_version: int
-    consumer_cursor: int            # accepted groups trained (queue positions < cursor)
-    run_options: dict[str, Any]     # options a resumed run must not change
-    step_cursors: list[int] = []    # consumer cursor after each step of this lineage
-    skipped: list[int] = []         # positions before the cursor not trained (too stale; regenerated)
+    consumer_cursor: int  # accepted groups trained (queue positions < cursor)
+    run_options: dict[str, Any]  # options a resumed run must not change
+    step_cursors: list[int] = []  # consumer cursor after each step of this lineage
+    skipped: list[int] = []  # positions before the cursor not trained (too stale; regenerated)
     # restores in place of this lineage (recovery/lineage.py): which versions are lost, which step a version is
     lineage: Lineage = msgspec.field(default_factory=Lineage)
 
@@ -95,5 +97,7 @@ def load_state(root: str, step: int | None = None) -> tuple[str, CheckpointState
 def check_run_options(saved: dict[str, Any], current: dict[str, Any]) -> None:
     for name, value in current.items():
         if name in saved and saved[name] != value:
-            raise CheckpointError(f"--{name.replace('_', '-')}: the checkpoint was made with {saved[name]!r}, "
-                                  f"this run has {value!r}; a resumed run cannot change it")
+            raise CheckpointError(
+                f"--{name.replace('_', '-')}: the checkpoint was made with {saved[name]!r}, "
+                f"this run has {value!r}; a resumed run cannot change it"
+            )

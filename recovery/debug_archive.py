@@ -36,8 +36,8 @@ import torch
 
 from vime.config.base import ConfigError
 from vime.queue.records import OPTIONAL_TENSORS as TENSOR_FIELDS
-from vime.sample import Sample, Status
 from vime.runtime.durable import fsync_path
+from vime.sample import Sample, Status
 
 SAVE_FLAG = "--save-debug-rollout-data"
 LOAD_FLAG = "--load-debug-rollout-data"
@@ -56,10 +56,10 @@ class ArchiveExists(ArchiveError):
 
 # ----------------------------------------------------------------------------- schema
 class ArchivedTensor(msgspec.Struct, frozen=True):
-    kind: str            # torch | numpy | list: what the sample held, restored as the same kind
-    dtype: str           # torch dtype name without "torch." (numpy: numpy's name)
+    kind: str  # torch | numpy | list: what the sample held, restored as the same kind
+    dtype: str  # torch dtype name without "torch." (numpy: numpy's name)
     shape: list[int]
-    data: bytes          # C-order raw bytes
+    data: bytes  # C-order raw bytes
 
 
 class ArchivedSample(msgspec.Struct, frozen=True):
@@ -72,7 +72,7 @@ class ArchivedSample(msgspec.Struct, frozen=True):
     response: str
     response_length: int
     loss_mask: list[int] | None
-    reward: Any                      # kept as given (float, int or None)
+    reward: Any  # kept as given (float, int or None)
     status: str
     rollout_log_probs: list[float] | None
     weight_versions: list[int]
@@ -83,28 +83,28 @@ class ArchivedSample(msgspec.Struct, frozen=True):
 
 
 class ArchivedGroup(msgspec.Struct, frozen=True):
-    position: int        # acceptance position in the queue (-1 when unknown)
+    position: int  # acceptance position in the queue (-1 when unknown)
     task_id: str
-    size: int            # its samples, consecutive in ``samples``
+    size: int  # its samples, consecutive in ``samples``
 
 
 class DebugArchive(msgspec.Struct, frozen=True):
     schema: int
-    rollout_id: int                  # 0-based; the step is rollout_id + 1
-    policy_version: int              # weight version the step trained (it published policy_version + 1)
+    rollout_id: int  # 0-based; the step is rollout_id + 1
+    policy_version: int  # weight version the step trained (it published policy_version + 1)
     groups: list[ArchivedGroup]
-    samples: list[ArchivedSample]    # exactly the trained batch, in training order
-    samples_digest: str              # SHA-256 of the encoded samples
-    metrics: dict[str, Any]          # what the trainer reported for the step (loss, grad_norm, ...)
-    trainer: dict[str, Any]          # the trainer's settings (TorchTrainerSpec as plain values)
-    argv: list[str]                  # the command line of the recording run
+    samples: list[ArchivedSample]  # exactly the trained batch, in training order
+    samples_digest: str  # SHA-256 of the encoded samples
+    metrics: dict[str, Any]  # what the trainer reported for the step (loss, grad_norm, ...)
+    trainer: dict[str, Any]  # the trainer's settings (TorchTrainerSpec as plain values)
+    argv: list[str]  # the command line of the recording run
 
     def grouped(self) -> list[list[Sample]]:
         """The samples as ``Sample`` objects, one list per group."""
         samples = [from_archived(s) for s in self.samples]
         groups, start = [], 0
         for group in self.groups:
-            groups.append(samples[start:start + group.size])
+            groups.append(samples[start : start + group.size])
             start += group.size
         return groups
 
@@ -124,8 +124,9 @@ def _encode_tensor(value: Any) -> ArchivedTensor:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
         raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
-        return ArchivedTensor("torch", str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
-                              raw.numpy().tobytes())
+        return ArchivedTensor(
+            "torch", str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw.numpy().tobytes()
+        )
     kind = "numpy" if isinstance(value, np.ndarray) else "list"
     array = np.ascontiguousarray(np.asarray(value))
     if array.dtype == object:
@@ -144,29 +145,49 @@ def _decode_tensor(item: ArchivedTensor) -> Any:
 
 
 def to_archived(sample: Sample) -> ArchivedSample:
-    tensors = {name: _encode_tensor(getattr(sample, name)) for name in TENSOR_FIELDS
-               if getattr(sample, name) is not None}
+    tensors = {
+        name: _encode_tensor(getattr(sample, name)) for name in TENSOR_FIELDS if getattr(sample, name) is not None
+    }
     return ArchivedSample(
-        group_index=sample.group_index, index=sample.index, prompt_index=sample.prompt_index,
-        prompt=sample.prompt, label=sample.label, tokens=[int(t) for t in sample.tokens],
-        response=sample.response, response_length=sample.response_length,
+        group_index=sample.group_index,
+        index=sample.index,
+        prompt_index=sample.prompt_index,
+        prompt=sample.prompt,
+        label=sample.label,
+        tokens=[int(t) for t in sample.tokens],
+        response=sample.response,
+        response_length=sample.response_length,
         loss_mask=None if sample.loss_mask is None else [int(m) for m in sample.loss_mask],
         reward=sample.reward.item() if isinstance(sample.reward, (np.generic, torch.Tensor)) else sample.reward,
         status=Status(sample.status).value,
         rollout_log_probs=None if sample.rollout_log_probs is None else [float(x) for x in sample.rollout_log_probs],
-        weight_versions=[int(v) for v in sample.weight_versions], metadata=sample.metadata, source=sample.source,
-        session_id=sample.session_id, tensors=tensors)
+        weight_versions=[int(v) for v in sample.weight_versions],
+        metadata=sample.metadata,
+        source=sample.source,
+        session_id=sample.session_id,
+        tensors=tensors,
+    )
 
 
 def from_archived(item: ArchivedSample) -> Sample:
     sample = Sample(
-        group_index=item.group_index, index=item.index, prompt_index=item.prompt_index, prompt=item.prompt,
-        label=item.label, tokens=list(item.tokens), response=item.response, response_length=item.response_length,
-        loss_mask=None if item.loss_mask is None else list(item.loss_mask), reward=item.reward,
+        group_index=item.group_index,
+        index=item.index,
+        prompt_index=item.prompt_index,
+        prompt=item.prompt,
+        label=item.label,
+        tokens=list(item.tokens),
+        response=item.response,
+        response_length=item.response_length,
+        loss_mask=None if item.loss_mask is None else list(item.loss_mask),
+        reward=item.reward,
         status=Status(item.status),
         rollout_log_probs=None if item.rollout_log_probs is None else list(item.rollout_log_probs),
-        weight_versions=list(item.weight_versions), metadata=dict(item.metadata), source=item.source,
-        session_id=item.session_id)
+        weight_versions=list(item.weight_versions),
+        metadata=dict(item.metadata),
+        source=item.source,
+        session_id=item.session_id,
+    )
     for name, tensor in item.tensors.items():
         setattr(sample, name, _decode_tensor(tensor))
     return sample
@@ -176,8 +197,15 @@ def samples_digest(samples: list[ArchivedSample]) -> str:
     return hashlib.sha256(_ENCODER.encode(samples)).hexdigest()
 
 
-def build_archive(*, rollout_id: int, policy_version: int, groups: list[tuple[int, str, list[Sample]]],
-                  metrics: dict[str, float], trainer: dict[str, Any], argv: list[str]) -> DebugArchive:
+def build_archive(
+    *,
+    rollout_id: int,
+    policy_version: int,
+    groups: list[tuple[int, str, list[Sample]]],
+    metrics: dict[str, float],
+    trainer: dict[str, Any],
+    argv: list[str],
+) -> DebugArchive:
     """``groups``: (queue position, task id, samples) in training order."""
     try:
         samples = [to_archived(s) for _, _, members in groups for s in members]
@@ -185,10 +213,16 @@ def build_archive(*, rollout_id: int, policy_version: int, groups: list[tuple[in
     except (TypeError, ValueError, NotImplementedError) as error:
         raise ArchiveError(SAVE_FLAG, f"rollout {rollout_id}: a sample cannot be archived ({error})") from None
     return DebugArchive(
-        schema=SCHEMA, rollout_id=rollout_id, policy_version=policy_version,
+        schema=SCHEMA,
+        rollout_id=rollout_id,
+        policy_version=policy_version,
         groups=[ArchivedGroup(position, task_id, len(members)) for position, task_id, members in groups],
-        samples=samples, samples_digest=digest, metrics=msgspec.to_builtins(metrics, enc_hook=_plain),
-        trainer=msgspec.to_builtins(trainer, enc_hook=_loose), argv=list(argv))
+        samples=samples,
+        samples_digest=digest,
+        metrics=msgspec.to_builtins(metrics, enc_hook=_plain),
+        trainer=msgspec.to_builtins(trainer, enc_hook=_loose),
+        argv=list(argv),
+    )
 
 
 # ----------------------------------------------------------------------------- paths
@@ -197,8 +231,9 @@ def check_template(template: str, flag: str) -> None:
     if "://" in template:
         raise ConfigError(flag, f"{template!r}: give a local or mounted path (archives are renamed into place)")
     if not PLACEHOLDER.search(template):
-        raise ConfigError(flag, f"{template!r} must contain '{{rollout_id}}' (one file per step), "
-                                "e.g. /data/debug/{rollout_id}.vdr")
+        raise ConfigError(
+            flag, f"{template!r} must contain '{{rollout_id}}' (one file per step), e.g. /data/debug/{{rollout_id}}.vdr"
+        )
     try:
         template.format(rollout_id=0)
     except (KeyError, IndexError, ValueError) as error:
@@ -233,10 +268,10 @@ def encode_archive(archive: DebugArchive) -> bytes:
 
 
 def decode_archive(data: bytes, path: str, flag: str = LOAD_FLAG) -> DebugArchive:
-    if data[:len(MAGIC)] != MAGIC:
+    if data[: len(MAGIC)] != MAGIC:
         raise ArchiveError(flag, f"{path} is not a vime debug archive")
-    body = data[len(MAGIC) + 32:]
-    if hashlib.sha256(body).digest() != data[len(MAGIC):len(MAGIC) + 32]:
+    body = data[len(MAGIC) + 32 :]
+    if hashlib.sha256(body).digest() != data[len(MAGIC) : len(MAGIC) + 32]:
         raise ArchiveError(flag, f"{path} is damaged (its checksum does not match)")
     try:
         archive = msgspec.msgpack.decode(body, type=DebugArchive)
@@ -256,8 +291,11 @@ def read_archive(path: str, flag: str = LOAD_FLAG) -> DebugArchive:
 
 
 def _same_batch(existing: DebugArchive, new: DebugArchive) -> bool:
-    return (existing.rollout_id, existing.policy_version, existing.samples_digest) == \
-        (new.rollout_id, new.policy_version, new.samples_digest)
+    return (existing.rollout_id, existing.policy_version, existing.samples_digest) == (
+        new.rollout_id,
+        new.policy_version,
+        new.samples_digest,
+    )
 
 
 def write_archive(path: str, archive: DebugArchive) -> str:
@@ -299,19 +337,26 @@ def _refuse_unless_same(path: str, archive: DebugArchive) -> None:
     try:
         existing = read_archive(path, SAVE_FLAG)
     except ArchiveError as error:
-        raise ArchiveExists(SAVE_FLAG, f"{path} already exists and is not a readable archive ({error.message}); "
-                                       "archives are never replaced: move it away or give another path") from None
+        raise ArchiveExists(
+            SAVE_FLAG,
+            f"{path} already exists and is not a readable archive ({error.message}); "
+            "archives are never replaced: move it away or give another path",
+        ) from None
     if not _same_batch(existing, archive):
         if existing.rollout_id != archive.rollout_id:
             what = f"rollout {existing.rollout_id}, not {archive.rollout_id}"
         elif existing.policy_version != archive.policy_version:
             what = f"a batch trained on policy v{existing.policy_version}, this step trains v{archive.policy_version}"
         else:
-            what = (f"other samples than this step trained ({len(existing.samples)} recorded, "
-                    f"{len(archive.samples)} now)")
-        raise ArchiveExists(SAVE_FLAG, f"{path} already exists and holds {what}. Archives are immutable (only a step "
-                                       "retrained after a resume may meet an identical one): move the old archives "
-                                       "away or give another path")
+            what = (
+                f"other samples than this step trained ({len(existing.samples)} recorded, {len(archive.samples)} now)"
+            )
+        raise ArchiveExists(
+            SAVE_FLAG,
+            f"{path} already exists and holds {what}. Archives are immutable (only a step "
+            "retrained after a resume may meet an identical one): move the old archives "
+            "away or give another path",
+        )
 
 
 def _same(a: Any, b: Any, rel_tol: float = 0.0) -> bool:
@@ -332,8 +377,11 @@ def metric_differences(recorded: dict[str, Any], replayed: dict[str, Any], rel_t
     """Names of the metrics that differ (timings, ``*_seconds``, excluded): bit for bit, or beyond ``rel_tol``
     relative when the recording summed in another order (several trainer ranks)."""
     names = {k for k in (*recorded, *replayed) if not k.endswith("_seconds")}
-    return [name for name in sorted(names) if name not in recorded or name not in replayed
-            or not _same(recorded[name], replayed[name], rel_tol)]
+    return [
+        name
+        for name in sorted(names)
+        if name not in recorded or name not in replayed or not _same(recorded[name], replayed[name], rel_tol)
+    ]
 
 
 def _loose(value: Any) -> Any:

@@ -16,15 +16,15 @@ import msgspec
 
 
 class Restore(msgspec.Struct, frozen=True):
-    version: int        # the new version the restored weights were published under
-    step: int           # the lineage step those weights are (the restored checkpoint's step; 0: initial weights)
-    lost_after: int     # the version the restored weights were first published as; after it up to version: lost
+    version: int  # the new version the restored weights were published under
+    step: int  # the lineage step those weights are (the restored checkpoint's step; 0: initial weights)
+    lost_after: int  # the version the restored weights were first published as; after it up to version: lost
 
 
 class Lineage(msgspec.Struct, frozen=True):
     restores: tuple[Restore, ...] = ()
 
-    def restored(self, *, step: int, restored_version: int, new_version: int) -> "Lineage":
+    def restored(self, *, step: int, restored_version: int, new_version: int) -> Lineage:
         if new_version <= max((r.version for r in self.restores), default=-1):
             raise ValueError(f"version {new_version} was used before: versions only increase")
         return Lineage((*self.restores, Restore(new_version, step, restored_version)))

@@ -1,6 +1,5 @@
 import json
 import os
-import sys
 
 import pytest
 
@@ -18,4 +17,3 @@ def config_dir(tmp_path):
     """An HF model folder with only a config.json (vocabulary 12): enough for flag checks."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
     return str(tmp_path)
-

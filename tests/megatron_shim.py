@@ -65,9 +65,9 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> t
     """megatron-core's choice of a context-parallel rank's rotary positions (chunks r and 2 x CP - 1 - r of
     2 x CP), with its index tensor in ordinary memory."""
     size, rank = cp_group.size(), cp_group.rank()
-    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1 :])
     held = chunks.index_select(seq_dim, torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device))
-    return held.view(*held.shape[:seq_dim], -1, *held.shape[seq_dim + 2:])
+    return held.view(*held.shape[:seq_dim], -1, *held.shape[seq_dim + 2 :])
 
 
 def install() -> None:
@@ -94,8 +94,16 @@ def install() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- tiny models
-def tiny_hf_model(out_dir: str, family: str, *, tie: bool = False, rope_scaling: bool = False, seed: int = 0,
-                  vocab_size: int = 16, num_layers: int = 2) -> str:
+def tiny_hf_model(
+    out_dir: str,
+    family: str,
+    *,
+    tie: bool = False,
+    rope_scaling: bool = False,
+    seed: int = 0,
+    vocab_size: int = 16,
+    num_layers: int = 2,
+) -> str:
     """A tiny random HF Qwen2 / Qwen3 / Llama whose every tensor (biases and norms included) is random.
 
     Qwen3 gets a head_dim (32) that differs from hidden_size / heads (16), as the real ones do;
@@ -107,13 +115,31 @@ def tiny_hf_model(out_dir: str, family: str, *, tie: bool = False, rope_scaling:
     if family == "qwen3":
         extra["head_dim"] = 32
     if rope_scaling:
-        extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
         extra["rope_theta"] = 500000.0
     config = AutoConfig.for_model(
-        family, vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32", **extra)
+        family,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        dtype="float32",
+        **extra,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -143,14 +169,16 @@ MOE_VARIANTS = {
     # Qwen3-MoE with renormalised top-k weights (norm_topk_prob, as Qwen3-30B-A3B): every layer sparse.
     "qwen3_moe": dict(family="qwen3_moe", norm_topk_prob=True, head_dim=16),
     # Qwen2-MoE: un-renormalised weights, a gated shared expert and a dense layer (mlp_only_layers).
-    "qwen2_moe": dict(family="qwen2_moe", norm_topk_prob=False, shared_expert_intermediate_size=40,
-                      mlp_only_layers=[1]),
+    "qwen2_moe": dict(
+        family="qwen2_moe", norm_topk_prob=False, shared_expert_intermediate_size=40, mlp_only_layers=[1]
+    ),
     "mixtral": dict(family="mixtral"),
 }
 
 
-def tiny_moe_hf_model(out_dir: str, family: str = "qwen3_moe", *, seed: int = 0, with_tokenizer: bool = False,
-                      **overrides) -> str:
+def tiny_moe_hf_model(
+    out_dir: str, family: str = "qwen3_moe", *, seed: int = 0, with_tokenizer: bool = False, **overrides
+) -> str:
     """A tiny random HF MoE model (2 layers, 4 experts, top-2, hidden 32) whose every tensor is random.
 
     The router weights are drawn large so that the top-k choice is never a near tie (HF and Megatron must
@@ -163,10 +191,24 @@ def tiny_moe_hf_model(out_dir: str, family: str = "qwen3_moe", *, seed: int = 0,
     tokenizer = build_tokenizer() if with_tokenizer else None
     experts = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4, "moe_intermediate_size": 24}
     config = AutoConfig.for_model(
-        family, vocab_size=len(tokenizer) if tokenizer else 16, hidden_size=32, intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
-        max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0, dtype="float32", **experts, **overrides)
+        family,
+        vocab_size=len(tokenizer) if tokenizer else 16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        dtype="float32",
+        **experts,
+        **overrides,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -3,5 +3,14 @@ read only the model folder's config.json (see the ``config_dir`` fixture in test
 
 
 def minimal_train_argv(model_dir: str, *extra: str) -> list[str]:
-    return ["--hf-checkpoint", model_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", "/tmp/vime-test-run", *extra]
+    return [
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        "data.jsonl",
+        "--rm-type",
+        "exact_match",
+        "--run-dir",
+        "/tmp/vime-test-run",
+        *extra,
+    ]

@@ -45,12 +45,10 @@ def _build_tp1_model(args, divisible_by: int):
     from vime.backends import megatron_model as mm
 
     mm.init_parallel(mm.Parallelism())
-    return mm.build_gpt_model(args, mm.Parallelism(), vocab_divisible_by=divisible_by, use_te=False,
-                              initialize=False)
+    return mm.build_gpt_model(args, mm.Parallelism(), vocab_divisible_by=divisible_by, use_te=False, initialize=False)
 
 
-def hf_to_megatron(hf_checkpoint: str, save: str, *, ckpt_format: str = "torch_dist",
-                   divisible_by: int = 128) -> str:
+def hf_to_megatron(hf_checkpoint: str, save: str, *, ckpt_format: str = "torch_dist", divisible_by: int = 128) -> str:
     """Write the Megatron checkpoint of ``hf_checkpoint`` under ``save``; returns the step folder."""
     from vime.backends import megatron_checkpoint as mc
     from vime.backends.megatron_convert import hf_to_mcore, pad_vocab, read_hf_state_dict
@@ -61,14 +59,25 @@ def hf_to_megatron(hf_checkpoint: str, save: str, *, ckpt_format: str = "torch_d
     if os.path.exists(folder):
         shutil.rmtree(folder)
     os.makedirs(folder)
-    meta = {**args.to_dict(), "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "make_vocab_size_divisible_by": divisible_by,
-            "padded_vocab_size": args.padded_vocab_size(divisible_by, 1), "hf_checkpoint": hf_checkpoint}
+    meta = {
+        **args.to_dict(),
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "make_vocab_size_divisible_by": divisible_by,
+        "padded_vocab_size": args.padded_vocab_size(divisible_by, 1),
+        "hf_checkpoint": hf_checkpoint,
+    }
     if ckpt_format == "torch":
         os.makedirs(os.path.join(folder, "mp_rank_00"))
-        state = {"model": pad_vocab({k: v.float() for k, v in canonical.items()}, meta["padded_vocab_size"]),
-                 "optimizer": None, "rng_state": None, "iteration": 0, "args": meta,
-                 "checkpoint_version": mc.CHECKPOINT_VERSION, "vime": {"has_optimizer": False}}
+        state = {
+            "model": pad_vocab({k: v.float() for k, v in canonical.items()}, meta["padded_vocab_size"]),
+            "optimizer": None,
+            "rng_state": None,
+            "iteration": 0,
+            "args": meta,
+            "checkpoint_version": mc.CHECKPOINT_VERSION,
+            "vime": {"has_optimizer": False},
+        }
         torch.save(state, os.path.join(folder, "mp_rank_00", "model_optim_rng.pt"))
     elif ckpt_format == "torch_dist":
         from vime.backends import megatron_model as mm
@@ -82,11 +91,12 @@ def hf_to_megatron(hf_checkpoint: str, save: str, *, ckpt_format: str = "torch_d
     return folder
 
 
-def megatron_to_hf(load: str, save: str, hf_config: str, *, ckpt_step: int | None = None, dtype: str = "auto",
-                   divisible_by: int = 128) -> str:
+def megatron_to_hf(
+    load: str, save: str, hf_config: str, *, ckpt_step: int | None = None, dtype: str = "auto", divisible_by: int = 128
+) -> str:
     """Write the HF model of the Megatron checkpoint ``load`` (architecture from ``hf_config``) to ``save``."""
     from vime.backends import megatron_checkpoint as mc
-    from vime.backends.megatron_convert import merge_tp_shards, mcore_to_hf, write_hf_safetensors
+    from vime.backends.megatron_convert import mcore_to_hf, merge_tp_shards, write_hf_safetensors
 
     config, args = _hf_args(hf_config)
     folder = mc.resolve_step_folder(load, ckpt_step)
@@ -94,8 +104,10 @@ def megatron_to_hf(load: str, save: str, hf_config: str, *, ckpt_step: int | Non
         ranks = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))
         if any(len(n.split("_")) > 3 for n in ranks):
             raise SystemExit(f"{folder}: pipeline-parallel 'torch' checkpoints ({ranks}) are not supported")
-        shards = [torch.load(os.path.join(folder, n, "model_optim_rng.pt"), map_location="cpu",
-                             weights_only=False)["model"] for n in ranks]
+        shards = [
+            torch.load(os.path.join(folder, n, "model_optim_rng.pt"), map_location="cpu", weights_only=False)["model"]
+            for n in ranks
+        ]
         canonical = merge_tp_shards(shards, args)
     else:
         from vime.backends.megatron_model import gather_canonical
@@ -118,34 +130,58 @@ def megatron_to_hf(load: str, save: str, hf_config: str, *, ckpt_step: int | Non
 
 
 def main_hf_to_megatron(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vime tools convert-hf-to-megatron",
-                                description="Convert an HF Qwen2/Qwen3/Llama checkpoint to a Megatron checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="vime tools convert-hf-to-megatron",
+        description="Convert an HF Qwen2/Qwen3/Llama checkpoint to a Megatron checkpoint.",
+    )
     p.add_argument("--hf-checkpoint", required=True, help="HF model folder (config.json + safetensors)")
     p.add_argument("--save", required=True, help="Megatron checkpoint directory to write (iter_0000000/)")
     p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this (as the training run's flag)")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this (as the training run's flag)",
+    )
     a = p.parse_args(argv)
-    folder = hf_to_megatron(a.hf_checkpoint, a.save, ckpt_format=a.ckpt_format,
-                            divisible_by=a.make_vocab_size_divisible_by)
+    folder = hf_to_megatron(
+        a.hf_checkpoint, a.save, ckpt_format=a.ckpt_format, divisible_by=a.make_vocab_size_divisible_by
+    )
     print(folder)
     return 0
 
 
 def main_megatron_to_hf(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vime tools convert-megatron-to-hf",
-                                description="Convert a Megatron checkpoint (torch or torch_dist) to an HF model.")
+    p = argparse.ArgumentParser(
+        prog="vime tools convert-megatron-to-hf",
+        description="Convert a Megatron checkpoint (torch or torch_dist) to an HF model.",
+    )
     p.add_argument("--load", required=True, help="Megatron checkpoint directory (or one iter_XXXXXXX/ folder)")
     p.add_argument("--ckpt-step", type=int, default=None, help="step to convert (default: the latest)")
     p.add_argument("--save", required=True, help="HF model folder to write")
-    p.add_argument("--hf-config", required=True, help="HF folder whose config.json describes the model; its "
-                   "config and tokenizer files are copied")
-    p.add_argument("--dtype", choices=("auto", *_DTYPES), default="auto",
-                   help="tensor dtype written (auto: the dtype of --hf-config's config.json)")
+    p.add_argument(
+        "--hf-config",
+        required=True,
+        help="HF folder whose config.json describes the model; its config and tokenizer files are copied",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="auto",
+        help="tensor dtype written (auto: the dtype of --hf-config's config.json)",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     a = p.parse_args(argv)
-    print(megatron_to_hf(a.load, a.save, a.hf_config, ckpt_step=a.ckpt_step, dtype=a.dtype,
-                         divisible_by=a.make_vocab_size_divisible_by))
+    print(
+        megatron_to_hf(
+            a.load,
+            a.save,
+            a.hf_config,
+            ckpt_step=a.ckpt_step,
+            dtype=a.dtype,
+            divisible_by=a.make_vocab_size_divisible_by,
+        )
+    )
     return 0
 
 

@@ -23,11 +23,13 @@ import sys
 import time
 from typing import Any
 
+from vime.errors import UserError
+
 DEFAULT_TIMEOUT = 600.0
 POLL_SECONDS = 0.5
 
 
-class EnginesCliError(RuntimeError):
+class EnginesCliError(UserError, RuntimeError):
     pass
 
 
@@ -63,15 +65,22 @@ def attach(run_dir: str) -> str:
     """Attach this process to a live run's Ray cluster (unless it is attached already); returns the
     run's Ray namespace, where its named actors live (also used by ``vime queue retry-failed``)."""
     info = read_run_info(run_dir)
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                       ("RAY_AUTH_MODE", "disabled")):
+    for key, value in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+        ("RAY_AUTH_MODE", "disabled"),
+    ):
         os.environ.setdefault(key, value)
     import ray
 
     if not ray.is_initialized():
         with contextlib.redirect_stderr(io.StringIO()):  # Ray's connection banner is noise here
-            ray.init(address=info["ray_address"], namespace=info["ray_namespace"], log_to_driver=False,
-                     configure_logging=False)
+            ray.init(
+                address=info["ray_address"],
+                namespace=info["ray_namespace"],
+                log_to_driver=False,
+                configure_logging=False,
+            )
     return info["ray_namespace"]
 
 
@@ -85,8 +94,9 @@ def connect(run_dir: str):
     try:
         return ray.get_actor(REGISTRY_NAME, namespace=namespace)
     except ValueError:
-        raise EnginesCliError(f"the run in {run_dir} has no engine registry yet (still starting its engines?); "
-                              "try again in a moment") from None
+        raise EnginesCliError(
+            f"the run in {run_dir} has no engine registry yet (still starting its engines?); try again in a moment"
+        ) from None
 
 
 def wait_request(registry, request_id: str, timeout: float) -> dict[str, Any]:
@@ -102,8 +112,9 @@ def wait_request(registry, request_id: str, timeout: float) -> dict[str, Any]:
             return request
         if time.monotonic() >= deadline:
             state = "is still waiting for the driver" if request["state"] == "pending" else "is still in progress"
-            raise EnginesCliError(f"no outcome after {timeout:g}s: the request {state} "
-                                  "(see `vime engines list` and the run's log)")
+            raise EnginesCliError(
+                f"no outcome after {timeout:g}s: the request {state} (see `vime engines list` and the run's log)"
+            )
         time.sleep(POLL_SECONDS)
 
 
@@ -112,8 +123,18 @@ def format_table(snapshot: dict[str, Any]) -> str:
     rows = []
     for e in snapshot.get("engines", []):
         health = {True: "ok", False: f"failing ({e.get('failed_checks', 0)})", None: "-"}[e.get("healthy")]
-        rows.append((e["name"], e["url"] or "-", e["origin"] + ("" if e["owned"] else ", external"), e["state"],
-                     str(e["weight_version"]), health, str(e["restarts"]), (e.get("node_id") or "-")[:12]))
+        rows.append(
+            (
+                e["name"],
+                e["url"] or "-",
+                e["origin"] + ("" if e["owned"] else ", external"),
+                e["state"],
+                str(e["weight_version"]),
+                health,
+                str(e["restarts"]),
+                (e.get("node_id") or "-")[:12],
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(columns)]
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
@@ -128,13 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     listing = sub.add_parser("list", help="each engine of the run: state, weight version, health")
     listing.add_argument("--run", required=True, metavar="RUN_DIR", help="the run's --run-dir")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
-    for name, text in (("add", "attach a running vLLM server (HOST:PORT) to the job"),
-                       ("remove", "drain and unregister an engine (HOST:PORT or engine-N)")):
+    for name, text in (
+        ("add", "attach a running vLLM server (HOST:PORT) to the job"),
+        ("remove", "drain and unregister an engine (HOST:PORT or engine-N)"),
+    ):
         command = sub.add_parser(name, help=text)
         command.add_argument("--run", required=True, metavar="RUN_DIR", help="the run's --run-dir")
         command.add_argument("engine", metavar="HOST:PORT" if name == "add" else "ENGINE")
-        command.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                             help="seconds to wait for the outcome (default: %(default)s)")
+        command.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT,
+            help="seconds to wait for the outcome (default: %(default)s)",
+        )
     args = parser.parse_args(argv)
     try:
         import ray

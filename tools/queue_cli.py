@@ -8,7 +8,8 @@
 ``inspect`` replays the queue's journal without writing to it, so it is safe on a live run. Groups
 count as trained when they lie before the surviving lineage's cursor: the latest checkpoint in
 ``--save`` if given, else the queue's own committed cursor. Failed tasks are listed with their
-last failure reason.
+last failure reason. The ledger (tools/ledger.py) accounts for every generated group, whole run
+and per lineage: generated = trained + waiting + discarded by cause, and says whether it closes.
 
 ``export`` writes one row per sample of every accepted group (same lineage rule: ``stage`` is
 trained, stale or accepted), with the token ids, reward, per-token weight versions, metadata,
@@ -30,14 +31,22 @@ import os
 import sys
 from typing import Any
 
+from vime.errors import UserError
 from vime.queue.journal_view import JournalView
 from vime.queue.tasks import (
-    INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, LEASE_REVOKED, REJECTED_PREFIX, SAMPLE_ATTEMPTS, RetryReport, retry_id,
+    INTERRUPTION_ATTEMPTS,
+    LEASE_EXPIRED,
+    LEASE_REVOKED,
+    REJECTED_PREFIX,
+    SAMPLE_ATTEMPTS,
+    RetryReport,
+    retry_id,
 )
+from vime.tools import ledger
 
 # retried: a failed task whose retry (a fresh task for the same prompt) has been submitted
 STAGES = ("fresh", "leased", "continuation", "accepted", "trained", "rejected", "failed", "retried")
-FAILED_SHOWN = 20   # failed tasks the text output of `inspect` lists (--json lists them all)
+FAILED_SHOWN = 20  # failed tasks the text output of `inspect` lists (--json lists them all)
 
 
 @dataclasses.dataclass
@@ -45,12 +54,12 @@ class TaskState:
     """A task as the journal tells it: its stage, and how its attempts failed."""
 
     metadata: dict[str, Any]
-    straw_attempts: int       # straw's budget for the task (ended attempts of any kind)
+    straw_attempts: int  # straw's budget for the task (ended attempts of any kind)
     stage: str = "fresh"
-    partial: bool = False     # carries a durable prefix (a continuation)
-    failures: int = 0         # attempts spent (see task_states)
-    ended: int = 0            # ended attempts of any kind, as straw counts them against straw_attempts
-    reason: str = ""          # the last failure reason ("" when every failure was a revoked lease)
+    partial: bool = False  # carries a durable prefix (a continuation)
+    failures: int = 0  # attempts spent (see task_states)
+    ended: int = 0  # ended attempts of any kind, as straw counts them against straw_attempts
+    reason: str = ""  # the last failure reason ("" when every failure was a revoked lease)
 
     @property
     def counts_interruptions(self) -> bool:
@@ -75,8 +84,7 @@ def task_states(view: JournalView) -> dict[str, TaskState]:
     def of(task_id: str) -> TaskState:  # a task the journal names before its submission: none expected
         return states.setdefault(task_id, TaskState({}, INTERRUPTION_ATTEMPTS))
 
-    def end_attempt(task_id: str, reason: str | None, *, final: bool | None = None,
-                    interrupted: bool = False) -> None:
+    def end_attempt(task_id: str, reason: str | None, *, final: bool | None = None, interrupted: bool = False) -> None:
         state = of(task_id)
         state.reason = state.reason if reason is None else reason
         state.ended += 1
@@ -93,8 +101,9 @@ def task_states(view: JournalView) -> dict[str, TaskState]:
         kind = event.get("type")
         if kind == "Submitted":
             for task in event["tasks"]:
-                states[task["task_id"]] = TaskState(task.get("metadata") or {}, task.get("max_attempts", 3),
-                                                    partial=task.get("input_ref") is not None)
+                states[task["task_id"]] = TaskState(
+                    task.get("metadata") or {}, task.get("max_attempts", 3), partial=task.get("input_ref") is not None
+                )
         elif kind == "Leased":
             for lease in event["leases"]:
                 of(lease["task_id"]).stage = "leased"
@@ -126,37 +135,24 @@ def failed_tasks(states: dict[str, TaskState]) -> list[dict[str, Any]]:
     """The failed tasks not retried yet, in submission order, with their last failure reason."""
     failed = [(task_id, s) for task_id, s in states.items() if s.stage == "failed"]
     failed.sort(key=lambda item: (item[1].metadata.get("group_index", 0), item[0]))
-    return [{"task_id": task_id, "prompt_index": s.metadata.get("prompt_index"),
-             "group_index": s.metadata.get("group_index"), "epoch": s.metadata.get("epoch"),
-             "attempts": s.failures, "max_attempts": s.max_attempts, "reason": s.reason or LEASE_REVOKED}
-            for task_id, s in failed]
+    return [
+        {
+            "task_id": task_id,
+            "prompt_index": s.metadata.get("prompt_index"),
+            "group_index": s.metadata.get("group_index"),
+            "epoch": s.metadata.get("epoch"),
+            "attempts": s.failures,
+            "max_attempts": s.max_attempts,
+            "reason": s.reason or LEASE_REVOKED,
+        }
+        for task_id, s in failed
+    ]
 
 
-def lineage(data_dir: str, save: str | None, view: JournalView,
-            run_id: str) -> tuple[int, list[int], set[int], str]:
+def lineage(data_dir: str, save: str | None, view: JournalView, run_id: str) -> tuple[int, list[int], set[int], str]:
     """(trained cursor, cursor after each step, positions skipped as stale, where it came from)."""
-    if save:
-        from vime.recovery import checkpoint as ckpt
-
-        if ckpt.latest_step(save) is not None:
-            _, state = ckpt.load_state(save)
-            return (state.consumer_cursor, list(state.step_cursors), set(state.skipped),
-                    f"checkpoint step {state.step} in {save}")
-    states = view.of_type("ConsumerState")
-    if not states:
-        return 0, [], set(), "nothing trained"
-    response = states[-1]["response"]
-    from straw import RecordSetRef
-
-    from vime.queue.rollout_queue import open_store
-
-    store = open_store(data_dir, run_id)
-    try:
-        payload = json.loads(next(store.read(RecordSetRef.from_dict(response["state_ref"]))).payload)
-    finally:
-        store.close()
-    return (response["processed_cursor"], payload.get("step_cursors", []), set(payload.get("skipped", [])),
-            "the queue's committed cursor")
+    survivor = ledger.surviving_lineage(data_dir, save, view, run_id)
+    return survivor.cursor, survivor.step_cursors, set(survivor.skipped), survivor.source
 
 
 def disk_bytes(path: str) -> int:
@@ -169,7 +165,13 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
 
     view = JournalView.read(data_dir)
     states = task_states(view)
-    cursor, step_cursors, skipped, source = lineage(data_dir, save, view, run_id)
+    survivor = ledger.surviving_lineage(data_dir, save, view, run_id)
+    cursor, step_cursors, skipped, source = (
+        survivor.cursor,
+        survivor.step_cursors,
+        set(survivor.skipped),
+        survivor.source,
+    )
     accepted = view.accepted()
     counts = {name: 0 for name in STAGES}
     for state in states.values():
@@ -189,40 +191,64 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"step": step, "position": group.position, "task_id": group.task_id}
         try:
             samples = transport.read(group.ref)
-        except Exception as error:  # reclaimed by GC or unreadable: report, do not fail the listing
+        except Exception as error:  # noqa: BLE001 - reclaimed by GC or unreadable: report, do not fail the listing
             entry.update(readable=False, error=f"{type(error).__name__}: {error}")
         else:
             versions = [v for s in samples for v in s.weight_versions]
-            entry.update(readable=True, prompt_index=samples[0].prompt_index, group_index=samples[0].group_index,
-                         n_samples=len(samples), min_weight_version=min(versions, default=None),
-                         max_weight_version=max(versions, default=None),
-                         reward_mean=sum(s.reward or 0.0 for s in samples) / len(samples))
+            entry.update(
+                readable=True,
+                prompt_index=samples[0].prompt_index,
+                group_index=samples[0].group_index,
+                n_samples=len(samples),
+                min_weight_version=min(versions, default=None),
+                max_weight_version=max(versions, default=None),
+                reward_mean=sum(s.reward or 0.0 for s in samples) / len(samples),
+            )
         groups.append(entry)
-    transport.close()
-    return {"rollout_data_dir": data_dir, "lineage": source, "trained_cursor": cursor, "counts": counts,
-            "disk_bytes": disk_bytes(data_dir), "failed_tasks": failed_tasks(states), "trained_groups": groups}
+    try:
+        books = ledger.compute(
+            view, {task_id: s.stage for task_id, s in states.items()}, survivor, transport.store, data_dir=data_dir
+        )
+    finally:
+        transport.close()
+    return {
+        "rollout_data_dir": data_dir,
+        "lineage": source,
+        "trained_cursor": cursor,
+        "counts": counts,
+        "disk_bytes": disk_bytes(data_dir),
+        "failed_tasks": failed_tasks(states),
+        "trained_groups": groups,
+        "ledger": books,
+    }
 
 
 def format_inspect(report: dict[str, Any]) -> str:
-    lines = [f"queue {report['rollout_data_dir']}  ({report['disk_bytes'] / 2**20:.1f} MiB on disk)",
-             "  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items()),
-             f"  trained in the surviving lineage: {len(report['trained_groups'])} group(s) ({report['lineage']})"]
+    lines = [
+        f"queue {report['rollout_data_dir']}  ({report['disk_bytes'] / 2**20:.1f} MiB on disk)",
+        "  " + "  ".join(f"{k} {v}" for k, v in report["counts"].items()),
+        f"  trained in the surviving lineage: {len(report['trained_groups'])} group(s) ({report['lineage']})",
+    ]
     failed = report["failed_tasks"]
     if failed:
-        lines.append(f"  failed: {len(failed)} task(s), attempts spent (return them to the queue with "
-                     "`vime queue retry-failed`):")
+        lines.append(
+            f"  failed: {len(failed)} task(s), attempts spent (return them to the queue with "
+            "`vime queue retry-failed`):"
+        )
         for task in failed[:FAILED_SHOWN]:
             reason = " ".join(task["reason"].split())
             reason = reason if len(reason) <= 100 else reason[:97] + "..."
-            lines.append(f"    {task['task_id']}  prompt {task['prompt_index']}  "
-                         f"{task['attempts']}/{task['max_attempts']} attempts  {reason}")
+            lines.append(
+                f"    {task['task_id']}  prompt {task['prompt_index']}  "
+                f"{task['attempts']}/{task['max_attempts']} attempts  {reason}"
+            )
         if len(failed) > FAILED_SHOWN:
             lines.append(f"    ... and {len(failed) - FAILED_SHOWN} more (--json lists them all)")
-    return "\n".join(lines)
+    return "\n".join(lines + ledger.format_ledger(report["ledger"]))
 
 
 # ----------------------------------------------------------------------------- retry-failed
-class RetryRefused(RuntimeError):
+class RetryRefused(UserError, RuntimeError):
     """The retry cannot be done as asked (the message names the flag and says why)."""
 
 
@@ -238,14 +264,17 @@ def retry_failed_stopped(data_dir: str, run_id: str, declaration: dict | None = 
     except QueueBusy:
         with open(os.path.join(data_dir, "controller.lock")) as f:
             holder = f.read().strip() or "unknown"
-        raise RetryRefused(f"--rollout-data-dir {data_dir}: a live run drives this queue (its controller: {holder}); "
-                           "use `vime queue retry-failed --run RUN_DIR` on the live run, or stop it first") from None
+        raise RetryRefused(
+            f"--rollout-data-dir {data_dir}: a live run drives this queue (its controller: {holder}); "
+            "use `vime queue retry-failed --run RUN_DIR` on the live run, or stop it first"
+        ) from None
     try:
         with open(os.path.join(data_dir, "run.json")) as f:
             identity = json.load(f)
         options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"), declaration=declaration)
-        queue = StrawRolloutQueue.open(options, owner="vime-queue-retry-failed",
-                                       lease_seconds=identity["lease_seconds"])
+        queue = StrawRolloutQueue.open(
+            options, owner="vime-queue-retry-failed", lease_seconds=identity["lease_seconds"]
+        )
         try:
             return queue.retry_failed()
         finally:
@@ -269,9 +298,11 @@ def retry_failed_live(run_dir: str, timeout: float = 120.0) -> RetryReport:
     try:
         controller = ray.get_actor(Controller.ACTOR_NAME, namespace=namespace)
     except ValueError:
-        raise RetryRefused(f"--run {run_dir}: the run has no controller reachable by name (still starting, or "
-                           "started by a vime without `retry-failed`); try again in a moment, or stop the run and "
-                           "use --rollout-data-dir") from None
+        raise RetryRefused(
+            f"--run {run_dir}: the run has no controller reachable by name (still starting, or "
+            "started by a vime without `retry-failed`); try again in a moment, or stop the run and "
+            "use --rollout-data-dir"
+        ) from None
     try:
         return ray.get(controller.retry_failed.remote(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -291,9 +322,10 @@ def format_retry(report: RetryReport, live: bool) -> str:
         return f"no failed task to retry{rejected}"
     prompts = [task.prompt_index for _, task in report.retried]
     when = "the run leases them like any fresh prompt" if live else "they run when the run resumes (--load)"
-    return (f"retried {len(report.retried)} failed task(s) as fresh prompts with a new attempt budget "
-            f"(prompt indices {abbreviate(prompts)}); {when}{rejected}")
-
+    return (
+        f"retried {len(report.retried)} failed task(s) as fresh prompts with a new attempt budget "
+        f"(prompt indices {abbreviate(prompts)}); {when}{rejected}"
+    )
 
 
 # ----------------------------------------------------------------------------- export
@@ -302,8 +334,15 @@ def format_retry(report: RetryReport, live: bool) -> str:
 # accepted (waiting for the trainer). Optional captures are {dtype, shape, data (flat)}.
 # EXPORT_TENSORS is queue/records.py's OPTIONAL_TENSORS (not imported: `vime queue` stays torch-free
 # until it needs torch; tests/unit/test_debug_replay.py keeps the two equal).
-EXPORT_TENSORS = ("rollout_routed_experts", "rollout_topk_token_ids", "rollout_topk_log_probs",
-                  "rollout_topp_ids", "rollout_topp_offsets", "rollout_topp_log_probs", "teacher_log_probs")
+EXPORT_TENSORS = (
+    "rollout_routed_experts",
+    "rollout_topk_token_ids",
+    "rollout_topk_log_probs",
+    "rollout_topp_ids",
+    "rollout_topp_offsets",
+    "rollout_topp_log_probs",
+    "teacher_log_probs",
+)
 JSON_COLUMNS = ("label", "metadata")  # free-form: JSON text in parquet, plain values in jsonl
 
 
@@ -313,8 +352,11 @@ def _tensor_cell(value: Any) -> dict[str, Any] | None:
     import torch
 
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-            "data": tensor.flatten().tolist()}
+    return {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "data": tensor.flatten().tolist(),
+    }
 
 
 def export_rows(data_dir: str, save: str | None, run_id: str, tokenizer=None, report: dict | None = None):
@@ -331,7 +373,7 @@ def export_rows(data_dir: str, save: str | None, run_id: str, tokenizer=None, re
         for group in view.accepted():
             try:
                 samples = transport.read(group.ref)
-            except Exception:  # reclaimed by GC or unreadable: counted, not fatal (as in inspect)
+            except Exception:  # noqa: BLE001 - reclaimed by GC or unreadable: counted, not fatal (as in inspect)
                 report["unreadable"] += 1
                 continue
             if group.position in skipped:
@@ -344,16 +386,31 @@ def export_rows(data_dir: str, save: str | None, run_id: str, tokenizer=None, re
             report["groups"] += 1
             report[stage] += 1
             for sample in sorted(samples, key=lambda s: s.index):
-                row = {"position": group.position, "task_id": group.task_id, "stage": stage, "step": step,
-                       "group_index": sample.group_index, "index": sample.index, "prompt_index": sample.prompt_index,
-                       "source_name": sample.source_name, "source": sample.source, "session_id": sample.session_id,
-                       "status": sample.status.value, "reward": sample.reward, "label": sample.label,
-                       "metadata": sample.metadata, "tokens": list(sample.tokens),
-                       "prompt_length": sample.prompt_length, "response_length": sample.response_length,
-                       "loss_mask": sample.loss_mask, "rollout_log_probs": sample.rollout_log_probs,
-                       "weight_versions": list(sample.weight_versions), "response": sample.response}
+                row = {
+                    "position": group.position,
+                    "task_id": group.task_id,
+                    "stage": stage,
+                    "step": step,
+                    "group_index": sample.group_index,
+                    "index": sample.index,
+                    "prompt_index": sample.prompt_index,
+                    "source_name": sample.source_name,
+                    "source": sample.source,
+                    "session_id": sample.session_id,
+                    "status": sample.status.value,
+                    "reward": sample.reward,
+                    "label": sample.label,
+                    "metadata": sample.metadata,
+                    "tokens": list(sample.tokens),
+                    "prompt_length": sample.prompt_length,
+                    "response_length": sample.response_length,
+                    "loss_mask": sample.loss_mask,
+                    "rollout_log_probs": sample.rollout_log_probs,
+                    "weight_versions": list(sample.weight_versions),
+                    "response": sample.response,
+                }
                 if tokenizer is not None:
-                    row["prompt_text"] = tokenizer.decode(sample.tokens[:sample.prompt_length])
+                    row["prompt_text"] = tokenizer.decode(sample.tokens[: sample.prompt_length])
                     row["response_text"] = tokenizer.decode(sample.response_tokens)
                 for name in EXPORT_TENSORS:
                     row[name] = _tensor_cell(getattr(sample, name))
@@ -367,13 +424,29 @@ def _parquet_schema(with_text: bool):
     import pyarrow as pa
 
     tensor = pa.struct([("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("data", pa.list_(pa.float64()))])
-    fields = [("position", pa.int64()), ("task_id", pa.string()), ("stage", pa.string()), ("step", pa.int64()),
-              ("group_index", pa.int64()), ("index", pa.int64()), ("prompt_index", pa.int64()),
-              ("source_name", pa.string()), ("source", pa.string()), ("session_id", pa.string()),
-              ("status", pa.string()), ("reward", pa.float64()), ("label", pa.string()), ("metadata", pa.string()),
-              ("tokens", pa.list_(pa.int64())), ("prompt_length", pa.int64()), ("response_length", pa.int64()),
-              ("loss_mask", pa.list_(pa.int64())), ("rollout_log_probs", pa.list_(pa.float64())),
-              ("weight_versions", pa.list_(pa.int64())), ("response", pa.string())]
+    fields = [
+        ("position", pa.int64()),
+        ("task_id", pa.string()),
+        ("stage", pa.string()),
+        ("step", pa.int64()),
+        ("group_index", pa.int64()),
+        ("index", pa.int64()),
+        ("prompt_index", pa.int64()),
+        ("source_name", pa.string()),
+        ("source", pa.string()),
+        ("session_id", pa.string()),
+        ("status", pa.string()),
+        ("reward", pa.float64()),
+        ("label", pa.string()),
+        ("metadata", pa.string()),
+        ("tokens", pa.list_(pa.int64())),
+        ("prompt_length", pa.int64()),
+        ("response_length", pa.int64()),
+        ("loss_mask", pa.list_(pa.int64())),
+        ("rollout_log_probs", pa.list_(pa.float64())),
+        ("weight_versions", pa.list_(pa.int64())),
+        ("response", pa.string()),
+    ]
     if with_text:
         fields += [("prompt_text", pa.string()), ("response_text", pa.string())]
     return pa.schema(fields + [(name, tensor) for name in EXPORT_TENSORS])
@@ -426,12 +499,23 @@ def sample_from_row(row: dict[str, Any]):
 
     from vime.sample import Sample, Status
 
-    sample = Sample(group_index=row["group_index"], index=row["index"], prompt_index=row["prompt_index"],
-                    label=row["label"], tokens=list(row["tokens"]), response=row["response"],
-                    response_length=row["response_length"], loss_mask=row["loss_mask"], reward=row["reward"],
-                    status=Status(row["status"]), rollout_log_probs=row["rollout_log_probs"],
-                    weight_versions=list(row["weight_versions"]), metadata=row["metadata"], source=row["source"],
-                    session_id=row["session_id"])
+    sample = Sample(
+        group_index=row["group_index"],
+        index=row["index"],
+        prompt_index=row["prompt_index"],
+        label=row["label"],
+        tokens=list(row["tokens"]),
+        response=row["response"],
+        response_length=row["response_length"],
+        loss_mask=row["loss_mask"],
+        reward=row["reward"],
+        status=Status(row["status"]),
+        rollout_log_probs=row["rollout_log_probs"],
+        weight_versions=list(row["weight_versions"]),
+        metadata=row["metadata"],
+        source=row["source"],
+        session_id=row["session_id"],
+    )
     for name in EXPORT_TENSORS:
         cell = row.get(name)
         if cell is not None:
@@ -451,22 +535,35 @@ def export(data_dir: str, save: str | None, run_id: str, out: str, fmt: str, hf_
     write_export(export_rows(data_dir, save, run_id, tokenizer, report), out, fmt, with_text=tokenizer is not None)
     return report
 
+
 def main(argv: list[str] | None = None) -> int:
     paragraphs = __doc__.replace("``", "").split("\n\n")
-    parser = argparse.ArgumentParser(prog="vime queue", description="\n\n".join(paragraphs[:2]),
-                                     epilog=paragraphs[4] + "\n\nvime queue COMMAND -h shows a command's options.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="vime queue",
+        description="\n\n".join(paragraphs[:2]),
+        epilog=paragraphs[4] + "\n\nvime queue COMMAND -h shows a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("inspect", "counts per stage, disk use, the trained groups, the failed tasks and why"),
-                       ("gc", "reclaim storage nothing references any more (stopped runs only)"),
-                       ("export", "every accepted sample as jsonl or parquet, for analysis"),
-                       ("retry-failed", "return every failed task (not the rejected ones) to the queue as a fresh "
-                                        "prompt with a new attempt budget")):
+    for name, text in (
+        (
+            "inspect",
+            "counts per stage, disk use, the trained groups, the failed tasks and why, and the "
+            "ledger of every generated group (does it close?)",
+        ),
+        ("gc", "reclaim storage nothing references any more (stopped runs only)"),
+        ("export", "every accepted sample as jsonl or parquet, for analysis"),
+        (
+            "retry-failed",
+            "return every failed task (not the rejected ones) to the queue as a fresh prompt with a new attempt budget",
+        ),
+    ):
         command = sub.add_parser(name, help=text, description=text)
         if name == "retry-failed":
             where = command.add_mutually_exclusive_group(required=True)
-            where.add_argument("--rollout-data-dir", help="a stopped run's queue directory (refused while a run "
-                                                          "drives it)")
+            where.add_argument(
+                "--rollout-data-dir", help="a stopped run's queue directory (refused while a run drives it)"
+            )
             where.add_argument("--run", metavar="RUN_DIR", help="a live run's --run-dir: its controller retries")
             command.add_argument("--json", action="store_true", help="machine-readable output")
         else:
@@ -479,8 +576,9 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "export":
             command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
-            command.add_argument("--format", choices=["jsonl", "parquet"],
-                                 help="output format (default: from OUT's extension)")
+            command.add_argument(
+                "--format", choices=["jsonl", "parquet"], help="output format (default: from OUT's extension)"
+            )
             command.add_argument("--hf-checkpoint", help="decode prompts and responses with this model's tokenizer")
             command.add_argument("out", metavar="OUT", help="the file to write")
     args = parser.parse_args(argv)
@@ -501,13 +599,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         fmt = args.format or {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(args.out)[1])
         if fmt is None:
-            print(f"vime queue: error: --format: give jsonl or parquet (OUT {args.out!r} has neither extension)",
-                  file=sys.stderr)
+            print(
+                f"vime queue: error: --format: give jsonl or parquet (OUT {args.out!r} has neither extension)",
+                file=sys.stderr,
+            )
             return 2
         report = export(data_dir, args.save, args.rollout_queue_run_id, args.out, fmt, args.hf_checkpoint)
-        print(f"exported {report['samples']} sample(s) of {report['groups']} accepted group(s) "
-              f"({report['trained']} trained, {report['accepted']} waiting, {report['stale']} stale; "
-              f"{report['unreadable']} unreadable) to {args.out}")
+        print(
+            f"exported {report['samples']} sample(s) of {report['groups']} accepted group(s) "
+            f"({report['trained']} trained, {report['accepted']} waiting, {report['stale']} stale; "
+            f"{report['unreadable']} unreadable) to {args.out}"
+        )
         return 0
     if args.command == "gc":
         from vime.queue.gc import collect_stopped
@@ -535,9 +637,23 @@ def _retry_failed(args, *, live: bool, data_dir: str | None = None) -> int:
         print(f"vime queue retry-failed: error: {error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"retried": [{"task_id": old, "retry_task_id": new.task_id, "prompt_index": new.prompt_index,
-                                       "epoch": new.epoch} for old, new in report.retried],
-                          "rejected": report.rejected}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "retried": [
+                        {
+                            "task_id": old,
+                            "retry_task_id": new.task_id,
+                            "prompt_index": new.prompt_index,
+                            "epoch": new.epoch,
+                        }
+                        for old, new in report.retried
+                    ],
+                    "rejected": report.rejected,
+                },
+                indent=1,
+            )
+        )
     else:
         print(format_retry(report, live))
     return 0

@@ -25,21 +25,27 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         from vime.train import main as train_main
+
         return train_main(rest)
     if command == "queue":
         from vime.tools.queue_cli import main as queue_main
+
         return queue_main(rest)
     if command == "engines":
         from vime.tools.engines_cli import main as engines_main
+
         return engines_main(rest)
     if command == "tools" and rest and rest[0] == "make-tiny-model":
         from vime.tools.make_tiny_model import main as tiny_main
+
         return tiny_main(rest[1:]) or 0
     if command == "tools" and rest and rest[0] == "convert-hf-to-megatron":
         from vime.tools.convert_checkpoint import main_hf_to_megatron
+
         return main_hf_to_megatron(rest[1:])
     if command == "tools" and rest and rest[0] == "convert-megatron-to-hf":
         from vime.tools.convert_checkpoint import main_megatron_to_hf
+
         return main_megatron_to_hf(rest[1:])
     print(f"vime: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
     return 2

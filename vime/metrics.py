@@ -22,11 +22,13 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
 
     def progress(self, m: dict[str, Any], num_rollout: int) -> None:
-        line = (f"step {int(m['step']):>4}/{num_rollout} | v{int(m['weight_version'])} | "
-                f"reward {m['reward_mean']:.3f} | resp_len {m['response_length_mean']:.1f} | "
-                f"staleness {m['staleness_mean']:.2f}/{int(m['staleness_max'])} | "
-                f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | train {m['train_tokens_per_s']:.0f} tok/s | "
-                f"queue {int(m['queue_depth'])}")
+        line = (
+            f"step {int(m['step']):>4}/{num_rollout} | v{int(m['weight_version'])} | "
+            f"reward {m['reward_mean']:.3f} | resp_len {m['response_length_mean']:.1f} | "
+            f"staleness {m['staleness_mean']:.2f}/{int(m['staleness_max'])} | "
+            f"rollout {m['rollout_tokens_per_s']:.0f} tok/s | train {m['train_tokens_per_s']:.0f} tok/s | "
+            f"queue {int(m['queue_depth'])}"
+        )
         if m.get("engines_total") and m.get("engines_serving") != m["engines_total"]:
             line += f" | engines {m['engines_serving']}/{m['engines_total']}"
         if m.get("rollout_engine_errors"):

@@ -25,7 +25,14 @@ from typing import Any
 from vime.config.base import ConfigError
 from vime.recovery import checkpoint as ckpt
 from vime.recovery.debug_archive import (
-    LOAD_FLAG, SAVE_FLAG, ArchiveError, archive_path, build_archive, metric_differences, read_archive, spec_as_dict,
+    LOAD_FLAG,
+    SAVE_FLAG,
+    ArchiveError,
+    archive_path,
+    build_archive,
+    metric_differences,
+    read_archive,
+    spec_as_dict,
     write_archive,
 )
 
@@ -61,16 +68,23 @@ def save_trained_batch(run, rollout_id: int, groups: list, policy_version: int, 
     # __ray_call__ runs _trained_batch on the trainer actor itself: the step's groups are read there
     # as train_rollout read them, and the spec it trained with is the one recorded.
     members, trainer = ray.get(run.trainer.leader.__ray_call__.remote(_trained_batch, groups))
-    archive = build_archive(rollout_id=rollout_id, policy_version=policy_version, metrics=metrics, trainer=trainer,
-                            groups=[(g.position, g.task_id, m) for g, m in zip(groups, members)], argv=sys.argv)
+    archive = build_archive(
+        rollout_id=rollout_id,
+        policy_version=policy_version,
+        metrics=metrics,
+        trainer=trainer,
+        groups=[(g.position, g.task_id, m) for g, m in zip(groups, members)],
+        argv=sys.argv,
+    )
     if template not in _ANNOUNCED:
         _ANNOUNCED.add(template)
         run.log.say(f"recording every trained batch: {os.path.abspath(template)}")
     if write_archive(path, archive) == "kept":
         differ = metric_differences(read_archive(path, SAVE_FLAG).metrics, metrics)
         note = f"; its recorded metrics differ from this training in: {', '.join(differ)}" if differ else ""
-        run.log.say(f"step {rollout_id + 1} was trained again (resumed run) on the same batch: kept its "
-                    f"archive {path}{note}")
+        run.log.say(
+            f"step {rollout_id + 1} was trained again (resumed run) on the same batch: kept its archive {path}{note}"
+        )
 
 
 # ============================================================================== replay
@@ -99,15 +113,19 @@ def trainer_spec(s, threads: int | None):
     from vime.workers.trainer_worker import TrainerWorkerSpec
 
     # "object-store" opens nothing: the replay never touches the run's queue.
-    return TrainerWorkerSpec.from_settings(s, transport="object-store", store=StoreOptions(s.rollout_data_dir),
-                                           threads=threads, cpu_affinity=None)
+    return TrainerWorkerSpec.from_settings(
+        s, transport="object-store", store=StoreOptions(s.rollout_data_dir), threads=threads, cpu_affinity=None
+    )
 
 
 def spec_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'name: recorded -> now' for every trainer setting that differs from the recording."""
     names = sorted(set(recorded) | set(current))
-    return [f"{name}: {recorded.get(name)!r} -> {current.get(name)!r}" for name in names
-            if name not in _PLACEMENT and recorded.get(name) != current.get(name)]
+    return [
+        f"{name}: {recorded.get(name)!r} -> {current.get(name)!r}"
+        for name in names
+        if name not in _PLACEMENT and recorded.get(name) != current.get(name)
+    ]
 
 
 def replay(s, log) -> int:
@@ -121,8 +139,11 @@ def replay(s, log) -> int:
 def _replay(s, log) -> int:
     template = s.debug.load_debug_rollout_data
     if os.path.getsize(log.path) > 0:
-        raise ConfigError("--run-dir", f"{s.run_dir} already holds a run's metrics.jsonl; give the replay a "
-                                       "--run-dir of its own (a replay never writes into a recorded run)")
+        raise ConfigError(
+            "--run-dir",
+            f"{s.run_dir} already holds a run's metrics.jsonl; give the replay a "
+            "--run-dir of its own (a replay never writes into a recorded run)",
+        )
     start, checkpoint = 0, None
     if s.checkpoint.load and (ckpt.latest_step(s.checkpoint.load) is not None or s.checkpoint.ckpt_step is not None):
         checkpoint, state = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
@@ -143,10 +164,14 @@ def _replay(s, log) -> int:
     ranks = int(archive.trainer.get(RANKS_KEY, 1))
     rel_tol = SEVERAL_RANKS_REL_TOL if ranks > 1 else 0.0
     if ranks > 1:
-        log.say(f"the recording was trained on {ranks} trainer ranks: one rank adds the same numbers in another "
-                f"order, so metrics are compared within {rel_tol:g} relative instead of bit for bit")
-    log.say(f"replaying the batches recorded at {template} from rollout {start}: no engine, router, rollout "
-            f"worker or queue; torch backend on {threads} thread(s)")
+        log.say(
+            f"the recording was trained on {ranks} trainer ranks: one rank adds the same numbers in another "
+            f"order, so metrics are compared within {rel_tol:g} relative instead of bit for bit"
+        )
+    log.say(
+        f"replaying the batches recorded at {template} from rollout {start}: no engine, router, rollout "
+        f"worker or queue; torch backend on {threads} thread(s)"
+    )
     trainer = _replay_trainer_class()(spec)
     results: list[dict[str, Any]] = []
     try:
@@ -162,30 +187,55 @@ def _replay(s, log) -> int:
                 archive = read_archive(path)
             if archive.rollout_id != rollout_id:
                 raise ArchiveError(LOAD_FLAG, f"{path} holds rollout {archive.rollout_id}, not {rollout_id}")
-            groups = [ReplayGroup(g.position, g.task_id, members)
-                      for g, members in zip(archive.groups, archive.grouped())]
+            groups = [
+                ReplayGroup(g.position, g.task_id, members) for g, members in zip(archive.groups, archive.grouped())
+            ]
             metrics = trainer.train_rollout(rollout_id, groups, archive.policy_version)
             differ = metric_differences(archive.metrics, metrics, rel_tol)
             step, version = rollout_id + 1, archive.policy_version + 1
-            log.write({"kind": "train", "step": step, "weight_version": version, **metrics, "replay": True,
-                       "replay_matches": not differ})
-            results.append({"step": step, "rollout_id": rollout_id, "policy_version": archive.policy_version,
-                             "archive": path, "matches": not differ, "differing": differ,
-                             "recorded": {k: archive.metrics.get(k) for k in ("loss", "grad_norm")},
-                             "replayed": {k: metrics.get(k) for k in ("loss", "grad_norm")}})
+            log.write(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "weight_version": version,
+                    **metrics,
+                    "replay": True,
+                    "replay_matches": not differ,
+                }
+            )
+            results.append(
+                {
+                    "step": step,
+                    "rollout_id": rollout_id,
+                    "policy_version": archive.policy_version,
+                    "archive": path,
+                    "matches": not differ,
+                    "differing": differ,
+                    "recorded": {k: archive.metrics.get(k) for k in ("loss", "grad_norm")},
+                    "replayed": {k: metrics.get(k) for k in ("loss", "grad_norm")},
+                }
+            )
             verdict = "= recorded" if not differ else "DIFFERS in " + ", ".join(differ)
             loss, grad_norm = metrics.get("loss", float("nan")), metrics.get("grad_norm", float("nan"))
-            print(f"replay {step:>4}/{s.train.num_rollout} | v{version} | loss {loss:.6g} | grad_norm {grad_norm:.6g} | "
-                  f"{verdict}", file=log.stream, flush=True)
+            print(
+                f"replay {step:>4}/{s.train.num_rollout} | v{version} | loss {loss:.6g} | "
+                f"grad_norm {grad_norm:.6g} | {verdict}",
+                file=log.stream,
+                flush=True,
+            )
     finally:
         trainer.shutdown()
     mismatched = [r["step"] for r in results if not r["matches"]]
     with open(os.path.join(s.run_dir, "replay.json"), "w") as f:
         json.dump({"archives": template, "steps": results, "all_match": not mismatched}, f, indent=1)
     if mismatched:
-        log.say(f"replayed {len(results)} step(s); {len(mismatched)} differ from the recording (steps "
-                f"{', '.join(map(str, mismatched[:10]))}); details in {os.path.join(s.run_dir, 'replay.json')}")
+        log.say(
+            f"replayed {len(results)} step(s); {len(mismatched)} differ from the recording (steps "
+            f"{', '.join(map(str, mismatched[:10]))}); details in {os.path.join(s.run_dir, 'replay.json')}"
+        )
     else:
-        log.say(f"replayed {len(results)} step(s): every metric (loss, grad_norm, ...) equals the recording "
-                + ("bit for bit" if not rel_tol else f"within {rel_tol:g} relative"))
+        log.say(
+            f"replayed {len(results)} step(s): every metric (loss, grad_norm, ...) equals the recording "
+            + ("bit for bit" if not rel_tol else f"within {rel_tol:g} relative")
+        )
     return 0

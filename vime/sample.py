@@ -52,9 +52,9 @@ class Sample:
 
     Status = Status
 
-    group_index: int = -1          # index of the group (prompt task) inside the run
-    index: int = -1                # index of the sample inside its group
-    prompt_index: int = -1         # row of the prompt in --prompt-data
+    group_index: int = -1  # index of the group (prompt task) inside the run
+    index: int = -1  # index of the sample inside its group
+    prompt_index: int = -1  # row of the prompt in --prompt-data
     prompt: str | list[dict[str, Any]] = ""
     label: Any = None
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -66,16 +66,16 @@ class Sample:
     rollout_log_probs: list[float] | None = None
     weight_versions: list[int] = dataclasses.field(default_factory=list)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    source: str | None = None      # set dynamically by custom data sources
+    source: str | None = None  # set dynamically by custom data sources
     session_id: str | None = None
     # Optional captures, one row per token (tensors or arrays):
-    rollout_routed_experts: Any = None     # R3: [len(tokens) - 1, layers, topk]
-    rollout_topk_token_ids: Any = None     # score centering, top-k heads: [response_length, k]
+    rollout_routed_experts: Any = None  # R3: [len(tokens) - 1, layers, topk]
+    rollout_topk_token_ids: Any = None  # score centering, top-k heads: [response_length, k]
     rollout_topk_log_probs: Any = None
-    rollout_topp_ids: Any = None           # score centering, top-p support: flat ids ...
-    rollout_topp_offsets: Any = None       # ... [response_length + 1] offsets into them ...
-    rollout_topp_log_probs: Any = None     # ... and the normalised sampler log-probs
-    teacher_log_probs: Any = None          # OPD: the teacher's log-prob of each response token [response_length]
+    rollout_topp_ids: Any = None  # score centering, top-p support: flat ids ...
+    rollout_topp_offsets: Any = None  # ... [response_length + 1] offsets into them ...
+    rollout_topp_log_probs: Any = None  # ... and the normalised sampler log-probs
+    teacher_log_probs: Any = None  # OPD: the teacher's log-prob of each response token [response_length]
 
     @property
     def prompt_length(self) -> int:
@@ -83,16 +83,22 @@ class Sample:
 
     @property
     def response_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_length:]
+        return self.tokens[self.prompt_length :]
 
     @property
     def source_name(self) -> str:
         """``sample.source``, then ``metadata["source_name"]``, else ``"unknown"`` (the seeds' rule)."""
         return self.source or self.metadata.get("source_name") or "unknown"
 
-    def append_response_tokens(self, token_ids: list[int], log_probs: list[float] | None,
-                               versions: list[int], loss_mask: list[int] | None = None, *,
-                               sampler: SamplerRows | None = None) -> None:
+    def append_response_tokens(
+        self,
+        token_ids: list[int],
+        log_probs: list[float] | None,
+        versions: list[int],
+        loss_mask: list[int] | None = None,
+        *,
+        sampler: SamplerRows | None = None,
+    ) -> None:
         """Extend the response (a continuation appends to the prefix it resumed from).
 
         ``sampler``: the sampler's top-k heads or top-p supports of the new tokens (score centering).
@@ -121,8 +127,11 @@ class Sample:
         """The sample's sampler rows with ``new`` appended (None: the sample records none); validates
         before anything is changed, so a refused append leaves the sample as it was."""
         if self.rollout_topp_offsets is not None:
-            old = SamplerRows(np.asarray(self.rollout_topp_ids), np.asarray(self.rollout_topp_log_probs),
-                              np.asarray(self.rollout_topp_offsets))
+            old = SamplerRows(
+                np.asarray(self.rollout_topp_ids),
+                np.asarray(self.rollout_topp_log_probs),
+                np.asarray(self.rollout_topp_offsets),
+            )
         elif self.rollout_topk_token_ids is not None:
             old = SamplerRows(np.asarray(self.rollout_topk_token_ids), np.asarray(self.rollout_topk_log_probs))
         else:
@@ -130,16 +139,20 @@ class Sample:
         if old is not None and len(old) != self.response_length:
             # A generate function that starts a sample over may reset its response and not the rows.
             if self.response_length:
-                raise ValueError(f"score centering: the sample holds sampler rows for {len(old)} tokens, its "
-                                 f"response has {self.response_length}")
+                raise ValueError(
+                    f"score centering: the sample holds sampler rows for {len(old)} tokens, its "
+                    f"response has {self.response_length}"
+                )
             old = None
         if new is None and old is None:
             return None
         if new is None:
             # Tokens the model did not sample carry no sampler distribution; trained ones must.
             if trained:
-                raise ValueError(f"score centering: {count} trained tokens appended without the sampler's "
-                                 "top-k heads / top-p supports of a sample that records them")
+                raise ValueError(
+                    f"score centering: {count} trained tokens appended without the sampler's "
+                    "top-k heads / top-p supports of a sample that records them"
+                )
             return _concat_rows(old, _empty_rows(old, count))
         new = _as_rows(new)
         if len(new) != count:
@@ -165,10 +178,18 @@ def _as_rows(rows: SamplerRows) -> SamplerRows:
     ids, log_probs = np.asarray(rows.ids, np.int32), np.asarray(rows.log_probs, np.float32)
     if rows.is_support:
         offsets = np.asarray(rows.offsets, np.int64)
-        if (offsets.ndim != 1 or len(offsets) == 0 or offsets[0] != 0 or np.any(np.diff(offsets) < 0)
-                or ids.shape != log_probs.shape or ids.ndim != 1 or offsets[-1] != len(ids)):
-            raise ValueError("score centering: top-p support offsets must rise from 0 to the number of ids, "
-                             "with one log-prob per id")
+        if (
+            offsets.ndim != 1
+            or len(offsets) == 0
+            or offsets[0] != 0
+            or np.any(np.diff(offsets) < 0)
+            or ids.shape != log_probs.shape
+            or ids.ndim != 1
+            or offsets[-1] != len(ids)
+        ):
+            raise ValueError(
+                "score centering: top-p support offsets must rise from 0 to the number of ids, with one log-prob per id"
+            )
         return SamplerRows(ids, log_probs, offsets)
     if ids.ndim != 2 or ids.shape != log_probs.shape:
         raise ValueError(f"score centering: top-k heads of shape {ids.shape} / {log_probs.shape}, expected [n, k]")

@@ -22,11 +22,11 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class OffloadPlan:
-    sleep_level: int = 0        # vLLM sleep level of the engines while the trainer trains; 0: they do not sleep
+    sleep_level: int = 0  # vLLM sleep level of the engines while the trainer trains; 0: they do not sleep
     offload_train: bool = False
 
     @classmethod
-    def from_settings(cls, s) -> "OffloadPlan":
+    def from_settings(cls, s) -> OffloadPlan:
         return cls(sleep_level=s.rollout_sleep_level, offload_train=s.cluster.offloads_train)
 
     @property
@@ -57,13 +57,13 @@ class ColocatedMemory:
                 self._wake_window()
                 raise
         if self.plan.offload_train:
-            self.trainer.run("reload_memory", timeout=self.timeout, what="reloading the trainer's memory")
+            self.trainer.reload_memory(timeout=self.timeout)
 
     def after_weight_update(self) -> None:
         """The engines serve the new version (the update woke them): the trainer releases its memory."""
         self._wake_window()
         if self.plan.offload_train:
-            self.trainer.run("offload_memory", timeout=self.timeout, what="offloading the trainer's memory")
+            self.trainer.offload_memory(timeout=self.timeout)
 
     def _wake_window(self) -> None:
         if self._asleep is not None:

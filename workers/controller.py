@@ -22,25 +22,26 @@ import logging
 import uuid
 from typing import Any
 
+import msgspec
 from straw import Record
 
 from vime.data.source import DataKeys, DatasetCursor, PromptRecord, open_prompt_source
 from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
-from vime.recovery.faults import fault_point
-from vime.recovery.lineage import Lineage
 from vime.queue.memory_queue import MemoryRolloutQueue
-from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.records import decode_group
+from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport, regenerated_id
 from vime.queue.transport import ObjectStoreTransport
+from vime.recovery.faults import fault_point
+from vime.recovery.lineage import Lineage
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
 class ControllerSpec:
-    transport: str                  # straw | object-store
+    transport: str  # straw | object-store
     store: StoreOptions
     lease_seconds: float
     prompt_data: str
@@ -48,10 +49,10 @@ class ControllerSpec:
     seed: int
     shuffle: bool
     num_epoch: int | None
-    groups_per_rollout: int         # --rollout-batch-size
+    groups_per_rollout: int  # --rollout-batch-size
     max_staleness: int
-    data_source_path: str | None = None   # --data-source-path: a custom source instead of prompt_data
-    args: Any = None                      # handed to the custom source's constructor
+    data_source_path: str | None = None  # --data-source-path: a custom source instead of prompt_data
+    args: Any = None  # handed to the custom source's constructor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +61,14 @@ class LeasedPrompt:
 
     assignment: Assignment
     prompt: PromptRecord
-    version: int          # weights the engines serve at lease time
+    version: int  # weights the engines serve at lease time
 
 
 @dataclasses.dataclass(frozen=True)
 class TakenGroups:
-    groups: list[AcceptedGroup]   # to train, in acceptance order
-    skipped: list[int]            # positions too stale to train (their prompts were submitted again)
-    next_cursor: int              # the cursor after this batch
+    groups: list[AcceptedGroup]  # to train, in acceptance order
+    skipped: list[int]  # positions too stale to train (their prompts were submitted again)
+    next_cursor: int  # the cursor after this batch
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ class ControllerStats:
     end_of_data: bool
     reclaimed_bytes: int
     regenerated: int
-    rejected: int = 0     # groups the dynamic filter dropped (this controller incarnation; also in failed)
+    rejected: int = 0  # groups the dynamic filter dropped (this controller incarnation; also in failed)
 
     @property
     def queue_depth(self) -> int:
@@ -92,13 +93,14 @@ class ControllerStats:
 
 
 class Controller:
-    ACTOR_NAME = "vime-controller"   # the Ray actor's name in the run's namespace
+    ACTOR_NAME = "vime-controller"  # the Ray actor's name in the run's namespace
 
     def __init__(self, spec: ControllerSpec):
         self.spec = spec
         self.incarnation = f"controller-{uuid.uuid4().hex[:12]}"
-        self.dataset = open_prompt_source(spec.prompt_data, spec.keys, data_source_path=spec.data_source_path,
-                                          args=spec.args)
+        self.dataset = open_prompt_source(
+            spec.prompt_data, spec.keys, data_source_path=spec.data_source_path, args=spec.args
+        )
         self.fence = None
         if spec.transport == "straw":
             self.fence = QueueFence.acquire(spec.store.data_dir)
@@ -113,23 +115,27 @@ class Controller:
         # take_groups()/sync() call (a restarted controller learns it from the next call); until then
         # the queue's committed cursor is the best lower bound.
         self.consumed = self.queue.consumer_cursor()
-        self.trained = self.consumed      # groups trained: consumed minus those skipped as stale
+        self.trained = self.consumed  # groups trained: consumed minus those skipped as stale
         self.accepted = self._count_accepted()
         self.weight_version = 0
         self.accepted_response_tokens = 0
         self.accepted_samples = 0
         self.reclaimed_bytes = 0
-        self.rejected: set[str] = set()          # task ids the dynamic filter dropped (this incarnation)
-        self.min_versions: dict[int, int] = {}   # oldest token version of each accepted group
+        self.rejected: set[str] = set()  # task ids the dynamic filter dropped (this incarnation)
+        self.min_versions: dict[int, int] = {}  # oldest token version of each accepted group
         self.token_versions: dict[int, frozenset[int]] = {}  # every version of a group that may carry lost ones
-        self.lineage = Lineage()                 # the driver's, restated by sync()/take_groups()
-        self.regenerated: set[int] = set()       # positions whose prompt was submitted again
+        self.lineage = Lineage()  # the driver's, restated by sync()/take_groups()
+        self.regenerated: set[int] = set()  # positions whose prompt was submitted again
         self._refill()
 
     # ------------------------------------------------------------------ lifecycle
     def ready(self) -> dict[str, Any]:
-        return {"incarnation": self.incarnation, "consumed": self.consumed, "accepted": self.accepted,
-                "dataset_size": len(self.dataset)}
+        return {
+            "incarnation": self.incarnation,
+            "consumed": self.consumed,
+            "accepted": self.accepted,
+            "dataset_size": len(self.dataset),
+        }
 
     def shutdown(self) -> None:
         self.queue.close()
@@ -152,14 +158,16 @@ class Controller:
         want = 2 * self.spec.groups_per_rollout - pending
         if want <= 0:
             return
-        taken = self.cursor.take(self.dataset, want, seed=self.spec.seed, shuffle=self.spec.shuffle,
-                                 num_epoch=self.spec.num_epoch)
+        taken = self.cursor.take(
+            self.dataset, want, seed=self.spec.seed, shuffle=self.spec.shuffle, num_epoch=self.spec.num_epoch
+        )
         if not taken:
             return
         tasks = [PromptTask.make(self.next_group_index + i, epoch, row) for i, (epoch, row) in enumerate(taken)]
         self.next_group_index += len(tasks)
-        self.queue.submit(tasks, {"epoch": self.cursor.epoch, "offset": self.cursor.offset,
-                                  "next_group_index": self.next_group_index})
+        self.queue.submit(
+            tasks, {"epoch": self.cursor.epoch, "offset": self.cursor.offset, "next_group_index": self.next_group_index}
+        )
 
     # ------------------------------------------------------------------ rollout workers
     def _admissible(self) -> int:
@@ -187,8 +195,9 @@ class Controller:
     def heartbeat(self, leases: list) -> list[bool]:
         return self.queue.heartbeat(leases)
 
-    def complete(self, lease, submission_id: str, ref, num_samples: int, response_tokens: int,
-                 min_version: int) -> int | None:
+    def complete(
+        self, lease, submission_id: str, ref, num_samples: int, response_tokens: int, min_version: int
+    ) -> int | None:
         """Accept a group. Returns its position, or None if the lease is stale (work discarded)."""
         try:
             position = self.queue.complete(lease, submission_id, ref)
@@ -220,9 +229,12 @@ class Controller:
         (a non-retryable failure whose reason starts with 'rejected:'), never trained, prompt not
         regenerated. False if the lease is no longer current."""
         try:
-            self.queue.fail(lease, f"{REJECTED_PREFIX} {reason}",
-                            request_id=f"reject-{lease.task_id}-{lease.attempt_id}",
-                            retryable=False)
+            self.queue.fail(
+                lease,
+                f"{REJECTED_PREFIX} {reason}",
+                request_id=f"reject-{lease.task_id}-{lease.attempt_id}",
+                retryable=False,
+            )
         except (StaleLease, IdempotencyConflict):  # IdempotencyConflict: rejected before, for another reason
             return False
         self.rejected.add(lease.task_id)  # a replayed call (same request id) counts once
@@ -234,8 +246,9 @@ class Controller:
         nothing; a call Ray replays after a controller restart finds the retries already submitted."""
         report = self.queue.retry_failed()
         if report.retried:
-            logger.warning("retried %d failed task(s) as fresh prompts (first: %s)", len(report.retried),
-                           report.retried[0][0])
+            logger.warning(
+                "retried %d failed task(s) as fresh prompts (first: %s)", len(report.retried), report.retried[0][0]
+            )
         return report
 
     # ------------------------------------------------------------------ trainer
@@ -249,8 +262,16 @@ class Controller:
         if lineage is not None:
             self.lineage = lineage
 
-    def take_groups(self, cursor: int, count: int, weight_version: int, trained: int, *,
-                    allow_partial: bool = False, lineage: Lineage | None = None) -> TakenGroups:
+    def take_groups(
+        self,
+        cursor: int,
+        count: int,
+        weight_version: int,
+        trained: int,
+        *,
+        allow_partial: bool = False,
+        lineage: Lineage | None = None,
+    ) -> TakenGroups:
         """The next ``count`` trainable accepted groups from ``cursor`` on, in acceptance order, or
         none until that many exist (``allow_partial``: whatever exists, for the last step).
 
@@ -297,9 +318,10 @@ class Controller:
             if isinstance(self.queue, StrawRolloutQueue):
                 return decode_group(list(self.queue.store.read(group.ref)))
             return ObjectStoreTransport().read(group.ref)
-        except Exception as error:  # corrupt or reclaimed: not the controller's call to make
-            logger.warning("accepted group %s: payload unreadable (%s); leaving it to the trainer",
-                           group.task_id, error)
+        except Exception as error:  # noqa: BLE001 - corrupt or reclaimed: not the controller's call to make
+            logger.warning(
+                "accepted group %s: payload unreadable (%s); leaving it to the trainer", group.task_id, error
+            )
             return None
 
     def _token_versions(self, group: AcceptedGroup) -> frozenset[int] | None:
@@ -335,16 +357,28 @@ class Controller:
         """
         state_ref = None
         if isinstance(self.queue, StrawRolloutQueue):
-            payload = json.dumps({"step": step, "cursor": cursor, "weight_version": self.weight_version,
-                                  "step_cursors": step_cursors, "skipped": skipped}).encode()
-            state_ref = self.queue.store.publish([Record("consumer-state", payload, "json.v1")],
-                                                 submission_id=f"consumer-state-{self.incarnation}-{step}")
+            # the lineage too: `vime queue inspect` tells the lost versions from it without a checkpoint
+            payload = json.dumps(
+                {
+                    "step": step,
+                    "cursor": cursor,
+                    "weight_version": self.weight_version,
+                    "step_cursors": step_cursors,
+                    "skipped": skipped,
+                    "lineage": msgspec.to_builtins(self.lineage),
+                }
+            ).encode()
+            state_ref = self.queue.store.publish(
+                [Record("consumer-state", payload, "json.v1")],
+                submission_id=f"consumer-state-{self.incarnation}-{step}",
+            )
         fault_point("controller.mid_commit")
         # Request ids are unique per incarnation: a resumed (older) lineage re-commits steps an
         # earlier one committed with other content, and a commit retried after a controller restart
         # comes from a new incarnation. The cursor may move backward (resuming an older checkpoint).
-        self.queue.commit_consumer(self.consumer_token, cursor, state_ref,
-                                   request_id=f"commit-{self.incarnation}-{step}-{cursor}")
+        self.queue.commit_consumer(
+            self.consumer_token, cursor, state_ref, request_id=f"commit-{self.incarnation}-{step}-{cursor}"
+        )
         if self.spec.store.collect_online:
             report = self.queue.collect_garbage()
             self.reclaimed_bytes += report.get("reclaimed_bytes", 0)
@@ -371,11 +405,19 @@ class Controller:
     def stats(self) -> ControllerStats:
         counts = self.queue.counts()
         return ControllerStats(
-            weight_version=self.weight_version, pending=counts.get("pending", 0), leased=counts.get("leased", 0),
-            accepted=self.accepted, consumed=self.consumed, failed=counts.get("failed", 0),
-            accepted_response_tokens=self.accepted_response_tokens, accepted_samples=self.accepted_samples,
-            end_of_data=self._end_of_data(counts), reclaimed_bytes=self.reclaimed_bytes,
-            regenerated=len(self.regenerated), rejected=len(self.rejected))
+            weight_version=self.weight_version,
+            pending=counts.get("pending", 0),
+            leased=counts.get("leased", 0),
+            accepted=self.accepted,
+            consumed=self.consumed,
+            failed=counts.get("failed", 0),
+            accepted_response_tokens=self.accepted_response_tokens,
+            accepted_samples=self.accepted_samples,
+            end_of_data=self._end_of_data(counts),
+            reclaimed_bytes=self.reclaimed_bytes,
+            regenerated=len(self.regenerated),
+            rejected=len(self.rejected),
+        )
 
     def _end_of_data(self, counts: dict[str, int]) -> bool:
         exhausted = self.spec.num_epoch is not None and self.cursor.epoch >= self.spec.num_epoch

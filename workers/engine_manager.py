@@ -41,6 +41,7 @@ from vime.config.framework import ElasticConfig
 from vime.engines.external import engine_url
 from vime.engines.http import EngineError
 from vime.engines.router import RouterClient
+from vime.errors import MemberDied
 from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
 from vime.workers.engines import EngineActor, EngineGroup, EngineSpec
 from vime.workers.health import HealthMonitor
@@ -48,7 +49,7 @@ from vime.workers.health import HealthMonitor
 NODE_POLL_SECONDS = 2.0
 REQUEST_POLL_SECONDS = 0.5
 SNAPSHOT_SECONDS = 1.0
-JOIN_SLACK_SECONDS = 120.0   # on top of --engine-startup-timeout: scheduling the actor, loading weights
+JOIN_SLACK_SECONDS = 120.0  # on top of --engine-startup-timeout: scheduling the actor, loading weights
 # A quarantined engine is probed after this many seconds, then after twice as long each time, up to the maximum.
 QUARANTINE_FIRST_PROBE_SECONDS = 1.0
 QUARANTINE_MAX_PROBE_SECONDS = 60.0
@@ -57,20 +58,20 @@ QUARANTINE_MAX_PROBE_SECONDS = 60.0
 class EngineState(str, enum.Enum):
     """Where one engine of the run stands (a str, so that `vime engines list --json` shows the name)."""
 
-    STARTING = "starting"         # its process starts / it is checked, loads the current version, is probed
-    SERVING = "serving"           # registered with the router, gets every weight update
-    SYNCING = "syncing"           # nccl: started, waits for the next broadcast before it is registered
-    RESTARTING = "restarting"     # vime's own, died or failed its probes: a new process is on its way
-    QUARANTINED = "quarantined"   # external, failed its probes: out of the router, probed with back-off
-    DRAINING = "draining"         # `vime engines remove`: unregistered, its requests are being aborted
-    REMOVED = "removed"           # removed on request
-    LOST = "lost"                 # dropped for good (its node left, budget used up, a refused attach)
+    STARTING = "starting"  # its process starts / it is checked, loads the current version, is probed
+    SERVING = "serving"  # registered with the router, gets every weight update
+    SYNCING = "syncing"  # nccl: started, waits for the next broadcast before it is registered
+    RESTARTING = "restarting"  # vime's own, died or failed its probes: a new process is on its way
+    QUARANTINED = "quarantined"  # external, failed its probes: out of the router, probed with back-off
+    DRAINING = "draining"  # `vime engines remove`: unregistered, its requests are being aborted
+    REMOVED = "removed"  # removed on request
+    LOST = "lost"  # dropped for good (its node left, budget used up, a refused attach)
 
     def __str__(self) -> str:
         return self.value
 
 
-class EnginesLost(RuntimeError):
+class EnginesLost(MemberDied, RuntimeError):
     """Every engine of the run is gone and none is starting: generation cannot go on."""
 
 
@@ -96,28 +97,43 @@ class EngineTemplate:
     http_timeout: float
     weight_dir: str
     weight_transport: str = "disk"
-    sleep_mode: bool = False   # --offload-rollout: engines sleep while the trainer trains
+    sleep_mode: bool = False  # --offload-rollout: engines sleep while the trainer trains
     name_prefix: str = ""
     """Prepended to engine names and log files: the model's name when a run serves several
     (``--vllm-config``), so that ``ref-engine-0.log`` and ``engine-0.log`` do not collide."""
 
-    def spec(self, index: int, *, host: str = "127.0.0.1", external_url: str | None = None,
-             startup_timeout: float | None = None, variant: EngineVariant | None = None) -> EngineSpec:
+    def spec(
+        self,
+        index: int,
+        *,
+        host: str = "127.0.0.1",
+        external_url: str | None = None,
+        startup_timeout: float | None = None,
+        variant: EngineVariant | None = None,
+    ) -> EngineSpec:
         vllm_args = variant.vllm_args if variant else self.vllm_args
         worker_type = variant.worker_type if variant else "regular"
-        return EngineSpec(index=index, model=self.model, vllm_args=dict(vllm_args), worker_type=worker_type,
-                          keep_port=worker_type != "regular",
-                          tensor_parallel_size=variant.tensor_parallel_size if variant else self.tensor_parallel_size,
-                          run_token=self.run_token,
-                          log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
-                          startup_timeout=startup_timeout or self.startup_timeout, http_timeout=self.http_timeout,
-                          host=host, external_url=external_url, sleep_mode=self.sleep_mode)
+        return EngineSpec(
+            index=index,
+            model=self.model,
+            vllm_args=dict(vllm_args),
+            worker_type=worker_type,
+            keep_port=worker_type != "regular",
+            tensor_parallel_size=variant.tensor_parallel_size if variant else self.tensor_parallel_size,
+            run_token=self.run_token,
+            log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
+            startup_timeout=startup_timeout or self.startup_timeout,
+            http_timeout=self.http_timeout,
+            host=host,
+            external_url=external_url,
+            sleep_mode=self.sleep_mode,
+        )
 
 
 @dataclasses.dataclass
 class Member:
     index: int
-    origin: str                 # start | node | external (--rollout-external-engine-addrs) | added (vime engines add)
+    origin: str  # start | node | external (--rollout-external-engine-addrs) | added (vime engines add)
     actor: Any
     spec: EngineSpec
     node_id: str | None = None  # where its actor runs
@@ -127,15 +143,15 @@ class Member:
     state: EngineState = EngineState.STARTING
     version: int = 0
     restarts: int = 0
-    pending: Any = None         # ObjectRef of the join / restart / catch-up / drain in progress
+    pending: Any = None  # ObjectRef of the join / restart / catch-up / drain in progress
     pending_what: str = ""
     pending_since: float = 0.0
     deadline: float = 0.0
     request: str | None = None  # the `vime engines` request waiting for this member
     since: float = dataclasses.field(default_factory=time.monotonic)
     last_error: str = ""
-    prefix: str = ""            # EngineTemplate.name_prefix
-    next_probe: float = 0.0     # quarantined: when the next probe is due
+    prefix: str = ""  # EngineTemplate.name_prefix
+    next_probe: float = 0.0  # quarantined: when the next probe is due
     probe_backoff: float = QUARANTINE_FIRST_PROBE_SECONDS
 
     @property
@@ -149,16 +165,25 @@ class Member:
 
 @dataclasses.dataclass(frozen=True)
 class NodeEvent:
-    kind: str          # ready: a new node's first engine serves (start its rollout worker) | lost
+    kind: str  # ready: a new node's first engine serves (start its rollout worker) | lost
     node_id: str
     host: str | None = None
 
 
 class EngineManager:
-    def __init__(self, *, template: EngineTemplate, config: ElasticConfig, router: RouterClient,
-                 say: Callable[[str], None] = print, record: Callable[[dict], None] = lambda r: None,
-                 register_with_router: bool = True, external_router: bool = False, static_roles: bool = False,
-                 actor_class: type = EngineActor):
+    def __init__(
+        self,
+        *,
+        template: EngineTemplate,
+        config: ElasticConfig,
+        router: RouterClient,
+        say: Callable[[str], None] = print,
+        record: Callable[[dict], None] = lambda r: None,
+        register_with_router: bool = True,
+        external_router: bool = False,
+        static_roles: bool = False,
+        actor_class: type = EngineActor,
+    ):
         self.template, self.config, self.router = template, config, router
         self.external_router = external_router  # --vllm-router-ip: PD engines may be listed there already
         # vime started this model's prefill/decode/encoder engines: its router learns the PD ones from its
@@ -168,12 +193,15 @@ class EngineManager:
         self.say, self.record = say, record
         self.register_with_router = register_with_router
         self.members: list[Member] = []
-        self.group = EngineGroup([], [], on_failure=self._on_call_failure,
-                                 call_timeout=max(600.0, 10 * template.http_timeout))
-        self.monitor = HealthMonitor(interval=config.rollout_health_check_interval,
-                                     timeout=config.rollout_health_check_timeout,
-                                     failures=config.rollout_health_check_failures,
-                                     on_dead=lambda url, _reason: self._unregister_quietly(url))
+        self.group = EngineGroup(
+            [], [], on_failure=self._on_call_failure, call_timeout=max(600.0, 10 * template.http_timeout)
+        )
+        self.monitor = HealthMonitor(
+            interval=config.rollout_health_check_interval,
+            timeout=config.rollout_health_check_timeout,
+            failures=config.rollout_health_check_failures,
+            on_dead=lambda url, _reason: self._unregister_quietly(url),
+        )
         self.registry = None
         self.version = 0
         self.nodes_handled: set[str] = set()
@@ -182,7 +210,7 @@ class EngineManager:
         self.notes: list[str] = []  # engine faults since the driver last asked (take_notes)
         self._next_index = 0
         self._nodes_ready: set[str] = set()
-        self.ending = False         # the run is ending: lost engines are not restarted any more
+        self.ending = False  # the run is ending: lost engines are not restarted any more
         self._last = {"requests": 0.0, "nodes": 0.0, "snapshot": 0.0}
         self._remote = None
 
@@ -219,8 +247,10 @@ class EngineManager:
         done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout)
         if late:
             slow = [m for m in members if m.pending in late]
-            raise EngineError(slow[0].spec.external_url or slow[0].name,
-                              f"not serving after {timeout:.0f}s (log: {slow[0].spec.log_path})")
+            raise EngineError(
+                slow[0].spec.external_url or slow[0].name,
+                f"not serving after {timeout:.0f}s (log: {slow[0].spec.log_path})",
+            )
         for m in members:
             info = ray.get(m.pending)  # raises the engine's own error (with its log tail)
             m.pending = None
@@ -233,8 +263,11 @@ class EngineManager:
         """Create the run's named registry actor (the way in for `vime engines`)."""
         import ray
 
-        self.registry = ray.remote(num_cpus=0)(EngineRegistry).options(
-            name=REGISTRY_NAME, namespace=namespace, lifetime=None).remote()
+        self.registry = (
+            ray.remote(num_cpus=0)(EngineRegistry)
+            .options(name=REGISTRY_NAME, namespace=namespace, lifetime=None)
+            .remote()
+        )
         ray.get(self.registry.engines.remote(), timeout=60)
         self._publish_snapshot(force=True)
 
@@ -305,14 +338,32 @@ class EngineManager:
             self._remote = ray.remote(num_cpus=0, max_restarts=0)(self.actor_class)
         return self._remote
 
-    def _spawn(self, origin: str, *, node_id: str | None = None, host: str = "127.0.0.1",
-               external_url: str | None = None, request: str | None = None,
-               startup_timeout: float | None = None, variant: EngineVariant | None = None) -> Member:
+    def _spawn(
+        self,
+        origin: str,
+        *,
+        node_id: str | None = None,
+        host: str = "127.0.0.1",
+        external_url: str | None = None,
+        request: str | None = None,
+        startup_timeout: float | None = None,
+        variant: EngineVariant | None = None,
+    ) -> Member:
         index, self._next_index = self._next_index, self._next_index + 1
-        spec = self.template.spec(index, host=host, external_url=external_url, startup_timeout=startup_timeout,
-                                  variant=variant)
-        member = Member(index=index, origin=origin, actor=None, spec=spec, node_id=node_id, url=external_url,
-                        request=request, gpus=spec.tensor_parallel_size, prefix=self.template.name_prefix)
+        spec = self.template.spec(
+            index, host=host, external_url=external_url, startup_timeout=startup_timeout, variant=variant
+        )
+        member = Member(
+            index=index,
+            origin=origin,
+            actor=None,
+            spec=spec,
+            node_id=node_id,
+            url=external_url,
+            request=request,
+            gpus=spec.tensor_parallel_size,
+            prefix=self.template.name_prefix,
+        )
         self._create_actor(member)
         self.members.append(member)
         return member
@@ -324,8 +375,12 @@ class EngineManager:
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(member.node_id, soft=False)
         member.actor = self._actor_class().options(**options).remote(member.spec)
-        self._pend(member, member.actor.join.remote(self.template.weight_dir, self._join_version), "join",
-                   member.spec.startup_timeout + JOIN_SLACK_SECONDS)
+        self._pend(
+            member,
+            member.actor.join.remote(self.template.weight_dir, self._join_version),
+            "join",
+            member.spec.startup_timeout + JOIN_SLACK_SECONDS,
+        )
 
     @property
     def _join_version(self) -> int:
@@ -361,14 +416,19 @@ class EngineManager:
                 if what == "drain":
                     self._drained(m, result)
                 elif what == "probe":  # a quarantined engine generates again: load the current version
-                    self._pend(m, m.actor.rejoin.remote(self.template.weight_dir, self._join_version), "rejoin",
-                               self.group.call_timeout)
+                    self._pend(
+                        m,
+                        m.actor.rejoin.remote(self.template.weight_dir, self._join_version),
+                        "rejoin",
+                        self.group.call_timeout,
+                    )
                 else:
                     self._joined(m, result)
             elif now > m.deadline:
                 m.pending = None
-                self._failed(m, m.pending_what, f"{m.pending_what} did not finish within "
-                                                f"{m.deadline - m.pending_since:.0f}s")
+                self._failed(
+                    m, m.pending_what, f"{m.pending_what} did not finish within {m.deadline - m.pending_since:.0f}s"
+                )
 
     def _joined(self, m: Member, info: dict) -> None:
         """A join / restart / catch-up finished: catch up again, or register and serve."""
@@ -385,8 +445,9 @@ class EngineManager:
             import ray
 
             try:
-                info = ray.get(m.actor.catch_up.remote(self.template.weight_dir, self.version),
-                               timeout=self.group.call_timeout)
+                info = ray.get(
+                    m.actor.catch_up.remote(self.template.weight_dir, self.version), timeout=self.group.call_timeout
+                )
             except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
                 self._failed(m, "catch-up", _reason(error))
                 return
@@ -406,8 +467,10 @@ class EngineManager:
         m.state, m.since, m.last_error = EngineState.SYNCING, time.monotonic(), ""
         self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
         self.monitor.watch(m.url, self.config.rollout_health_check_first_wait)
-        self.say(f"{m.name} ({m.origin}) started at {m.url}; it receives weight version {self.version + 1} "
-                 "with the next broadcast, then serves")
+        self.say(
+            f"{m.name} ({m.origin}) started at {m.url}; it receives weight version {self.version + 1} "
+            "with the next broadcast, then serves"
+        )
 
     def _synced(self) -> None:
         """Register the engines that now serve the current version after waiting for a broadcast."""
@@ -434,20 +497,40 @@ class EngineManager:
             self.group.add(m.actor, m.url, workers=m.gpus, version=m.version)
             self.monitor.watch(m.url, self.config.rollout_health_check_first_wait, probe=m.worker_type == "regular")
         seconds = None if rejoined else info.get("startup_seconds")
-        role = ("; registered with the router" if m.worker_type == "regular"
-                else f" as {'an' if m.worker_type == 'encoder' else 'a'} {m.worker_type} engine")
+        role = (
+            "; registered with the router"
+            if m.worker_type == "regular"
+            else f" as {'an' if m.worker_type == 'encoder' else 'a'} {m.worker_type} engine"
+        )
         how = ", restarted" if restarted else ", passed its probe again" if rejoined else ""
-        self.say(f"{m.name} ({m.origin}{how}) serves weight version {m.version} at {m.url}"
-                 + (f" after {seconds:.0f}s" if seconds else "") + role)
+        self.say(
+            f"{m.name} ({m.origin}{how}) serves weight version {m.version} at {m.url}"
+            + (f" after {seconds:.0f}s" if seconds else "")
+            + role
+        )
         if rejoined:
             self._note(f"{m.name} back from quarantine")
         event = "restarted" if restarted else "rejoined" if rejoined else "serving"
-        self.record({"kind": "engine", "event": event, "engine": m.name,
-                     "url": m.url, "origin": m.origin, "node_id": m.node_id, "weight_version": m.version,
-                     "current_version": self.version, "join_seconds": seconds})
+        self.record(
+            {
+                "kind": "engine",
+                "event": event,
+                "engine": m.name,
+                "url": m.url,
+                "origin": m.origin,
+                "node_id": m.node_id,
+                "weight_version": m.version,
+                "current_version": self.version,
+                "join_seconds": seconds,
+            }
+        )
         if m.request:
-            self._finish(m, True, f"{m.name} serves weight version {m.version} at {m.url}"
-                                  + (f" (joined in {seconds:.1f}s)" if seconds else ""))
+            self._finish(
+                m,
+                True,
+                f"{m.name} serves weight version {m.version} at {m.url}"
+                + (f" (joined in {seconds:.1f}s)" if seconds else ""),
+            )
         if m.origin == "node" and m.node_id and m.node_id not in self._nodes_ready:
             self._nodes_ready.add(m.node_id)
             self.events.append(NodeEvent("ready", m.node_id, m.spec.host))
@@ -458,10 +541,14 @@ class EngineManager:
         if m.worker_type in ("prefill", "decode") and self.external_router:
             if m.url in self.router.workers():
                 return None
-            return (f"{m.url} is a {m.worker_type} engine but the router at {self.router.url} does not list it; "
-                    "register it with your PD router first")
-        return (f"{m.url} is a {m.worker_type} engine; vime attaches regular engines, and prefill/decode engines "
-                "only behind your own PD router (--vllm-router-ip)")
+            return (
+                f"{m.url} is a {m.worker_type} engine but the router at {self.router.url} does not list it; "
+                "register it with your PD router first"
+            )
+        return (
+            f"{m.url} is a {m.worker_type} engine; vime attaches regular engines, and prefill/decode engines "
+            "only behind your own PD router (--vllm-router-ip)"
+        )
 
     def _failed(self, m: Member, what: str, reason: str) -> None:
         """A join / restart / catch-up / registration / drain / quarantine probe or rejoin failed."""
@@ -504,8 +591,10 @@ class EngineManager:
         m.state, m.since, m.pending = EngineState.QUARANTINED, time.monotonic(), None
         m.probe_backoff = QUARANTINE_FIRST_PROBE_SECONDS
         m.next_probe = time.monotonic() + m.probe_backoff
-        self.say(f"{m.name} ({m.url}) quarantined: {reason}; it stays out of the router until a generation probe "
-                 "passes (probed with back-off)")
+        self.say(
+            f"{m.name} ({m.url}) quarantined: {reason}; it stays out of the router until a generation probe "
+            "passes (probed with back-off)"
+        )
         self.record({"kind": "engine", "event": "quarantined", "engine": m.name, "url": m.url, "reason": reason})
         self._note(f"{m.name} quarantined: {_short(reason)}")
 
@@ -536,17 +625,24 @@ class EngineManager:
             self._give_up(m, f"{reason}; its node left the cluster")
             return
         if m.restarts >= budget:
-            self._give_up(m, f"{reason}; restart budget used up ({m.restarts}/{budget}, "
-                             "--rollout-engine-restart-budget)")
+            self._give_up(
+                m, f"{reason}; restart budget used up ({m.restarts}/{budget}, --rollout-engine-restart-budget)"
+            )
             return
         m.restarts += 1
         m.state, m.since = EngineState.RESTARTING, time.monotonic()
         self._note(f"{m.name} restarting: {_short(reason)}")
-        self.say(f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
-                 f"{self.version}")
+        self.say(
+            f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
+            f"{self.version}"
+        )
         if _actor_alive(m.actor):
-            self._pend(m, m.actor.restart.remote(self.template.weight_dir, self._join_version), "restart",
-                       m.spec.startup_timeout + JOIN_SLACK_SECONDS)
+            self._pend(
+                m,
+                m.actor.restart.remote(self.template.weight_dir, self._join_version),
+                "restart",
+                m.spec.startup_timeout + JOIN_SLACK_SECONDS,
+            )
         else:  # the actor died (or hangs) with its process: a new one on the same node
             import ray
 
@@ -593,8 +689,9 @@ class EngineManager:
                 pass  # the router checks health too: a dead engine leaves its rotation anyway
 
     def _serving(self, url: str) -> Member | None:
-        return next((m for m in self.members
-                     if m.url == url and m.state in (EngineState.SERVING, EngineState.SYNCING)), None)
+        return next(
+            (m for m in self.members if m.url == url and m.state in (EngineState.SERVING, EngineState.SYNCING)), None
+        )
 
     def _check_progress_possible(self) -> None:
         if not self.members or any(m.state not in (EngineState.REMOVED, EngineState.LOST) for m in self.members):
@@ -602,8 +699,10 @@ class EngineManager:
         if all(m.state == EngineState.REMOVED for m in self.members):
             return
         why = "; ".join(f"{m.name} ({m.origin}): {m.last_error}" for m in self.members if m.state == EngineState.LOST)
-        raise EnginesLost(f"every rollout engine is gone and none is starting, so no sample can be generated: {why}. "
-                          f"Engine logs are in {self.template.log_dir}")
+        raise EnginesLost(
+            f"every rollout engine is gone and none is starting, so no sample can be generated: {why}. "
+            f"Engine logs are in {self.template.log_dir}"
+        )
 
     # ================================================================== `vime engines` requests
     def _take_requests(self) -> None:
@@ -624,24 +723,36 @@ class EngineManager:
     def _request_add(self, request: dict) -> None:
         url = engine_url(request["target"])
         if self.static_roles:
-            raise ValueError("this model runs prefill/decode engines behind a router that lists them from its "
-                             "command line: engines cannot join it while it runs")
+            raise ValueError(
+                "this model runs prefill/decode engines behind a router that lists them from its "
+                "command line: engines cannot join it while it runs"
+            )
         if self.template.weight_transport != "disk":
-            raise ValueError("an external engine joins a running job with --update-weight-transport disk only "
-                             "(with nccl it would need vime's worker extension, which vime cannot check)")
-        taken = next((m for m in self.members
-                      if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None)
+            raise ValueError(
+                "an external engine joins a running job with --update-weight-transport disk only "
+                "(with nccl it would need vime's worker extension, which vime cannot check)"
+            )
+        taken = next(
+            (m for m in self.members if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None
+        )
         if taken is not None:
             raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
-        member = self._spawn("added", external_url=url, request=request["id"],
-                             startup_timeout=self.template.http_timeout)
+        member = self._spawn(
+            "added", external_url=url, request=request["id"], startup_timeout=self.template.http_timeout
+        )
         self.say(f"vime engines add {url}: {member.name} loads weight version {self.version}")
 
     def _request_remove(self, request: dict) -> None:
         target = request["target"]
         url = target if target.startswith("engine-") else engine_url(target)
-        member = next((m for m in self.members if (m.url == url or m.name == url)
-                       and m.state in (EngineState.SERVING, EngineState.QUARANTINED)), None)
+        member = next(
+            (
+                m
+                for m in self.members
+                if (m.url == url or m.name == url) and m.state in (EngineState.SERVING, EngineState.QUARANTINED)
+            ),
+            None,
+        )
         if member is None:
             raise ValueError(f"no serving or quarantined engine {target} in this run (see `vime engines list`)")
         if member.state == EngineState.QUARANTINED:  # out of the router already, nothing in flight
@@ -661,8 +772,11 @@ class EngineManager:
     def _drained(self, m: Member, aborted: int | None, error: str | None = None) -> None:
         m.state = EngineState.REMOVED
         self._dispose(m)
-        what = (f"{aborted} request(s) in flight returned to the queue as continuations" if aborted is not None
-                else f"draining failed ({error}); its groups return to the queue when their requests fail")
+        what = (
+            f"{aborted} request(s) in flight returned to the queue as continuations"
+            if aborted is not None
+            else f"draining failed ({error}); its groups return to the queue when their requests fail"
+        )
         message = f"{m.name} ({m.url}) removed; {what}" + ("" if m.owned else "; the external engine keeps running")
         self.say(message)
         self.record({"kind": "engine", "event": "removed", "engine": m.name, "url": m.url, "aborted": aborted})
@@ -689,8 +803,13 @@ class EngineManager:
             self.nodes_lost.add(node_id)
             self.say(f"node {node_id[:12]} left the Ray cluster")
             for m in self.members:
-                if m.node_id == node_id and m.state in (EngineState.STARTING, EngineState.SERVING, EngineState.SYNCING,
-                                                         EngineState.RESTARTING, EngineState.QUARANTINED):
+                if m.node_id == node_id and m.state in (
+                    EngineState.STARTING,
+                    EngineState.SERVING,
+                    EngineState.SYNCING,
+                    EngineState.RESTARTING,
+                    EngineState.QUARANTINED,
+                ):
                     m.pending = None
                     if m.state == EngineState.SERVING:
                         self._lose(m, f"its node {node_id[:12]} left the cluster", restart=False)
@@ -707,8 +826,10 @@ class EngineManager:
                 continue  # it already hosts an engine of this run (e.g. one started at launch)
             count = max(1, int(amount) // self.template.tensor_parallel_size)
             host = node.get("NodeManagerAddress") or "127.0.0.1"
-            self.say(f"node {node_id[:12]} at {host} joined with {resource}={amount:g}: starting {count} engine(s) "
-                     f"there at weight version {self.version}")
+            self.say(
+                f"node {node_id[:12]} at {host} joined with {resource}={amount:g}: starting {count} engine(s) "
+                f"there at weight version {self.version}"
+            )
             for _ in range(count):
                 self._spawn("node", node_id=node_id, host=host)
 
@@ -725,11 +846,24 @@ class EngineManager:
             h = health.get(m.url or "", {})
             if m.state == EngineState.SERVING and m.url in served:
                 m.version = served[m.url]
-            engines.append({"name": m.name, "url": m.url or m.spec.external_url, "origin": m.origin,
-                            "owned": m.owned, "node_id": m.node_id, "state": m.state.value, "weight_version": m.version,
-                            "restarts": m.restarts, "gpus": m.gpus, "worker_type": m.worker_type,
-                            "healthy": h.get("healthy"), "failed_checks": h.get("failures", 0),
-                            "seconds_since_ok": h.get("seconds_since_ok"), "last_error": m.last_error})
+            engines.append(
+                {
+                    "name": m.name,
+                    "url": m.url or m.spec.external_url,
+                    "origin": m.origin,
+                    "owned": m.owned,
+                    "node_id": m.node_id,
+                    "state": m.state.value,
+                    "weight_version": m.version,
+                    "restarts": m.restarts,
+                    "gpus": m.gpus,
+                    "worker_type": m.worker_type,
+                    "healthy": h.get("healthy"),
+                    "failed_checks": h.get("failures", 0),
+                    "seconds_since_ok": h.get("seconds_since_ok"),
+                    "last_error": m.last_error,
+                }
+            )
         return {"weight_version": self.version, "engines": engines}
 
     def _publish_snapshot(self, force: bool = False) -> None:
@@ -760,7 +894,7 @@ def _short(reason: str, limit: int = 110) -> str:
     reason = re.sub(r"\bengine https?://\S+: ", "", " ".join(reason.split()))  # the engine is named already
     for words in _NOT_ON_THE_LINE:
         reason = reason.replace(words, "")
-    return reason if len(reason) <= limit else reason[:limit - 3] + "..."
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 def _reason(error: BaseException) -> str:

@@ -31,8 +31,15 @@ class EngineRegistry:
         if op not in OPERATIONS:
             raise ValueError(f"unknown engine operation {op!r}; expected one of {', '.join(OPERATIONS)}")
         request_id = f"{op}-{uuid.uuid4().hex[:8]}"
-        self.requests[request_id] = {"id": request_id, "op": op, "target": target, "state": "pending",
-                                     "message": "", "submitted": time.time(), "finished": None}
+        self.requests[request_id] = {
+            "id": request_id,
+            "op": op,
+            "target": target,
+            "state": "pending",
+            "message": "",
+            "submitted": time.time(),
+            "finished": None,
+        }
         return request_id
 
     def request(self, request_id: str) -> dict[str, Any] | None:
@@ -52,8 +59,7 @@ class EngineRegistry:
     def finish(self, request_id: str, ok: bool, message: str, result: dict[str, Any] | None = None) -> None:
         request = self.requests.get(request_id)
         if request is not None:
-            request.update(state="done" if ok else "failed", message=message, finished=time.time(),
-                           result=result or {})
+            request.update(state="done" if ok else "failed", message=message, finished=time.time(), result=result or {})
 
     def publish(self, snapshot: dict[str, Any]) -> None:
         self.snapshot = dict(snapshot, updated=time.time())

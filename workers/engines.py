@@ -29,7 +29,11 @@ from vime.config.framework import WeightSyncConfig
 from vime.engines.external import probe_engine
 from vime.engines.http import EngineError
 from vime.engines.vllm_server import (
-    EngineClient, VllmServer, swap_engine_weights, update_engine_weights, woken_for_update,
+    EngineClient,
+    VllmServer,
+    swap_engine_weights,
+    update_engine_weights,
+    woken_for_update,
 )
 from vime.recovery.faults import fault_point
 from vime.weights import disk
@@ -51,10 +55,10 @@ class EngineSpec:
     cpu_cores: list[int] | None = None
     host: str = "127.0.0.1"
     weights_local_dir: str | None = None  # the engine's own weight copy (default: <weight dir>/.engine_<index>)
-    external_url: str | None = None       # an engine vime did not start (never started or killed by vime)
-    worker_type: str = "regular"          # regular | prefill | decode | encoder (--vllm-config)
-    keep_port: bool = False               # a restart listens where the process did (a PD router knows it there)
-    sleep_mode: bool = False              # --offload-rollout: started with --enable-sleep-mode where it frees memory
+    external_url: str | None = None  # an engine vime did not start (never started or killed by vime)
+    worker_type: str = "regular"  # regular | prefill | decode | encoder (--vllm-config)
+    keep_port: bool = False  # a restart listens where the process did (a PD router knows it there)
+    sleep_mode: bool = False  # --offload-rollout: started with --enable-sleep-mode where it frees memory
 
 
 class EngineActor:
@@ -65,9 +69,9 @@ class EngineActor:
         self.version = 0
         self.local: LocalWeights | None = None  # built at the first disk update
         self.restarts = 0
-        self.facts = None                       # EngineFacts of an external engine
-        self.port: int | None = None            # where vime's own process listens (kept with keep_port)
-        self.asleep = False                     # put to sleep (--offload-rollout) until its next weight update
+        self.facts = None  # EngineFacts of an external engine
+        self.port: int | None = None  # where vime's own process listens (kept with keep_port)
+        self.asleep = False  # put to sleep (--offload-rollout) until its next weight update
 
     @property
     def owned(self) -> bool:
@@ -96,9 +100,16 @@ class EngineActor:
         vllm_args = dict(self.spec.vllm_args)
         if self.spec.sleep_mode and _frees_memory_asleep():
             vllm_args.setdefault("enable-sleep-mode", None)
-        self.server = VllmServer(self.spec.model, log_path=log_path, run_token=self.spec.run_token, port=port,
-                                 host=self.spec.host, vllm_args=vllm_args,
-                                 tensor_parallel_size=self.spec.tensor_parallel_size, cpu_cores=self.spec.cpu_cores)
+        self.server = VllmServer(
+            self.spec.model,
+            log_path=log_path,
+            run_token=self.spec.run_token,
+            port=port,
+            host=self.spec.host,
+            vllm_args=vllm_args,
+            tensor_parallel_size=self.spec.tensor_parallel_size,
+            cpu_cores=self.spec.cpu_cores,
+        )
         self.port = self.server.port
         self.server.start()
         self.server.wait_healthy(timeout=self.spec.startup_timeout)
@@ -116,8 +127,9 @@ class EngineActor:
             if self.owned:
                 self._start_server()
             else:
-                self.facts = probe_engine(self.spec.external_url, timeout=self.spec.http_timeout,
-                                          wait=self.spec.startup_timeout)
+                self.facts = probe_engine(
+                    self.spec.external_url, timeout=self.spec.http_timeout, wait=self.spec.startup_timeout
+                )
                 self.client = EngineClient(self.spec.external_url, timeout=self.spec.http_timeout)
                 self.version = -1  # unknown: whatever it served before, it is (re)loaded below
                 if self.generates:  # refused before any weight is loaded into it when it cannot serve
@@ -209,8 +221,9 @@ class EngineActor:
 
     def _local(self, weight_dir: str) -> LocalWeights:
         if self.local is None:
-            self.local = LocalWeights(self.spec.weights_local_dir
-                                      or os.path.join(os.path.abspath(weight_dir), f".engine_{self.spec.index}"))
+            self.local = LocalWeights(
+                self.spec.weights_local_dir or os.path.join(os.path.abspath(weight_dir), f".engine_{self.spec.index}")
+            )
         return self.local
 
     def info(self) -> dict:
@@ -222,13 +235,20 @@ class EngineActor:
         except Exception:  # noqa: BLE001 - outside Ray (unit tests): no node
             pass
         facts = self.facts
-        return {"index": self.spec.index, "url": self.url, "version": self.version, "owned": self.owned,
-                "healthy": bool(self.client and self.client.health()),
-                "log": self.spec.log_path if self.owned else None,
-                "startup_seconds": getattr(self, "startup_seconds", None), "restarts": self.restarts,
-                "node_id": node_id, "gpus": facts.gpus if facts else self.spec.tensor_parallel_size,
-                "worker_type": facts.worker_type if facts else self.spec.worker_type,
-                "model": facts.model if facts else None}
+        return {
+            "index": self.spec.index,
+            "url": self.url,
+            "version": self.version,
+            "owned": self.owned,
+            "healthy": bool(self.client and self.client.health()),
+            "log": self.spec.log_path if self.owned else None,
+            "startup_seconds": getattr(self, "startup_seconds", None),
+            "restarts": self.restarts,
+            "node_id": node_id,
+            "gpus": facts.gpus if facts else self.spec.tensor_parallel_size,
+            "worker_type": facts.worker_type if facts else self.spec.worker_type,
+            "model": facts.model if facts else None,
+        }
 
     def drain(self) -> int:
         """End every request in flight (they return with finish_reason "abort": their groups go back
@@ -243,8 +263,9 @@ class EngineActor:
         is not that copy: out of order); vLLM then reloads from the engine's folder."""
         started = time.monotonic()
         if self.local is None:
-            root = self.spec.weights_local_dir or os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                               f".engine_{self.spec.index}")
+            root = self.spec.weights_local_dir or os.path.join(
+                os.path.dirname(os.path.abspath(path)), f".engine_{self.spec.index}"
+            )
             self.local = LocalWeights(root)
         local, _ = self.local.receive(path, version)
         self._awake_after(lambda: update_engine_weights(self.client, local, version, flush))
@@ -268,8 +289,10 @@ class EngineActor:
 
     def nccl_join(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
         """Every worker of this engine joins the trainer's NCCL group (blocks until all have)."""
-        self.client.collective_rpc("vime_join_weight_group", {
-            "master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world_size})
+        self.client.collective_rpc(
+            "vime_join_weight_group",
+            {"master_address": address, "master_port": port, "rank_offset": rank_offset, "world_size": world_size},
+        )
 
     def nccl_leave(self) -> None:
         """Leave the weight group (it is re-formed when the engines change)."""
@@ -278,9 +301,14 @@ class EngineActor:
     def receive_nccl(self, metadata: str, version: int, flush: bool) -> float:
         """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume."""
         started = time.monotonic()
-        self._awake_after(lambda: swap_engine_weights(
-            self.client, version, flush,
-            lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata})))
+        self._awake_after(
+            lambda: swap_engine_weights(
+                self.client,
+                version,
+                flush,
+                lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata}),
+            )
+        )
         self.version = version
         self._probe()
         return time.monotonic() - started
@@ -319,11 +347,19 @@ class EngineGroup:
     happens to it (restart, drop). Every fan-out is bounded by ``call_timeout``.
     """
 
-    def __init__(self, actors: list, urls: list[str], *, workers: list[int] | None = None, version: int = 0,
-                 on_failure: Callable[[str, BaseException], None] | None = None, call_timeout: float = 3600.0):
+    def __init__(
+        self,
+        actors: list,
+        urls: list[str],
+        *,
+        workers: list[int] | None = None,
+        version: int = 0,
+        on_failure: Callable[[str, BaseException], None] | None = None,
+        call_timeout: float = 3600.0,
+    ):
         self.actors, self.urls = list(actors), list(urls)
         self.workers = list(workers) if workers else [1] * len(self.actors)  # vLLM workers per engine
-        self.versions = [version] * len(self.actors)       # the version each engine serves
+        self.versions = [version] * len(self.actors)  # the version each engine serves
         self.syncs = 0
         self.on_failure = on_failure
         self.call_timeout = call_timeout
@@ -332,7 +368,7 @@ class EngineGroup:
         return len(self.actors)
 
     @classmethod
-    def start(cls, specs: list[EngineSpec], *, version: int = 0) -> "EngineGroup":
+    def start(cls, specs: list[EngineSpec], *, version: int = 0) -> EngineGroup:
         import ray
 
         remote = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
@@ -370,7 +406,7 @@ class EngineGroup:
                 if ref in late:
                     raise EngineError(url, f"{what} did not finish within {self.call_timeout:g}s")
                 results.append(ray.get(ref))
-            except Exception as error:  # noqa: BLE001 - reported to the owner, or raised below
+            except Exception as error:
                 if self.on_failure is None:
                     raise
                 failed.append((url, error))
@@ -381,8 +417,9 @@ class EngineGroup:
 
     def update_weights(self, path: str, version: int, *, flush: bool) -> float:
         """Every engine loads the published ``version``; returns the slowest engine's seconds."""
-        seconds = self._fan_out(lambda actor: actor.update_weights.remote(path, version, flush),
-                                f"loading weight version {version}")
+        seconds = self._fan_out(
+            lambda actor: actor.update_weights.remote(path, version, flush), f"loading weight version {version}"
+        )
         self.versions = [version] * len(self.actors)
         self.syncs += 1
         return max(seconds, default=0.0)
@@ -433,15 +470,23 @@ class WeightSync:
     def _sync_disk(self, version: int, flush: bool) -> dict[str, float | str]:
         engines = self.engines
         force_full = engines is not None and any(v != version - 1 for v in engines.versions)
-        publication = self.trainer.run(
-            "publish_weights", version, mode=self.config.update_weight_mode,
-            full_interval=self.config.update_weight_full_interval, force_full=force_full,
-            timeout=self.timeout, what=f"publishing weight version {version}")
+        publication = self.trainer.publish_weights(
+            version,
+            mode=self.config.update_weight_mode,
+            full_interval=self.config.update_weight_full_interval,
+            force_full=force_full,
+            timeout=self.timeout,
+        )
         load_seconds = engines.update_weights(publication.path, version, flush=flush) if engines else 0.0
-        return {"weight_version": version, "weight_transport": "disk", "weight_publish_mode": publication.mode,
-                "weight_published_bytes": publication.published_bytes,
-                "weight_full_bytes": publication.full_bytes, "weight_publish_seconds": publication.seconds,
-                "weight_load_seconds": load_seconds}
+        return {
+            "weight_version": version,
+            "weight_transport": "disk",
+            "weight_publish_mode": publication.mode,
+            "weight_published_bytes": publication.published_bytes,
+            "weight_full_bytes": publication.full_bytes,
+            "weight_publish_seconds": publication.seconds,
+            "weight_load_seconds": load_seconds,
+        }
 
     def _sync_nccl(self, version: int, flush: bool) -> dict[str, float | str]:
         import ray
@@ -458,30 +503,41 @@ class WeightSync:
             # The trainer's rank 0 is the group's rank 0; its other ranks only help gather the weights.
             address, port = ray.get(self.trainer.leader.nccl_endpoint.remote(), timeout=self.timeout)
             world_size, offsets = group_layout(engines.workers)
-            opened = self.trainer.call("nccl_open", address, port, world_size)
-            joined = [actor.nccl_join.remote(address, port, offset, world_size)
-                      for actor, offset in zip(engines.actors, offsets)]
+            opened = self.trainer.start_nccl_open(address, port, world_size)
+            joined = [
+                actor.nccl_join.remote(address, port, offset, world_size)
+                for actor, offset in zip(engines.actors, offsets)
+            ]
             results = wait_all(opened + joined, self.timeout, "forming the NCCL weight group", error=WeightError)
             self.nccl_metadata = results[0]
             self.nccl_members = members
-        sent = self.trainer.call("nccl_send")
+        sent = self.trainer.start_nccl_send()
         received = [actor.receive_nccl.remote(self.nccl_metadata, version, flush) for actor in engines.actors]
         results = wait_all(sent + received, self.timeout, f"broadcasting weight version {version}", error=WeightError)
         engines.versions = [version] * len(engines.actors)
         engines.syncs += 1
         report = results[0]
-        return {"weight_version": version, "weight_transport": "nccl", "weight_publish_mode": "full",
-                "weight_published_bytes": report["bytes"], "weight_full_bytes": report["bytes"],
-                "weight_publish_seconds": report["seconds"], "weight_load_seconds": max(results[len(sent):])}
-
+        return {
+            "weight_version": version,
+            "weight_transport": "nccl",
+            "weight_publish_mode": "full",
+            "weight_published_bytes": report["bytes"],
+            "weight_full_bytes": report["bytes"],
+            "weight_publish_seconds": report["seconds"],
+            "weight_load_seconds": max(results[len(sent) :]),
+        }
 
     def trainer_restarted(self) -> None:
         """The trainer's ranks were started again (workers/trainer_restart.py): the engines leave the NCCL
         group the dead rank 0 formed; the next synchronisation forms a new one. Disk needs nothing."""
         if self.nccl_metadata is not None:
             engines = [actor for url, actor in self.nccl_members if self.engines and url in self.engines.urls]
-            wait_all([actor.nccl_leave.remote() for actor in engines], self.timeout,
-                     "leaving the dead trainer's NCCL weight group", error=WeightError)
+            wait_all(
+                [actor.nccl_leave.remote() for actor in engines],
+                self.timeout,
+                "leaving the dead trainer's NCCL weight group",
+                error=WeightError,
+            )
             self.nccl_metadata, self.nccl_members = None, ()
 
     def _close_nccl(self, still_there: list) -> None:

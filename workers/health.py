@@ -41,11 +41,11 @@ class _Target:
     next_check: float
     failures: int = 0
     checks: int = 0
-    healthy: bool | None = None   # None until the first check
+    healthy: bool | None = None  # None until the first check
     last_error: str = ""
     last_ok: float | None = None
     dead: bool = False
-    probe: bool = True            # also a generation probe (engines rollouts reach)
+    probe: bool = True  # also a generation probe (engines rollouts reach)
 
 
 # After a failed check the next one comes this soon (at most): a broken engine is found in seconds.
@@ -72,16 +72,17 @@ def check_health(url: str, timeout: float, *, probe: bool = False) -> str | None
 
 
 class HealthMonitor:
-    def __init__(self, *, interval: float, timeout: float, failures: int,
-                 on_dead: Callable[[str, str], None] | None = None):
+    def __init__(
+        self, *, interval: float, timeout: float, failures: int, on_dead: Callable[[str, str], None] | None = None
+    ):
         self.interval, self.timeout, self.failures = interval, timeout, failures
         self.on_dead = on_dead
         self._targets: dict[str, _Target] = {}
         self._dead: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._updates = 0             # weight updates in progress
-        self._update_epoch = 0        # bumped at the start and end of each one
+        self._updates = 0  # weight updates in progress
+        self._update_epoch = 0  # bumped at the start and end of each one
         self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="health")
 
@@ -116,9 +117,16 @@ class HealthMonitor:
 
     def status(self) -> dict[str, dict]:
         with self._lock:
-            return {url: {"healthy": t.healthy, "failures": t.failures, "checks": t.checks, "last_error": t.last_error,
-                          "seconds_since_ok": None if t.last_ok is None else round(time.monotonic() - t.last_ok, 1)}
-                    for url, t in self._targets.items()}
+            return {
+                url: {
+                    "healthy": t.healthy,
+                    "failures": t.failures,
+                    "checks": t.checks,
+                    "last_error": t.last_error,
+                    "seconds_since_ok": None if t.last_ok is None else round(time.monotonic() - t.last_ok, 1),
+                }
+                for url, t in self._targets.items()
+            }
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="vime-health", daemon=True)
@@ -175,5 +183,5 @@ class HealthMonitor:
         while not self._stop.wait(tick):
             try:
                 self.check_once()
-            except Exception:  # noqa: BLE001 - the monitor must outlive a bad round
+            except Exception:
                 logger.exception("health check round failed")

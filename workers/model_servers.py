@@ -27,14 +27,20 @@ from collections.abc import Callable
 from vime.config.framework import ElasticConfig
 from vime.config.vllm_config import EngineLaunch, ModelLaunch
 from vime.engines.router import RouterClient, RouterProcess, start_router
-from vime.workers.engine_manager import EngineManager, EngineTemplate, EngineVariant, EnginesLost
+from vime.workers.engine_manager import EngineManager, EnginesLost, EngineTemplate, EngineVariant
+from vime.workers.router_supervisor import RouterSupervisor
 
 
 def engine_variants(engines: tuple[EngineLaunch, ...], extra_args: Callable[[dict], dict]) -> list[EngineVariant]:
     """Each planned engine's vLLM flags (``extra_args`` adds what the weight transport needs), size and role."""
-    return [EngineVariant(vllm_args=extra_args(engine.vllm_args), tensor_parallel_size=engine.tensor_parallel_size,
-                          worker_type=engine.worker_type)
-            for engine in engines]
+    return [
+        EngineVariant(
+            vllm_args=extra_args(engine.vllm_args),
+            tensor_parallel_size=engine.tensor_parallel_size,
+            worker_type=engine.worker_type,
+        )
+        for engine in engines
+    ]
 
 
 def has_static_roles(launch: ModelLaunch) -> bool:
@@ -46,11 +52,37 @@ def serving_urls(manager: EngineManager, worker_type: str) -> list[str]:
     return [m.url for m in manager.members if m.worker_type == worker_type and m.state == "serving"]
 
 
+def supervise_router(
+    router: RouterProcess,
+    client: RouterClient,
+    manager: EngineManager,
+    *,
+    model: str,
+    budget: int,
+    say: Callable[[str], None],
+    record: Callable[[dict], None],
+) -> RouterSupervisor:
+    """A supervisor that restarts ``router`` when it dies and registers the model's serving regular
+    engines with it again (a PD router's command line lists its prefill/decode engines already)."""
+    return RouterSupervisor(
+        router,
+        client,
+        model=model,
+        budget=budget,
+        engine_urls=lambda: serving_urls(manager, "regular"),
+        say=say,
+        record=record,
+    )
+
+
 def pd_router_args(launch: ModelLaunch, manager: EngineManager) -> dict:
     """The PD router's flags: the plan's (``vllm-pd-disaggregation``, the KV connector), then every
     prefill and decode engine of the model, which serve by now."""
-    return {**launch.router.router_args, "prefill": serving_urls(manager, "prefill"),
-            "decode": serving_urls(manager, "decode")}
+    return {
+        **launch.router.router_args,
+        "prefill": serving_urls(manager, "prefill"),
+        "decode": serving_urls(manager, "decode"),
+    }
 
 
 def start_encoders(manager: EngineManager, launch: ModelLaunch, extra_args: Callable[[dict], dict]) -> list[str]:
@@ -70,7 +102,10 @@ class FrozenModel:
     run_token: str
     http_timeout: float
     say: Callable[[str], None]
-    router: RouterProcess | None = None   # started after the engines for a PD model
+    record: Callable[[dict], None]
+    router_restart_budget: int
+    router: RouterProcess | None = None  # started after the engines for a PD model
+    router_supervisor: RouterSupervisor | None = None
     encoder_urls: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -79,9 +114,22 @@ class FrozenModel:
         return self.router.host, self.router.port
 
     def start_router(self, router_args: dict) -> None:
-        self.router = start_router(log_path=os.path.join(self.log_dir, f"router-{self.name}.log"),
-                                   run_token=self.run_token, router_args=router_args, say=self.say)
+        self.router = start_router(
+            log_path=os.path.join(self.log_dir, f"router-{self.name}.log"),
+            run_token=self.run_token,
+            router_args=router_args,
+            say=self.say,
+        )
         self.manager.router = RouterClient(self.router.url, timeout=self.http_timeout)
+        self.router_supervisor = supervise_router(
+            self.router,
+            self.manager.router,
+            self.manager,
+            model=self.name,
+            budget=self.router_restart_budget,
+            say=self.say,
+            record=self.record,
+        )
 
     def wait_serving(self) -> None:
         """Block until every engine of the model serves (an error names the engine and its log,
@@ -94,6 +142,8 @@ class FrozenModel:
     def poll(self) -> None:
         """Health and restarts (never blocks long); raises EnginesLost naming the model."""
         try:
+            if self.router_supervisor is not None:
+                self.router_supervisor.poll()
             self.manager.poll(0)
         except EnginesLost as error:
             raise EnginesLost(f"model {self.name!r} of --vllm-config: {error}") from None
@@ -106,19 +156,42 @@ class FrozenModel:
                 self.router.stop()
 
 
-def start_frozen_model(launch: ModelLaunch, *, template: EngineTemplate, elastic: ElasticConfig, log_dir: str,
-                       run_token: str, http_timeout: float, say: Callable[[str], None],
-                       record: Callable[[dict], None]) -> FrozenModel:
+def start_frozen_model(
+    launch: ModelLaunch,
+    *,
+    template: EngineTemplate,
+    elastic: ElasticConfig,
+    log_dir: str,
+    run_token: str,
+    http_timeout: float,
+    say: Callable[[str], None],
+    record: Callable[[dict], None],
+) -> FrozenModel:
     """Start ``launch``'s router (unless PD: it follows the engines) and its engines, waiting only for
     encoders; the driver calls :meth:`FrozenModel.wait_serving`, so that every model's language
     engines start at the same time. On a failure here, what was started is stopped."""
     template = dataclasses.replace(template, model=launch.model_path, name_prefix=f"{launch.name}-")
     # Engines on nodes that join the cluster are the trained model's business only.
     frozen_elastic = dataclasses.replace(elastic, rollout_elastic_resource=None)
-    manager = EngineManager(template=template, config=frozen_elastic, router=None, say=say, record=record,
-                            static_roles=has_static_roles(launch))
-    model = FrozenModel(name=launch.name, launch=launch, manager=manager, log_dir=log_dir, run_token=run_token,
-                        http_timeout=http_timeout, say=say)
+    manager = EngineManager(
+        template=template,
+        config=frozen_elastic,
+        router=None,
+        say=say,
+        record=record,
+        static_roles=has_static_roles(launch),
+    )
+    model = FrozenModel(
+        name=launch.name,
+        launch=launch,
+        manager=manager,
+        log_dir=log_dir,
+        run_token=run_token,
+        http_timeout=http_timeout,
+        say=say,
+        record=record,
+        router_restart_budget=elastic.rollout_router_restart_budget,
+    )
     try:
         if not launch.router.pd_disaggregation:
             model.start_router(launch.router.router_args)

@@ -25,10 +25,11 @@ import time
 import aiohttp
 
 from vime.data.prompt import render_prompt
+from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
-from vime.recovery.faults import fault_point
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
+from vime.recovery.faults import fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate
 from vime.rollout.rewards import resolve_reward, score_group
@@ -42,7 +43,7 @@ GET_SAMPLES_GRACE_SECONDS = 0.5
 ENGINE_RETRY_SECONDS = 1.0
 
 
-class InfrastructureFault(RuntimeError):
+class InfrastructureFault(MemberDied, RuntimeError):
     """A group could not be finished for a reason that is not the sample's (its payload could not be
     written, say): the task goes back to the queue untouched, no attempt spent."""
 
@@ -65,7 +66,7 @@ class RolloutWorkerSpec:
     rollout_function_path: str | None
     request_timeout: float
     lease_seconds: float
-    args: argparse.Namespace      # handed to user hooks, as the reference framework does
+    args: argparse.Namespace  # handed to user hooks, as the reference framework does
     dynamic_sampling_filter_path: str | None = None
 
 
@@ -74,13 +75,13 @@ class RolloutWorkerStats:
     groups_accepted: int = 0
     groups_discarded: int = 0
     groups_yielded: int = 0
-    groups_rejected: int = 0      # dropped by --dynamic-sampling-filter-path (never trained)
+    groups_rejected: int = 0  # dropped by --dynamic-sampling-filter-path (never trained)
     rejected_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     samples_aborted: int = 0
     response_tokens: int = 0
-    errors: int = 0               # groups that failed (spent an attempt of their task)
+    errors: int = 0  # groups that failed (spent an attempt of their task)
     last_error: str = ""
-    engine_errors: int = 0        # requests an engine failed (no attempt spent: the group went back)
+    engine_errors: int = 0  # requests an engine failed (no attempt spent: the group went back)
     last_engine_error: str = ""
 
 
@@ -95,12 +96,17 @@ class RolloutWorker:
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
-        self.custom_generate = (load_hook("--custom-generate-function-path", spec.custom_generate_function_path)
-                                if spec.custom_generate_function_path else None)
-        self.rollout_fn = (load_hook("--rollout-function-path", spec.rollout_function_path)
-                           if spec.rollout_function_path else None)
-        self.dynamic_filter = (load_hook(FILTER_FLAG, spec.dynamic_sampling_filter_path)
-                               if spec.dynamic_sampling_filter_path else None)
+        self.custom_generate = (
+            load_hook("--custom-generate-function-path", spec.custom_generate_function_path)
+            if spec.custom_generate_function_path
+            else None
+        )
+        self.rollout_fn = (
+            load_hook("--rollout-function-path", spec.rollout_function_path) if spec.rollout_function_path else None
+        )
+        self.dynamic_filter = (
+            load_hook(FILTER_FLAG, spec.dynamic_sampling_filter_path) if spec.dynamic_sampling_filter_path else None
+        )
         # --use-opd lives in the algorithm section, which the spec does not carry: read it where hooks do.
         self.use_opd = bool(getattr(spec.args, "use_opd", False))
         self.stats = RolloutWorkerStats()
@@ -195,8 +201,10 @@ class RolloutWorker:
             for group in groups or []:
                 item = source.leased.get(group[0].group_index) if group else None
                 if item is None:
-                    raise ValueError("--rollout-function-path: a returned group does not come from "
-                                     "data_source.get_samples (unknown group_index)")
+                    raise ValueError(
+                        "--rollout-function-path: a returned group does not come from "
+                        "data_source.get_samples (unknown group_index)"
+                    )
                 returned.add(group[0].group_index)
                 await self._finish_group(item, group)
             for group_index, item in source.leased.items():
@@ -210,24 +218,38 @@ class RolloutWorker:
         tokens = render_prompt(self.tokenizer, prompt.prompt, apply_chat_template=self.spec.apply_chat_template)
         # One session per sample: every request of it (each turn of a multi-turn custom generate,
         # a continuation after a weight update) carries this id as x-session-id (vime.rollout.generate).
-        return [Sample(group_index=task.group_index, index=i, prompt_index=task.prompt_index, prompt=prompt.prompt,
-                       label=prompt.label, tokens=list(tokens), metadata=dict(prompt.metadata), source=prompt.source,
-                       session_id=f"{task.task_id}-{i}")
-                for i in range(self.spec.n_samples_per_prompt)]
+        return [
+            Sample(
+                group_index=task.group_index,
+                index=i,
+                prompt_index=task.prompt_index,
+                prompt=prompt.prompt,
+                label=prompt.label,
+                tokens=list(tokens),
+                metadata=dict(prompt.metadata),
+                source=prompt.source,
+                session_id=f"{task.task_id}-{i}",
+            )
+            for i in range(self.spec.n_samples_per_prompt)
+        ]
 
     async def _generate_one(self, sample: Sample) -> Sample:
         if self._stopping.is_set():
             return sample  # draining: not started, stays PENDING and goes back with the group
         try:
             if self.custom_generate is not None:
-                result = await call_maybe_async(self.custom_generate, self.spec.args, sample,
-                                                self.spec.sampling.as_dict())
+                result = await call_maybe_async(
+                    self.custom_generate, self.spec.args, sample, self.spec.sampling.as_dict()
+                )
                 if not isinstance(result, Sample):
-                    raise TypeError(f"--custom-generate-function-path {self.spec.custom_generate_function_path} "
-                                    f"returned {type(result).__name__}; it must return the Sample")
+                    raise TypeError(
+                        f"--custom-generate-function-path {self.spec.custom_generate_function_path} "
+                        f"returned {type(result).__name__}; it must return the Sample"
+                    )
                 return result
-            return await generate(self.session, self.spec.router_url, sample, self.spec.sampling,
-                                  timeout=self.spec.request_timeout)
+            return await generate(
+                self.session, self.spec.router_url, sample, self.spec.sampling, timeout=self.spec.request_timeout
+            )
         except GenerateError as error:
             if not error.engine_fault:
                 raise
@@ -241,13 +263,14 @@ class RolloutWorker:
             if self.custom_generate is not None:
                 # A custom generator may have changed the sample before the failing turn: regenerate it
                 # from its prompt rather than trust a half-updated state.
-                raise InfrastructureFault(f"an engine failed a turn of --custom-generate-function-path: "
-                                          f"{error}") from error
+                raise InfrastructureFault(
+                    f"an engine failed a turn of --custom-generate-function-path: {error}"
+                ) from error
             return sample
 
     def _restart(self, sample: Sample) -> None:
         """Forget an aborted sample's partial response (without --partial-rollout)."""
-        del sample.tokens[sample.prompt_length:]
+        del sample.tokens[sample.prompt_length :]
         sample.response_length, sample.weight_versions = 0, []
         sample.rollout_log_probs, sample.loss_mask = None, None
         sample.status = Status.PENDING
@@ -260,7 +283,8 @@ class RolloutWorker:
                 samples = self._fresh_group(item)
             else:
                 samples = await asyncio.get_running_loop().run_in_executor(
-                    self.writer, self.transport.read, assignment.partial)
+                    self.writer, self.transport.read, assignment.partial
+                )
                 for sample in samples:
                     sample.prompt = item.prompt.prompt  # not stored with the records: the dataset has it
             for sample in samples:
@@ -290,7 +314,7 @@ class RolloutWorker:
             logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
             await self.controller.return_partial.remote(lease, assignment.task, None)
             await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop on a full disk
-        except Exception as error:  # the sample's fault (reward, hook, response): spends one of its attempts
+        except Exception as error:  # noqa: BLE001 - the sample's fault (reward, hook, response): spends one of its attempts
             self.stats.errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
@@ -303,8 +327,11 @@ class RolloutWorker:
         task = assignment.task.as_continuation(min(versions, default=item.version))
         submission_id = partial_submission_id(lease.task_id, lease.attempt_id)
         ref = await asyncio.get_running_loop().run_in_executor(
-            self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id, attempt_id=lease.attempt_id,
-                                                        submission_id=submission_id))
+            self.writer,
+            lambda: self.transport.publish(
+                samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=submission_id
+            ),
+        )
         if await self.controller.return_partial.remote(lease, task, ref):
             self.stats.groups_yielded += 1
         else:  # the lease moved on meanwhile
@@ -325,8 +352,10 @@ class RolloutWorker:
         if any(s.reward is None for s in samples):
             await score_group(self.reward, self.spec.args, samples)
         if self.dynamic_filter is not None:
-            verdict = interpret_filter(await call_maybe_async(self.dynamic_filter, self.spec.args, samples),
-                                       self.spec.dynamic_sampling_filter_path)
+            verdict = interpret_filter(
+                await call_maybe_async(self.dynamic_filter, self.spec.args, samples),
+                self.spec.dynamic_sampling_filter_path,
+            )
             if not verdict.keep:
                 await self._reject_group(item, verdict.reason)
                 return
@@ -335,12 +364,15 @@ class RolloutWorker:
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)
         try:
             ref = await asyncio.get_running_loop().run_in_executor(
-                self.writer, lambda: self.transport.publish(samples, task_id=lease.task_id,
-                                                            attempt_id=lease.attempt_id,
-                                                            submission_id=submission_id))
-        except Exception as error:  # noqa: BLE001 - the queue's storage failed, not the sample
-            raise InfrastructureFault(f"publishing group {lease.task_id} to the queue failed: "
-                                      f"{type(error).__name__}: {error}") from error
+                self.writer,
+                lambda: self.transport.publish(
+                    samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=submission_id
+                ),
+            )
+        except Exception as error:
+            raise InfrastructureFault(
+                f"publishing group {lease.task_id} to the queue failed: {type(error).__name__}: {error}"
+            ) from error
         fault_point("rollout.after_publish")  # payload durable, not yet accepted
         tokens = sum(s.response_length for s in samples)
         min_version = min((v for s in samples for v in s.weight_versions), default=item.version)
@@ -358,8 +390,9 @@ class RolloutWorker:
         itself is not repeated. A teacher that keeps failing fails the group (TeacherError naming its URL)."""
         missing = [s for s in samples if s.teacher_log_probs is None]
         if missing:
-            await attach_teacher_log_probs(self.spec.args, missing, http=self.session,
-                                           timeout=self.spec.request_timeout)
+            await attach_teacher_log_probs(
+                self.spec.args, missing, http=self.session, timeout=self.spec.request_timeout
+            )
 
     async def _reject_group(self, item, reason: str) -> None:
         """A group the dynamic filter dropped: its task ends as *rejected* in the queue (journaled
@@ -409,5 +442,4 @@ class LeasedDataSource:
         for group in samples:
             item = self.leased.pop(group[0].group_index, None)
             if item is not None:
-                ray.get(self.worker.controller.return_partial.remote(item.assignment.lease, item.assignment.task,
-                                                                      None))
+                ray.get(self.worker.controller.return_partial.remote(item.assignment.lease, item.assignment.task, None))

@@ -5,13 +5,14 @@ rank, because the ranks meet inside collectives (gradient sums, tensor-parallel 
 barriers); rank 0's answer is the group's. A rank that fails fails the call at once: the others would wait
 for it in their next collective.
 
-When a rank dies, :meth:`TrainerGroup.run` raises :class:`TrainerDied`; :meth:`TrainerGroup.restart` then
+When a rank dies, every call raises :class:`TrainerDied`; :meth:`TrainerGroup.restart` then
 kills what is left of the group and starts every rank again from the same spec (the driver's
 workers/trainer_restart.py decides whether, and restores the state).
 """
 
 from __future__ import annotations
 
+from vime.errors import MemberDied
 from vime.workers.calls import wait_all
 
 # Bounds every collective of the run: a rank waits this long for the slowest one (a long checkpoint
@@ -21,7 +22,7 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 DEATH_GRACE_S = 10.0
 
 
-class TrainerDied(RuntimeError):
+class TrainerDied(MemberDied, RuntimeError):
     """A rank's process is gone (killed, out of memory, its node lost): the group's state since the
     last checkpoint is lost with it."""
 
@@ -40,11 +41,12 @@ class TrainerGroup:
         return self.ranks[0]
 
     @classmethod
-    def start(cls, spec, world_size: int, *, gpus_per_rank: float = 0, timeout: float = 600.0) -> "TrainerGroup":
+    def start(cls, spec, world_size: int, *, gpus_per_rank: float = 0, timeout: float = 600.0) -> TrainerGroup:
         """Start ``world_size`` ranks of ``TrainerWorker(spec)``; with more than one, form their process group
         (rank 0's node serves the rendezvous) and build each rank's backend inside it."""
-        group = cls(cls._create_ranks(spec, world_size, gpus_per_rank), spec=spec, gpus_per_rank=gpus_per_rank,
-                    timeout=timeout)
+        group = cls(
+            cls._create_ranks(spec, world_size, gpus_per_rank), spec=spec, gpus_per_rank=gpus_per_rank, timeout=timeout
+        )
         group._join()
         return group
 
@@ -62,8 +64,11 @@ class TrainerGroup:
 
         if len(self.ranks) > 1:
             address, port = ray.get(self.leader.rendezvous_endpoint.remote(), timeout=self.timeout)
-            self._wait([rank.join.remote(address, port, COLLECTIVE_TIMEOUT_S) for rank in self.ranks], self.timeout,
-                       f"forming the trainer's process group ({len(self.ranks)} ranks)")
+            self._wait(
+                [rank.join.remote(address, port, COLLECTIVE_TIMEOUT_S) for rank in self.ranks],
+                self.timeout,
+                f"forming the trainer's process group ({len(self.ranks)} ranks)",
+            )
 
     def restart(self) -> None:
         """Kill every rank still alive (the survivors of a dead one would wait for it in their next
@@ -84,19 +89,52 @@ class TrainerGroup:
 
     def train_rollout(self, rollout_id: int, groups: list, policy_version: int, lineage=None) -> dict:
         """One step on ``groups``; no time bound (a step's length is the user's)."""
-        return self._wait([rank.train_rollout.remote(rollout_id, groups, policy_version, lineage=lineage)
-                           for rank in self.ranks], None, f"training step {rollout_id + 1}")
+        return self._wait(
+            [rank.train_rollout.remote(rollout_id, groups, policy_version, lineage=lineage) for rank in self.ranks],
+            None,
+            f"training step {rollout_id + 1}",
+        )
 
     def load_checkpoint(self, folder: str, *, timeout: float = 3600.0) -> None:
         self._wait([rank.load_checkpoint.remote(folder) for rank in self.ranks], timeout, f"loading {folder}")
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        """``method`` started on every rank; the object refs, rank 0's first."""
-        return [getattr(rank, method).remote(*args, **kwargs) for rank in self.ranks]
+    def save_checkpoint(self, folder: str, *, timeout: float = 3600.0) -> None:
+        """Every rank writes its part of the training state (rank 0 the shared files) into ``folder``."""
+        self._wait([rank.save_checkpoint.remote(folder) for rank in self.ranks], timeout, f"saving {folder}")
 
-    def run(self, method: str, *args, timeout: float | None, what: str | None = None, **kwargs):
-        """``method`` on every rank, waited for (the first failure raised at once); rank 0's result."""
-        return self._wait(self.call(method, *args, **kwargs), timeout, what or f"the trainer's {method}")
+    def save_hf(self, folder: str, *, timeout: float = 3600.0) -> None:
+        """The model in Hugging Face format (gathered; rank 0 writes)."""
+        self._wait([rank.save_hf.remote(folder) for rank in self.ranks], timeout, f"saving {folder}")
+
+    def publish_weights(self, version: int, *, mode: str, full_interval: int, force_full: bool, timeout: float | None):
+        """Write weight version ``version`` for the engines (docs/weights.md); rank 0's Publication."""
+        return self._wait(
+            [
+                rank.publish_weights.remote(version, mode=mode, full_interval=full_interval, force_full=force_full)
+                for rank in self.ranks
+            ],
+            timeout,
+            f"publishing weight version {version}",
+        )
+
+    def offload_memory(self, *, timeout: float | None) -> None:
+        self._wait([rank.offload_memory.remote() for rank in self.ranks], timeout, "offloading the trainer's memory")
+
+    def reload_memory(self, *, timeout: float | None) -> None:
+        self._wait([rank.reload_memory.remote() for rank in self.ranks], timeout, "reloading the trainer's memory")
+
+    # NCCL weight broadcasts start on the trainer and on the engines at once: these return the object refs
+    # (rank 0's first) for the caller to wait on together with the engines'.
+    def start_nccl_open(self, address: str, port: int, world_size: int) -> list:
+        return [rank.nccl_open.remote(address, port, world_size) for rank in self.ranks]
+
+    def start_nccl_send(self) -> list:
+        return [rank.nccl_send.remote() for rank in self.ranks]
+
+    def shutdown(self, *, timeout: float = 10.0) -> None:
+        """Close every rank's queue readers, weight publisher and NCCL group (the teardown's first step for
+        the trainer; the processes are stopped with Ray)."""
+        self._wait([rank.shutdown.remote() for rank in self.ranks], timeout, "shutting the trainer down")
 
     def _wait(self, refs: list, timeout: float | None, what: str):
         """Rank 0's result of calls on every rank; a dead rank raises TrainerDied at once."""

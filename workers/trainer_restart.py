@@ -10,7 +10,8 @@ the router, the engines and the rollout workers are left alone. What the driver 
 result (rewinding its consumer cursor, publishing the restored weights under a new version) is in
 ``vime/train.py``; which versions are lost from then on is ``vime.recovery.lineage``.
 
-A user error raised by a step (a hook, a corrupt group) is not restarted: it would fail again.
+A user error raised by a step (a ``vime.errors.UserError``: a hook, a corrupt group) is not restarted: it
+would fail again.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from vime.errors import MemberDied
 from vime.recovery import checkpoint as ckpt
 from vime.workers.trainer_group import TrainerDied, TrainerGroup
 
 
 class RestartCause(enum.Enum):
-    DIED = "died"                        # a rank's process is gone
-    INTERNAL_ERROR = "failed"            # a step raised an error that is not the user's
+    DIED = "died"  # a rank's process is gone
+    INTERNAL_ERROR = "failed"  # a step raised an error that is not the user's
 
 
-class TrainerStepFailed(RuntimeError):
+class TrainerStepFailed(MemberDied, RuntimeError):
     """A training step raised, inside the trainer, an error that is not the user's to fix."""
 
 
@@ -44,20 +46,26 @@ def restart_cause(error: BaseException) -> RestartCause | None:
 class Restored:
     """What the restarted trainer holds: the state of the lineage at ``step``."""
 
-    step: int                        # steps trained into the weights it holds (0: the initial weights)
-    weight_version: int              # the version those weights were published under (0: --hf-checkpoint)
-    consumer_cursor: int             # the cursor, step cursors and skipped positions of that step
+    step: int  # steps trained into the weights it holds (0: the initial weights)
+    weight_version: int  # the version those weights were published under (0: --hf-checkpoint)
+    consumer_cursor: int  # the cursor, step cursors and skipped positions of that step
     step_cursors: list[int]
     skipped: list[int]
-    folder: str | None               # the checkpoint loaded; None: the initial weights
+    folder: str | None  # the checkpoint loaded; None: the initial weights
 
 
 class TrainerRestarter:
     """Restarts ``trainer`` at most ``budget`` times in a run. ``resumed``: the (folder, state) the run was
     started from with --load, restored while this run has saved nothing of its own."""
 
-    def __init__(self, trainer: TrainerGroup, *, budget: int, save_dir: str | None,
-                 resumed: tuple[str, ckpt.CheckpointState] | None):
+    def __init__(
+        self,
+        trainer: TrainerGroup,
+        *,
+        budget: int,
+        save_dir: str | None,
+        resumed: tuple[str, ckpt.CheckpointState] | None,
+    ):
         self.trainer, self.budget, self.save_dir, self.resumed = trainer, budget, save_dir, resumed
         self.used = 0
 
@@ -78,5 +86,11 @@ class TrainerRestarter:
         else:
             return Restored(step=0, weight_version=0, consumer_cursor=0, step_cursors=[], skipped=[], folder=None)
         self.trainer.load_checkpoint(folder)
-        return Restored(step=state.step, weight_version=state.weight_version, consumer_cursor=state.consumer_cursor,
-                        step_cursors=list(state.step_cursors), skipped=list(state.skipped), folder=folder)
+        return Restored(
+            step=state.step,
+            weight_version=state.weight_version,
+            consumer_cursor=state.consumer_cursor,
+            step_cursors=list(state.step_cursors),
+            skipped=list(state.skipped),
+            folder=folder,
+        )

@@ -13,18 +13,23 @@ import dataclasses
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from straw.errors import CorruptData, InvalidReference
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.queue.tasks import AcceptedGroup
+from vime.errors import UserError
 from vime.queue.rollout_queue import StoreOptions
+from vime.queue.tasks import AcceptedGroup
 from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
 from vime.recovery.lineage import Lineage
 from vime.rollout.rewards import reward_by_source
 from vime.sample import Sample
 from vime.weights.publisher import Publication, WeightPublisher
+
+if TYPE_CHECKING:  # the annotation's name only: from_settings loads the module when a run trains with Megatron
+    from vime.backends.megatron_backend import MegatronBackendSpec
 
 
 def tokens_per_version(samples: list[Sample]) -> dict[str, int]:
@@ -33,14 +38,14 @@ def tokens_per_version(samples: list[Sample]) -> dict[str, int]:
     return {str(version): counts[version] for version in sorted(counts)}
 
 
-class CorruptGroup(RuntimeError):
+class CorruptGroup(UserError, RuntimeError):
     """An accepted group's payload does not verify; the run stops rather than train on it."""
 
 
 @dataclasses.dataclass(kw_only=True)
 class TrainerWorkerSpec:
     backend: TorchTrainerSpec
-    megatron: "MegatronBackendSpec | None" = None   # --train-backend megatron: the Megatron backend's own spec
+    megatron: MegatronBackendSpec | None = None  # --train-backend megatron: the Megatron backend's own spec
     transport: str
     store: StoreOptions
     io_concurrency: int = 1
@@ -48,32 +53,52 @@ class TrainerWorkerSpec:
     keep_weight_versions: int
 
     @classmethod
-    def from_settings(cls, s, *, transport: str, store: StoreOptions, threads: int | None,
-                      cpu_affinity: list[int] | None) -> "TrainerWorkerSpec":
+    def from_settings(
+        cls, s, *, transport: str, store: StoreOptions, threads: int | None, cpu_affinity: list[int] | None
+    ) -> TrainerWorkerSpec:
         """The trainer of a ``vime train`` run (also what debug replay rebuilds, so both agree)."""
         from vime.backends.lr_schedule import lr_schedule_from_settings
 
         backend = TorchTrainerSpec(
-            hf_checkpoint=s.train.hf_checkpoint, lr=s.train.lr, weight_decay=s.train.weight_decay,
-            adam_betas=(s.train.adam_beta1, s.train.adam_beta2), adam_eps=s.train.adam_eps,
-            clip_grad=s.train.clip_grad, micro_batch_size=s.train.micro_batch_size,
-            global_batch_size=s.global_batch_size, n_samples_per_prompt=s.rollout.n_samples_per_prompt,
-            rollout_temperature=s.rollout.rollout_temperature, algorithm=s.algorithm, seed=s.run.seed,
-            threads=threads, cpu_affinity=cpu_affinity, lr_schedule=lr_schedule_from_settings(s),
-            bf16=s.train.bf16, engine_dtype=s.vllm.vllm_args.get("dtype"),
+            hf_checkpoint=s.train.hf_checkpoint,
+            lr=s.train.lr,
+            weight_decay=s.train.weight_decay,
+            adam_betas=(s.train.adam_beta1, s.train.adam_beta2),
+            adam_eps=s.train.adam_eps,
+            clip_grad=s.train.clip_grad,
+            micro_batch_size=s.train.micro_batch_size,
+            global_batch_size=s.global_batch_size,
+            n_samples_per_prompt=s.rollout.n_samples_per_prompt,
+            rollout_temperature=s.rollout.rollout_temperature,
+            algorithm=s.algorithm,
+            seed=s.run.seed,
+            threads=threads,
+            cpu_affinity=cpu_affinity,
+            lr_schedule=lr_schedule_from_settings(s),
+            bf16=s.train.bf16,
+            engine_dtype=s.vllm.vllm_args.get("dtype"),
             use_distributed_optimizer=s.train.use_distributed_optimizer,
             log_probs_chunk_size=s.train.log_probs_chunk_size,
             recompute_granularity=s.megatron.recompute_granularity,
-            use_dynamic_batch_size=s.train.use_dynamic_batch_size, max_tokens_per_gpu=s.train.max_tokens_per_gpu,
-            log_probs_max_tokens_per_gpu=s.train.log_probs_max_tokens_per_gpu, balance_data=s.train.balance_data)
+            use_dynamic_batch_size=s.train.use_dynamic_batch_size,
+            max_tokens_per_gpu=s.train.max_tokens_per_gpu,
+            log_probs_max_tokens_per_gpu=s.train.log_probs_max_tokens_per_gpu,
+            balance_data=s.train.balance_data,
+        )
         megatron = None
         if s.train.train_backend == "megatron":
             from vime.backends.megatron_backend import MegatronBackendSpec
 
             megatron = MegatronBackendSpec.from_settings(s)
-        return cls(backend=backend, megatron=megatron, transport=transport, store=store,
-                   io_concurrency=s.queue.rollout_io_concurrency, weight_dir=s.weight_dir,
-                   keep_weight_versions=s.weights.keep_weight_versions)
+        return cls(
+            backend=backend,
+            megatron=megatron,
+            transport=transport,
+            store=store,
+            io_concurrency=s.queue.rollout_io_concurrency,
+            weight_dir=s.weight_dir,
+            keep_weight_versions=s.weights.keep_weight_versions,
+        )
 
 
 def _assigned_gpu() -> int:
@@ -97,11 +122,12 @@ class TrainerWorker:
         self.backend = self._build_backend() if world_size == 1 else None
         # One transport (store handle) per reader thread: a straw handle serialises its calls.
         self.readers = [make_transport(spec.transport, spec.store) for _ in range(max(1, spec.io_concurrency))]
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.readers),
-                                                          thread_name_prefix="queue-read")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=len(self.readers), thread_name_prefix="queue-read"
+        )
         self.publisher: WeightPublisher | None = None  # built at the first publication
-        self.sender = None                             # NcclWeightSender with --update-weight-transport nccl
-        self.nccl_metadata: list = []                  # what the engines receive, in broadcast order
+        self.sender = None  # NcclWeightSender with --update-weight-transport nccl
+        self.nccl_metadata: list = []  # what the engines receive, in broadcast order
 
     def _build_backend(self):
         if self.spec.megatron is not None:
@@ -131,8 +157,13 @@ class TrainerWorker:
         backend = "nccl" if self.spec.megatron is not None and torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(_assigned_gpu())
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_seconds))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_seconds),
+        )
         self.backend = self._build_backend()
         return True
 
@@ -143,20 +174,23 @@ class TrainerWorker:
         try:
             members = self.readers[index % len(self.readers)].read(group.ref)
         except (CorruptData, InvalidReference) as error:
-            raise CorruptGroup(f"accepted group {group.task_id} (queue position {group.position}) cannot be "
-                               f"read: {type(error).__name__}: {error}. It was not trained; the payload on disk "
-                               "fails its checksum or was reclaimed") from None
+            raise CorruptGroup(
+                f"accepted group {group.task_id} (queue position {group.position}) cannot be "
+                f"read: {type(error).__name__}: {error}. It was not trained; the payload on disk "
+                "fails its checksum or was reclaimed"
+            ) from None
         return sorted(members, key=lambda s: s.index)
 
     def read_groups(self, groups: list[AcceptedGroup]) -> list[Sample]:
         """All samples of ``groups``, in group order (--rollout-io-concurrency reads at once)."""
-        batches = [groups[i::len(self.readers)] for i in range(len(self.readers))]
+        batches = [groups[i :: len(self.readers)] for i in range(len(self.readers))]
         read = self.pool.map(lambda i: [self._read_group(i, g) for g in batches[i]], range(len(self.readers)))
         by_position = {g.position: members for batch, result in zip(batches, read) for g, members in zip(batch, result)}
         return [sample for group in groups for sample in by_position[group.position]]
 
-    def train_rollout(self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int,
-                      lineage: Lineage | None = None) -> dict[str, float]:
+    def train_rollout(
+        self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int, lineage: Lineage | None = None
+    ) -> dict[str, float]:
         """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics.
         ``lineage``: the run's restores in place, so that staleness counts steps, not version numbers."""
         started = time.perf_counter()
@@ -183,8 +217,9 @@ class TrainerWorker:
         return metrics
 
     # ------------------------------------------------------------------ weights (docs/weights.md)
-    def publish_weights(self, version: int, *, mode: str = "full", full_interval: int = 10,
-                        force_full: bool = False) -> Publication | None:
+    def publish_weights(
+        self, version: int, *, mode: str = "full", full_interval: int = 10, force_full: bool = False
+    ) -> Publication | None:
         """Write ``weight_v{N}/``: the full weights, or (mode "delta") a delta against the version this
         process published just before, when there is one; older versions are pruned. Rank 0 writes; the
         other ranks take part in gathering the weights and return None."""
@@ -193,8 +228,9 @@ class TrainerWorker:
             return None
         if self.publisher is None:
             self.publisher = WeightPublisher(self.spec.weight_dir, keep=self.spec.keep_weight_versions)
-        return self.publisher.publish(version, self.backend.save_weights, mode=mode, full_interval=full_interval,
-                                      force_full=force_full)
+        return self.publisher.publish(
+            version, self.backend.save_weights, mode=mode, full_interval=full_interval, force_full=force_full
+        )
 
     def _named_weights(self) -> list:
         """What the engines load: the model's parameters (a tied one once, under its first name)."""

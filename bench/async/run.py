@@ -53,8 +53,15 @@ MODES = {
 SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2"}  # --smoke: 4 prompts x 2 samples a step
 
 
-def job_args(run_dir: str, model: str, steps: int, extra: list[str], *, engine: str | None = None,
-             overrides: dict[str, str] | None = None) -> list[str]:
+def job_args(
+    run_dir: str,
+    model: str,
+    steps: int,
+    extra: list[str],
+    *,
+    engine: str | None = None,
+    overrides: dict[str, str] | None = None,
+) -> list[str]:
     """The demo's command line for one run; ``engine``: host:port of a running vLLM server the run
     attaches instead of starting one; ``overrides``: demo flags given other values (smoke mode)."""
     from run_demo import demo_args
@@ -64,7 +71,7 @@ def job_args(run_dir: str, model: str, steps: int, extra: list[str], *, engine: 
         args[args.index(flag) + 1] = value
     for flag, width in (("--eval-prompt-data", 3), ("--save", 2), ("--save-interval", 2), ("--eval-interval", 2)):
         i = args.index(flag)
-        del args[i:i + width]
+        del args[i : i + width]
     attach = ["--rollout-external-engine-addrs", engine] if engine else []
     return args + ["--no-save-hf"] + attach + extra
 
@@ -102,14 +109,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 24; --smoke: 3)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps left out (default 4; --smoke: 1)")
-    parser.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
-                        help="default: all; --smoke: sync async-flush")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
-    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
-                        help="run every mode on this running vLLM server instead of starting one per run")
-    parser.add_argument("--model", default=None,
-                        help="the HF model folder the attached engine serves (default: the tiny model)")
+    parser.add_argument(
+        "--modes", nargs="+", default=None, choices=list(MODES), help="default: all; --smoke: sync async-flush"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless",
+    )
+    parser.add_argument(
+        "--attach-engine",
+        metavar="HOST:PORT",
+        default=None,
+        help="run every mode on this running vLLM server instead of starting one per run",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the HF model folder the attached engine serves (default: the tiny model)"
+    )
     options = parser.parse_args()
     smoke = options.smoke
     steps = options.steps or (3 if smoke else 24)
@@ -125,7 +141,7 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     try:
         model = options.model or make_tiny_model(os.path.join(out, "model"))
-        for mode in (list(MODES) if check_only else modes):
+        for mode in list(MODES) if check_only else modes:
             run_dir = os.path.join(out, mode)
             args = job_args(run_dir, model, steps, MODES[mode], engine=options.attach_engine, overrides=overrides)
             print(f"\n== {mode}: vime train ... {' '.join(MODES[mode])}", flush=True)
@@ -138,22 +154,28 @@ def main() -> int:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if check_only:
-        print(f"\n== bench/async --smoke: the command lines of {len(MODES)} modes checked; no run "
-              "(no --attach-engine HOST:PORT)")
+        print(
+            f"\n== bench/async --smoke: the command lines of {len(MODES)} modes checked; no run "
+            "(no --attach-engine HOST:PORT)"
+        )
         return 0
 
     per_step = "4 prompts x 2 samples (smoke)" if smoke else "64 prompts x 8 samples"
     print(f"\n== bench/async: digit shift, {per_step} per step, steady-state steps")
     for mode, r in results.items():
-        print(f"  {mode:12s} {r['samples_per_s']:7.1f} samples trained/s   step {r['step_seconds']:.2f}s   "
-              f"weight sync {r['weight_sync_seconds']:.3f}s   staleness {r['staleness_mean']:.2f}   "
-              f"last reward {r['reward_last']:.3f}")
+        print(
+            f"  {mode:12s} {r['samples_per_s']:7.1f} samples trained/s   step {r['step_seconds']:.2f}s   "
+            f"weight sync {r['weight_sync_seconds']:.3f}s   staleness {r['staleness_mean']:.2f}   "
+            f"last reward {r['reward_last']:.3f}"
+        )
     if "sync" in results:
         sync = results["sync"]
         t_train = sync["trainer_path_seconds"]
         t_gen = max(sync["step_seconds"] - t_train, 0.0)
         bound = (t_gen + t_train) / max(t_gen, t_train)
-        print(f"  sync run: T_gen {t_gen:.2f}s, T_train (read + train + sync) {t_train:.2f}s -> ideal bound {bound:.2f}x")
+        print(
+            f"  sync run: T_gen {t_gen:.2f}s, T_train (read + train + sync) {t_train:.2f}s -> ideal bound {bound:.2f}x"
+        )
         for mode in ("async-flush", "async-keep", "delta"):
             if mode in results:
                 ratio = results[mode]["samples_per_s"] / sync["samples_per_s"]

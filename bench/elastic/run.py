@@ -57,8 +57,12 @@ VLLM_ARGS = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32"}
 
 def set_ray_environment() -> None:
     """What Ray needs on these machines (loopback only, no usage report, no auth tokens)."""
-    for key, value in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                       ("RAY_AUTH_MODE", "disabled"), ("TOKENIZERS_PARALLELISM", "false")):
+    for key, value in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        ("RAY_USAGE_STATS_ENABLED", "0"),
+        ("RAY_AUTH_MODE", "disabled"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ):
         os.environ.setdefault(key, value)
 
 
@@ -71,22 +75,56 @@ def held_job_environment(out: str, step: int) -> tuple[dict[str, str], str]:
 
 
 def job_flags(run_dir: str, model: str) -> list[str]:
-    return ["--hf-checkpoint", model,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "24",
-            "--rollout-temperature", "1.0", "--max-staleness", "4", "--flush-cache-interval", "0",
-            "--partial-rollout", "--num-rollout", "100000", "--lr", "1e-3", "--run-dir", run_dir,
-            "--no-save-hf", "--train-threads", "1", "--vllm-enforce-eager", "--vllm-max-model-len", "64",
-            "--vllm-dtype", "float32", "--rollout-health-check-interval", "5"]
+    return [
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "8",
+        "--rollout-max-response-len",
+        "24",
+        "--rollout-temperature",
+        "1.0",
+        "--max-staleness",
+        "4",
+        "--flush-cache-interval",
+        "0",
+        "--partial-rollout",
+        "--num-rollout",
+        "100000",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--no-save-hf",
+        "--train-threads",
+        "1",
+        "--vllm-enforce-eager",
+        "--vllm-max-model-len",
+        "64",
+        "--vllm-dtype",
+        "float32",
+        "--rollout-health-check-interval",
+        "5",
+    ]
 
 
 # --smoke: the smallest job (flags of job_flags given other values).
 SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2", "--rollout-max-response-len": "4"}
 
 
-def job_args(run_dir: str, model: str, *, engine: str | None = None,
-             overrides: dict[str, str] | None = None) -> list[str]:
+def job_args(
+    run_dir: str, model: str, *, engine: str | None = None, overrides: dict[str, str] | None = None
+) -> list[str]:
     """``engine``: host:port of a running vLLM server the job attaches instead of starting one."""
     args = job_flags(run_dir, model)
     for flag, value in (overrides or {}).items():
@@ -118,17 +156,22 @@ def loopback_alias(url: str) -> str:
 
 def finished_requests(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total")
-               and ('finished_reason="length"' in line or 'finished_reason="stop"' in line))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+        and ('finished_reason="length"' in line or 'finished_reason="stop"' in line)
+    )
 
 
 def engine_processes(port: str) -> list[psutil.Process]:
     """The API server listening on ``port`` and every process below it (EngineCore, workers)."""
     for proc in psutil.process_iter():
         try:
-            if "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline()) and f"--port {port} " in \
-                    " ".join(proc.cmdline()) + " ":
+            if (
+                "vllm.entrypoints.openai.api_server" in " ".join(proc.cmdline())
+                and f"--port {port} " in " ".join(proc.cmdline()) + " "
+            ):
                 return [proc, *proc.children(recursive=True)]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -147,8 +190,9 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def vime(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vime.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vime.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def wait_for_step(run_dir: str, step: int, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -172,23 +216,39 @@ def measure(urls: list[str], window: float, engine_procs: list[psutil.Process]) 
     seconds = time.monotonic() - started
     end_cpu = psutil.cpu_times()
     idle = (end_cpu.idle - start_cpu.idle) / seconds  # idle cores, averaged over the window
-    return {"samples_per_s": (sum(finished_requests(u) for u in urls) - start_requests) / seconds,
-            "engine_cores": (cpu_seconds(engine_procs) - start_engine) / seconds, "idle_cores": idle}
+    return {
+        "samples_per_s": (sum(finished_requests(u) for u in urls) - start_requests) / seconds,
+        "engine_cores": (cpu_seconds(engine_procs) - start_engine) / seconds,
+        "idle_cores": idle,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--window", type=float, default=None,
-                        help="seconds measured before and after (default 30; --smoke: 1)")
+    parser.add_argument(
+        "--window", type=float, default=None, help="seconds measured before and after (default 30; --smoke: 1)"
+    )
     parser.add_argument("--warmup-steps", type=int, default=None, help="default 3; --smoke: 1")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
-    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
-                        help="the job attaches this running vLLM server instead of starting its own engine")
-    parser.add_argument("--second-engine", metavar="HOST:PORT", default=None,
-                        help="add this running vLLM server instead of starting one")
-    parser.add_argument("--model", default=None,
-                        help="the HF model folder the given engines serve (default: the tiny model)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless",
+    )
+    parser.add_argument(
+        "--attach-engine",
+        metavar="HOST:PORT",
+        default=None,
+        help="the job attaches this running vLLM server instead of starting its own engine",
+    )
+    parser.add_argument(
+        "--second-engine",
+        metavar="HOST:PORT",
+        default=None,
+        help="add this running vLLM server instead of starting one",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the HF model folder the given engines serve (default: the tiny model)"
+    )
     options = parser.parse_args()
     smoke = options.smoke
     window = options.window if options.window is not None else (1.0 if smoke else 30.0)
@@ -217,18 +277,23 @@ def main() -> int:
     elif smoke:
         second_url = loopback_alias(options.attach_engine)
     else:
-        second = VllmServer(model, log_path=os.path.join(out, "second.log"), run_token=token, vllm_args=VLLM_ARGS,
-                            cpu_cores=cores[-1:])
+        second = VllmServer(
+            model, log_path=os.path.join(out, "second.log"), run_token=token, vllm_args=VLLM_ARGS, cpu_cores=cores[-1:]
+        )
         second_url = second.url
     try:
         if second is not None:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
             second.start()
             second.wait_healthy(timeout=600)
-        env, release = held_job_environment(out, warmup_steps + 1) if smoke and not options.second_engine \
+        env, release = (
+            held_job_environment(out, warmup_steps + 1)
+            if smoke and not options.second_engine
             else (None, os.path.join(out, "release"))
-        job = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+        )
+        job = subprocess.Popen(
+            args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+        )
         wait_for_step(run_dir, warmup_steps, job)
         listing = json.loads(vime("engines", "list", "--run", run_dir, "--json").stdout)
         first = listing["engines"][0]["url"]
@@ -270,19 +335,30 @@ def main() -> int:
 
     bound = (before["engine_cores"] + before["idle_cores"]) / max(before["engine_cores"], 1e-9)
     ratio = after["samples_per_s"] / max(before["samples_per_s"], 1e-9)
-    sizes = "4 prompts x 2 samples a step, 4-token responses (smoke)" if smoke else \
-        "16 prompts x 8 samples a step, 24-token responses"
+    sizes = (
+        "4 prompts x 2 samples a step, 4-token responses (smoke)"
+        if smoke
+        else "16 prompts x 8 samples a step, 24-token responses"
+    )
     print(f"\n== bench/elastic: digit shift, {sizes}, {len(cores)} core(s)")
-    print(f"  before (1 engine)   {before['samples_per_s']:7.1f} samples generated/s   "
-          f"engine {before['engine_cores']:.2f} core(s) busy, machine {before['idle_cores']:.2f} core(s) idle")
-    print(f"  after  (2 engines)  {after['samples_per_s']:7.1f} samples generated/s   machine "
-          f"{after['idle_cores']:.2f} core(s) idle")
+    print(
+        f"  before (1 engine)   {before['samples_per_s']:7.1f} samples generated/s   "
+        f"engine {before['engine_cores']:.2f} core(s) busy, machine {before['idle_cores']:.2f} core(s) idle"
+    )
+    print(
+        f"  after  (2 engines)  {after['samples_per_s']:7.1f} samples generated/s   machine "
+        f"{after['idle_cores']:.2f} core(s) idle"
+    )
     print(f"  after / before = {ratio:.2f}x   (bound on this machine: (engine + idle) / engine = {bound:.2f}x)")
-    print(f"  vime engines add -> serving the current weights, registered: {serving_seconds:.1f}s "
-          "(includes ~2 s to attach to the run's Ray cluster)")
+    print(
+        f"  vime engines add -> serving the current weights, registered: {serving_seconds:.1f}s "
+        "(includes ~2 s to attach to the run's Ray cluster)"
+    )
     print(f"  vime engines add -> the new engine's first sample generated: {first_sample_seconds:.1f}s")
-    print(f"    of which the engine's join (/health, /server_info, loading weight version "
-          f"{join['weight_version']}, label check): {join['join_seconds']:.1f}s")
+    print(
+        f"    of which the engine's join (/health, /server_info, loading weight version "
+        f"{join['weight_version']}, label check): {join['join_seconds']:.1f}s"
+    )
     return 0
 
 

@@ -59,8 +59,9 @@ def count_steps(run_dir: str) -> int:
         return sum('"kind": "train"' in line for line in f)
 
 
-def trained_per_second(run_dir: str, window: float, samples_per_step: int, log_path: str | None = None,
-                       marker: str | None = None) -> tuple[float, float | None]:
+def trained_per_second(
+    run_dir: str, window: float, samples_per_step: int, log_path: str | None = None, marker: str | None = None
+) -> tuple[float, float | None]:
     """Samples trained per second over ``window`` seconds; with ``marker``, also the seconds until a line
     containing it appeared in ``log_path`` (None if it did not within the window)."""
     start_steps, started, seen = count_steps(run_dir), time.monotonic(), None
@@ -76,15 +77,24 @@ def trained_per_second(run_dir: str, window: float, samples_per_step: int, log_p
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--window", type=float, default=None, help="seconds measured per phase (default 30; "
-                                                                    "--smoke: 3)")
+    parser.add_argument(
+        "--window", type=float, default=None, help="seconds measured per phase (default 30; --smoke: 3)"
+    )
     parser.add_argument("--warmup-steps", type=int, default=None, help="default 3; --smoke: 1")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
-    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
-                        help="the job attaches this running vLLM server instead of starting its own engine")
-    parser.add_argument("--model", default=None,
-                        help="the HF model folder the given engine serves (default: the tiny model)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless",
+    )
+    parser.add_argument(
+        "--attach-engine",
+        metavar="HOST:PORT",
+        default=None,
+        help="the job attaches this running vLLM server instead of starting its own engine",
+    )
+    parser.add_argument(
+        "--model", default=None, help="the HF model folder the given engine serves (default: the tiny model)"
+    )
     options = parser.parse_args()
     smoke = options.smoke
     window = options.window if options.window is not None else (3.0 if smoke else 30.0)
@@ -106,22 +116,28 @@ def main() -> int:
     args = elastic.job_args(run_dir, model, engine=options.attach_engine, overrides=overrides or None)
     args[args.index("--rollout-health-check-interval") + 1] = "2"  # a probe every 2 s, as a user might set
     samples_per_step = int(args[args.index("--rollout-batch-size") + 1]) * int(
-        args[args.index("--n-samples-per-prompt") + 1])
+        args[args.index("--n-samples-per-prompt") + 1]
+    )
     elastic.check_job(args)
     if smoke and options.attach_engine is None:
         shutil.rmtree(out, ignore_errors=True)
-        print("\n== bench/engine_faults --smoke: the job's command line checked; no run (no --attach-engine "
-              "HOST:PORT)")
+        print("\n== bench/engine_faults --smoke: the job's command line checked; no run (no --attach-engine HOST:PORT)")
         return 0
     if smoke:
         target = elastic.loopback_alias(options.attach_engine)
     else:
-        second = VllmServer(model, log_path=os.path.join(out, "second.log"), run_token=token,
-                            vllm_args=elastic.VLLM_ARGS, cpu_cores=cores[-1:])
+        second = VllmServer(
+            model,
+            log_path=os.path.join(out, "second.log"),
+            run_token=token,
+            vllm_args=elastic.VLLM_ARGS,
+            cpu_cores=cores[-1:],
+        )
         target = second.url
     log_path = os.path.join(out, "job.log")
-    env, release = elastic.held_job_environment(out, warmup_steps + 1) if smoke else (None, os.path.join(out,
-                                                                                                         "release"))
+    env, release = (
+        elastic.held_job_environment(out, warmup_steps + 1) if smoke else (None, os.path.join(out, "release"))
+    )
     try:
         if second is not None:
             print(f"starting the second engine (not in the job yet; OpenMP on core {cores[-1]})", flush=True)
@@ -129,8 +145,9 @@ def main() -> int:
             second.wait_healthy(timeout=600)
         proxy = BlackHoleProxy(engine_url(target))
         with open(log_path, "w") as log:
-            job = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=env)
+            job = subprocess.Popen(
+                args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         elastic.wait_for_step(run_dir, warmup_steps, job)
         print(f"job running with one engine; measuring {window:.0f}s", flush=True)
         one, _ = trained_per_second(run_dir, window, samples_per_step)
@@ -145,8 +162,7 @@ def main() -> int:
         proxy.broken = True
         broken_at = time.monotonic()
         print(f"the second engine refuses generation (403) from now on; measuring {window:.0f}s", flush=True)
-        hole, quarantined_after = trained_per_second(run_dir, window, samples_per_step, log_path,
-                                                     ") quarantined: ")
+        hole, quarantined_after = trained_per_second(run_dir, window, samples_per_step, log_path, ") quarantined: ")
         refused = sum(status == 403 for at, status in proxy.rollout_requests if at >= broken_at)
         listing = json.loads(elastic.vime("engines", "list", "--run", run_dir, "--json").stdout)
         state = next(e["state"] for e in listing["engines"] if e["name"] == "engine-1")
@@ -169,16 +185,21 @@ def main() -> int:
     failed = json.loads(report.stdout)["counts"].get("failed", 0) if report.returncode == 0 else "?"
     shutil.rmtree(out, ignore_errors=True)
 
-    sizes = "4 prompts x 2 samples a step, 4-token responses (smoke)" if smoke else \
-        "16 prompts x 8 samples a step, 24-token responses"
+    sizes = (
+        "4 prompts x 2 samples a step, 4-token responses (smoke)"
+        if smoke
+        else "16 prompts x 8 samples a step, 24-token responses"
+    )
     print(f"\n== bench/engine_faults: digit shift, {sizes}, {len(cores)} core(s), health checks every 2 s")
     print(f"  one engine               {one:7.1f} samples trained/s")
     print(f"  two engines              {two:7.1f} samples trained/s")
     print(f"  one of them a black hole {hole:7.1f} samples trained/s   (engine-1 {state} at the end)")
     print(f"  black hole / one engine = {hole / max(one, 1e-9):.2f}x   (goal >= 0.7)")
     quarantine = f"{quarantined_after:.1f}s" if quarantined_after is not None else f"not within {window:.0f}s"
-    print(f"  break -> quarantined: {quarantine}; rollout requests refused by the black hole: {refused}; "
-          f"failed tasks in the queue: {failed}")
+    print(
+        f"  break -> quarantined: {quarantine}; rollout requests refused by the black hole: {refused}; "
+        f"failed tasks in the queue: {failed}"
+    )
     return 0
 
 

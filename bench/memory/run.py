@@ -40,7 +40,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-GIB = 1024 ** 3
+GIB = 1024**3
 VOCAB = 32_000
 
 
@@ -60,8 +60,8 @@ class Shape:
 
     def parameters(self) -> int:
         h, i = self.hidden, self.intermediate
-        kv = h // 4 if self.heads >= 4 else h          # grouped-query attention, 4 query heads per kv head
-        layer = h * h * 2 + h * kv * 2 + (h + 2 * kv) + 3 * h * i + 2 * h   # q,o + k,v; q,k,v biases; MLP; norms
+        kv = h // 4 if self.heads >= 4 else h  # grouped-query attention, 4 query heads per kv head
+        layer = h * h * 2 + h * kv * 2 + (h + 2 * kv) + 3 * h * i + 2 * h  # q,o + k,v; q,k,v biases; MLP; norms
         return 2 * self.vocab * h + self.layers * layer + h
 
     def label(self) -> str:
@@ -72,18 +72,22 @@ class Shape:
 class Config:
     name: str
     ranks: int
-    flags: dict   # TorchTrainerSpec fields
+    flags: dict  # TorchTrainerSpec fields
 
 
 CONFIGS = {
     "a": Config("(a) float32 replica", 2, {}),
     "b": Config("(b) bf16 + FSDP2", 2, {"bf16": True, "use_distributed_optimizer": True}),
-    "c": Config("(c) (b) + recompute + chunked log-probs", 2,
-                {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full",
-                 "log_probs_chunk_size": 256}),
-    "c4": Config("(c) on 4 ranks", 4,
-                 {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full",
-                  "log_probs_chunk_size": 256}),
+    "c": Config(
+        "(c) (b) + recompute + chunked log-probs",
+        2,
+        {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full", "log_probs_chunk_size": 256},
+    ),
+    "c4": Config(
+        "(c) on 4 ranks",
+        4,
+        {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full", "log_probs_chunk_size": 256},
+    ),
 }
 
 
@@ -98,11 +102,19 @@ def model_folder(cache: str, shape: Shape) -> str:
 
     from vime.tools.make_tiny_model import build_tokenizer
 
-    config = Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=max(1, shape.heads // 4) if shape.heads >= 4 else shape.heads,
-                         max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=0)
+    config = Qwen2Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=max(1, shape.heads // 4) if shape.heads >= 4 else shape.heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     staging = folder + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
@@ -134,9 +146,18 @@ def make_samples(count: int, tokens: int, vocab: int, seed: int):
     samples = []
     for index in range(count):
         ids = [rng.randrange(1, vocab) for _ in range(tokens)]
-        samples.append(Sample(group_index=0, index=index, tokens=ids, response_length=tokens - prompt,
-                              reward=float(index % 2), status=Status.COMPLETED,
-                              weight_versions=[0] * (tokens - prompt), loss_mask=[1] * (tokens - prompt)))
+        samples.append(
+            Sample(
+                group_index=0,
+                index=index,
+                tokens=ids,
+                response_length=tokens - prompt,
+                reward=float(index % 2),
+                status=Status.COMPLETED,
+                weight_versions=[0] * (tokens - prompt),
+                loss_mask=[1] * (tokens - prompt),
+            )
+        )
     return samples
 
 
@@ -149,8 +170,7 @@ def rank_main(request: dict) -> dict:
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank,
-                                world_size=world)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank, world_size=world)
     from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
     from vime.config.framework import AlgorithmConfig
 
@@ -158,10 +178,22 @@ def rank_main(request: dict) -> dict:
     baseline = resident_bytes()
     algorithm = AlgorithmConfig()
     algorithm.validate()
-    spec = TorchTrainerSpec(hf_checkpoint=request["model"], lr=1e-5, weight_decay=0.0, adam_betas=(0.9, 0.999),
-                            adam_eps=1e-8, clip_grad=1.0, micro_batch_size=request["micro_batch"],
-                            global_batch_size=request["samples"], n_samples_per_prompt=request["samples"],
-                            rollout_temperature=1.0, algorithm=algorithm, seed=0, threads=1, **request["flags"])
+    spec = TorchTrainerSpec(
+        hf_checkpoint=request["model"],
+        lr=1e-5,
+        weight_decay=0.0,
+        adam_betas=(0.9, 0.999),
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        micro_batch_size=request["micro_batch"],
+        global_batch_size=request["samples"],
+        n_samples_per_prompt=request["samples"],
+        rollout_temperature=1.0,
+        algorithm=algorithm,
+        seed=0,
+        threads=1,
+        **request["flags"],
+    )
     if request["baseline"]:
         parameters, step_peak, built = plain_hf_step(request["model"], samples)
     else:
@@ -169,7 +201,7 @@ def rank_main(request: dict) -> dict:
         parameters = sum(p.numel() for p in backend.model.parameters())  # a sharded DTensor counts its whole
         built_peak, built = resident_bytes("VmHWM"), resident_bytes()
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")   # VmHWM := VmRSS: the peak from here on is the step's
+            f.write("5")  # VmHWM := VmRSS: the peak from here on is the step's
         backend.train_rollout(samples, policy_version=0)
         step_peak = resident_bytes("VmHWM")
         overall = max(built_peak, step_peak)
@@ -180,8 +212,14 @@ def rank_main(request: dict) -> dict:
 
         dist.barrier()
         dist.destroy_process_group()  # gloo torn down at exit without it may abort the process
-    return {"rank": rank, "parameters": parameters, "baseline": baseline, "built": built, "step_peak": step_peak,
-            "overall_peak": overall}
+    return {
+        "rank": rank,
+        "parameters": parameters,
+        "baseline": baseline,
+        "built": built,
+        "step_peak": step_peak,
+        "overall_peak": overall,
+    }
 
 
 def plain_hf_step(model_dir: str, samples) -> tuple[int, int]:
@@ -210,8 +248,17 @@ def available_bytes() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def run_ranks(model: str, config: Config | None, *, samples: int, tokens: int, micro_batch: int, vocab: int,
-              budget: int, timeout: float) -> dict:
+def run_ranks(
+    model: str,
+    config: Config | None,
+    *,
+    samples: int,
+    tokens: int,
+    micro_batch: int,
+    vocab: int,
+    budget: int,
+    timeout: float,
+) -> dict:
     """One step on ``config.ranks`` fresh processes (``config`` None: the plain HF baseline, one process).
     Returns {"fits": bool, "ranks": [...]} or the reason it did not fit."""
     import psutil
@@ -222,11 +269,20 @@ def run_ranks(model: str, config: Config | None, *, samples: int, tokens: int, m
     port = free_port()
     procs = []
     for rank in range(ranks):
-        request = {"rank": rank, "world": ranks, "port": port, "model": model, "samples": samples, "tokens": tokens,
-                   "micro_batch": micro_batch, "vocab": vocab, "flags": config.flags if config else {},
-                   "baseline": config is None}
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-request", json.dumps(request)],
-                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        request = {
+            "rank": rank,
+            "world": ranks,
+            "port": port,
+            "model": model,
+            "samples": samples,
+            "tokens": tokens,
+            "micro_batch": micro_batch,
+            "vocab": vocab,
+            "flags": config.flags if config else {},
+            "baseline": config is None,
+        }
+        argv = [sys.executable, os.path.abspath(__file__), "--rank-request", json.dumps(request)]
+        procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     started, peak_total, reason = time.monotonic(), 0, None
     while any(p.poll() is None for p in procs):
         total = 0
@@ -266,8 +322,14 @@ def measure(options, cache: str, budget: int) -> dict:
     shape = Shape(options.hidden, options.layers, options.vocab)
     model = model_folder(cache, shape)
     print(f"model: random Qwen2, {shape.label()}; batch {options.samples} x {options.tokens} tokens", flush=True)
-    common = dict(samples=options.samples, tokens=options.tokens, micro_batch=options.micro_batch,
-                  vocab=options.vocab, budget=budget, timeout=options.timeout)
+    common = dict(
+        samples=options.samples,
+        tokens=options.tokens,
+        micro_batch=options.micro_batch,
+        vocab=options.vocab,
+        budget=budget,
+        timeout=options.timeout,
+    )
     rows = {}
     for key, config in [("baseline", None)] + list(CONFIGS.items()):
         result = run_ranks(model, config, **common)
@@ -277,15 +339,20 @@ def measure(options, cache: str, budget: int) -> dict:
             rows[key] = None
             continue
         rows[key] = result
-        print(f"  {name:45s} {per_parameter(result):6.2f} bytes/parameter per rank in the step "
-              f"({per_parameter(result, 'built'):5.2f} held before it, "
-              f"{per_parameter(result, 'overall_peak'):5.2f} with building the trainer), "
-              f"{result['peak_total'] / GIB:.2f} GiB for all ranks", flush=True)
+        print(
+            f"  {name:45s} {per_parameter(result):6.2f} bytes/parameter per rank in the step "
+            f"({per_parameter(result, 'built'):5.2f} held before it, "
+            f"{per_parameter(result, 'overall_peak'):5.2f} with building the trainer), "
+            f"{result['peak_total'] / GIB:.2f} GiB for all ranks",
+            flush=True,
+        )
     if rows.get("a") and rows.get("c"):
         ratio = per_parameter(rows["c"]) / per_parameter(rows["a"])
-        print(f"ratio (c) / (a) per rank: {ratio:.2f} on 2 ranks (goal <= 0.4)"
-              + (f", {per_parameter(rows['c4']) / per_parameter(rows['a']):.2f} on 4 ranks" if rows.get("c4") else ""),
-              flush=True)
+        print(
+            f"ratio (c) / (a) per rank: {ratio:.2f} on 2 ranks (goal <= 0.4)"
+            + (f", {per_parameter(rows['c4']) / per_parameter(rows['a']):.2f} on 4 ranks" if rows.get("c4") else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -295,30 +362,44 @@ def ladder(start: Shape, steps: int) -> list[Shape]:
     shapes = [start]
     for i in range(steps):
         last = shapes[-1]
-        shapes.append(Shape(last.hidden, last.layers * 2, last.vocab) if i % 2 == 0 or last.layers < 2 else
-                      Shape(last.hidden * 2, last.layers // 2, last.vocab))
+        shapes.append(
+            Shape(last.hidden, last.layers * 2, last.vocab)
+            if i % 2 == 0 or last.layers < 2
+            else Shape(last.hidden * 2, last.layers // 2, last.vocab)
+        )
     return shapes
 
 
 def search(options, cache: str, budget: int) -> None:
     shapes = ladder(Shape(options.hidden, options.layers, options.vocab), options.search_steps)
-    common = dict(samples=options.samples, tokens=options.tokens, micro_batch=options.micro_batch,
-                  vocab=options.vocab, budget=budget, timeout=options.timeout)
+    common = dict(
+        samples=options.samples,
+        tokens=options.tokens,
+        micro_batch=options.micro_batch,
+        vocab=options.vocab,
+        budget=budget,
+        timeout=options.timeout,
+    )
     largest = {}
     for key in ("a", "c"):
         config = CONFIGS[key]
         for shape in shapes:
             result = run_ranks(model_folder(cache, shape), config, **common)
             verdict = "fits" if result["fits"] else f"does not fit: {result['reason']}"
-            print(f"  {config.name:45s} {shape.label():40s} {verdict} "
-                  f"(peak {result['peak_total'] / GIB:.1f} GiB)", flush=True)
+            print(
+                f"  {config.name:45s} {shape.label():40s} {verdict} (peak {result['peak_total'] / GIB:.1f} GiB)",
+                flush=True,
+            )
             if not result["fits"]:
                 break
             largest[key] = shape
     if "a" in largest and "c" in largest:
         ratio = largest["c"].parameters() / largest["a"].parameters()
-        print(f"largest step that fits in {budget / GIB:.1f} GiB with 2 ranks: (a) {largest['a'].label()}, "
-              f"(c) {largest['c'].label()}: {ratio:.1f}x the parameters (goal >= 3)", flush=True)
+        print(
+            f"largest step that fits in {budget / GIB:.1f} GiB with 2 ranks: (a) {largest['a'].label()}, "
+            f"(c) {largest['c'].label()}: {ratio:.1f}x the parameters (goal >= 3)",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search-steps", type=int, default=5, help="doublings the search tries at most")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--cache", help="where the random models are kept (default: a temporary folder)")
-    parser.add_argument("--budget-gib", type=float,
-                        help="memory the ranks may use together (default: what is available at the start, less 1 GiB)")
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        help="memory the ranks may use together (default: what is available at the start, less 1 GiB)",
+    )
     parser.add_argument("--rank-request", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.rank_request:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,11 +53,19 @@ def make_group(group_index: int, *, tokens: int, sc_heads: int):
     for i in range(8):
         prompt = list(range(200))
         response = torch.randint(0, 150_000, (tokens,)).tolist()
-        sample = Sample(group_index=group_index, index=i, prompt_index=group_index, tokens=prompt + response,
-                        response_length=tokens, loss_mask=[1] * tokens, reward=float(i % 2),
-                        status=Status.COMPLETED, rollout_log_probs=torch.randn(tokens).tolist(),
-                        weight_versions=[3] * (tokens // 2) + [4] * (tokens - tokens // 2),
-                        metadata={"source_name": "bench"})
+        sample = Sample(
+            group_index=group_index,
+            index=i,
+            prompt_index=group_index,
+            tokens=prompt + response,
+            response_length=tokens,
+            loss_mask=[1] * tokens,
+            reward=float(i % 2),
+            status=Status.COMPLETED,
+            rollout_log_probs=torch.randn(tokens).tolist(),
+            weight_versions=[3] * (tokens // 2) + [4] * (tokens - tokens // 2),
+            metadata={"source_name": "bench"},
+        )
         if sc_heads:
             sample.rollout_topk_token_ids = torch.randint(0, 150_000, (tokens, sc_heads), dtype=torch.int32)
             sample.rollout_topk_log_probs = torch.randn(tokens, sc_heads)
@@ -83,9 +91,20 @@ def _straw_producer(data_dir: str, prompts: str, groups: int, tokens: int, sc_he
     from vime.workers.controller import Controller, ControllerSpec
 
     store = StoreOptions(data_dir, "bench", 256.0)
-    controller = Controller(ControllerSpec(transport="straw", store=store, lease_seconds=600, prompt_data=prompts,
-                                           keys=DataKeys("prompt", "label"), seed=0, shuffle=False, num_epoch=None,
-                                           groups_per_rollout=groups, max_staleness=10))
+    controller = Controller(
+        ControllerSpec(
+            transport="straw",
+            store=store,
+            lease_seconds=600,
+            prompt_data=prompts,
+            keys=DataKeys("prompt", "label"),
+            seed=0,
+            shuffle=False,
+            num_epoch=None,
+            groups_per_rollout=groups,
+            max_staleness=10,
+        )
+    )
     transport = StrawTransport(store)
     payloads = [make_group(g, tokens=tokens, sc_heads=sc_heads) for g in range(groups)]
     ready.set()
@@ -125,7 +144,7 @@ def bench_straw(root: str, groups: int, tokens: int, sc_heads: int) -> dict:
     while len(results) < 2:
         try:
             results.append(out.get(timeout=5))
-        except Exception:
+        except queue.Empty:
             if not producer.is_alive():
                 raise SystemExit("the straw producer process failed (see above)") from None
     publish_seconds, refs = results
@@ -146,11 +165,13 @@ def bench_ray(groups: int, tokens: int, sc_heads: int) -> dict:
     class Producer:
         def __init__(self, groups, tokens, sc_heads):
             import sys
+
             sys.path.insert(0, REPO)
             self.payloads = [make_group(g, tokens=tokens, sc_heads=sc_heads) for g in range(groups)]
 
         def produce(self):
             import ray
+
             started = time.perf_counter()
             refs = [[ray.put(samples)] for samples in self.payloads]  # nested: passed by reference
             return time.perf_counter() - started, refs
@@ -194,28 +215,42 @@ def micro(groups: int, tokens: int, sc_heads: int) -> None:
     print(f"\n== {label}: {mib:.1f} MiB of payload", flush=True)
     root = tempfile.mkdtemp(prefix="vime-bench-queue-")
     try:
-        results = {"straw (vime queue)": bench_straw(root, groups, tokens, sc_heads),
-                   "ray object store": bench_ray(groups, tokens, sc_heads),
-                   "torch.save + fsync": bench_files(root, groups, tokens, sc_heads)}
+        results = {
+            "straw (vime queue)": bench_straw(root, groups, tokens, sc_heads),
+            "ray object store": bench_ray(groups, tokens, sc_heads),
+            "torch.save + fsync": bench_files(root, groups, tokens, sc_heads),
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rates = {}
     for name, r in results.items():
         total = r["publish_s"] + r["consume_s"]
         rates[name] = groups * 8 / total
-        print(f"  {name:22s} publish {r['publish_s']:6.2f}s  consume {r['consume_s']:6.2f}s  "
-              f"-> {groups * 8 / total:8.1f} samples/s  {mib / total:7.1f} MiB/s end to end")
+        print(
+            f"  {name:22s} publish {r['publish_s']:6.2f}s  consume {r['consume_s']:6.2f}s  "
+            f"-> {groups * 8 / total:8.1f} samples/s  {mib / total:7.1f} MiB/s end to end"
+        )
     straw = rates["straw (vime queue)"]
-    print(f"  ratio straw / object store = {straw / rates['ray object store']:.2f}; "
-          f"straw / torch.save+fsync = {straw / rates['torch.save + fsync']:.2f}")
+    print(
+        f"  ratio straw / object store = {straw / rates['ray object store']:.2f}; "
+        f"straw / torch.save+fsync = {straw / rates['torch.save + fsync']:.2f}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- main job
 SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2"}
 
 
-def main_job(transport: str, out_dir: str, steps: int, *, warmup: int = 5, model: str | None = None,
-             engine: str | None = None, overrides: dict[str, str] | None = None) -> float:
+def main_job(
+    transport: str,
+    out_dir: str,
+    steps: int,
+    *,
+    warmup: int = 5,
+    model: str | None = None,
+    engine: str | None = None,
+    overrides: dict[str, str] | None = None,
+) -> float:
     """Samples trained per second over the steady-state steps (the first ``warmup`` are warm-up).
 
     ``engine``: host:port of a running vLLM server of ``model`` that the run attaches instead of
@@ -231,12 +266,15 @@ def main_job(transport: str, out_dir: str, steps: int, *, warmup: int = 5, model
             make_tiny_model(model)
     run_dir = os.path.join(out_dir, transport)
     args = demo_args(run_dir, model)
-    for flag, value in (("--num-rollout", str(steps)), ("--rollout-data-transport", transport),
-                        *(overrides or {}).items()):
+    for flag, value in (
+        ("--num-rollout", str(steps)),
+        ("--rollout-data-transport", transport),
+        *(overrides or {}).items(),
+    ):
         args[args.index(flag) + 1] = value
     for flag in ("--eval-prompt-data", "--save", "--save-interval", "--eval-interval"):
         i = args.index(flag)
-        del args[i:i + (3 if flag == "--eval-prompt-data" else 2)]
+        del args[i : i + (3 if flag == "--eval-prompt-data" else 2)]
     if engine is not None:
         args += ["--rollout-external-engine-addrs", engine]
     if overrides:
@@ -262,12 +300,22 @@ def main() -> int:
     parser.add_argument("--main-job-steps", type=int, default=30)
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--skip-micro", action="store_true", help="the main-job comparison only")
-    parser.add_argument("--smoke", action="store_true",
-                        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless")
-    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None,
-                        help="main job: attach this running vLLM server instead of starting one per run")
-    parser.add_argument("--model", default=None,
-                        help="main job: the HF model folder the attached engine serves (default: the tiny model)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds-long check that the benchmark works: the smallest sizes, numbers meaningless",
+    )
+    parser.add_argument(
+        "--attach-engine",
+        metavar="HOST:PORT",
+        default=None,
+        help="main job: attach this running vLLM server instead of starting one per run",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="main job: the HF model folder the attached engine serves (default: the tiny model)",
+    )
     args = parser.parse_args()
     micro_runs = [(args.groups, 0), (args.sc_groups, 128)]
     tokens, steps, warmup, overrides = args.tokens, args.main_job_steps, 5, None
@@ -278,8 +326,9 @@ def main() -> int:
     if not args.skip_micro:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
         try:
             for groups, sc_heads in micro_runs:
                 micro(groups, tokens, sc_heads)
@@ -289,8 +338,10 @@ def main() -> int:
         return 0
     out = tempfile.mkdtemp(prefix="vime-bench-mainjob-")
     try:
-        rates = {t: main_job(t, out, steps, warmup=warmup, model=args.model, engine=args.attach_engine,
-                             overrides=overrides) for t in ("object-store", "straw")}
+        rates = {
+            t: main_job(t, out, steps, warmup=warmup, model=args.model, engine=args.attach_engine, overrides=overrides)
+            for t in ("object-store", "straw")
+        }
     finally:
         shutil.rmtree(out, ignore_errors=True)
     per_step = "4 prompts x 2 samples (smoke)" if args.smoke else "64 prompts x 8 samples"

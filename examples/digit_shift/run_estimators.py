@@ -25,8 +25,11 @@ from run_demo import demo_args  # noqa: E402
 ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 # GSPO's clip is on a sequence-level ratio, far tighter than the token-level default (the seeds' values).
 # REINFORCE++ whitens its advantages over the batch (the seeds): vime asks for the flag explicitly.
-EXTRA = {"gspo": ["--eps-clip", "3e-4", "--eps-clip-high", "4e-4"],
-         "reinforce_plus_plus": ["--normalize-advantages"], "reinforce_plus_plus_baseline": ["--normalize-advantages"]}
+EXTRA = {
+    "gspo": ["--eps-clip", "3e-4", "--eps-clip-high", "4e-4"],
+    "reinforce_plus_plus": ["--normalize-advantages"],
+    "reinforce_plus_plus_baseline": ["--normalize-advantages"],
+}
 
 
 def with_value(args: list[str], flag: str, value: str) -> list[str]:
@@ -62,13 +65,17 @@ def main() -> int:
         args = with_value(args, "--num-rollout", str(options.num_rollout))
         args = with_value(args, "--eval-interval", str(options.num_rollout))
         args += EXTRA.get(estimator, [])
-        print(f"[estimators] {estimator}: vime train ... --advantage-estimator {estimator} "
-              f"--num-rollout {options.num_rollout} (log: {run_dir}/train.log)", flush=True)
+        print(
+            f"[estimators] {estimator}: vime train ... --advantage-estimator {estimator} "
+            f"--num-rollout {options.num_rollout} (log: {run_dir}/train.log)",
+            flush=True,
+        )
         os.makedirs(run_dir, exist_ok=True)
         started = time.monotonic()
         with open(os.path.join(run_dir, "train.log"), "w") as log:
-            code = subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO, stdout=log,
-                                  stderr=subprocess.STDOUT).returncode
+            code = subprocess.run(
+                [sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            ).returncode
         before, after = summary(run_dir)
         rows.append((estimator, code, before, after, time.monotonic() - started))
         print(f"[estimators] {estimator}: exit {code}, held-out reward {before} -> {after}", flush=True)

@@ -34,9 +34,9 @@ digit_shift = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(digit_shift)
 score = digit_shift.score
 
-JUDGE = "judge"           # the model's name in vllm_config.yaml
-JUDGE_WEIGHT = 0.0        # the judge is random: its answer is recorded, not scored
-JUDGE_TIMEOUT = 120.0     # seconds, for the priming and for the judge's answer each
+JUDGE = "judge"  # the model's name in vllm_config.yaml
+JUDGE_WEIGHT = 0.0  # the judge is random: its answer is recorded, not scored
+JUDGE_TIMEOUT = 120.0  # seconds, for the priming and for the judge's answer each
 QUESTION = "Is it right?"
 
 log = logging.getLogger("epd_judge")
@@ -59,8 +59,15 @@ def response_image(text: str, size: int = 32) -> str:
 
 
 def judge_messages(text: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": response_image(text)}},
-                                         {"type": "text", "text": QUESTION}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": response_image(text)}},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
 
 
 async def ask_judge(args, text: str, *, timeout: float = JUDGE_TIMEOUT) -> dict:
@@ -80,16 +87,20 @@ async def ask_judge(args, text: str, *, timeout: float = JUDGE_TIMEOUT) -> dict:
                 raise RuntimeError(f"POST {url} answered {reply.status}: {(await reply.text())[:300]}")
             output = await reply.json()
     choice = output["choices"][0]
-    return {"answer": choice["message"].get("content") or "", "finish_reason": choice.get("finish_reason"),
-            "tokens": (output.get("usage") or {}).get("completion_tokens", 0), "primed": primed,
-            "seconds": round(time.monotonic() - started, 3)}
+    return {
+        "answer": choice["message"].get("content") or "",
+        "finish_reason": choice.get("finish_reason"),
+        "tokens": (output.get("usage") or {}).get("completion_tokens", 0),
+        "primed": primed,
+        "seconds": round(time.monotonic() - started, 3),
+    }
 
 
 async def reward(args, sample) -> float:
     task = score(sample.response, str(sample.label))
     try:
         verdict = await ask_judge(args, sample.response or "")
-    except Exception as error:  # the judge is decoration: a failure is recorded, the task score stands
+    except Exception as error:  # noqa: BLE001 - the judge is decoration: a failure is recorded, the task score stands
         sample.metadata["judge_error"] = repr(error)[:300]
         log.warning("judge failed: %r", error)
         return task

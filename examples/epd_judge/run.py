@@ -33,11 +33,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DIGIT_SHIFT = os.path.join(REPO, "examples", "digit_shift")
-MARKER = "EPD_JUDGE_RUN_DIR"   # in the environment of every process of the run: the cleanup finds them by it
+MARKER = "EPD_JUDGE_RUN_DIR"  # in the environment of every process of the run: the cleanup finds them by it
 
 SAVED = re.compile(r"Save cache successful for mm_hash (\w+)")
 LOADED = re.compile(r"Success load encoder cache for hash (\w+)")
-ROLE = re.compile(r"ec_role='(ec_\w+)'")    # vLLM's echo of --ec-transfer-config: ECTransferConfig(... ec_role='...')
+ROLE = re.compile(r"ec_role='(ec_\w+)'")  # vLLM's echo of --ec-transfer-config: ECTransferConfig(... ec_role='...')
 
 
 def load_module(path: str, name: str):
@@ -52,7 +52,8 @@ def build_models(run_dir: str) -> tuple[str, str]:
 
     actor = make_tiny_model(os.path.join(run_dir, "models", "tiny-model"))
     judge = load_module(os.path.join(HERE, "make_tiny_blip2.py"), "make_tiny_blip2").make_tiny_blip2(
-        os.path.join(run_dir, "models", "tiny-blip2"))
+        os.path.join(run_dir, "models", "tiny-blip2")
+    )
     return actor, judge
 
 
@@ -68,7 +69,9 @@ def write_config(run_dir: str, judge_path: str) -> tuple[str, str]:
     for group in judge["server_groups"]:
         # Only the storage path: vime layers it over the role it derives (ec_producer / ec_consumer).
         group.setdefault("overrides", {})["ec_transfer_config"] = {
-            "ec_connector": "ECExampleConnector", "ec_connector_extra_config": {"shared_storage_path": cache}}
+            "ec_connector": "ECExampleConnector",
+            "ec_connector_extra_config": {"shared_storage_path": cache},
+        }
     path = os.path.join(run_dir, "vllm_config.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
@@ -76,15 +79,48 @@ def write_config(run_dir: str, judge_path: str) -> tuple[str, str]:
 
 
 def train_argv(run_dir: str, actor: str, config: str, num_rollout: int, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", actor,
-            "--vllm-config", config, "--rollout-num-gpus", "3",
-            "--prompt-data", os.path.join(DIGIT_SHIFT, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", os.path.join(HERE, "reward.py") + ":reward",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", str(num_rollout),
-            "--max-staleness", "1", "--rollout-max-response-len", "4", "--lr", "1e-3", "--run-dir",
-            os.path.join(run_dir, "run"),
-            "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
-            "--engine-startup-timeout", "300", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        actor,
+        "--vllm-config",
+        config,
+        "--rollout-num-gpus",
+        "3",
+        "--prompt-data",
+        os.path.join(DIGIT_SHIFT, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        os.path.join(HERE, "reward.py") + ":reward",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        str(num_rollout),
+        "--max-staleness",
+        "1",
+        "--rollout-max-response-len",
+        "4",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        os.path.join(run_dir, "run"),
+        "--vllm-enforce-eager",
+        "--vllm-max-model-len",
+        "64",
+        "--vllm-dtype",
+        "float32",
+        "--engine-startup-timeout",
+        "300",
+        *extra,
+    ]
 
 
 def kill_leftovers(run_dir: str) -> list[int]:
@@ -124,8 +160,11 @@ def judge_metadata(train_dir: str) -> tuple[int, int, list[str]]:
     data_dir = os.path.join(train_dir, "rollout_data")
     transport = StrawTransport(StoreOptions(data_dir, "vime"))
     samples = [s for group in JournalView.read(data_dir).accepted() for s in transport.read(group.ref)]
-    answered = [{k[6:]: v for k, v in s.metadata.items() if k.startswith("judge_") and k != "judge_seconds"}
-                for s in samples if "judge_answer" in (s.metadata or {})]
+    answered = [
+        {k[6:]: v for k, v in s.metadata.items() if k.startswith("judge_") and k != "judge_seconds"}
+        for s in samples
+        if "judge_answer" in (s.metadata or {})
+    ]
     errors = [s.metadata["judge_error"] for s in samples if "judge_error" in (s.metadata or {})]
     return len(answered), len(errors), (answered[:2] + errors[:2])
 
@@ -139,9 +178,13 @@ def check(run_dir: str, returncode: int, cache: str) -> list[tuple[bool, str]]:
         text = read_text(path)
         by_role.setdefault(role_of(text), []).append((path, text))
     producers, consumers = by_role.get("ec_producer", []), by_role.get("ec_consumer", [])
-    results.append((bool(producers and consumers),
-                    f"judge engine logs: {len(producers)} encoder (ec_producer), {len(consumers)} language "
-                    f"(ec_consumer) among {[os.path.basename(p) for p in logs]}"))
+    results.append(
+        (
+            bool(producers and consumers),
+            f"judge engine logs: {len(producers)} encoder (ec_producer), {len(consumers)} language "
+            f"(ec_consumer) among {[os.path.basename(p) for p in logs]}",
+        )
+    )
     saved = {h: (p, line) for p, t in producers for line in t.splitlines() for h in SAVED.findall(line)}
     loaded = {h: (p, line) for p, t in consumers for line in t.splitlines() for h in LOADED.findall(line)}
     results.append((bool(saved), f"encoder log: {len(saved)} mm_hash(es) with 'Save cache successful'"))
@@ -156,9 +199,13 @@ def check(run_dir: str, returncode: int, cache: str) -> list[tuple[bool, str]]:
     results.append((bool(files), f"encoder cache {cache}: {len(files)} embedding file(s)"))
     try:
         answered, errors, examples = judge_metadata(train_dir)
-        results.append((answered > 0 and errors == 0,
-                        f"samples: {answered} with a judge answer, {errors} with a judge error; e.g. {examples!r}"))
-    except Exception as error:  # the log checks above are the proof; this one is a bonus
+        results.append(
+            (
+                answered > 0 and errors == 0,
+                f"samples: {answered} with a judge answer, {errors} with a judge error; e.g. {examples!r}",
+            )
+        )
+    except Exception as error:  # noqa: BLE001 - the log checks above are the proof; this one is a bonus
         results.append((False, f"could not read the samples' metadata: {error!r}"))
     return results
 
@@ -179,16 +226,22 @@ def run_and_check(root: str, *, num_rollout: int = 3, timeout: float = 900.0, ex
     print(f"run dir {run_dir}", flush=True)
     actor, judge = build_models(run_dir)
     config, cache = write_config(run_dir, judge)
-    env = {**os.environ, MARKER: run_dir, "VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        MARKER: run_dir,
+        "VLLM_LOGGING_LEVEL": "DEBUG",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     argv = train_argv(run_dir, actor, config, num_rollout, extra)
     with open(os.path.join(run_dir, "command.json"), "w") as f:
         json.dump(argv, f, indent=1)
     print("$ " + " ".join(argv), flush=True)
     started = time.monotonic()
     with open(os.path.join(run_dir, "train.log"), "w") as out:
-        process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -203,14 +256,21 @@ def run_and_check(root: str, *, num_rollout: int = 3, timeout: float = 900.0, ex
         finally:
             wall = time.monotonic() - started
             leftovers = kill_leftovers(run_dir)
-    print(f"vime train: exit {returncode} after {wall:.0f}s; log {os.path.join(run_dir, 'train.log')}"
-          + (f"; killed {len(leftovers)} leftover process(es)" if leftovers else ""), flush=True)
+    print(
+        f"vime train: exit {returncode} after {wall:.0f}s; log {os.path.join(run_dir, 'train.log')}"
+        + (f"; killed {len(leftovers)} leftover process(es)" if leftovers else ""),
+        flush=True,
+    )
     results = check(run_dir, returncode, cache)
     for ok, what in results:
         print(f"{'PASS' if ok else 'FAIL'}  {what}")
     passed = all(ok for ok, _ in results)
-    summary = {"passed": passed, "wall_seconds": round(wall, 1), "returncode": returncode,
-               "checks": [{"ok": ok, "what": what} for ok, what in results]}
+    summary = {
+        "passed": passed,
+        "wall_seconds": round(wall, 1),
+        "returncode": returncode,
+        "checks": [{"ok": ok, "what": what} for ok, what in results],
+    }
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"{'PASS' if passed else 'FAIL'}: EPD judge example ({wall:.0f}s of vime train; {run_dir})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 
-CHARS = "0123456789+*="          # the tiny model's vocabulary for this task (make_tiny_model --chars)
+CHARS = "0123456789+*="  # the tiny model's vocabulary for this task (make_tiny_model --chars)
 EXPRESSION = re.compile(r"^\d{1,3}([+*]\d{1,3})*$")
 
 

@@ -13,9 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from calculator import problem  # noqa: E402
+from calculator import problem
 
-from vime.sample import Sample  # noqa: E402
+from vime.sample import Sample
 
 
 class CalculatorProblems:

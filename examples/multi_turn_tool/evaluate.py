@@ -12,10 +12,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tool_reward import reward  # noqa: E402
-from tool_generate import generate  # noqa: E402
+from tool_generate import generate
+from tool_reward import reward
 
-from vime.rollout.types import RolloutFnEvalOutput  # noqa: E402
+from vime.rollout.types import RolloutFnEvalOutput
 
 
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
@@ -29,6 +29,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     asyncio.run(run())
     for sample in samples:
         sample.reward = reward(args, sample)
-    return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples],
-                                                        "samples": samples}},
-                               metrics={"eval_turns": sum(s.metadata.get("turns", 0) for s in samples) / len(samples)})
+    return RolloutFnEvalOutput(
+        data={data_source.name: {"rewards": [s.reward for s in samples], "samples": samples}},
+        metrics={"eval_turns": sum(s.metadata.get("turns", 0) for s in samples) / len(samples)},
+    )

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from calculator import problem  # noqa: E402
+from calculator import problem
 
 HELD_OUT_OFFSET = 100_000
 

@@ -17,10 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from calculator import calculator  # noqa: E402
+from calculator import calculator
 
-from vime.rollout.generate import append_observation, generate_turn  # noqa: E402
-from vime.sample import Sample  # noqa: E402
+from vime.rollout.generate import append_observation, generate_turn
+from vime.sample import Sample
 
 TOOL_CALL_TOKENS = 6
 ANSWER_TOKENS = 4
@@ -43,7 +43,7 @@ def first_field(text: str) -> str:
 async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     tokenizer = tokenizer_of(args)
     if sample.response_length:  # a continuation (--partial-rollout): this example starts over instead
-        del sample.tokens[sample.prompt_length:]
+        del sample.tokens[sample.prompt_length :]
         sample.response_length, sample.weight_versions, sample.rollout_log_probs, sample.loss_mask = 0, [], None, None
     # Turn 1: the tool call.
     call = await generate_turn(args, sample, sampling_params, max_new_tokens=TOOL_CALL_TOKENS)
@@ -57,6 +57,11 @@ async def generate(args, sample: Sample, sampling_params: dict) -> Sample:
     if sample.status is Sample.Status.ABORTED:
         return sample
     sample.response = tokenizer.decode(sample.response_tokens)
-    sample.metadata = {**sample.metadata, "turns": 2, "tool_call": expression, "tool_result": result,
-                       "answer": first_field(tokenizer.decode(answer.token_ids))}
+    sample.metadata = {
+        **sample.metadata,
+        "turns": 2,
+        "tool_call": expression,
+        "tool_result": result,
+        "answer": first_field(tokenizer.decode(answer.token_ids)),
+    }
     return sample

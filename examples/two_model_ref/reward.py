@@ -25,8 +25,9 @@ score = digit_shift.score
 KL_COEF = 0.1
 
 
-async def reference_log_probs(url: str, tokens: list[int], start: int, *, session_id: str | None = None,
-                              timeout: float = 60.0) -> list[float]:
+async def reference_log_probs(
+    url: str, tokens: list[int], start: int, *, session_id: str | None = None, timeout: float = 60.0
+) -> list[float]:
     """Log-probs under the model at ``url`` of ``tokens[start:]``, each given the tokens before it."""
     body = {"token_ids": list(tokens), "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}}
     headers = {"x-session-id": session_id} if session_id else {}
@@ -44,8 +45,9 @@ async def reward(args, sample) -> float:
     if not sample.response_length or sample.rollout_log_probs is None:
         sample.metadata["ref_kl"] = 0.0
         return task
-    ref = await reference_log_probs(get_model_url(args, "ref"), sample.tokens, sample.prompt_length,
-                                    session_id=sample.session_id)
+    ref = await reference_log_probs(
+        get_model_url(args, "ref"), sample.tokens, sample.prompt_length, session_id=sample.session_id
+    )
     kl = sum(a - r for a, r in zip(sample.rollout_log_probs, ref)) / len(ref)
     sample.metadata["ref_kl"] = kl
     return task - KL_COEF * kl

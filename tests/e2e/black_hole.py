@@ -19,8 +19,10 @@ import requests
 
 from vime.engines.probe import PROBE_TOKEN_IDS
 
-SCALE_OUT_403 = b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out ' \
-                b'to enable them.","type":"PermissionDeniedError","param":null,"code":403}}'
+SCALE_OUT_403 = (
+    b'{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out '
+    b'to enable them.","type":"PermissionDeniedError","param":null,"code":403}}'
+)
 
 
 class BlackHoleProxy:
@@ -37,10 +39,10 @@ class BlackHoleProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):
                 self._forward("GET", b"")
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.path.startswith("/inference/v1/generate"):
                     probe = json.loads(body or b"{}").get("token_ids") == list(PROBE_TOKEN_IDS)
@@ -55,8 +57,9 @@ class BlackHoleProxy:
             def _forward(self, method, body):
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "x-session-id")}
                 try:
-                    answer = requests.request(method, proxy.target + self.path, data=body or None, headers=headers,
-                                              timeout=300)
+                    answer = requests.request(
+                        method, proxy.target + self.path, data=body or None, headers=headers, timeout=300
+                    )
                 except requests.RequestException:
                     return self._answer(502, b"proxy: the engine did not answer")
                 self._answer(answer.status_code, answer.content, answer.headers.get("content-type"))

@@ -19,8 +19,13 @@ from vime.runtime.process import kill_processes_with_token
 # log-probs after temperature and top-p, and up to the whole vocabulary of them per token; vLLM sets both
 # per engine, not per request (tests/e2e/test_score_centering_engine.py). At temperature 0 or 1 without
 # top-p, processed and raw log-probs are the same, so the other tests see no difference.
-TEST_VLLM_ARGS: dict[str, str | None] = {"max-model-len": "64", "enforce-eager": None, "dtype": "float32",
-                                         "logprobs-mode": "processed_logprobs", "max-logprobs": "-1"}
+TEST_VLLM_ARGS: dict[str, str | None] = {
+    "max-model-len": "64",
+    "enforce-eager": None,
+    "dtype": "float32",
+    "logprobs-mode": "processed_logprobs",
+    "max-logprobs": "-1",
+}
 
 
 @dataclasses.dataclass
@@ -52,8 +57,7 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -
     try:
         server.start()
         server.wait_healthy(timeout=300)
-        yield RunningEngine(url=server.url, model_dir=tiny_model_dir, log_path=log_path, run_token=token,
-                            server=server)
+        yield RunningEngine(url=server.url, model_dir=tiny_model_dir, log_path=log_path, run_token=token, server=server)
     finally:
         server.stop()
         kill_processes_with_token(token)

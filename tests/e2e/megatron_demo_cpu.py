@@ -48,10 +48,20 @@ def main() -> int:
     head, port = start_ray_head(log)
     try:
         wait_listening(head, port, log)
-        args = [sys.executable, "-m", "vime.cli", "train", *demo_args(run_dir, model), "--train-backend", "megatron",
-                "--ray-address", f"127.0.0.1:{port}"]
-        code = subprocess.run(args, cwd=REPO, env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG}
-                              ).returncode
+        args = [
+            sys.executable,
+            "-m",
+            "vime.cli",
+            "train",
+            *demo_args(run_dir, model),
+            "--train-backend",
+            "megatron",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+        ]
+        code = subprocess.run(
+            args, cwd=REPO, env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG}
+        ).returncode
     finally:
         stop_ray_head(head)
     if code != 0:

@@ -19,23 +19,47 @@ from tests.integration.test_bench_smoke import run_smoke
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize(("script", "extra", "result_lines"), [
-    pytest.param("queue/run.py", ["--skip-micro"],
-                 ["  object-store ", "  straw ", "  ratio straw / object-store = "], id="queue"),
-    # One mode (sync: its steady-state figures and the bound): each run costs ~15 s, mostly start-up, and
-    # the other modes differ only by their flags, which tests/integration/test_bench_smoke.py checks.
-    pytest.param("async/run.py", ["--modes", "sync"], ["  sync ", "  sync run: T_gen "], id="async"),
-    pytest.param("engine_faults/run.py", [],
-                 ["  one engine ", "  one of them a black hole ", "  black hole / one engine = ",
-                  "failed tasks in the queue: 0"], id="engine_faults"),
-    pytest.param("elastic/run.py", [],
-                 ["  before (1 engine) ", "  after  (2 engines) ", "  after / before = ",
-                  "  vime engines add -> the new engine's first sample generated: "], id="elastic"),
-])
+@pytest.mark.parametrize(
+    ("script", "extra", "result_lines"),
+    [
+        pytest.param(
+            "queue/run.py",
+            ["--skip-micro"],
+            ["  object-store ", "  straw ", "  ratio straw / object-store = "],
+            id="queue",
+        ),
+        # One mode (sync: its steady-state figures and the bound): each run costs ~15 s, mostly start-up, and
+        # the other modes differ only by their flags, which tests/integration/test_bench_smoke.py checks.
+        pytest.param("async/run.py", ["--modes", "sync"], ["  sync ", "  sync run: T_gen "], id="async"),
+        pytest.param(
+            "engine_faults/run.py",
+            [],
+            [
+                "  one engine ",
+                "  one of them a black hole ",
+                "  black hole / one engine = ",
+                "failed tasks in the queue: 0",
+            ],
+            id="engine_faults",
+        ),
+        pytest.param(
+            "elastic/run.py",
+            [],
+            [
+                "  before (1 engine) ",
+                "  after  (2 engines) ",
+                "  after / before = ",
+                "  vime engines add -> the new engine's first sample generated: ",
+            ],
+            id="elastic",
+        ),
+    ],
+)
 def test_bench_smoke_on_the_shared_engine(script, extra, result_lines, vllm_engine):
     with attached(vllm_engine) as engine_flags:  # the engine gets its original weights back afterwards
-        out = run_smoke(script, "--attach-engine", engine_flags[1], "--model", vllm_engine.model_dir, *extra,
-                        timeout=400)
-    report = out[out.rindex("\n== bench/" if script != "queue/run.py" else "\n== main job (digit shift"):]
+        out = run_smoke(
+            script, "--attach-engine", engine_flags[1], "--model", vllm_engine.model_dir, *extra, timeout=400
+        )
+    report = out[out.rindex("\n== bench/" if script != "queue/run.py" else "\n== main job (digit shift") :]
     for line in result_lines:
         assert line in report, out[-4000:]

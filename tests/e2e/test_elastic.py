@@ -53,8 +53,15 @@ class Run:
     """A `vime train` subprocess whose output is collected by a thread (and shown on failure)."""
 
     def __init__(self, args: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -94,8 +101,9 @@ class Run:
 
 
 def vime(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vime.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "vime.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def metrics(run_dir: str, kind: str) -> list[dict]:
@@ -125,8 +133,11 @@ def engine_server(token: str, port: str) -> psutil.Process:
     for proc in psutil.process_iter():
         try:
             command = " ".join(proc.cmdline())
-            if ("vllm.entrypoints.openai.api_server" in command and f"--port {port} " in command
-                    and proc.environ().get("VIME_RUN_TOKEN") == token):
+            if (
+                "vllm.entrypoints.openai.api_server" in command
+                and f"--port {port} " in command
+                and proc.environ().get("VIME_RUN_TOKEN") == token
+            ):
                 return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -135,8 +146,13 @@ def engine_server(token: str, port: str) -> psutil.Process:
 
 def served_requests(url: str) -> int:
     text = requests.get(url + "/metrics", timeout=10).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' not in line))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' not in line
+        )
+    )
 
 
 def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_model_dir, monkeypatch):
@@ -149,10 +165,21 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
     delays_off, release = tmp_path / "delays_off", tmp_path / "release"
     monkeypatch.setenv("VIME_FAULT_DELAYS", f"trainer.mid_step=1.5,engine.join.1={NODE_ENGINE_DELAY:g}")
     monkeypatch.setenv("VIME_FAULT_DELAYS_OFF", str(delays_off))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
-                                                            "node_ip_address": "127.0.0.1"})
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf",
-                     "--ray-address", cluster.address, *FAST_HEALTH)
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, "node_ip_address": "127.0.0.1"}
+    )
+    args = vime_args(
+        tiny_model_dir,
+        run_dir,
+        "--num-rollout",
+        "1000",
+        "--num-epoch",
+        "1",
+        "--no-save-hf",
+        "--ray-address",
+        cluster.address,
+        *FAST_HEALTH,
+    )
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, NODE_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
     # The driver holds before step 2 (polling engines and nodes meanwhile) until the node's worker generates:
@@ -162,8 +189,9 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         node = cluster.add_node(num_cpus=1, resources={"vime_rollout": 1}, node_ip_address="127.0.0.1")
-        run.wait_for(lambda line: "generating on node" in line, 600 + NODE_ENGINE_DELAY,
-                     "a rollout worker on the new node")
+        run.wait_for(
+            lambda line: "generating on node" in line, 600 + NODE_ENGINE_DELAY, "a rollout worker on the new node"
+        )
         run.check(not any(line.startswith("step    2/") for line in run.lines), "the hold before step 2 failed")
         release.touch()
         deadline = time.monotonic() + 240  # the new worker's groups reach the queue
@@ -188,9 +216,16 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
     assert "rollout worker 1 left with its node" in out, out[-4000:]
     # Dropped, never restarted, whichever saw it first: the node watch ("its node <id> left the cluster") or
     # the health checks ("...; its node left the cluster").
-    assert any(line.startswith("[vime] engine-1") and "dropped" in line and re.search(r"its node (\w+ )?left the "
-                                                                                      r"cluster", line)
-               for line in out.splitlines()), out[-4000:]
+    assert any(
+        line.startswith("[vime] engine-1")
+        and "dropped" in line
+        and re.search(
+            r"its node (\w+ )?left the "
+            r"cluster",
+            line,
+        )
+        for line in out.splitlines()
+    ), out[-4000:]
     joined = [e for e in metrics(run_dir, "engine") if e["event"] == "serving" and e["origin"] == "node"]
     # It joined while the run was held before step 2: at version 1, the current one then (not the initial 0).
     assert len(joined) == 1 and joined[0]["weight_version"] == joined[0]["current_version"] >= 1, joined
@@ -206,16 +241,22 @@ def test_a_node_that_joins_mid_run_gets_an_engine_and_a_worker(tmp_path, tiny_mo
 def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_model_dir, vllm_engine):
     run_dir = str(tmp_path / "run")
     external = vllm_engine.url
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf",
-                     *FAST_HEALTH)
+    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf", *FAST_HEALTH)
     args[args.index("--prompt-data") + 1] = prompt_file(tmp_path, FAULT_PROMPTS)
     args[args.index("--rollout-batch-size") + 1] = "4"
     # The trainer is slow until its engine has been killed and restarted; the driver holds before step 2 while
     # the engine is added (released then, for the added engine to get rollout requests) and again, from the
     # next step on, while it is removed and the run's own engine is killed and restarted.
     delays_off, release = tmp_path / "delays_off", tmp_path / "release"
-    run = Run(args, {"VIME_FAULT_DELAYS": "trainer.mid_step=1.5", "VIME_FAULT_DELAYS_OFF": str(delays_off),
-                     "VIME_FAULT_HOLDS": "driver.before_step=2", "VIME_FAULT_RELEASE": str(release)})
+    run = Run(
+        args,
+        {
+            "VIME_FAULT_DELAYS": "trainer.mid_step=1.5",
+            "VIME_FAULT_DELAYS_OFF": str(delays_off),
+            "VIME_FAULT_HOLDS": "driver.before_step=2",
+            "VIME_FAULT_RELEASE": str(release),
+        },
+    )
     try:
         run.wait_for(lambda line: line.startswith("step    1/"), 400, "step 1")
         before = served_requests(external)
@@ -232,8 +273,10 @@ def test_engines_added_removed_and_killed_mid_run_lose_no_group(tmp_path, tiny_m
         release.unlink()
 
         removed = vime("engines", "remove", "--run", run_dir, external, "--timeout", "120")
-        run.check(removed.returncode == 0 and "returned to the queue as continuations" in removed.stdout,
-                  removed.stdout + removed.stderr)
+        run.check(
+            removed.returncode == 0 and "returned to the queue as continuations" in removed.stdout,
+            removed.stdout + removed.stderr,
+        )
         assert requests.get(external + "/health", timeout=10).status_code == 200  # never stopped by vime
 
         # SIGKILL the run's own engine (its API server): the run goes on once it is restarted.
@@ -269,8 +312,15 @@ def test_external_engines_at_start_get_every_version_from_disk(tmp_path, tiny_mo
     (/server_info), loads version 0 and every later version from disk, and keeps running after."""
     run_dir = str(tmp_path / "run")
     external = vllm_engine.url
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "2", "--no-save-hf",
-                     "--rollout-external-engine-addrs", external.split("//")[1])
+    args = vime_args(
+        tiny_model_dir,
+        run_dir,
+        "--num-rollout",
+        "2",
+        "--no-save-hf",
+        "--rollout-external-engine-addrs",
+        external.split("//")[1],
+    )
     try:
         result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=400)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -101,12 +101,16 @@ def _assert_matches_hf(choice: dict, model, prompt: list[int]) -> None:
 
 
 def _stream(url: str, token_ids: list[int], sampling_params: dict) -> Iterator[dict]:
-    with requests.post(url + "/inference/v1/generate", stream=True, timeout=60,
-                       json={"token_ids": token_ids, "sampling_params": sampling_params, "stream": True}) as r:
+    with requests.post(
+        url + "/inference/v1/generate",
+        stream=True,
+        timeout=60,
+        json={"token_ids": token_ids, "sampling_params": sampling_params, "stream": True},
+    ) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
-                yield json.loads(line[len(b"data: "):])
+                yield json.loads(line[len(b"data: ") :])
 
 
 @dataclass
@@ -133,9 +137,12 @@ def _run_across(url: str, action: Callable[[], None], load_n: int = 32) -> InFli
 
     def background() -> None:
         try:
-            load["body"] = requests.post(url + "/inference/v1/generate", timeout=120, json={
-                "token_ids": PROMPT, "sampling_params": {**sampling, "temperature": 1.0, "n": load_n}}).json()
-        except BaseException as exc:  # handed to the test thread, which re-raises it
+            load["body"] = requests.post(
+                url + "/inference/v1/generate",
+                timeout=120,
+                json={"token_ids": PROMPT, "sampling_params": {**sampling, "temperature": 1.0, "n": load_n}},
+            ).json()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread, which re-raises it
             load["error"] = exc
 
     thread = threading.Thread(target=background)
@@ -158,8 +165,9 @@ def _run_across(url: str, action: Callable[[], None], load_n: int = 32) -> InFli
     )
 
 
-def _until(condition: Callable[[InFlightResult], bool], attempt: Callable[[], InFlightResult],
-           attempts: int = 10) -> InFlightResult:
+def _until(
+    condition: Callable[[InFlightResult], bool], attempt: Callable[[], InFlightResult], attempts: int = 10
+) -> InFlightResult:
     """Repeat an in-flight scenario until the race it depends on went the intended way."""
     for _ in range(attempts):
         result = attempt()
@@ -185,8 +193,10 @@ def test_build_vllm_command_forwards_flags_and_enables_scale_out():
     argv = build_vllm_command("/m", 8001, "127.0.0.1", {"max-model-len": "64", "enforce-eager": None}, 2)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv[3:])
-    assert joined == ("--model /m --host 127.0.0.1 --port 8001 --tensor-parallel-size 2 "
-                      "--max-model-len 64 --enforce-eager --enable-scale-out")
+    assert joined == (
+        "--model /m --host 127.0.0.1 --port 8001 --tensor-parallel-size 2 "
+        "--max-model-len 64 --enforce-eager --enable-scale-out"
+    )
     with pytest.raises(ValueError, match="--port"):
         build_vllm_command("/m", 1, "127.0.0.1", {"port": "2"}, 1)
 
@@ -267,9 +277,11 @@ def test_request_in_flight_across_keep_update_spans_two_versions(vllm_engine, pe
     # Tokens before the switch were scored by the old weights; after it, by the new weights over the
     # whole context (vLLM recomputes the kept requests' KV on resume).
     assert result.logprobs[:switch] == pytest.approx(
-        _hf_logprobs(old_model, PROMPT, result.token_ids)[:switch], abs=LOGPROB_ATOL)
+        _hf_logprobs(old_model, PROMPT, result.token_ids)[:switch], abs=LOGPROB_ATOL
+    )
     assert result.logprobs[switch:] == pytest.approx(
-        _hf_logprobs(new_model, PROMPT, result.token_ids)[switch:], abs=LOGPROB_ATOL)
+        _hf_logprobs(new_model, PROMPT, result.token_ids)[switch:], abs=LOGPROB_ATOL
+    )
     assert client.weight_version() == str(new) and not client.is_paused()
 
 
@@ -317,8 +329,9 @@ def test_errors_name_the_engine_and_the_call(vllm_engine):
     try:
         # A paused engine holds new requests: the call must end at its timeout, not hang.
         started = time.monotonic()
-        with pytest.raises(EngineError, match=(f"^engine {vllm_engine.url}: POST /inference/v1/generate "
-                                               "timed out after 1s$")):
+        with pytest.raises(
+            EngineError, match=(f"^engine {vllm_engine.url}: POST /inference/v1/generate timed out after 1s$")
+        ):
             client.generate(PROMPT, {"max_tokens": 2}, timeout=1)
         assert time.monotonic() - started < 5
     finally:
@@ -340,9 +353,13 @@ def test_unreachable_engine_error_names_the_engine():
 def test_start_with_bad_model_path_fails_with_log_tail_and_leaves_nothing(tmp_path: Path):
     token = f"test-bad-model-{uuid.uuid4()}"
     log = tmp_path / "bad.log"
-    server = VllmServer(str(tmp_path / "no-such-model"), log_path=log, run_token=token,
-                        vllm_args={"max-model-len": "64", "enforce-eager": None},
-                        env={"HF_HUB_OFFLINE": "1"})  # no hub here: fail on the path, not on the network
+    server = VllmServer(
+        str(tmp_path / "no-such-model"),
+        log_path=log,
+        run_token=token,
+        vllm_args={"max-model-len": "64", "enforce-eager": None},
+        env={"HF_HUB_OFFLINE": "1"},
+    )  # no hub here: fail on the path, not on the network
     server.start()
     pid = server.process.pid
     try:

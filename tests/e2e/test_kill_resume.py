@@ -31,13 +31,28 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--save", save,
-                     "--save-interval", "1", "--load", save, "--no-save-hf", *engine_flags)
+    args = vime_args(
+        tiny_model_dir,
+        run_dir,
+        "--num-rollout",
+        "1000",
+        "--num-epoch",
+        "1",
+        "--save",
+        save,
+        "--save-interval",
+        "1",
+        "--load",
+        save,
+        "--no-save-hf",
+        *engine_flags,
+    )
     args[args.index("--prompt-data") + 1] = str(prompts)
     args[args.index("--rollout-batch-size") + 1] = "4"
 
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     seen = []
     try:
         deadline = time.monotonic() + 400
@@ -48,7 +63,7 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
             assert time.monotonic() < deadline, "".join(seen)
         assert any(line.startswith("step    2/") for line in seen), "".join(seen)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)   # the whole job, as a lost machine
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a lost machine
         proc.wait(timeout=30)
     # What left the process group (Ray's workers, the router) is stopped by the run's reaper, not here.
     assert_nothing_left(run_dir, within=30)
@@ -58,9 +73,24 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     assert "resuming from" in result.stdout
     assert_nothing_left(run_dir)
 
-    report = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir",
-                             os.path.join(run_dir, "rollout_data"), "--save", save, "--json"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vime.cli",
+            "queue",
+            "inspect",
+            "--rollout-data-dir",
+            os.path.join(run_dir, "rollout_data"),
+            "--save",
+            save,
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     trained = json.loads(report.stdout)["trained_groups"]
     assert sorted(g["prompt_index"] for g in trained) == list(range(NUM_PROMPTS))
@@ -79,12 +109,26 @@ def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--num-epoch", "1", "--save", save,
-                     "--save-interval", "1", "--load", save, "--no-save-hf")
+    args = vime_args(
+        tiny_model_dir,
+        run_dir,
+        "--num-rollout",
+        "1000",
+        "--num-epoch",
+        "1",
+        "--save",
+        save,
+        "--save-interval",
+        "1",
+        "--load",
+        save,
+        "--no-save-hf",
+    )
     args[args.index("--prompt-data") + 1] = str(prompts)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     seen = []
     try:
         deadline = time.monotonic() + 400

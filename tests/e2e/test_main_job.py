@@ -27,14 +27,42 @@ EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 
 
 def vime_args(model: str, run_dir: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vime.cli", "train",
-            "--hf-checkpoint", model,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4",
-            "--lr", "2e-3", "--run-dir", run_dir, "--rollout-data-dir", os.path.join(run_dir, "rollout_data"),
-            "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
-            "--engine-startup-timeout", "240", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-batch-size",
+        "8",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--lr",
+        "2e-3",
+        "--run-dir",
+        run_dir,
+        "--rollout-data-dir",
+        os.path.join(run_dir, "rollout_data"),
+        "--vllm-enforce-eager",
+        "--vllm-max-model-len",
+        "64",
+        "--vllm-dtype",
+        "float32",
+        "--engine-startup-timeout",
+        "240",
+        *extra,
+    ]
 
 
 def processes_with_token(token: str) -> list[psutil.Process]:
@@ -91,23 +119,38 @@ def accepted_groups_by_task(run_dir: str) -> dict[str, list]:
 
 def continuation_prefixes(run_dir: str) -> list[tuple[str, list]]:
     """(task id, partial samples) of every group a flush sent back to the queue."""
+    from straw import RecordSetRef
+
     from vime.queue.journal_view import JournalView
     from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
-    from straw import RecordSetRef
 
     data_dir = os.path.join(run_dir, "rollout_data")
     transport = StrawTransport(StoreOptions(data_dir, "vime"))
-    return [(e["task_id"], transport.read(RecordSetRef.from_dict(e["input_ref"])))
-            for e in JournalView.read(data_dir).of_type("Yielded") if e.get("input_ref")]
+    return [
+        (e["task_id"], transport.read(RecordSetRef.from_dict(e["input_ref"])))
+        for e in JournalView.read(data_dir).of_type("Yielded")
+        if e.get("input_ref")
+    ]
 
 
 def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     run_dir = str(tmp_path / "run")
     result = subprocess.run(
-        vime_args(tiny_model_dir, run_dir, "--num-rollout", "4", "--eval-prompt-data", "test",
-                  os.path.join(EXAMPLE, "test.jsonl")),
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        vime_args(
+            tiny_model_dir,
+            run_dir,
+            "--num-rollout",
+            "4",
+            "--eval-prompt-data",
+            "test",
+            os.path.join(EXAMPLE, "test.jsonl"),
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "held-out reward on 'test' before training" in out and "after training" in out
@@ -138,6 +181,9 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     assert_nothing_left(run_dir)
 
 
+CTRL_C_HONOURED_S = 120  # measured: 4-8 s from the Ctrl-C to the exit (/tmp experiments, 2 cores, loaded)
+
+
 def interrupt_once(args: list[str], run_dir: str) -> None:
     """Start the run, Ctrl-C it after a step that ends with groups being generated, and check that
     it stops with code 130 leaving no process behind."""
@@ -156,13 +202,14 @@ def interrupt_once(args: list[str], run_dir: str) -> None:
             assert time.monotonic() < deadline, "".join(seen)
         assert steps >= 2, "".join(seen)
         proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=60)
+        try:  # one Ctrl-C, honoured within a bound (a slow step of the teardown is said in the output)
+            rest, _ = proc.communicate(timeout=CTRL_C_HONOURED_S)
         except subprocess.TimeoutExpired:
-            # Known issue (see the stop-10 note): a Ctrl-C landing at some instant was once not
-            # honoured and the run went on; a second Ctrl-C, as a user would press, must stop it.
-            proc.send_signal(signal.SIGINT)
-            rest, _ = proc.communicate(timeout=120)
+            proc.kill()
+            rest, _ = proc.communicate()
+            raise AssertionError(
+                f"one Ctrl-C did not stop the run within {CTRL_C_HONOURED_S}s:\n" + "".join(seen)[-3000:] + rest[-6000:]
+            ) from None
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,8 +229,22 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
     # Long responses and two rollouts of look-ahead keep requests in flight when Ctrl-C comes:
     # they end as continuations carrying their prefix, which the resumed run continues.
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000", "--save", save, "--save-interval", "1",
-                     "--load", save, "--partial-rollout", "--max-staleness", "2", *engine_flags)
+    args = vime_args(
+        tiny_model_dir,
+        run_dir,
+        "--num-rollout",
+        "1000",
+        "--save",
+        save,
+        "--save-interval",
+        "1",
+        "--load",
+        save,
+        "--partial-rollout",
+        "--max-staleness",
+        "2",
+        *engine_flags,
+    )
     args[args.index("--rollout-max-response-len") + 1] = "40"
     # Whether a request is still generating at the instant of Ctrl-C depends on timing (the tiny
     # model often ends a response early): interrupt, resume, interrupt again, at most three times,
@@ -191,8 +252,9 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None
     interrupted = []
     for _ in range(3):
         interrupt_once(args, run_dir)
-        interrupted = [(task, group) for task, group in continuation_prefixes(run_dir)
-                       if any(s.response_length for s in group)]
+        interrupted = [
+            (task, group) for task, group in continuation_prefixes(run_dir) if any(s.response_length for s in group)
+        ]
         if interrupted:
             break
     assert interrupted, "no request was in flight at any of three Ctrl-Cs"
@@ -214,7 +276,7 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None
     for task, partial in resumed:
         for before, after in zip(partial, final[task]):
             n = before.response_length
-            assert after.tokens[:len(before.tokens)] == before.tokens
+            assert after.tokens[: len(before.tokens)] == before.tokens
             assert after.weight_versions[:n] == before.weight_versions
             assert after.rollout_log_probs[:n] == before.rollout_log_probs
 
@@ -231,8 +293,9 @@ def test_engine_that_fails_to_start_is_reported_with_its_log(tmp_path, tiny_mode
     assert_nothing_left(run_dir)
 
 
-@pytest.mark.parametrize("case", ["missing_prompt_data", "malformed_line", "missing_input_key", "bad_estimator",
-                                  "port_in_use"])
+@pytest.mark.parametrize(
+    "case", ["missing_prompt_data", "malformed_line", "missing_input_key", "bad_estimator", "port_in_use"]
+)
 def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case):
     run_dir = str(tmp_path / "run")
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "2")
@@ -240,7 +303,7 @@ def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case)
     holder = None
     if case == "missing_prompt_data":
         i = args.index("--prompt-data")
-        del args[i:i + 2]
+        del args[i : i + 2]
         expect, code = "--prompt-data: is required", 2
     elif case == "malformed_line":
         bad = tmp_path / "bad.jsonl"
@@ -280,8 +343,9 @@ def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_
     once `vime train` has exited."""
     run_dir = str(tmp_path / "run")
     args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000")
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group, as a shell's foreground job
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # its own process group, as a shell's foreground job
     seen = []
     try:
         deadline = time.monotonic() + 400

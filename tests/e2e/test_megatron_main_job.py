@@ -35,11 +35,29 @@ def test_main_job_with_the_megatron_backend(tmp_path, tiny_model_dir, vllm_engin
         run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
         with attached(vllm_engine) as engine_flags:
             result = subprocess.run(
-                vime_args(tiny_model_dir, run_dir, "--num-rollout", "3", "--train-backend", "megatron",
-                          "--ray-address", f"127.0.0.1:{port}", "--save", save, "--save-interval", "3",
-                          "--max-staleness", "0", *engine_flags),
-                cwd=REPO, capture_output=True, text=True, timeout=600,
-                env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG})
+                vime_args(
+                    tiny_model_dir,
+                    run_dir,
+                    "--num-rollout",
+                    "3",
+                    "--train-backend",
+                    "megatron",
+                    "--ray-address",
+                    f"127.0.0.1:{port}",
+                    "--save",
+                    save,
+                    "--save-interval",
+                    "3",
+                    "--max-staleness",
+                    "0",
+                    *engine_flags,
+                ),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG},
+            )
     finally:
         stop_ray_head(head)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -60,8 +78,23 @@ def test_main_job_with_the_megatron_backend(tmp_path, tiny_model_dir, vllm_engin
 
     step = os.path.join(save, "iter_0000003")
     assert any(name.endswith(".distcp") for name in os.listdir(step)), os.listdir(step)
-    assert main(["tools", "convert-megatron-to-hf", "--load", save, "--save", str(tmp_path / "converted"),
-                 "--hf-config", tiny_model_dir, "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "tools",
+                "convert-megatron-to-hf",
+                "--load",
+                save,
+                "--save",
+                str(tmp_path / "converted"),
+                "--hf-config",
+                tiny_model_dir,
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     final = read_hf_state_dict(os.path.join(run_dir, "hf_final"))
     initial = read_hf_state_dict(tiny_model_dir)
     assert any(not (final[name].float() == initial[name].float()).all() for name in initial)  # it trained

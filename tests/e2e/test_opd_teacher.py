@@ -24,13 +24,14 @@ from vime.workers.rollout_worker import RolloutWorker
 
 pytestmark = pytest.mark.e2e
 PROMPT = [4, 8, 2, 11]  # "371=" in the tiny model's vocabulary
-LOGPROB_ATOL = 1e-4     # float32 engine: the sampler's and prompt log-probs come from the same forward maths
+LOGPROB_ATOL = 1e-4  # float32 engine: the sampler's and prompt log-probs come from the same forward maths
 
 
 def requests_served(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+    )
 
 
 def test_the_rollout_worker_scores_sampled_responses_with_the_teacher(vllm_engine):

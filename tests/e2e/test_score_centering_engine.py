@@ -39,7 +39,7 @@ def _hf_sampler(model, sample: Sample, top_p: float) -> torch.Tensor:
     """[response_length, vocab] log-probs of the sampler at each response position (temperature, then
     vLLM's top-p rule: drop the least probable tokens while their cumulated mass stays <= 1 - p)."""
     with torch.no_grad():
-        logits = model(torch.tensor([sample.tokens])).logits[0, sample.prompt_length - 1:-1].float() / TEMPERATURE
+        logits = model(torch.tensor([sample.tokens])).logits[0, sample.prompt_length - 1 : -1].float() / TEMPERATURE
     if top_p < 1:
         probs, order = logits.softmax(-1).sort(-1)
         drop = probs.cumsum(-1) <= 1 - top_p
@@ -55,8 +55,13 @@ async def _rollout(url: str, top_p: float) -> list[Sample]:
     first = Sample(group_index=0, index=0, tokens=list(PROMPT), session_id="sc-0")
     second = Sample(group_index=0, index=1, tokens=list(PROMPT), session_id="sc-1")
     params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, top_p=top_p, score_centering_top_k=TOP_K)
-    args = argparse.Namespace(use_score_centering=True, score_centering_top_k=TOP_K, rollout_temperature=TEMPERATURE,
-                              rollout_top_p=top_p, rollout_request_timeout=60.0)
+    args = argparse.Namespace(
+        use_score_centering=True,
+        score_centering_top_k=TOP_K,
+        rollout_temperature=TEMPERATURE,
+        rollout_top_p=top_p,
+        rollout_request_timeout=60.0,
+    )
     async with aiohttp.ClientSession() as http:
         await generate(http, url, first, params, timeout=60)
         await generate(http, url, first, dataclasses.replace(params, max_new_tokens=7), timeout=60)
@@ -75,10 +80,10 @@ def _check_top_k(sample: Sample, hf: torch.Tensor) -> None:
             assert np.isneginf(log_probs[t]).all()
             continue
         expected = hf[t].topk(TOP_K)
-        assert log_probs[t] == pytest.approx(expected.values.numpy(), abs=ATOL)   # temperature applied
+        assert log_probs[t] == pytest.approx(expected.values.numpy(), abs=ATOL)  # temperature applied
         assert np.exp(log_probs[t]).sum() <= 1 + 1e-5 and (np.diff(log_probs[t]) <= 0).all()
         assert sorted(ids[t]) == sorted(expected.indices.tolist())
-        if sample.rollout_log_probs[t] >= log_probs[t, -1] + ATOL:   # sampled above the k-th: in the head
+        if sample.rollout_log_probs[t] >= log_probs[t, -1] + ATOL:  # sampled above the k-th: in the head
             assert token in ids[t]
             assert log_probs[t][list(ids[t]).index(token)] == pytest.approx(sample.rollout_log_probs[t], abs=1e-6)
 
@@ -89,12 +94,12 @@ def _check_support(sample: Sample, hf: torch.Tensor) -> None:
     assert offsets.shape == (sample.response_length + 1,) and offsets[0] == 0 and offsets[-1] == len(ids)
     assert ids.shape == log_probs.shape and np.isfinite(log_probs).all()
     for t, (token, trained) in enumerate(zip(sample.response_tokens, sample.loss_mask)):
-        row_ids, row_log_probs = ids[offsets[t]:offsets[t + 1]], log_probs[offsets[t]:offsets[t + 1]]
+        row_ids, row_log_probs = ids[offsets[t] : offsets[t + 1]], log_probs[offsets[t] : offsets[t + 1]]
         if not trained:
             assert len(row_ids) == 0
             continue
-        assert token in row_ids   # the sampled token is always in its support
-        assert abs(np.exp(row_log_probs.astype(np.float64)).sum() - 1) <= 1e-5   # normalised on the support
+        assert token in row_ids  # the sampled token is always in its support
+        assert abs(np.exp(row_log_probs.astype(np.float64)).sum() - 1) <= 1e-5  # normalised on the support
         assert sorted(row_ids) == torch.isfinite(hf[t]).nonzero().flatten().tolist()
         assert row_log_probs == pytest.approx(hf[t][row_ids].numpy(), abs=ATOL)
         assert row_log_probs[list(row_ids).index(token)] == pytest.approx(sample.rollout_log_probs[t], abs=1e-6)
@@ -105,10 +110,23 @@ def _train(model_dir: str, samples: list[Sample]) -> dict[str, float]:
         sample.reward, sample.status = reward, Sample.Status.COMPLETED
     algo = AlgorithmConfig(use_score_centering=True, score_centering_top_k=TOP_K, calculate_per_token_loss=True)
     algo.validate()
-    backend = TorchBackend(TorchTrainerSpec(
-        hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=2, global_batch_size=2, n_samples_per_prompt=2, rollout_temperature=TEMPERATURE,
-        algorithm=algo, seed=0, threads=1))
+    backend = TorchBackend(
+        TorchTrainerSpec(
+            hf_checkpoint=model_dir,
+            lr=1e-3,
+            weight_decay=0.0,
+            adam_betas=(0.9, 0.999),
+            adam_eps=1e-8,
+            clip_grad=1.0,
+            micro_batch_size=2,
+            global_batch_size=2,
+            n_samples_per_prompt=2,
+            rollout_temperature=TEMPERATURE,
+            algorithm=algo,
+            seed=0,
+            threads=1,
+        )
+    )
     return backend.train_rollout(samples, VERSION)
 
 

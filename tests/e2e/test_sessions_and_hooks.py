@@ -35,8 +35,9 @@ TWO_MODEL = os.path.join(REPO, "examples", "two_model_ref")
 
 def requests_served(url: str) -> float:
     text = requests.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+    )
 
 
 def load_module(path: str, name: str):
@@ -55,11 +56,20 @@ def test_every_turn_of_a_session_reaches_the_same_engine(tmp_path, vllm_engine):
     from vime.sample import Sample
 
     token = f"test-sessions-{uuid.uuid4()}"
-    second = VllmServer(vllm_engine.model_dir, log_path=tmp_path / "engine2.log", run_token=token,
-                        vllm_args=TEST_VLLM_ARGS)
-    router = RouterProcess(free_port(), log_path=tmp_path / "router.log", run_token=token,
-                           router_args={"policy": "consistent_hash", "worker-startup-check-interval": "1",
-                                        "health-check-interval-secs": "2", "log-level": "warning"})
+    second = VllmServer(
+        vllm_engine.model_dir, log_path=tmp_path / "engine2.log", run_token=token, vllm_args=TEST_VLLM_ARGS
+    )
+    router = RouterProcess(
+        free_port(),
+        log_path=tmp_path / "router.log",
+        run_token=token,
+        router_args={
+            "policy": "consistent_hash",
+            "worker-startup-check-interval": "1",
+            "health-check-interval-secs": "2",
+            "log-level": "warning",
+        },
+    )
     try:
         second.start()
         router.start()
@@ -96,7 +106,7 @@ def test_every_turn_of_a_session_reaches_the_same_engine(tmp_path, vllm_engine):
 
         placement = asyncio.run(sessions())
         assert all(len(set(turns)) == 1 for turns in placement.values()), placement
-        assert {turns[0] for turns in placement.values()} == {0, 1}, placement   # sessions use both engines
+        assert {turns[0] for turns in placement.values()} == {0, 1}, placement  # sessions use both engines
     finally:
         router.stop()
         second.stop()
@@ -111,18 +121,52 @@ def test_multi_turn_tool_example_runs_every_hook_through_vime_train(tmp_path):
     model = make_tiny_model(str(tmp_path / "model"), chars=calculator.CHARS)
     held_out = make_data.write(str(tmp_path / "data"), "parquet", 8)
     run_dir = str(tmp_path / "run")
-    argv = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model,
-            "--data-source-path", os.path.join(TOOL, "data_source.py") + ":CalculatorProblems",
-            "--custom-generate-function-path", os.path.join(TOOL, "tool_generate.py") + ":generate",
-            "--custom-rm-path", os.path.join(TOOL, "tool_reward.py") + ":reward",
-            "--dynamic-sampling-filter-path", "vime.rollout.filters.check_reward_nonzero_std",
-            "--eval-function-path", os.path.join(TOOL, "evaluate.py") + ":generate_rollout",
-            "--eval-prompt-data", "calc", held_out, "--input-key", "prompt", "--label-key", "label",
-            "--router-policy", "consistent_hash",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
-            "--rollout-max-response-len", "16", "--lr", "1e-3", "--run-dir", run_dir,
-            "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
-            "--engine-startup-timeout", "240"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model,
+        "--data-source-path",
+        os.path.join(TOOL, "data_source.py") + ":CalculatorProblems",
+        "--custom-generate-function-path",
+        os.path.join(TOOL, "tool_generate.py") + ":generate",
+        "--custom-rm-path",
+        os.path.join(TOOL, "tool_reward.py") + ":reward",
+        "--dynamic-sampling-filter-path",
+        "vime.rollout.filters.check_reward_nonzero_std",
+        "--eval-function-path",
+        os.path.join(TOOL, "evaluate.py") + ":generate_rollout",
+        "--eval-prompt-data",
+        "calc",
+        held_out,
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--router-policy",
+        "consistent_hash",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--rollout-max-response-len",
+        "16",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--vllm-enforce-eager",
+        "--vllm-max-model-len",
+        "64",
+        "--vllm-dtype",
+        "float32",
+        "--engine-startup-timeout",
+        "240",
+    ]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "held-out reward on 'calc' before training" in result.stdout
@@ -135,7 +179,7 @@ def test_multi_turn_tool_example_runs_every_hook_through_vime_train(tmp_path):
     assert len(groups) >= 8
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(model)
     for group in groups:
-        assert len({s.reward for s in group}) > 1          # the filter let no zero-signal group through
+        assert len({s.reward for s in group}) > 1  # the filter let no zero-signal group through
         for sample in group:
             assert sample.metadata["turns"] == 2 and sample.source_name in ("add", "mul")
             assert sample.session_id and sample.session_id.endswith(f"-{sample.index}")
@@ -175,11 +219,17 @@ def pd_actor_config(tmp_path) -> str:
 
     with open(os.path.join(TWO_MODEL, "vllm_config.yaml")) as f:
         config = yaml.safe_load(f)
-    connector = {"kv_transfer_config": {"kv_connector": "ExampleConnector",
-                                        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")}}}
+    connector = {
+        "kv_transfer_config": {
+            "kv_connector": "ExampleConnector",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "kv")},
+        }
+    }
     actor = next(model for model in config["vllm"] if model["name"] == "actor")
-    actor["server_groups"] = [{"worker_type": "prefill", "num_gpus": 1, "overrides": connector},
-                              {"worker_type": "decode", "num_gpus": 1, "overrides": connector}]
+    actor["server_groups"] = [
+        {"worker_type": "prefill", "num_gpus": 1, "overrides": connector},
+        {"worker_type": "decode", "num_gpus": 1, "overrides": connector},
+    ]
     path = tmp_path / "pd_two_models.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -190,14 +240,47 @@ def test_two_model_example_with_a_pd_actor_through_vime_train(tmp_path, tiny_mod
     engines (prefill, decode, frozen reference), a PD router started after the actor's engines, a
     regular router for the reference."""
     run_dir = str(tmp_path / "run")
-    argv = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", tiny_model_dir,
-            "--vllm-config", pd_actor_config(tmp_path), "--rollout-num-gpus", "3",
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", os.path.join(TWO_MODEL, "reward.py") + ":reward",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "4", "--max-staleness", "1",
-            "--rollout-max-response-len", "4", "--lr", "1e-3", "--run-dir", run_dir,
-            "--vllm-enforce-eager", "--vllm-max-model-len", "64", "--vllm-dtype", "float32",
-            "--engine-startup-timeout", "240"]
+    argv = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        tiny_model_dir,
+        "--vllm-config",
+        pd_actor_config(tmp_path),
+        "--rollout-num-gpus",
+        "3",
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        os.path.join(TWO_MODEL, "reward.py") + ":reward",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "4",
+        "--max-staleness",
+        "1",
+        "--rollout-max-response-len",
+        "4",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--vllm-enforce-eager",
+        "--vllm-max-model-len",
+        "64",
+        "--vllm-dtype",
+        "float32",
+        "--engine-startup-timeout",
+        "240",
+    ]
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     groups = read_accepted_groups(run_dir)

@@ -24,8 +24,19 @@ def test_slow_trainer_never_trains_a_group_older_than_k(tmp_path, tiny_model_dir
     run_dir = str(tmp_path / "run")
     max_staleness = 1
     with attached(vllm_engine) as engine_flags:  # the shared real engine serves this run
-        args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "4", "--max-staleness", str(max_staleness),
-                         "--flush-cache-interval", "0", "--partial-rollout", "--no-save-hf", *engine_flags)
+        args = vime_args(
+            tiny_model_dir,
+            run_dir,
+            "--num-rollout",
+            "4",
+            "--max-staleness",
+            str(max_staleness),
+            "--flush-cache-interval",
+            "0",
+            "--partial-rollout",
+            "--no-save-hf",
+            *engine_flags,
+        )
         args[args.index("--rollout-batch-size") + 1] = "4"
         env = dict(os.environ, VIME_FAULT_DELAYS="trainer.mid_step=3")
         result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -34,7 +45,7 @@ def test_slow_trainer_never_trains_a_group_older_than_k(tmp_path, tiny_model_dir
     train = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"kind": "train"' in line]
     assert [r["weight_version"] for r in train] == [1, 2, 3, 4]
     for record in train:
-        policy = record["weight_version"] - 1          # the weights that trained this step
+        policy = record["weight_version"] - 1  # the weights that trained this step
         versions = [int(v) for v in record["tokens_per_version"]]
         assert versions, record
         assert policy - min(versions) <= max_staleness, (policy, record["tokens_per_version"])

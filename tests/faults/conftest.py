@@ -53,25 +53,68 @@ class Job:
         return os.path.join(self.root, "prompts.jsonl")
 
     def args(self, *extra: str, epochs: int = 1) -> list[str]:
-        return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", self.model,
-                "--prompt-data", self.prompts, "--input-key", "prompt", "--label-key", "label",
-                "--rollout-function-path", PLUGIN, "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-                "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-                "--num-rollout", "1000", "--lr", "1e-3", "--rollout-shuffle",
-                "--save", self.save, "--save-interval", "2", "--load", self.save, "--run-dir", self.run_dir,
-                "--rollout-queue-segment-mib", "1", "--rollout-queue-lease-seconds", "20",
-                "--num-epoch", str(epochs), *extra]
+        return [
+            sys.executable,
+            "-m",
+            "vime.cli",
+            "train",
+            "--hf-checkpoint",
+            self.model,
+            "--prompt-data",
+            self.prompts,
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+            "--rollout-function-path",
+            PLUGIN,
+            "--custom-rm-path",
+            os.path.join(EXAMPLE, "reward.py") + ":reward",
+            "--rollout-num-gpus",
+            "0",
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "1000",
+            "--lr",
+            "1e-3",
+            "--rollout-shuffle",
+            "--save",
+            self.save,
+            "--save-interval",
+            "2",
+            "--load",
+            self.save,
+            "--run-dir",
+            self.run_dir,
+            "--rollout-queue-segment-mib",
+            "1",
+            "--rollout-queue-lease-seconds",
+            "20",
+            "--num-epoch",
+            str(epochs),
+            *extra,
+        ]
 
-    def start(self, *extra: str, faults: str = "", epochs: int = 1,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, *extra: str, faults: str = "", epochs: int = 1, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         """Start the job; ``env``: more environment for it (VIME_FAULT_DELAYS, say)."""
         env = dict(os.environ, **(env or {}))
         if faults:
             env.update(VIME_FAULTS=faults, VIME_FAULT_STATE=self.root)
         log = open(os.path.join(self.root, f"job-{time.time_ns()}.log"), "w")
         # Its own session: the job's process group can be killed at once, as a lost machine would.
-        return subprocess.Popen(self.args(*extra, epochs=epochs), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            self.args(*extra, epochs=epochs),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def run(self, *extra: str, faults: str = "", timeout: float = 600, epochs: int = 1) -> tuple[int, str]:
         proc = self.start(*extra, faults=faults, epochs=epochs)
@@ -121,8 +164,7 @@ def job_processes(data_dir: str, run_dir: str, driver_pid: int) -> tuple[str | N
     found = {p.pid: p for p in processes_with_tokens([token]).get(token, [])} if token else {}
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if (proc.pid not in found and os.getpgid(proc.pid) == driver_pid
-                    and proc.status() != psutil.STATUS_ZOMBIE):
+            if proc.pid not in found and os.getpgid(proc.pid) == driver_pid and proc.status() != psutil.STATUS_ZOMBIE:
                 found[proc.pid] = proc
     if record and record.reaper_pid:
         with contextlib.suppress(psutil.Error):
@@ -149,8 +191,10 @@ def assert_job_left_nothing(data_dir: str, run_dir: str, driver_pid: int, within
             proc.kill()  # clean up only now, so that later tests are not poisoned
     if token:
         kill_processes_with_token(token)
-    raise AssertionError(f"{len(left)} process(es) of the job (driver pid {driver_pid}) outlived it by "
-                         f"{within:.0f}s: {'; '.join(described)}")
+    raise AssertionError(
+        f"{len(left)} process(es) of the job (driver pid {driver_pid}) outlived it by "
+        f"{within:.0f}s: {'; '.join(described)}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -168,22 +212,25 @@ def job(tmp_path, fault_model) -> Job:
     return Job(str(tmp_path), fault_model)
 
 
-def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1,
-                     readable_before_cursor: bool = True) -> dict:
+def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1, readable_before_cursor: bool = True) -> dict:
     """From the files on disk: the surviving lineage trained every accepted group exactly once,
-    no accepted group is lost, and (when the run completed) every prompt exactly once."""
+    no accepted group is lost, and (when the run completed) every prompt exactly once; and the
+    user's own audit of the same, the ledger of `vime queue inspect` (tools/ledger.py), closes."""
     from vime.queue.journal_view import JournalView
     from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
     from vime.recovery import checkpoint as ckpt
+    from vime.tools import ledger, queue_cli
 
     _, state = ckpt.load_state(job.save)
+    books = queue_cli.inspect(job.data_dir, job.save, "vime")["ledger"]
+    assert books["closes"], "\n".join(ledger.format_ledger(books) + books["problems"])
     accepted = JournalView.read(job.data_dir).accepted()
     assert [g.position for g in accepted] == list(range(len(accepted))), "accepted positions have holes"
     cursors = state.step_cursors
     assert cursors == sorted(set(cursors)) and (not cursors or cursors[-1] == state.consumer_cursor)
     assert len(cursors) == state.step, "one cursor per step of the surviving lineage"
-    trained = [g for g in accepted[:state.consumer_cursor] if g.position not in set(state.skipped)]
+    trained = [g for g in accepted[: state.consumer_cursor] if g.position not in set(state.skipped)]
     transport = StrawTransport(StoreOptions(job.data_dir, "vime"))
     prompts = []
     if not readable_before_cursor:  # GC reclaimed trained groups: their prompts come from the lineage log
@@ -199,7 +246,8 @@ def check_invariants(job: Job, *, complete: bool = True, epochs: int = 1,
     counts = collections.Counter(prompts)
     assert max(counts.values(), default=0) <= epochs, "a prompt was trained too often in the surviving lineage"
     if complete:
-        assert sorted(counts) == list(range(NUM_PROMPTS)) and set(counts.values()) == {epochs}, \
+        assert sorted(counts) == list(range(NUM_PROMPTS)) and set(counts.values()) == {epochs}, (
             "every prompt of every epoch is trained exactly once"
+        )
         assert state.consumer_cursor == len(accepted), "accepted groups were left untrained"
     return {"state": state, "accepted": len(accepted), "prompts": prompts}

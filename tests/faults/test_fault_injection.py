@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 
 import pytest
-
-import json
-import subprocess
-import sys
 
 from tests.conftest import REPO
 from tests.faults.conftest import NUM_PROMPTS, check_invariants
@@ -138,8 +137,9 @@ def test_whole_job_killed_at_random_instants(job):
         proc = job.start()
         target, offset = rng.randint(1, NUM_PROMPTS // 2 - 1), rng.uniform(0.0, 0.1)
         deadline = time.monotonic() + 300
-        while proc.poll() is None and (last_step(job.last_log()) < target or
-                                       (kills and not checked and not os.path.exists(latest))):
+        while proc.poll() is None and (
+            last_step(job.last_log()) < target or (kills and not checked and not os.path.exists(latest))
+        ):
             assert time.monotonic() < deadline, job.last_log()[-2000:]
             time.sleep(0.05)
         time.sleep(offset)
@@ -156,8 +156,24 @@ def test_whole_job_killed_at_random_instants(job):
     assert code == 0, log[-3000:]
     check_invariants(job)
     # The user's view of the same facts: `vime queue inspect --json` on the killed-and-resumed run.
-    result = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir", job.data_dir,
-                             "--save", job.save, "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vime.cli",
+            "queue",
+            "inspect",
+            "--rollout-data-dir",
+            job.data_dir,
+            "--save",
+            job.save,
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     trained = report["trained_groups"]
@@ -197,9 +213,26 @@ def test_groups_older_than_max_staleness_are_never_trained(job):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     facts = check_invariants(job)  # every prompt still trained exactly once
     assert facts["state"].skipped, "no group was stale"
-    report = json.loads(subprocess.run(
-        [sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir", job.data_dir, "--save", job.save,
-         "--json"], cwd=REPO, capture_output=True, text=True, timeout=120).stdout)
+    report = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vime.cli",
+                "queue",
+                "inspect",
+                "--rollout-data-dir",
+                job.data_dir,
+                "--save",
+                job.save,
+                "--json",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
     for group in report["trained_groups"]:
         policy = group["step"] - 1  # step s trains the weights of version s - 1
         assert policy - group["min_weight_version"] <= 1, group

@@ -30,8 +30,12 @@ def _start_and_train(job, steps: int) -> tuple[subprocess.Popen, incarnations.In
     """Start the job and wait until it reported ``steps`` steps (so a checkpoint exists); its record.
     The run is held before the step after those (recovery/faults.py), so that the kill lands mid-run
     however fast the machine is."""
-    proc = job.start(env={"VIME_FAULT_HOLDS": f"driver.before_step={steps + 1}",
-                          "VIME_FAULT_RELEASE": os.path.join(job.root, "never-released")})
+    proc = job.start(
+        env={
+            "VIME_FAULT_HOLDS": f"driver.before_step={steps + 1}",
+            "VIME_FAULT_RELEASE": os.path.join(job.root, "never-released"),
+        }
+    )
     deadline = time.monotonic() + 300
     while _last_step(job.last_log()) < steps:
         assert proc.poll() is None and time.monotonic() < deadline, job.last_log()[-3000:]
@@ -88,8 +92,11 @@ def test_the_next_run_stops_what_a_run_killed_with_its_reaper_left(job):
         assert time.monotonic() < deadline, "the reaper survived SIGKILL"
         time.sleep(0.05)
     # Something of the run that outlives both, as vLLM's EngineCore does after its API server's death.
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                              env={**os.environ, RUN_TOKEN_ENV: record.token}, start_new_session=True)
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, RUN_TOKEN_ENV: record.token},
+        start_new_session=True,
+    )
     try:
         assert proc.poll() is None, job.last_log()[-3000:]
         proc.kill()

@@ -57,8 +57,13 @@ def test_queue_gc_on_a_killed_run_reclaims_and_keeps_it_resumable(job):
         time.sleep(0.2)
     job.kill(proc)  # the whole job, as a lost machine: its writers die with unfinished work
     before = pack_bytes(job.data_dir)
-    result = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "gc", "--rollout-data-dir", job.data_dir],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "vime.cli", "queue", "gc", "--rollout-data-dir", job.data_dir],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     import json
 

@@ -20,7 +20,7 @@ import importlib.util
 import os
 import sys
 
-from gpu_common import REPO, missing_gpu_stack, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, missing_gpu_stack, skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,12 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if reason := missing_gpu_stack("vllm"):
         return skip(reason)
-    spec = importlib.util.spec_from_file_location("epd_judge_run", os.path.join(REPO, "examples", "epd_judge",
-                                                                                "run.py"))
+    spec = importlib.util.spec_from_file_location(
+        "epd_judge_run", os.path.join(REPO, "examples", "epd_judge", "run.py")
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    return example.run_and_check(options.root, num_rollout=options.num_rollout, timeout=options.timeout,
-                                 extra=["--vllm-gpu-memory-utilization", "0.2"])
+    return example.run_and_check(
+        options.root,
+        num_rollout=options.num_rollout,
+        timeout=options.timeout,
+        extra=["--vllm-gpu-memory-utilization", "0.2"],
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python tests/gpu/check_megatron_main_job.py [--num-rollout 40] [--packing auto|thd|padded] [--keep DIR]
     python tests/gpu/check_megatron_main_job.py --moe-r3 [--min-gain 0.1]
-    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 [--tensor-parallel 2 | --pipeline-parallel 2]  # 3+ GPUs
+    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 --tensor-parallel 2   # 3+ GPUs
+    python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 --pipeline-parallel 2   # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --trainer-ranks 2 --context-parallel 2 --packing padded  # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-parallel 2   # 3+ GPUs
     python tests/gpu/check_megatron_main_job.py --moe-r3 --trainer-ranks 2 --expert-tensor-parallel 2   # 3+ GPUs
@@ -54,21 +55,52 @@ import subprocess
 import sys
 import tempfile
 
-from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip
 
 
 def preset_flags(name: str) -> list[str]:
     path = os.path.join(REPO, "scripts", "models", name)
-    out = subprocess.run(["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.split()
 
 
-MOE_FLAGS = ["--swiglu", "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
-             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32",
-             "--qk-layernorm", "--use-rotary-position-embeddings", "--disable-bias-linear", "--normalization", "RMSNorm",
-             "--norm-epsilon", "1e-6", "--untie-embeddings-and-output-weights", "--num-experts", "4",
-             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-layer-freq", "1"]
+MOE_FLAGS = [
+    "--swiglu",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "32",
+    "--qk-layernorm",
+    "--use-rotary-position-embeddings",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--norm-epsilon",
+    "1e-6",
+    "--untie-embeddings-and-output-weights",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "128",
+    "--moe-layer-freq",
+    "1",
+]
 
 
 def make_tiny_moe(folder: str) -> int:
@@ -80,10 +112,26 @@ def make_tiny_moe(folder: str) -> int:
 
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32")
+        "qwen3_moe",
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        dtype="float32",
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -92,17 +140,19 @@ def make_tiny_moe(folder: str) -> int:
 
 def check_routes(run_dir: str) -> list[str]:
     """Every accepted sample carries the experts its tokens were routed to."""
-    from tests.e2e.test_main_job import read_accepted_groups
-
     import numpy as np
+
+    from tests.e2e.test_main_job import read_accepted_groups
 
     samples = [s for group in read_accepted_groups(run_dir) for s in group]
     bad = []
     for s in samples:
         routes = None if s.rollout_routed_experts is None else np.asarray(s.rollout_routed_experts)
         if routes is None or routes.shape != (len(s.tokens) - 1, 2, 2) or routes.max() >= 4:
-            bad.append(f"group {s.group_index} sample {s.index}: routes "
-                       f"{None if routes is None else routes.shape} for {len(s.tokens)} tokens")
+            bad.append(
+                f"group {s.group_index} sample {s.index}: routes "
+                f"{None if routes is None else routes.shape} for {len(s.tokens)} tokens"
+            )
     print(f"routes recorded on {len(samples) - len(bad)} of {len(samples)} accepted samples")
     return bad[:5] if samples else ["no accepted sample"]
 
@@ -112,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-rollout", type=int, default=40)
     parser.add_argument("--min-gain", type=float, default=0.2, help="held-out reward rise required")
     parser.add_argument("--packing", choices=("auto", "thd", "padded"), default="auto")
-    parser.add_argument("--keep", help="run in this folder and keep it (default: a temporary folder, removed on "
-                                       "success)")
+    parser.add_argument(
+        "--keep", help="run in this folder and keep it (default: a temporary folder, removed on success)"
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--moe-r3", action="store_true", help="a tiny Qwen3-MoE with --use-rollout-routing-replay")
     parser.add_argument("--trainer-ranks", type=int, default=1, help="Megatron trainer ranks, one GPU each")
@@ -121,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline-parallel", type=int, default=1, help="--pipeline-model-parallel-size of the ranks")
     parser.add_argument("--context-parallel", type=int, default=1, help="--context-parallel-size of the ranks")
     parser.add_argument("--expert-parallel", type=int, default=1, help="--expert-model-parallel-size (with --moe-r3)")
-    parser.add_argument("--expert-tensor-parallel", type=int, default=None,
-                        help="--expert-tensor-parallel-size (with --moe-r3)")
+    parser.add_argument(
+        "--expert-tensor-parallel", type=int, default=None, help="--expert-tensor-parallel-size (with --moe-r3)"
+    )
     options = parser.parse_args(argv)
 
     # Several ranks take a GPU each, beside the engine's.
@@ -147,16 +199,33 @@ def main(argv: list[str] | None = None) -> int:
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(max(1, options.num_rollout // 2)))
     set_flag(args, "--save-interval", str(max(1, options.num_rollout // 2)))
-    args += ["--train-backend", "megatron", *model_flags, "--ckpt-format", "torch_dist",
-             "--megatron-packing", options.packing,
-             "--vllm-gpu-memory-utilization", "0.3"]
+    args += [
+        "--train-backend",
+        "megatron",
+        *model_flags,
+        "--ckpt-format",
+        "torch_dist",
+        "--megatron-packing",
+        options.packing,
+        "--vllm-gpu-memory-utilization",
+        "0.3",
+    ]
     if options.trainer_ranks > 1:
         # Two replicas share each step's micro-batches: the global batch must split evenly.
-        args += ["--actor-num-gpus-per-node", str(options.trainer_ranks),
-                 "--tensor-model-parallel-size", str(options.tensor_parallel), "--micro-batch-size", "8",
-                 "--pipeline-model-parallel-size", str(options.pipeline_parallel),
-                 "--context-parallel-size", str(options.context_parallel),
-                 "--expert-model-parallel-size", str(options.expert_parallel)]
+        args += [
+            "--actor-num-gpus-per-node",
+            str(options.trainer_ranks),
+            "--tensor-model-parallel-size",
+            str(options.tensor_parallel),
+            "--micro-batch-size",
+            "8",
+            "--pipeline-model-parallel-size",
+            str(options.pipeline_parallel),
+            "--context-parallel-size",
+            str(options.context_parallel),
+            "--expert-model-parallel-size",
+            str(options.expert_parallel),
+        ]
         if options.expert_tensor_parallel is not None:
             args += ["--expert-tensor-parallel-size", str(options.expert_tensor_parallel)]
     failures = run_vime_train(args, env=env, timeout=options.timeout)
@@ -177,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_policy:
         print(f"on-policy |log p_vllm - log p_megatron|: max {max(on_policy):.2e}")
         if max(on_policy) > 0.05:  # GPU kernels differ a little; a weight-naming bug gives O(1)
-            failures.append(f"the engine's log-probs differ from the trainer's by {max(on_policy):.3f}: "
-                            "the published weights are not the trained ones")
+            failures.append(
+                f"the engine's log-probs differ from the trainer's by {max(on_policy):.3f}: "
+                "the published weights are not the trained ones"
+            )
     else:
         failures.append("no step trained on samples generated entirely by the trained weights")
     if options.moe_r3 and os.path.isdir(os.path.join(run_dir, "rollout_data")):
@@ -196,11 +267,26 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "hf_final"))
-    except Exception as error:  # the check reports any failure to load, whatever it is
+    except Exception as error:  # noqa: BLE001 - the check reports any failure to load, whatever it is
         failures.append(f"hf_final does not load: {type(error).__name__}: {error}")
     if os.path.exists(latest):
-        conversion = subprocess.run(vime + ["tools", "convert-megatron-to-hf", "--load", save, "--save", converted,
-                                            "--hf-config", model, "--dtype", "float32"], cwd=REPO, env=env)
+        conversion = subprocess.run(
+            vime
+            + [
+                "tools",
+                "convert-megatron-to-hf",
+                "--load",
+                save,
+                "--save",
+                converted,
+                "--hf-config",
+                model,
+                "--dtype",
+                "float32",
+            ],
+            cwd=REPO,
+            env=env,
+        )
         if conversion.returncode != 0:
             failures.append("convert-megatron-to-hf of the run's checkpoint failed")
         else:
@@ -214,8 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("FAIL:\n  " + "\n  ".join(failures) + f"\nrun directory kept: {run_dir}", flush=True)
         return 1
-    print("PASS: the Megatron backend learns the digit-shift task with vLLM on one GPU"
-          + (" (Qwen3-MoE, routes replayed)" if options.moe_r3 else ""), flush=True)
+    print(
+        "PASS: the Megatron backend learns the digit-shift task with vLLM on one GPU"
+        + (" (Qwen3-MoE, routes replayed)" if options.moe_r3 else ""),
+        flush=True,
+    )
     if not options.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 
-from gpu_common import missing_gpu_stack, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import missing_gpu_stack, skip
 
 
 def in_thread(function):
@@ -39,7 +39,7 @@ def in_thread(function):
     def run():
         try:
             box["result"] = function()
-        except BaseException as error:  # handed to the caller of join
+        except BaseException as error:  # noqa: BLE001 - handed to the caller of join
             box["error"] = error
 
     thread = threading.Thread(target=run, daemon=True)
@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     if reason := missing_gpu_stack("vllm", gpus=2):
         return skip(reason)
     import torch
-
     from transformers import AutoModelForCausalLM
 
     from vime.engines.vllm_server import EngineClient, VllmServer, swap_engine_weights
@@ -96,10 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = options.keep_logs or work
     os.makedirs(log_dir, exist_ok=True)
     token = f"nccl-check-{uuid.uuid4()}"
-    server = VllmServer(model_dir, log_path=os.path.join(log_dir, "vllm.log"), run_token=token,
-                        vllm_args={"max-model-len": "64", "enforce-eager": None, "dtype": "float32",
-                                   "gpu-memory-utilization": "0.3", "worker-extension-cls": nccl.WORKER_EXTENSION},
-                        env={"CUDA_VISIBLE_DEVICES": "1"})
+    server = VllmServer(
+        model_dir,
+        log_path=os.path.join(log_dir, "vllm.log"),
+        run_token=token,
+        vllm_args={
+            "max-model-len": "64",
+            "enforce-eager": None,
+            "dtype": "float32",
+            "gpu-memory-utilization": "0.3",
+            "worker-extension-cls": nccl.WORKER_EXTENSION,
+        },
+        env={"CUDA_VISIBLE_DEVICES": "1"},
+    )
     failures: list[str] = []
     try:
         started = time.monotonic()
@@ -120,16 +128,28 @@ def main(argv: list[str] | None = None) -> int:
         named = list(model.named_parameters())
 
         address, port, world_size = "127.0.0.1", _free_port(), 2
-        joined = in_thread(lambda: client.collective_rpc("vime_join_weight_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size}))
+        joined = in_thread(
+            lambda: client.collective_rpc(
+                "vime_join_weight_group",
+                {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size},
+            )
+        )
         sender = nccl.NcclWeightSender(device=0)
         sender.open(address, port, world_size)
         joined()
         metadata = nccl.tensor_metadata(named)
         print(f"NCCL group formed; sending {len(metadata)} tensors", flush=True)
 
-        received = in_thread(lambda: swap_engine_weights(client, 1, True, lambda: client.collective_rpc(
-            "vime_receive_weights", {"metadata": nccl.encode_metadata(metadata), "checksums": True})))
+        received = in_thread(
+            lambda: swap_engine_weights(
+                client,
+                1,
+                True,
+                lambda: client.collective_rpc(
+                    "vime_receive_weights", {"metadata": nccl.encode_metadata(metadata), "checksums": True}
+                ),
+            )
+        )
         report = sender.send(named, metadata)
         results = received()
         print(f"sent {int(report['bytes'])} bytes", flush=True)
@@ -138,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         sent = {name: nccl.tensor_sha256(tensor) for name, tensor in named}
         for worker, result in enumerate(results):
             if not isinstance(result, dict) or result.get("checksums") != sent:
-                bad = [n for n in sent if (result or {}).get("checksums", {}).get(n) != sent[n]] \
-                    if isinstance(result, dict) else ["(no result)"]
+                bad = (
+                    [n for n in sent if (result or {}).get("checksums", {}).get(n) != sent[n]]
+                    if isinstance(result, dict)
+                    else ["(no result)"]
+                )
                 failures.append(f"worker {worker}: received bytes differ for {bad[:5]}")
 
         # 2. The bytes in vLLM's model.
@@ -157,15 +180,20 @@ def main(argv: list[str] | None = None) -> int:
         # 3. Generation follows the new weights.
         prompt = [4, 8, 2, 11]
         choice = client.generate(prompt, {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-        hf = model.eval().generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
-                                   min_new_tokens=8)[0, len(prompt):].tolist()
+        hf = (
+            model.eval()
+            .generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False, min_new_tokens=8)[
+                0, len(prompt) :
+            ]
+            .tolist()
+        )
         if choice["token_ids"] != hf:  # kernels differ: informative, not a failure of the transport
             print(f"WARN: greedy tokens {choice['token_ids']} differ from HF's {hf}", flush=True)
         if choice.get("weight_versions") != [{"version": "1", "start": 0, "end": 8}]:
             failures.append(f"weight versions {choice.get('weight_versions')}")
         client.collective_rpc("vime_leave_weight_group")
         sender.close()
-    except Exception as error:  # report, then fail
+    except Exception as error:  # noqa: BLE001 - report, then fail
         failures.append(f"{type(error).__name__}: {error}")
     finally:
         server.stop()

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip
 
 CONFIG = """\
 vllm:

@@ -34,20 +34,33 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
-from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip  # noqa: E402 - this folder's shared helpers
+from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip
 
-FEATURES = ["--colocate", "--bf16", "--use-distributed-optimizer", "--use-dynamic-batch-size",
-            "--max-tokens-per-gpu", "256", "--recompute-granularity", "full", "--log-probs-chunk-size", "64"]
+FEATURES = [
+    "--colocate",
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--use-dynamic-batch-size",
+    "--max-tokens-per-gpu",
+    "256",
+    "--recompute-granularity",
+    "full",
+    "--log-probs-chunk-size",
+    "64",
+]
 
 
 def gpu_memory_sampler(samples: list[int], stop: threading.Event) -> None:
     """MiB of GPU 0 in use, every half second, until ``stop``."""
     while not stop.is_set():
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=10).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             samples.append(int(out.strip().splitlines()[0]))
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
             pass
@@ -75,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(max(1, options.num_rollout // 2)))
     set_flag(args, "--save-interval", str(max(1, options.num_rollout // 2)))
-    args += FEATURES + ["--vllm-gpu-memory-utilization", "0.3",
-                        "--actor-num-gpus-per-node", str(options.trainer_ranks)]
+    args += FEATURES + ["--vllm-gpu-memory-utilization", "0.3", "--actor-num-gpus-per-node", str(options.trainer_ranks)]
     samples, stop = [], threading.Event()
     sampler = threading.Thread(target=gpu_memory_sampler, args=(samples, stop), daemon=True)
     sampler.start()
@@ -97,17 +109,23 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"held-out reward rose by {last - first:.3f} < {options.min_gain}")
     else:
         failures.append(f"{len(evals)} evaluation(s) recorded, expected at least 2")
-    gaps = [(r["train_rollout_logprob_abs_diff"], r["train_rollout_logprob_abs_diff_max"]) for r in train
-            if "train_rollout_logprob_abs_diff_max" in r]
+    gaps = [
+        (r["train_rollout_logprob_abs_diff"], r["train_rollout_logprob_abs_diff_max"])
+        for r in train
+        if "train_rollout_logprob_abs_diff_max" in r
+    ]
     if len(gaps) != len(train) or not train:
         failures.append("a step did not report the trainer/engine log-prob gap")
     else:
-        print(f"trainer (bf16) vs engine log-probs: mean gap {sum(g for g, _ in gaps) / len(gaps):.2e}, "
-              f"worst token {max(m for _, m in gaps):.2e}")
+        print(
+            f"trainer (bf16) vs engine log-probs: mean gap {sum(g for g, _ in gaps) / len(gaps):.2e}, "
+            f"worst token {max(m for _, m in gaps):.2e}"
+        )
     log = ""
-    for name in sorted(os.listdir(os.path.join(run_dir, "logs"))) if os.path.isdir(os.path.join(run_dir, "logs")) else []:
+    logs = os.path.join(run_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
         if name.startswith("engine-"):
-            log += open(os.path.join(run_dir, "logs", name), errors="replace").read()
+            log += open(os.path.join(logs, name), errors="replace").read()
     asleep = len(re.findall(r"seconds to fall asleep", log))
     freed = re.findall(r"[Ss]leep mode freed ([0-9.]+) GiB", log)
     print(f"engine slept {asleep} time(s); freed per sleep (GiB): {freed[:5]}")
@@ -116,13 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     if not freed or max(float(f) for f in freed) <= 0:
         failures.append("the engine's sleeps freed no GPU memory (was it started with --enable-sleep-mode?)")
     if samples:
-        print(f"GPU memory in use: peak {max(samples)} MiB, lowest while running {min(samples)} MiB "
-              f"({len(samples)} samples)")
+        print(
+            f"GPU memory in use: peak {max(samples)} MiB, lowest while running {min(samples)} MiB "
+            f"({len(samples)} samples)"
+        )
     if failures:
         print("FAIL:\n  " + "\n  ".join(failures) + f"\nrun directory kept: {run_dir}", flush=True)
         return 1
-    print("PASS: bf16 + FSDP2 + token budgets + chunked log-probs train with a colocated, sleeping vLLM engine",
-          flush=True)
+    print(
+        "PASS: bf16 + FSDP2 + token budgets + chunked log-probs train with a colocated, sleeping vLLM engine",
+        flush=True,
+    )
     if not options.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

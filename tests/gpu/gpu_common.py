@@ -16,9 +16,11 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # vime and tests.* from the checkout, whatever the working directory
 
 
-INSTALL = {"vllm": "vLLM is not installed (pip install -e '.[gpu]')",
-           "megatron.core": "megatron-core is not installed (pip install -e '.[gpu]')",
-           "nixl": "NIXL is not installed (pip install nixl)"}
+INSTALL = {
+    "vllm": "vLLM is not installed (pip install -e '.[gpu]')",
+    "megatron.core": "megatron-core is not installed (pip install -e '.[gpu]')",
+    "nixl": "NIXL is not installed (pip install nixl)",
+}
 
 
 def missing_gpu_stack(*modules: str, gpus: int = 1) -> str | None:
@@ -44,8 +46,9 @@ def skip(reason: str) -> int:
 
 def demo_args(run_dir: str, model: str) -> list[str]:
     """The `vime train` flags of the main job (examples/digit_shift/run_demo.py)."""
-    spec = importlib.util.spec_from_file_location("vime_digit_shift_demo",
-                                                  os.path.join(REPO, "examples", "digit_shift", "run_demo.py"))
+    spec = importlib.util.spec_from_file_location(
+        "vime_digit_shift_demo", os.path.join(REPO, "examples", "digit_shift", "run_demo.py")
+    )
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     return demo.demo_args(run_dir, model)

@@ -22,22 +22,34 @@ pytestmark = pytest.mark.integration
 
 def run_smoke(script: str, *args: str, timeout: float) -> str:
     """Run ``bench/<script> --smoke ARGS`` from the repository root; its output (exit 0 asserted)."""
-    result = subprocess.run([sys.executable, os.path.join("bench", script), "--smoke", *args], cwd=REPO,
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, os.path.join("bench", script), "--smoke", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"bench/{script} --smoke exited {result.returncode}:\n{output[-4000:]}"
     return result.stdout
 
 
-@pytest.mark.parametrize(("script", "result_line", "count"), [
-    pytest.param("queue/run.py", "  ratio straw / object store = ", 2, id="queue"),  # plain, with SC heads
-    pytest.param("calibrate_digit_shift.py", '"summary": true', 1, id="calibrate"),
-    pytest.param("async/run.py", "== bench/async --smoke: the command lines of 4 modes checked", 1, id="async"),
-    pytest.param("elastic/run.py", "== bench/elastic --smoke: the job's command line checked", 1, id="elastic"),
-    pytest.param("engine_faults/run.py", "== bench/engine_faults --smoke: the job's command line checked", 1,
-                 id="engine_faults"),
-    pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
-])
+@pytest.mark.parametrize(
+    ("script", "result_line", "count"),
+    [
+        pytest.param("queue/run.py", "  ratio straw / object store = ", 2, id="queue"),  # plain, with SC heads
+        pytest.param("calibrate_digit_shift.py", '"summary": true', 1, id="calibrate"),
+        pytest.param("async/run.py", "== bench/async --smoke: the command lines of 4 modes checked", 1, id="async"),
+        pytest.param("elastic/run.py", "== bench/elastic --smoke: the job's command line checked", 1, id="elastic"),
+        pytest.param(
+            "engine_faults/run.py",
+            "== bench/engine_faults --smoke: the job's command line checked",
+            1,
+            id="engine_faults",
+        ),
+        pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
+    ],
+)
 def test_bench_smoke_without_engine(script, result_line, count):
     out = run_smoke(script, timeout=240)
     assert out.count(result_line) == count, out[-4000:]

@@ -27,15 +27,41 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("transport", ["straw", "object-store"])
 def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, transport):
     run_dir = str(tmp_path / "run")
-    args = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model_dir,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--rollout-function-path", os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
-            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--num-rollout", "3", "--lr", "1e-3", "--run-dir", run_dir, "--rollout-data-transport", transport]
+    args = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-function-path",
+        os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-num-gpus",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "3",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--rollout-data-transport",
+        transport,
+    ]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    train = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in train if r["kind"] == "train"] == [1, 2, 3]
     # half of every group is right, half repeats the prompt (reward 0 on this task)
     assert all(abs(r["reward_mean"] - 0.5) < 1e-6 for r in train if r["kind"] == "train")
@@ -54,10 +80,26 @@ def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, t
 
 
 def test_bad_rollout_function_path_is_named(tmp_path, model_dir):
-    args = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model_dir,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--rollout-function-path", os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":nope",
-            "--rm-type", "exact_match", "--run-dir", str(tmp_path / "run")]
+    args = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-function-path",
+        os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":nope",
+        "--rm-type",
+        "exact_match",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "--rollout-function-path" in result.stderr and "has no attribute 'nope'" in result.stderr

@@ -27,33 +27,78 @@ def model_dir(tmp_path_factory):
 
 
 def vime_train(model_dir, run_dir, *extra):
-    return [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model_dir,
-            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--lr", "1e-3", "--run-dir", run_dir, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model_dir,
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-num-gpus",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        *extra,
+    ]
 
 
 def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     held_out = tmp_path / "held_out.parquet"
-    pq.write_table(pa.Table.from_pylist(
-        [{"prompt": f"{i}{i}{i}=", "label": "x", "metadata": {"source_name": "known" if i < 3 else "new"}}
-         for i in range(4)]), held_out)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"prompt": f"{i}{i}{i}=", "label": "x", "metadata": {"source_name": "known" if i < 3 else "new"}}
+                for i in range(4)
+            ]
+        ),
+        held_out,
+    )
     run_dir = str(tmp_path / "run")
-    result = subprocess.run(vime_train(
-        model_dir, run_dir, "--num-rollout", "3", "--num-epoch", "2",
-        "--data-source-path", f"{HOOKS}:ParitySource", "--rollout-function-path", f"{HOOKS}:generate_rollout",
-        "--dynamic-sampling-filter-path", "vime.rollout.filters.check_reward_nonzero_std",
-        "--eval-function-path", f"{HOOKS}:evaluate", "--eval-prompt-data", "held_out", str(held_out),
-        "--input-key", "prompt", "--label-key", "label"),
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        vime_train(
+            model_dir,
+            run_dir,
+            "--num-rollout",
+            "3",
+            "--num-epoch",
+            "2",
+            "--data-source-path",
+            f"{HOOKS}:ParitySource",
+            "--rollout-function-path",
+            f"{HOOKS}:generate_rollout",
+            "--dynamic-sampling-filter-path",
+            "vime.rollout.filters.check_reward_nonzero_std",
+            "--eval-function-path",
+            f"{HOOKS}:evaluate",
+            "--eval-prompt-data",
+            "held_out",
+            str(held_out),
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
-    assert all(abs(r["reward_mean"] - 0.5) < 1e-6 for r in train)   # only the "odd" groups were trained
+    assert all(abs(r["reward_mean"] - 0.5) < 1e-6 for r in train)  # only the "odd" groups were trained
     evals = [r for r in records if r["kind"] == "eval"]
-    assert len(evals) == 2 and all(r["eval_reward"] == 0.75 for r in evals)   # 3 of 4 held-out rows "known"
+    assert len(evals) == 2 and all(r["eval_reward"] == 0.75 for r in evals)  # 3 of 4 held-out rows "known"
 
     groups = read_accepted_groups(run_dir)
     assert len(groups) >= 6
@@ -77,15 +122,23 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     assert_nothing_left(run_dir)
 
 
-@pytest.mark.parametrize("flag, path, reason", [
-    ("--dynamic-sampling-filter-path", f"{HOOKS}:ParitySource", "do not accept vime's call filter(args, samples)"),
-    ("--eval-function-path", "vime.rollout.nothing_here.evaluate", "module 'vime.rollout.nothing_here' not found"),
-    ("--data-source-path", f"{HOOKS}:NoSuchSource", "has no attribute 'NoSuchSource'"),
-])
+@pytest.mark.parametrize(
+    "flag, path, reason",
+    [
+        ("--dynamic-sampling-filter-path", f"{HOOKS}:ParitySource", "do not accept vime's call filter(args, samples)"),
+        ("--eval-function-path", "vime.rollout.nothing_here.evaluate", "module 'vime.rollout.nothing_here' not found"),
+        ("--data-source-path", f"{HOOKS}:NoSuchSource", "has no attribute 'NoSuchSource'"),
+    ],
+)
 def test_bad_hook_paths_fail_before_anything_starts(tmp_path, model_dir, flag, path, reason):
     extra = ["--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label"]
-    result = subprocess.run(vime_train(model_dir, str(tmp_path / "run"), *extra, flag, path), cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        vime_train(model_dir, str(tmp_path / "run"), *extra, flag, path),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"vime train: error: {flag} {path}: " in result.stderr and reason in result.stderr, result.stderr
     assert "starting Ray" not in result.stdout

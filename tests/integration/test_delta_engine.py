@@ -27,8 +27,11 @@ def model_dir(tmp_path_factory):
 
 
 def checksums(folder: str) -> dict[str, str]:
-    return {name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(folder)) if name != "manifest.json"}
+    return {
+        name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+        for name in sorted(os.listdir(folder))
+        if name != "manifest.json"
+    }
 
 
 class FakeTrainer:
@@ -61,8 +64,9 @@ class FakeTrainer:
         return checksums(self.scratch)
 
     def publish_weights(self, version: int, *, mode: str, full_interval: int, force_full: bool):
-        return self.publisher.publish(version, self.model.save_pretrained, mode=mode, full_interval=full_interval,
-                                      force_full=force_full)
+        return self.publisher.publish(
+            version, self.model.save_pretrained, mode=mode, full_interval=full_interval, force_full=force_full
+        )
 
 
 class RecordingClient:
@@ -106,8 +110,14 @@ def ray_session():
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -121,15 +131,25 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
     weight_dir = str(tmp_path / "weights")
 
     def engine(index: int):
-        spec = EngineSpec(index=index, model=model_dir, vllm_args={}, tensor_parallel_size=1, run_token="t",
-                          log_path=str(tmp_path / f"engine-{index}.log"), startup_timeout=1, http_timeout=1)
+        spec = EngineSpec(
+            index=index,
+            model=model_dir,
+            vllm_args={},
+            tensor_parallel_size=1,
+            run_token="t",
+            log_path=str(tmp_path / f"engine-{index}.log"),
+            startup_timeout=1,
+            http_timeout=1,
+        )
         actor = ray.remote(num_cpus=0)(RecordingEngine).remote(spec)
         return actor, ray.get(actor.start.remote(0))
 
     trainer = ray.remote(num_cpus=0)(FakeTrainer).remote(model_dir, weight_dir)
     (a, url_a), (b, url_b) = engine(0), engine(1)
     group = EngineGroup([a, b], [url_a, url_b], workers=[1, 1])
-    sync = WeightSync(TrainerGroup([trainer]), group, WeightSyncConfig(update_weight_mode="delta", update_weight_full_interval=3))
+    sync = WeightSync(
+        TrainerGroup([trainer]), group, WeightSyncConfig(update_weight_mode="delta", update_weight_full_interval=3)
+    )
     reports, expected = [], []
     for version in range(1, 5):
         expected.append(ray.get(trainer.step.remote()))
@@ -167,20 +187,58 @@ def test_vime_train_publishes_deltas_that_rebuild_the_final_model(tmp_path, mode
     from vime.weights import disk
 
     run_dir = str(tmp_path / "run")
-    args = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model_dir,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--rollout-function-path", os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
-            "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--num-rollout", "5", "--lr", "1e-3", "--run-dir", run_dir, "--rollout-data-transport", "object-store",
-            "--update-weight-mode", "delta", "--update-weight-full-interval", "3", "--keep-weight-versions", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-function-path",
+        os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-num-gpus",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "5",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--rollout-data-transport",
+        "object-store",
+        "--update-weight-mode",
+        "delta",
+        "--update-weight-full-interval",
+        "3",
+        "--keep-weight-versions",
+        "1",
+    ]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     syncs = [r for r in records if r["kind"] == "weight_sync"]
     assert [(r["weight_version"], r["weight_publish_mode"]) for r in syncs] == [
-        (1, "full"), (2, "delta"), (3, "delta"), (4, "full"), (5, "delta")]
-    assert all(r["weight_published_bytes"] < r["weight_full_bytes"] for r in syncs if r["weight_publish_mode"] == "delta")
+        (1, "full"),
+        (2, "delta"),
+        (3, "delta"),
+        (4, "full"),
+        (5, "delta"),
+    ]
+    assert all(
+        r["weight_published_bytes"] < r["weight_full_bytes"] for r in syncs if r["weight_publish_mode"] == "delta"
+    )
     weight_dir = os.path.join(run_dir, "weights")
     assert disk.published_versions(weight_dir) == [4, 5]  # 5 needs 4; 1-3 pruned
     disk.reconstruct(weight_dir, 5, str(tmp_path / "v5"))

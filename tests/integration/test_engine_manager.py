@@ -105,8 +105,14 @@ def ray_session():
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-             log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        log_to_driver=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -161,13 +167,27 @@ def publish(root: str, model: str, version: int) -> str:
 
 
 def make_manager(tmp_path, model: str, budget: int, lines: list[str]) -> EngineManager:
-    template = EngineTemplate(model=model, vllm_args={}, tensor_parallel_size=1, run_token="t",
-                              log_dir=str(tmp_path), startup_timeout=30, http_timeout=5,
-                              weight_dir=str(tmp_path / "weights"))
-    config = ElasticConfig(rollout_health_check_first_wait=3600, rollout_engine_restart_budget=budget,
-                           rollout_elastic_resource="")
-    return EngineManager(template=template, config=config, router=None, say=lines.append,
-                         register_with_router=False, actor_class=RecordingEngine)
+    template = EngineTemplate(
+        model=model,
+        vllm_args={},
+        tensor_parallel_size=1,
+        run_token="t",
+        log_dir=str(tmp_path),
+        startup_timeout=30,
+        http_timeout=5,
+        weight_dir=str(tmp_path / "weights"),
+    )
+    config = ElasticConfig(
+        rollout_health_check_first_wait=3600, rollout_engine_restart_budget=budget, rollout_elastic_resource=""
+    )
+    return EngineManager(
+        template=template,
+        config=config,
+        router=None,
+        say=lines.append,
+        register_with_router=False,
+        actor_class=RecordingEngine,
+    )
 
 
 def settle(manager: EngineManager, version: int, timeout: float = 120.0):
@@ -292,8 +312,11 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
     manager._last["requests"] = 0.0
     settle(manager, 4)
     done = ray.get(manager.registry.request.remote(remove))
-    assert done["state"] == "done" and "3 request(s) in flight returned to the queue as continuations" in \
-        done["message"] and "keeps running" in done["message"]
+    assert (
+        done["state"] == "done"
+        and "3 request(s) in flight returned to the queue as continuations" in done["message"]
+        and "keeps running" in done["message"]
+    )
     assert [m.state for m in manager.members] == ["serving", "removed", "removed"]
     assert manager.group.urls == [manager.members[0].url]
     assert os.path.isdir(root)
@@ -314,7 +337,9 @@ def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_refo
     manager.actor_class = NcclRecordingEngine
     manager.start_owned(1)
     trainer = ray.remote(num_cpus=0)(RecordingTrainer).remote()
-    sync = WeightSync(TrainerGroup([trainer]), manager.group, WeightSyncConfig(update_weight_transport="nccl"), timeout=60)
+    sync = WeightSync(
+        TrainerGroup([trainer]), manager.group, WeightSyncConfig(update_weight_transport="nccl"), timeout=60
+    )
     sync.sync(1, flush=True)
     settle(manager, 1)
     first = manager.members[0]

@@ -36,8 +36,10 @@ RUNS = {  # name: (estimator, extra flags)
     "ppo": ("ppo", []),
     # Two data-parallel trainer ranks (docs/parallelism.md), the critic's values shared between them, and
     # a checkpoint that rank 0 alone writes.
-    "ppo_two_trainer_ranks": ("ppo", ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2",
-                                      "--save-interval", "2"]),
+    "ppo_two_trainer_ranks": (
+        "ppo",
+        ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2", "--save-interval", "2"],
+    ),
 }
 CRITIC_METRICS = {"value_loss", "critic_grad_norm", "value_clipfrac", "value_mean", "return_mean", "critic_only"}
 TIMEOUT_S = 300
@@ -49,11 +51,26 @@ def start_ray_head(log_path) -> tuple[subprocess.Popen, int]:
 
     port = free_port()
     with open(log_path, "w") as log:
-        head = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
-                                 "--port", str(port), "--num-cpus", str(os.cpu_count() or 2),
-                                 "--node-ip-address", "127.0.0.1",
-                                 "--include-dashboard", "false", "--ray-client-server-port", str(free_port())],
-                                stdout=log, stderr=subprocess.STDOUT)
+        head = subprocess.Popen(
+            [
+                os.path.join(os.path.dirname(sys.executable), "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--port",
+                str(port),
+                "--num-cpus",
+                str(os.cpu_count() or 2),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--include-dashboard",
+                "false",
+                "--ray-client-server-port",
+                str(free_port()),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return head, port
 
 
@@ -83,12 +100,41 @@ def vime_train(ray_address: str, model_dir: str, run_dir: str, name: str) -> lis
     # A relative path on purpose (the runs start in the repository): the cluster's workers run elsewhere, and
     # vime makes the paths absolute.
     prompts = os.path.relpath(os.path.join(EXAMPLE, "train.jsonl"), REPO)
-    flags = [sys.executable, "-m", "vime.cli", "train", "--ray-address", ray_address, "--hf-checkpoint", model_dir,
-            "--prompt-data", prompts, "--input-key", "prompt", "--label-key", "label",
-            "--rollout-function-path", ROLLOUT, "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--num-rollout", "2", "--lr", "1e-3", "--run-dir", run_dir,
-            "--advantage-estimator", estimator, *extra]
+    flags = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--ray-address",
+        ray_address,
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        prompts,
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-function-path",
+        ROLLOUT,
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-num-gpus",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--lr",
+        "1e-3",
+        "--run-dir",
+        run_dir,
+        "--advantage-estimator",
+        estimator,
+        *extra,
+    ]
     if "--save-interval" in extra:  # the run that checks its checkpoint saves beside its run dir
         flags += ["--save", os.path.join(run_dir, "ckpt")]
     return flags
@@ -105,9 +151,16 @@ def runs(tmp_path_factory):
     try:
         model_dir = make_tiny_model(str(root / "model"))  # while the head starts
         wait_listening(head, port, root / "ray_start.log")
-        procs = {name: subprocess.Popen(vime_train(f"127.0.0.1:{port}", model_dir, str(root / name), name),
-                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name in RUNS}
+        procs = {
+            name: subprocess.Popen(
+                vime_train(f"127.0.0.1:{port}", model_dir, str(root / name), name),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name in RUNS
+        }
         results = {}
         for name, proc in procs.items():
             try:
@@ -116,8 +169,7 @@ def runs(tmp_path_factory):
                 proc.kill()
                 stdout, stderr = proc.communicate()
                 stderr += f"\n[test] killed after {TIMEOUT_S}s"
-            results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
-                             str(root / name))
+            results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), str(root / name))
         print(f"Ray head and {len(procs)} concurrent runs: {time.monotonic() - started:.1f}s")
         yield results
     finally:

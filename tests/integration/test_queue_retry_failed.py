@@ -12,8 +12,8 @@ import pytest
 from straw import TaskSpec
 
 from vime.data.source import DataKeys
-from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 from vime.queue.memory_queue import MemoryRolloutQueue
+from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, PromptTask
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
@@ -22,7 +22,7 @@ from vime.workers.controller import Controller, ControllerSpec
 
 pytestmark = pytest.mark.integration
 
-RUN_ID = "vime"   # the queue CLI's default --rollout-queue-run-id
+RUN_ID = "vime"  # the queue CLI's default --rollout-queue-run-id
 BROKEN = "engine http://127.0.0.1:1/generate: connection refused (attempt {})"
 
 
@@ -34,9 +34,18 @@ def prompts(tmp_path):
 
 
 def make_spec(tmp_path, prompts, transport="straw"):
-    return ControllerSpec(transport=transport, store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0),
-                          lease_seconds=60, prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0,
-                          shuffle=False, num_epoch=None, groups_per_rollout=2, max_staleness=1)
+    return ControllerSpec(
+        transport=transport,
+        store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0),
+        lease_seconds=60,
+        prompt_data=prompts,
+        keys=DataKeys("prompt", "label"),
+        seed=0,
+        shuffle=False,
+        num_epoch=None,
+        groups_per_rollout=2,
+        max_staleness=1,
+    )
 
 
 def call(target, method, *args):
@@ -69,12 +78,23 @@ def fail_out(controller, task_id: str, attempts: int = 3) -> None:
 
 def accept(tmp_path, controller, item) -> int:
     lease, task = item.assignment.lease, item.assignment.task
-    samples = [Sample(group_index=task.group_index, index=i, prompt_index=task.prompt_index,
-                      tokens=[1, 2, 3], response_length=1, reward=1.0, status=Status.COMPLETED, weight_versions=[0])
-               for i in range(2)]
+    samples = [
+        Sample(
+            group_index=task.group_index,
+            index=i,
+            prompt_index=task.prompt_index,
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=1.0,
+            status=Status.COMPLETED,
+            weight_versions=[0],
+        )
+        for i in range(2)
+    ]
     sid = f"{lease.task_id}-{lease.attempt_id}"
     ref = StrawTransport(StoreOptions(str(tmp_path / "queue"), RUN_ID)).publish(
-        samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid)
+        samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid
+    )
     return controller.complete(lease, sid, ref, 2, 2, 0)
 
 
@@ -92,8 +112,17 @@ def stopped_run(tmp_path, prompts):
 def test_inspect_lists_failed_tasks_with_their_last_reason(stopped_run, capsys):
     report = queue_cli.inspect(stopped_run, None, RUN_ID)
     assert report["counts"]["failed"] == 1 and report["counts"]["rejected"] == 1 and report["counts"]["retried"] == 0
-    assert report["failed_tasks"] == [{"task_id": "g000000000", "prompt_index": 0, "group_index": 0, "epoch": 0,
-                                       "attempts": 3, "max_attempts": 3, "reason": BROKEN.format(2)}]
+    assert report["failed_tasks"] == [
+        {
+            "task_id": "g000000000",
+            "prompt_index": 0,
+            "group_index": 0,
+            "epoch": 0,
+            "attempts": 3,
+            "max_attempts": 3,
+            "reason": BROKEN.format(2),
+        }
+    ]
     assert queue_cli.main(["inspect", "--rollout-data-dir", stopped_run]) == 0
     out = capsys.readouterr().out
     assert f"g000000000  prompt 0  3/3 attempts  {BROKEN.format(2)}" in out and "vime queue retry-failed" in out
@@ -107,19 +136,20 @@ def dataset_cursor(data_dir: str):
     return [e["producer_state"] for e in JournalView.read(data_dir).of_type("Submitted") if e.get("producer_state")][-1]
 
 
-def test_retry_failed_on_a_stopped_run_requeues_once_and_the_prompt_is_accepted_once(tmp_path, prompts, stopped_run,
-                                                                                    capsys):
+def test_retry_failed_on_a_stopped_run_requeues_once_and_the_prompt_is_accepted_once(
+    tmp_path, prompts, stopped_run, capsys
+):
     cursor = dataset_cursor(stopped_run)
     assert queue_cli.main(["retry-failed", "--rollout-data-dir", stopped_run]) == 0
     out = capsys.readouterr().out
     assert "retried 1 failed task(s)" in out and "(prompt indices 0)" in out
     assert "1 rejected task(s) stay rejected" in out
-    assert dataset_cursor(stopped_run) == cursor    # a retry is not a new prompt of the dataset
+    assert dataset_cursor(stopped_run) == cursor  # a retry is not a new prompt of the dataset
     report = queue_cli.inspect(stopped_run, None, RUN_ID)
     assert report["failed_tasks"] == []
     assert (report["counts"]["failed"], report["counts"]["retried"], report["counts"]["rejected"]) == (0, 1, 1)
 
-    assert queue_cli.main(["retry-failed", "--rollout-data-dir", stopped_run, "--json"]) == 0   # idempotent
+    assert queue_cli.main(["retry-failed", "--rollout-data-dir", stopped_run, "--json"]) == 0  # idempotent
     assert json.loads(capsys.readouterr().out) == {"retried": [], "rejected": 1}
     assert queue_cli.main(["retry-failed", "--rollout-data-dir", stopped_run]) == 0
     assert "no failed task to retry" in capsys.readouterr().out
@@ -128,8 +158,11 @@ def test_retry_failed_on_a_stopped_run_requeues_once_and_the_prompt_is_accepted_
     # group is the prompt's only one (the failed task never had one).
     controller = Controller(make_spec(tmp_path, prompts))
     status = controller.queue.coordinator.task_status("g000000000.retry1")
-    assert (status["state"], status["failures"], status["spec"]["max_attempts"]) == ("pending", 0,
-                                                                                      INTERRUPTION_ATTEMPTS)
+    assert (status["state"], status["failures"], status["spec"]["max_attempts"]) == (
+        "pending",
+        0,
+        INTERRUPTION_ATTEMPTS,
+    )
     assert controller.queue.sample_failures["g000000000.retry1"] == 0
     item = lease_task(controller, "g000000000.retry1")
     assert (item.prompt.index, item.assignment.task.stage) == (0, "fresh")
@@ -151,10 +184,12 @@ def test_controller_retries_every_round_of_failures_and_never_the_rejected(tmp_p
     assert controller.reject(lease_task(controller, "g000000001").assignment.lease, "zero_std_0.0")
     report = controller.retry_failed()
     assert [(old, new.task_id, new.prompt_index) for old, new in report.retried] == [
-        ("g000000000", "g000000000.retry1", 0), ("g000000002", "g000000002.retry1", 2)]
+        ("g000000000", "g000000000.retry1", 0),
+        ("g000000002", "g000000002.retry1", 2),
+    ]
     assert report.rejected == 1
-    assert controller.retry_failed().retried == []               # a second call retries nothing
-    fail_out(controller, "g000000000.retry1")                     # the engine is still broken
+    assert controller.retry_failed().retried == []  # a second call retries nothing
+    fail_out(controller, "g000000000.retry1")  # the engine is still broken
     assert [t.task.task_id for t in controller.queue.failed() if not t.rejected] == ["g000000000.retry1"]
     assert [new.task_id for _, new in controller.retry_failed().retried] == ["g000000000.retry2"]
     controller.shutdown()
@@ -174,9 +209,9 @@ def test_interrupted_attempts_spend_nothing_and_failed_calls_are_counted_across_
         return queue.coordinator.acquire("w", 1, task_ids=[task_id]).assignments[0].lease
 
     lease("g000000000")
-    time.sleep(lease_seconds + 0.5)                               # expired: the worker died
+    time.sleep(lease_seconds + 0.5)  # expired: the worker died
     queue.fail(lease("g000000001"), "boom 1", request_id="f1")
-    for restart in range(4):                                      # every restart revokes both leases
+    for restart in range(4):  # every restart revokes both leases
         lease("g000000000")
         lease("g000000001")
         queue.close()
@@ -184,7 +219,7 @@ def test_interrupted_attempts_spend_nothing_and_failed_calls_are_counted_across_
     assert queue.failed() == []
     statuses = {t: queue.coordinator.task_status(t)["state"] for t in ("g000000000", "g000000001")}
     assert statuses == {"g000000000": "pending", "g000000001": "pending"}
-    assert queue.sample_failures["g000000001"] == 1               # rebuilt from the journal
+    assert queue.sample_failures["g000000001"] == 1  # rebuilt from the journal
     queue.fail(lease("g000000001"), "boom 2", request_id="f2")
     assert queue.failed() == []
     queue.fail(lease("g000000001"), "boom 3", request_id="f3")
@@ -194,7 +229,8 @@ def test_interrupted_attempts_spend_nothing_and_failed_calls_are_counted_across_
     queue.close()
     report = queue_cli.inspect(options.data_dir, None, RUN_ID)
     assert [(t["task_id"], t["attempts"], t["max_attempts"], t["reason"]) for t in report["failed_tasks"]] == [
-        ("g000000001", 3, 3, "boom 3")]
+        ("g000000001", 3, 3, "boom 3")
+    ]
     assert report["counts"]["failed"] == 1 and report["counts"]["fresh"] == 1
 
 
@@ -219,13 +255,18 @@ def test_inspect_counts_attempts_of_an_older_journal_as_straw_did(tmp_path):
     lease_seconds = 4.0
     options = StoreOptions(str(tmp_path / "queue"), RUN_ID)
     queue = StrawRolloutQueue.open(options, owner="first", lease_seconds=lease_seconds)
-    queue.coordinator.submit_tasks("s", [TaskSpec(t, metadata={"group_index": i, "epoch": 0, "prompt_index": i},
-                                                  allow_empty=True, max_attempts=3) for i, t in enumerate("abc")])
+    queue.coordinator.submit_tasks(
+        "s",
+        [
+            TaskSpec(t, metadata={"group_index": i, "epoch": 0, "prompt_index": i}, allow_empty=True, max_attempts=3)
+            for i, t in enumerate("abc")
+        ],
+    )
     c = queue.coordinator
     c.fail_task(c.acquire("w", 1, task_ids=["a"]).assignments[0].lease, request_id="f1", failure="boom")
     lease = c.acquire("w", 1, task_ids=["a"]).assignments[0].lease
     time.sleep(lease_seconds + 0.5)
-    assert c.heartbeat([lease]) != ["extended"]                  # a's lease expired
+    assert c.heartbeat([lease]) != ["extended"]  # a's lease expired
     for request in ("f2", "f3"):
         c.fail_task(c.acquire("w", 1, task_ids=["b"]).assignments[0].lease, request_id=request, failure="boom")
     assert len(c.acquire("w", 2, task_ids=["a", "b"]).assignments) == 2
@@ -256,13 +297,17 @@ def test_retry_failed_names_the_flag_on_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("vime queue retry-failed: error: ") and text in err, err
 
-    refused(["retry-failed", "--rollout-data-dir", str(tmp_path / "nothing")], 2,
-            f"--rollout-data-dir {tmp_path / 'nothing'} does not exist")
+    refused(
+        ["retry-failed", "--rollout-data-dir", str(tmp_path / "nothing")],
+        2,
+        f"--rollout-data-dir {tmp_path / 'nothing'} does not exist",
+    )
     refused(["retry-failed", "--rollout-data-dir", str(tmp_path)], 2, f"--rollout-data-dir {tmp_path} holds no queue")
     refused(["retry-failed", "--run", str(tmp_path / "nothing")], 2, f"--run {tmp_path / 'nothing'} does not exist")
     refused(["retry-failed", "--run", str(tmp_path)], 1, "run.json does not exist")
-    (tmp_path / "run.json").write_text(json.dumps({"pid": 2 ** 22 + 12345, "ray_address": "127.0.0.1:1",
-                                                   "ray_namespace": "vime-x"}))
+    (tmp_path / "run.json").write_text(
+        json.dumps({"pid": 2**22 + 12345, "ray_address": "127.0.0.1:1", "ray_namespace": "vime-x"})
+    )
     refused(["retry-failed", "--run", str(tmp_path)], 1, "is not running")
     with pytest.raises(SystemExit) as exit_:
         queue_cli.main(["retry-failed"])
@@ -274,27 +319,38 @@ def test_retry_failed_on_a_live_run_goes_through_the_named_controller_actor(tmp_
     import ray
 
     namespace = "vime-retry-test"
-    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=False, namespace=namespace)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        log_to_driver=False,
+        namespace=namespace,
+    )
     try:
         run_dir = tmp_path / "run"
         run_dir.mkdir()
-        (run_dir / "run.json").write_text(json.dumps({"pid": os.getpid(), "ray_namespace": namespace,
-                                                      "ray_address": ray.get_runtime_context().gcs_address}))
+        (run_dir / "run.json").write_text(
+            json.dumps(
+                {"pid": os.getpid(), "ray_namespace": namespace, "ray_address": ray.get_runtime_context().gcs_address}
+            )
+        )
         assert queue_cli.main(["retry-failed", "--run", str(run_dir)]) == 1
         assert "the run has no controller reachable by name" in capsys.readouterr().err
         # Created as vime/train.py creates it: named, restartable.
-        controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1,
-                                name=Controller.ACTOR_NAME)(Controller).remote(make_spec(tmp_path, prompts))
+        controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1, name=Controller.ACTOR_NAME)(
+            Controller
+        ).remote(make_spec(tmp_path, prompts))
         fail_out(controller, "g000000000")
-        assert queue_cli.main(["retry-failed", "--rollout-data-dir", str(tmp_path / "queue")]) == 1   # it is live
+        assert queue_cli.main(["retry-failed", "--rollout-data-dir", str(tmp_path / "queue")]) == 1  # it is live
         assert "--run RUN_DIR" in capsys.readouterr().err
         assert queue_cli.main(["retry-failed", "--run", str(run_dir)]) == 0
         out = capsys.readouterr().out
         assert "retried 1 failed task(s)" in out and "(prompt indices 0)" in out
         assert queue_cli.main(["retry-failed", "--run", str(run_dir)]) == 0
         assert "no failed task to retry" in capsys.readouterr().out
-        item = lease_task(controller, "g000000000.retry1")   # the live run leases it like any fresh prompt
+        item = lease_task(controller, "g000000000.retry1")  # the live run leases it like any fresh prompt
         assert item.prompt.index == 0
         ray.get(controller.shutdown.remote(), timeout=60)
         ray.kill(controller)

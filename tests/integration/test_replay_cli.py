@@ -34,12 +34,42 @@ def model_dir(tmp_path_factory):
 def train(model_dir: str, run_dir: str, *extra: str) -> subprocess.CompletedProcess:
     # Two optimizer steps of one micro-batch each per rollout: the second sees moved weights, so
     # losses are not trivially zero and gradient accumulation is part of what must match.
-    args = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", model_dir,
-            "--prompt-data", os.path.join(EXAMPLE, "train.jsonl"), "--input-key", "prompt", "--label-key", "label",
-            "--rollout-function-path", PLUGIN, "--custom-rm-path", os.path.join(EXAMPLE, "reward.py") + ":reward",
-            "--rollout-num-gpus", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-            "--global-batch-size", "2", "--micro-batch-size", "1", "--num-rollout", str(STEPS), "--lr", "1e-3",
-            "--no-save-hf", "--run-dir", run_dir, *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "vime.cli",
+        "train",
+        "--hf-checkpoint",
+        model_dir,
+        "--prompt-data",
+        os.path.join(EXAMPLE, "train.jsonl"),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--rollout-function-path",
+        PLUGIN,
+        "--custom-rm-path",
+        os.path.join(EXAMPLE, "reward.py") + ":reward",
+        "--rollout-num-gpus",
+        "0",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--num-rollout",
+        str(STEPS),
+        "--lr",
+        "1e-3",
+        "--no-save-hf",
+        "--run-dir",
+        run_dir,
+        *extra,
+    ]
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -56,8 +86,10 @@ def queue_samples(data_dir: str) -> dict[int, list]:
 
     transport = StrawTransport(StoreOptions(data_dir, "vime"))
     try:
-        return {g.position: sorted(transport.read(g.ref), key=lambda s: s.index)
-                for g in JournalView.read(data_dir).accepted()}
+        return {
+            g.position: sorted(transport.read(g.ref), key=lambda s: s.index)
+            for g in JournalView.read(data_dir).accepted()
+        }
     finally:
         transport.close()
 
@@ -123,8 +155,25 @@ def test_record_replay_refuse_and_export(tmp_path, model_dir):
     outputs = {"jsonl": str(tmp_path / "queue.jsonl"), "parquet": str(tmp_path / "queue.parquet")}
     for fmt, out in outputs.items():
         extra = ["--hf-checkpoint", model_dir] if fmt == "jsonl" else []
-        result = subprocess.run([sys.executable, "-m", "vime.cli", "queue", "export", "--rollout-data-dir", data_dir,
-                                 "--format", fmt, *extra, out], cwd=REPO, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vime.cli",
+                "queue",
+                "export",
+                "--rollout-data-dir",
+                data_dir,
+                "--format",
+                fmt,
+                *extra,
+                out,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"exported {2 * len(in_queue)} sample(s) of {len(in_queue)} accepted group(s)" in result.stdout
     from transformers import AutoTokenizer
@@ -137,11 +186,12 @@ def test_record_replay_refuse_and_export(tmp_path, model_dir):
             original = in_queue[row["position"]][row["index"]]
             assert_same_sample(original, sample_from_row(row))
             assert row["source_name"] == "digit_shift" and row["task_id"]
-            stage = ("trained" if row["position"] in step_of else
-                     "stale" if row["position"] < max(step_of) else "accepted")  # stale: passed over, regenerated
+            stage = (
+                "trained" if row["position"] in step_of else "stale" if row["position"] < max(step_of) else "accepted"
+            )  # stale: passed over, regenerated
             assert (row["stage"], row["step"]) == (stage, step_of.get(row["position"]))
             if fmt == "jsonl":
-                assert row["prompt_text"] == tokenizer.decode(original.tokens[:original.prompt_length])
+                assert row["prompt_text"] == tokenizer.decode(original.tokens[: original.prompt_length])
                 assert row["response_text"] == tokenizer.decode(original.response_tokens)
             else:
                 assert "prompt_text" not in row  # token ids only without --hf-checkpoint

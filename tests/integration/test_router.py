@@ -105,8 +105,11 @@ def workers() -> Iterator[list[StandInWorker]]:
 
 
 def _generate_via(router: RouterProcess, token_ids: list[int]) -> dict:
-    response = requests.post(router.url + "/inference/v1/generate",
-                             json={"token_ids": token_ids, "sampling_params": {"max_tokens": 1}}, timeout=10)
+    response = requests.post(
+        router.url + "/inference/v1/generate",
+        json={"token_ids": token_ids, "sampling_params": {"max_tokens": 1}},
+        timeout=10,
+    )
     response.raise_for_status()
     return response.json()
 
@@ -186,8 +189,9 @@ def test_unreachable_router_error_names_router():
 
 
 def test_router_that_exits_fails_fast_with_log_tail(tmp_path: Path, token: str):
-    bad = RouterProcess(free_port(), log_path=tmp_path / "bad.log", run_token=token,
-                        router_args={"policy": "no-such-policy"})
+    bad = RouterProcess(
+        free_port(), log_path=tmp_path / "bad.log", run_token=token, router_args={"policy": "no-such-policy"}
+    )
     bad.start()
     with pytest.raises(RouterError) as info:
         bad.wait_ready(timeout=60)
@@ -200,8 +204,9 @@ def test_router_that_exits_fails_fast_with_log_tail(tmp_path: Path, token: str):
 
 def test_stop_leaves_no_process(tmp_path: Path):
     own_token = f"test-router-stop-{uuid.uuid4()}"
-    proc = RouterProcess(free_port(), log_path=tmp_path / "stop.log", run_token=own_token,
-                         router_args=ROUTER_ARGS).start()
+    proc = RouterProcess(
+        free_port(), log_path=tmp_path / "stop.log", run_token=own_token, router_args=ROUTER_ARGS
+    ).start()
     proc.wait_ready(timeout=30)
     pid = proc.process.pid
     assert psutil.Process(pid).environ()[RUN_TOKEN_ENV] == own_token
@@ -212,8 +217,7 @@ def test_stop_leaves_no_process(tmp_path: Path):
         requests.get(proc.url + "/liveness", timeout=2)
 
 
-def test_consistent_hash_keeps_each_session_on_one_worker(tmp_path: Path, token: str,
-                                                          workers: list[StandInWorker]):
+def test_consistent_hash_keeps_each_session_on_one_worker(tmp_path: Path, token: str, workers: list[StandInWorker]):
     """The contract vime's session affinity relies on: with --policy consistent_hash the router
     picks the worker from the x-session-id header (vime.rollout.generate.SESSION_HEADER), not from
     the body, so every turn of a session (a longer body each time) reaches the same worker."""
@@ -230,8 +234,12 @@ def test_consistent_hash_keeps_each_session_on_one_worker(tmp_path: Path, token:
             tokens: list[int] = []
             for turn in range(3):
                 tokens += [session, turn]
-                reply = requests.post(proc.url + "/inference/v1/generate", headers=session_headers(f"g{session}-0"),
-                                      json={"token_ids": tokens, "sampling_params": {"max_tokens": 1}}, timeout=10)
+                reply = requests.post(
+                    proc.url + "/inference/v1/generate",
+                    headers=session_headers(f"g{session}-0"),
+                    json={"token_ids": tokens, "sampling_params": {"max_tokens": 1}},
+                    timeout=10,
+                )
                 reply.raise_for_status()
                 placement.setdefault(f"g{session}-0", set()).add(reply.json()["worker"])
         assert all(len(seen) == 1 for seen in placement.values()), placement

@@ -57,5 +57,4 @@ def evaluate(args, rollout_id, data_source, evaluation=False):
     for sample in samples:
         sample.response = sample.label if sample.source_name == "known" else ""
         sample.reward = float(sample.response == sample.label)
-    return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples],
-                                                        "samples": samples}})
+    return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples], "samples": samples}})

@@ -35,9 +35,11 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
             sample.loss_mask = [1] * (len(ids) - 1) + [0]  # weight versions: the worker's current one
             sample.status = sample.Status.COMPLETED
             sample.metadata = {**sample.metadata, "seed": seed, "tags": ["replay", sample.index]}
-            sample.rollout_routed_experts = torch.randint(0, 8, (len(sample.tokens) - 1, LAYERS, TOPK),
-                                                          dtype=torch.uint8, generator=generator)
-            sample.rollout_topk_token_ids = torch.randint(0, 11, (len(ids), TOPK), dtype=torch.int32,
-                                                          generator=generator)
+            sample.rollout_routed_experts = torch.randint(
+                0, 8, (len(sample.tokens) - 1, LAYERS, TOPK), dtype=torch.uint8, generator=generator
+            )
+            sample.rollout_topk_token_ids = torch.randint(
+                0, 11, (len(ids), TOPK), dtype=torch.int32, generator=generator
+            )
             sample.rollout_topk_log_probs = -torch.rand((len(ids), TOPK), generator=generator)
     return RolloutFnTrainOutput(samples=groups)

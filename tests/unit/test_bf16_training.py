@@ -23,8 +23,13 @@ from vime.runtime.ports import free_port
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("bf16_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("bf16_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +43,22 @@ def spec(model_dir, *, bf16=True, lr=1e-3, engine_dtype=None, **algorithm):
     algo = AlgorithmConfig(**algorithm)
     algo.validate()
     return TorchTrainerSpec(
-        hf_checkpoint=model_dir, lr=lr, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=4, global_batch_size=2 * GROUP, n_samples_per_prompt=GROUP, rollout_temperature=1.0,
-        algorithm=algo, seed=0, threads=1, bf16=bf16, engine_dtype=engine_dtype)
+        hf_checkpoint=model_dir,
+        lr=lr,
+        weight_decay=0.0,
+        adam_betas=(0.9, 0.999),
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        micro_batch_size=4,
+        global_batch_size=2 * GROUP,
+        n_samples_per_prompt=GROUP,
+        rollout_temperature=1.0,
+        algorithm=algo,
+        seed=0,
+        threads=1,
+        bf16=bf16,
+        engine_dtype=engine_dtype,
+    )
 
 
 def backend(model_dir, **kwargs):
@@ -86,7 +104,7 @@ def test_first_losses_match_the_float32_run(model_dir, model):
     for bf16 in (False, True):
         trainer = backend(model_dir, bf16=bf16, loss_type="sft_loss", calculate_per_token_loss=True)
         losses[bf16] = [trainer.train_rollout(make_samples(model, seed=0), 0)["loss"] for _ in range(4)]
-    assert losses[False][0] - losses[False][-1] > 0.05   # the reference learns: the tolerance is meaningful
+    assert losses[False][0] - losses[False][-1] > 0.05  # the reference learns: the tolerance is meaningful
     for step, (full, half) in enumerate(zip(losses[False], losses[True])):
         assert abs(full - half) < 1e-2, (step, losses)
 
@@ -108,13 +126,14 @@ def test_masters_keep_an_update_bf16_rounds_away(model_dir, model):
         moved += int((master != before[name]).sum())
         unchanged_bf16 += int((trainer.model.get_parameter(name) == bf16_before[name]).sum())
         total += master.numel()
-    assert moved > 0.9 * total              # the float32 update landed
+    assert moved > 0.9 * total  # the float32 update landed
     # and bf16 rounded most of it away (weights near zero have finer bf16 steps: those few do move)
     assert unchanged_bf16 > 0.9 * total
 
 
-@pytest.mark.parametrize("vllm_dtype, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
-                                                 (None, torch.float32)])  # None: the checkpoint's float32
+@pytest.mark.parametrize(
+    "vllm_dtype, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16), (None, torch.float32)]
+)  # None: the checkpoint's float32
 def test_weights_are_exported_from_the_masters_in_the_engine_dtype(model_dir, model, tmp_path, vllm_dtype, expected):
     trainer = backend(model_dir, lr=1e-6, engine_dtype=vllm_dtype)  # tiny steps: masters != their bf16 copy
     trainer.train_rollout(make_samples(model), policy_version=0)
@@ -139,7 +158,7 @@ def test_weights_are_exported_from_the_masters_in_the_engine_dtype(model_dir, mo
 
 def test_engine_dtype_resolution(model_dir, tmp_path):
     assert engine_dtype("half", model_dir) == torch.float16
-    assert engine_dtype("auto", model_dir) == torch.float32   # the tiny model's config.json says float32
+    assert engine_dtype("auto", model_dir) == torch.float32  # the tiny model's config.json says float32
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert engine_dtype(None, str(tmp_path)) == torch.bfloat16
     with pytest.raises(ValueError, match="--vllm-dtype"):
@@ -147,7 +166,7 @@ def test_engine_dtype_resolution(model_dir, tmp_path):
 
 
 def test_checkpoint_resumes_with_the_same_next_step_loss(model_dir, model, tmp_path):
-    kwargs = {"loss_type": "sft_loss", "lr": 1e-4}   # bf16 rounds a good part of each update away: masters matter
+    kwargs = {"loss_type": "sft_loss", "lr": 1e-4}  # bf16 rounds a good part of each update away: masters matter
     first = backend(model_dir, **kwargs)
     for seed in (0, 1):
         first.train_rollout(make_samples(model, seed=seed), 0)
@@ -200,6 +219,7 @@ def test_logprob_abs_diff_max_is_the_worst_token_of_the_rollout(model_dir, model
 
 # ---------------------------------------------------------------------- two data-parallel ranks over gloo
 
+
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     import sys
 
@@ -217,8 +237,10 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     trainer = TorchBackend(spec(model_dir))
     assert trainer.dp.size == 2
     metrics = [trainer.train_rollout(make_samples(reference, seed=seed), 0) for seed in (0, 1)]
-    torch.save({"metrics": metrics, "masters": {n: m.detach().clone() for n, m in masters_by_name(trainer).items()}},
-               os.path.join(work, f"rank{rank}.pt"))
+    torch.save(
+        {"metrics": metrics, "masters": {n: m.detach().clone() for n, m in masters_by_name(trainer).items()}},
+        os.path.join(work, f"rank{rank}.pt"),
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,9 +16,18 @@ TEMPERATURE = 0.7
 def causal_lm(*, vocab_size=64, tied=False, arch="qwen2", hidden_size=32, layers=2, seed=0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64,
-                                  num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                                  max_position_embeddings=512, tie_word_embeddings=tied, pad_token_id=0)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
 
@@ -29,8 +38,8 @@ def ragged_batch(vocab_size, *, rows=2, length=11, k=3, seed=1):
     input_ids = torch.randint(1, vocab_size, (rows, length), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     if rows > 1:
-        attention_mask[1, length - 4:] = 0
-        input_ids[1, length - 4:] = 0
+        attention_mask[1, length - 4 :] = 0
+        input_ids[1, length - 4 :] = 0
     heads = torch.randint(0, vocab_size, (rows, length - 1, k), generator=generator)
     return input_ids, attention_mask, input_ids[:, 1:], heads
 
@@ -69,8 +78,15 @@ def test_chunked_results_and_gradients_equal_the_unchunked(chunk_size, tied, arc
     expected_grads = gradients(model)
     model.zero_grad(set_to_none=True)
 
-    out = chunked_forward(model, {"input_ids": input_ids, "attention_mask": attention_mask}, targets,
-                          chunk_size=chunk_size, temperature=TEMPERATURE, entropy="loss", head_ids=heads)
+    out = chunked_forward(
+        model,
+        {"input_ids": input_ids, "attention_mask": attention_mask},
+        targets,
+        chunk_size=chunk_size,
+        temperature=TEMPERATURE,
+        entropy="loss",
+        head_ids=heads,
+    )
     for got, want in zip((out.log_probs, out.entropy, out.head_log_probs), expected):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -89,13 +105,14 @@ def test_pure_function_with_bias_without_temperature_and_metric_entropy():
     weight = torch.randn(40, 8, generator=generator, requires_grad=True)
     bias = torch.randn(40, generator=generator, requires_grad=True)
     targets = torch.randint(0, 40, (3, 5), generator=generator)
-    for temperature in (0.0, 1.0, 1.3):   # 0: greedy sampling, the logits are not divided
+    for temperature in (0.0, 1.0, 1.3):  # 0: greedy sampling, the logits are not divided
         logits = torch.nn.functional.linear(hidden, weight, bias)
         log_softmax = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
         want = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         want_grads = torch.autograd.grad((want * torch.arange(5.0)).sum(), (hidden, weight, bias))
-        out = chunked_token_log_probs(hidden, weight, bias, targets, chunk_size=4, temperature=temperature,
-                                      entropy="metric")
+        out = chunked_token_log_probs(
+            hidden, weight, bias, targets, chunk_size=4, temperature=temperature, entropy="metric"
+        )
         torch.testing.assert_close(out.log_probs, want)
         # As a metric the entropy is computed but never differentiated.
         assert not out.entropy.requires_grad and out.head_log_probs is None
@@ -107,8 +124,9 @@ def test_pure_function_with_bias_without_temperature_and_metric_entropy():
 
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="--log-probs-chunk-size must be >= 1"):
-        chunked_token_log_probs(torch.zeros(2, 4), torch.zeros(5, 4), None, torch.zeros(2, dtype=torch.long),
-                                chunk_size=0, temperature=1.0)
+        chunked_token_log_probs(
+            torch.zeros(2, 4), torch.zeros(5, 4), None, torch.zeros(2, dtype=torch.long), chunk_size=0, temperature=1.0
+        )
 
 
 # ---------------------------------------------------------------------- saved-for-backward bytes
@@ -151,14 +169,16 @@ def test_chunking_saves_at_least_the_logits_for_backward():
     model.zero_grad(set_to_none=True)
     del expected
     with SavedBytes() as chunked:
-        out = chunked_forward(model, inputs, targets, chunk_size=32, temperature=TEMPERATURE, entropy="loss",
-                              head_ids=heads)
+        out = chunked_forward(
+            model, inputs, targets, chunk_size=32, temperature=TEMPERATURE, entropy="loss", head_ids=heads
+        )
     weighted_loss(out.log_probs, out.entropy, out.head_log_probs).backward()
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
-    print(f"saved for backward: unchunked {unchunked.total:,} B, chunked {chunked.total:,} B, "
-          f"logits {logits_bytes:,} B")
+    print(
+        f"saved for backward: unchunked {unchunked.total:,} B, chunked {chunked.total:,} B, logits {logits_bytes:,} B"
+    )
     assert unchunked.total - chunked.total >= logits_bytes
     # What chunking keeps is the body's activations and the head's weight, nothing of vocabulary x tokens.
     assert chunked.total < logits_bytes
@@ -192,8 +212,13 @@ def test_full_recompute_saves_layer_activations_and_keeps_the_gradients():
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("chunked_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("chunked_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -206,18 +231,31 @@ def model(model_dir):
 def backend(model_dir, *, log_probs_chunk_size=None, recompute_granularity=None, **algorithm):
     algo = AlgorithmConfig(**algorithm)
     algo.validate()
-    return TorchBackend(TorchTrainerSpec(
-        hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=4, global_batch_size=2 * GROUP, n_samples_per_prompt=GROUP, rollout_temperature=0.8,
-        algorithm=algo, seed=0, threads=1, log_probs_chunk_size=log_probs_chunk_size,
-        recompute_granularity=recompute_granularity))
+    return TorchBackend(
+        TorchTrainerSpec(
+            hf_checkpoint=model_dir,
+            lr=1e-3,
+            weight_decay=0.0,
+            adam_betas=(0.9, 0.999),
+            adam_eps=1e-8,
+            clip_grad=1.0,
+            micro_batch_size=4,
+            global_batch_size=2 * GROUP,
+            n_samples_per_prompt=GROUP,
+            rollout_temperature=0.8,
+            algorithm=algo,
+            seed=0,
+            threads=1,
+            log_probs_chunk_size=log_probs_chunk_size,
+            recompute_granularity=recompute_granularity,
+        )
+    )
 
 
 def assert_same_training(reference_backend, other, samples):
     want = reference_backend.train_rollout(samples, 0)
     got = other.train_rollout(samples, 0)
-    for key in ("loss", "pg_loss", "grad_norm", "entropy", "ppo_kl", "value_loss", "critic_grad_norm",
-                "sc_correction"):
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "ppo_kl", "value_loss", "critic_grad_norm", "sc_correction"):
         if key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     modules = [(reference_backend.model, other.model)]
@@ -253,9 +291,11 @@ def test_train_rollout_with_chunked_log_probs_equals_unchunked(model_dir, model,
 
 def test_train_rollout_with_full_recompute_equals_without(model_dir, model):
     samples = make_samples(model)
-    assert_same_training(backend(model_dir, entropy_coef=0.01),
-                         backend(model_dir, recompute_granularity="full", log_probs_chunk_size=3, entropy_coef=0.01),
-                         samples)
+    assert_same_training(
+        backend(model_dir, entropy_coef=0.01),
+        backend(model_dir, recompute_granularity="full", log_probs_chunk_size=3, entropy_coef=0.01),
+        samples,
+    )
 
 
 def test_ppo_critic_with_full_recompute_equals_without(model_dir, model):
@@ -273,25 +313,42 @@ def test_flags_reach_the_trainer_spec(config_dir):
     from vime.config import parse_train_args
     from workers.trainer_worker import TrainerWorkerSpec
 
-    s = parse_train_args(minimal_train_argv(config_dir, "--log-probs-chunk-size", "1024",
-                                            "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                            "--recompute-num-layers", "1"))
+    s = parse_train_args(
+        minimal_train_argv(
+            config_dir,
+            "--log-probs-chunk-size",
+            "1024",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        )
+    )
     spec = TrainerWorkerSpec.from_settings(s, transport="memory", store=None, threads=1, cpu_affinity=None).backend
     assert (spec.log_probs_chunk_size, spec.recompute_granularity) == (1024, "full")
-    default = TrainerWorkerSpec.from_settings(parse_train_args(minimal_train_argv(config_dir)), transport="memory",
-                                              store=None, threads=1, cpu_affinity=None).backend
+    default = TrainerWorkerSpec.from_settings(
+        parse_train_args(minimal_train_argv(config_dir)), transport="memory", store=None, threads=1, cpu_affinity=None
+    ).backend
     assert (default.log_probs_chunk_size, default.recompute_granularity) == (None, None)
 
 
-@pytest.mark.parametrize("extra, flag, message", [
-    (["--log-probs-chunk-size", "0"], "--log-probs-chunk-size", "must be >= 1"),
-    (["--log-probs-chunk-size", "-1"], "--log-probs-chunk-size", "must be >= 1"),
-    (["--train-backend", "megatron", "--log-probs-chunk-size", "64"], "--log-probs-chunk-size",
-     "applies to --train-backend torch only"),
-    (["--recompute-granularity", "selective"], "--recompute-granularity", "'selective'"),
-    (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method", "'block'"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", "2"], "--recompute-num-layers", "2"),
-])
+@pytest.mark.parametrize(
+    "extra, flag, message",
+    [
+        (["--log-probs-chunk-size", "0"], "--log-probs-chunk-size", "must be >= 1"),
+        (["--log-probs-chunk-size", "-1"], "--log-probs-chunk-size", "must be >= 1"),
+        (
+            ["--train-backend", "megatron", "--log-probs-chunk-size", "64"],
+            "--log-probs-chunk-size",
+            "applies to --train-backend torch only",
+        ),
+        (["--recompute-granularity", "selective"], "--recompute-granularity", "'selective'"),
+        (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method", "'block'"),
+        (["--recompute-granularity", "full", "--recompute-num-layers", "2"], "--recompute-num-layers", "2"),
+    ],
+)
 def test_bad_values_are_refused_at_start_up_naming_the_flag(config_dir, extra, flag, message):
     from tests.train_args import minimal_train_argv
     from vime.config import ConfigError, parse_train_args

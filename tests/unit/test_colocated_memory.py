@@ -56,8 +56,11 @@ class Trainer:
     def __init__(self, recorder):
         self.recorder = recorder
 
-    def run(self, method, *args, timeout, what=None):
-        self.recorder.calls.append(f"trainer.{method}")
+    def offload_memory(self, *, timeout):
+        self.recorder.calls.append("trainer.offload_memory")
+
+    def reload_memory(self, *, timeout):
+        self.recorder.calls.append("trainer.reload_memory")
 
 
 class Engines:
@@ -75,28 +78,41 @@ class Engines:
 
 def test_one_step_sleeps_the_engines_before_the_trainer_reloads_and_offloads_after_the_update():
     recorder = Recorder()
-    memory = ColocatedMemory(OffloadPlan(sleep_level=2, offload_train=True), trainer=Trainer(recorder),
-                             engines=Engines(recorder), health=recorder.health_window)
-    memory.after_weight_update()   # the first version is served: the trainer makes room before any rollout
+    memory = ColocatedMemory(
+        OffloadPlan(sleep_level=2, offload_train=True),
+        trainer=Trainer(recorder),
+        engines=Engines(recorder),
+        health=recorder.health_window,
+    )
+    memory.after_weight_update()  # the first version is served: the trainer makes room before any rollout
     memory.before_training()
     recorder.calls.append("train + weight update (each engine wakes weights, loads, wakes its KV cache)")
     memory.after_weight_update()
     assert recorder.calls == [
         "trainer.offload_memory",
-        "health checks suspended", "engines.sleep(2)", "trainer.reload_memory",
+        "health checks suspended",
+        "engines.sleep(2)",
+        "trainer.reload_memory",
         "train + weight update (each engine wakes weights, loads, wakes its KV cache)",
-        "health checks resumed", "trainer.offload_memory"]
+        "health checks resumed",
+        "trainer.offload_memory",
+    ]
 
 
 def test_nothing_happens_without_offload_and_a_failed_sleep_resumes_the_health_checks():
     recorder = Recorder()
-    idle = ColocatedMemory(OffloadPlan(), trainer=Trainer(recorder), engines=Engines(recorder),
-                           health=recorder.health_window)
+    idle = ColocatedMemory(
+        OffloadPlan(), trainer=Trainer(recorder), engines=Engines(recorder), health=recorder.health_window
+    )
     idle.before_training()
     idle.after_weight_update()
     assert recorder.calls == []
-    failing = ColocatedMemory(OffloadPlan(sleep_level=1), trainer=Trainer(recorder),
-                              engines=Engines(recorder, fail=True), health=recorder.health_window)
+    failing = ColocatedMemory(
+        OffloadPlan(sleep_level=1),
+        trainer=Trainer(recorder),
+        engines=Engines(recorder, fail=True),
+        health=recorder.health_window,
+    )
     with pytest.raises(RuntimeError, match="sleep refused"):
         failing.before_training()
     assert recorder.calls == ["health checks suspended", "engines.sleep(1)", "health checks resumed"]

@@ -32,8 +32,10 @@ def test_cuda_is_required_of_this_machine_unless_the_trainer_runs_on_a_ray_clust
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    for flags, flag in ((["--train-backend", "megatron"], "--train-backend"),
-                        (["--update-weight-transport", "nccl"], "--update-weight-transport")):
+    for flags, flag in (
+        (["--train-backend", "megatron"], "--train-backend"),
+        (["--update-weight-transport", "nccl"], "--update-weight-transport"),
+    ):
         with pytest.raises(ConfigError, match=f"^{flag}: .* needs CUDA GPUs"):
             parse_train_args(base(model_dir, *flags))
         assert parse_train_args(base(model_dir, *flags, "--ray-address", "10.0.0.1:6379")).cluster.ray_address
@@ -43,32 +45,46 @@ def test_colocate_is_synchronous(model_dir):
     assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--advantage-estimator", "magic"], "--advantage-estimator"),
-    (["--rollout-top-p", "0"], "--rollout-top-p"),
-    (["--global-batch-size", "3"], "--global-batch-size"),
-    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
-    (["--save-interval", "2"], "--save-interval"),
-    (["--colocate", "--flush-cache-interval", "0"], "--flush-cache-interval"),
-    (["--vllm-model", "x"], "--vllm-model"),
-    (["--router-port", "1"], "--router-port"),
-    (["--router-no-such-flag", "1"], "--router-no-such-flag"),
-    (["--num-layers", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-    (["--ckpt-step", "3"], "--ckpt-step"),
-    # Two data-parallel replicas share each step's micro-batches: 6 is not a multiple of 2 x 2.
-    (["--actor-num-gpus-per-node", "2", "--micro-batch-size", "2", "--rollout-batch-size", "3",
-      "--n-samples-per-prompt", "2"], "--global-batch-size"),
-    (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
-    (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
-    (["--context-parallel-size", "2"], "--context-parallel-size"),  # the torch backend
-    (["--context-parallel-size", "0"], "--context-parallel-size"),
-    (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers"),  # needs PP > 1
-    (["--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers"),
-    (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size"),
-    (["--expert-tensor-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-tensor-parallel-size"),
-    (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--advantage-estimator", "magic"], "--advantage-estimator"),
+        (["--rollout-top-p", "0"], "--rollout-top-p"),
+        (["--global-batch-size", "3"], "--global-batch-size"),
+        (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
+        (["--save-interval", "2"], "--save-interval"),
+        (["--colocate", "--flush-cache-interval", "0"], "--flush-cache-interval"),
+        (["--vllm-model", "x"], "--vllm-model"),
+        (["--router-port", "1"], "--router-port"),
+        (["--router-no-such-flag", "1"], "--router-no-such-flag"),
+        (["--num-layers", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--ckpt-step", "3"], "--ckpt-step"),
+        # Two data-parallel replicas share each step's micro-batches: 6 is not a multiple of 2 x 2.
+        (
+            [
+                "--actor-num-gpus-per-node",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--rollout-batch-size",
+                "3",
+                "--n-samples-per-prompt",
+                "2",
+            ],
+            "--global-batch-size",
+        ),
+        (["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),  # the torch backend
+        (["--pipeline-model-parallel-size", "0"], "--pipeline-model-parallel-size"),
+        (["--context-parallel-size", "2"], "--context-parallel-size"),  # the torch backend
+        (["--context-parallel-size", "0"], "--context-parallel-size"),
+        (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers"),  # needs PP > 1
+        (["--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers"),
+        (["--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size"),
+        (["--expert-tensor-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-tensor-parallel-size"),
+        (["--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"], "--expert-model-parallel-size"),
+    ],
+)
 def test_bad_values_name_the_flag(model_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
         parse_train_args(base(model_dir, *extra))
@@ -78,8 +94,21 @@ def test_bad_values_name_the_flag(model_dir, extra, flag):
 def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(model_dir):
     from vime.config import check_trainer_parallelism
 
-    s = parse_train_args(base(model_dir, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",
-                              "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "1"))
+    s = parse_train_args(
+        base(
+            model_dir,
+            "--actor-num-nodes",
+            "2",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--micro-batch-size",
+            "1",
+        )
+    )
     assert s.cluster.num_trainers == 4
     # Megatron (CUDA only, so its settings are made here): TP must divide the ranks; the rest are replicas.
     s.train.train_backend = "megatron"
@@ -95,16 +124,21 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.tensor_model_parallel_size, s.train.micro_batch_size = 1, 1
     s.megatron.expert_model_parallel_size = 4
     check_trainer_parallelism(s)
-    for field, value, message in (("expert_model_parallel_size", 3, "^--expert-model-parallel-size: --expert-model-parallel-size 3 x "),
-                                  ("ckpt_format", "torch", "^--ckpt-format: 'torch' cannot hold experts")):
+    for field, value, message in (
+        ("expert_model_parallel_size", 3, "^--expert-model-parallel-size: --expert-model-parallel-size 3 x "),
+        ("ckpt_format", "torch", "^--ckpt-format: 'torch' cannot hold experts"),
+    ):
         setattr(s.megatron, field, value)
         with pytest.raises(ConfigError, match=message):
             check_trainer_parallelism(s)
         s.megatron.expert_model_parallel_size, s.megatron.ckpt_format = 4, "torch_dist"
     # With tensor parallelism, each expert is split over --expert-tensor-parallel-size ranks (default: TP).
     s.megatron.tensor_model_parallel_size = 2
-    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
-                                          "--expert-tensor-parallel-size 2 x --pipeline-model-parallel-size 1 must"):
+    with pytest.raises(
+        ConfigError,
+        match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
+        "--expert-tensor-parallel-size 2 x --pipeline-model-parallel-size 1 must",
+    ):
         check_trainer_parallelism(s)
     s.megatron.expert_model_parallel_size = 2
     check_trainer_parallelism(s)
@@ -112,23 +146,32 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
     check_trainer_parallelism(s)  # TP 2 x PP 2: one replica
     s.megatron.pipeline_model_parallel_size = 4
-    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size: 4 x --tensor-model-parallel-size 2 must "
-                                          "divide the trainer's 4 rank"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--pipeline-model-parallel-size: 4 x --tensor-model-parallel-size 2 must "
+        "divide the trainer's 4 rank",
+    ):
         check_trainer_parallelism(s)
     s.megatron.tensor_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 2
     s.megatron.expert_model_parallel_size = 2
     check_trainer_parallelism(s)  # 2 stages of 2 ranks, experts spread over both ranks of a stage
     s.megatron.expert_model_parallel_size = 4
-    with pytest.raises(ConfigError, match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
-                                          "--expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 2 must"):
+    with pytest.raises(
+        ConfigError,
+        match="^--expert-model-parallel-size: --expert-model-parallel-size 4 x "
+        "--expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 2 must",
+    ):
         check_trainer_parallelism(s)
     # Expert tensor parallelism: each expert split over ranks (torch_dist checkpoints).
     s.megatron.expert_model_parallel_size, s.megatron.pipeline_model_parallel_size = 1, 1
     s.megatron.expert_tensor_parallel_size = 2
     check_trainer_parallelism(s)
     s.megatron.ckpt_format = "torch"
-    with pytest.raises(ConfigError, match=r"^--ckpt-format: 'torch' cannot hold experts spread over ranks "
-                                          r"\(--expert-tensor-parallel-size 2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--ckpt-format: 'torch' cannot hold experts spread over ranks "
+        r"\(--expert-tensor-parallel-size 2\)",
+    ):
         check_trainer_parallelism(s)
     s.megatron.ckpt_format, s.megatron.tensor_model_parallel_size = "torch_dist", 2
     s.megatron.expert_tensor_parallel_size = 1
@@ -138,8 +181,11 @@ def test_trainer_ranks_are_data_parallel_replicas_or_megatron_tensor_groups(mode
     s.megatron.context_parallel_size = 2
     check_trainer_parallelism(s)  # CP 2 x 2 replicas
     s.megatron.pipeline_model_parallel_size = 4
-    with pytest.raises(ConfigError, match=r"^--context-parallel-size: 2 x --tensor-model-parallel-size 1 x "
-                                          "--pipeline-model-parallel-size 4 must divide the trainer's 4 rank"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--context-parallel-size: 2 x --tensor-model-parallel-size 1 x "
+        "--pipeline-model-parallel-size 4 must divide the trainer's 4 rank",
+    ):
         check_trainer_parallelism(s)
     s.megatron.pipeline_model_parallel_size, s.megatron.expert_model_parallel_size = 1, 2
     check_trainer_parallelism(s)  # the experts spread over the ranks of a context-parallel group
@@ -158,8 +204,21 @@ def test_missing_prompt_data_and_model_are_named(tmp_path):
 
 def test_prefixed_flags_are_split_out():
     forwarded, rest = split_prefixed(
-        ["--vllm-max-model-len", "64", "--lr", "1", "--vllm-enforce-eager", "--vllm-dtype=float32",
-         "--vllm-router-port", "9", "--vllm-seed", "-1"], "vllm-", {"--vllm-router-port"})
+        [
+            "--vllm-max-model-len",
+            "64",
+            "--lr",
+            "1",
+            "--vllm-enforce-eager",
+            "--vllm-dtype=float32",
+            "--vllm-router-port",
+            "9",
+            "--vllm-seed",
+            "-1",
+        ],
+        "vllm-",
+        {"--vllm-router-port"},
+    )
     assert forwarded == {"max-model-len": "64", "enforce-eager": None, "dtype": "float32", "seed": "-1"}
     assert rest == ["--lr", "1", "--vllm-router-port", "9"]
     assert to_cli(forwarded) == ["--max-model-len", "64", "--enforce-eager", "--dtype", "float32", "--seed", "-1"]
@@ -175,12 +234,15 @@ def test_vllm_flags_are_checked_against_the_installed_vllm():
         check_against_vllm({"enforce-eager": "yes"})
 
 
-@pytest.mark.parametrize("interval, flushes", [
-    (1, [True, True, True, True, True]),
-    (0, [True, False, False, False, False]),
-    (-1, [True, False, False, False, False]),
-    (2, [True, False, True, False, True]),   # the seeds: keep at version 2, flush at 3, keep at 4
-    (3, [True, False, False, True, False]),
-])
+@pytest.mark.parametrize(
+    "interval, flushes",
+    [
+        (1, [True, True, True, True, True]),
+        (0, [True, False, False, False, False]),
+        (-1, [True, False, False, False, False]),
+        (2, [True, False, True, False, True]),  # the seeds: keep at version 2, flush at 3, keep at 4
+        (3, [True, False, False, True, False]),
+    ],
+)
 def test_flush_cache_interval(interval, flushes):
     assert [flush_for_sync(n, interval) for n in range(1, 6)] == flushes

@@ -10,7 +10,7 @@ from vime.data.source import DataKeys
 from vime.queue.fence import QueueBusy
 from vime.queue.memory_queue import IdempotencyConflict as MemoryConflict
 from vime.queue.rollout_queue import StoreOptions
-from vime.queue.transport import ObjectStoreTransport, StrawTransport
+from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
 from vime.workers.controller import Controller, ControllerSpec
 
@@ -23,9 +23,18 @@ def prompts(tmp_path):
 
 
 def make_spec(tmp_path, prompts, transport="straw", **overrides):
-    values = dict(transport=transport, store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-                  lease_seconds=60, prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0,
-                  shuffle=False, num_epoch=None, groups_per_rollout=2, max_staleness=1)
+    values = dict(
+        transport=transport,
+        store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
+        lease_seconds=60,
+        prompt_data=prompts,
+        keys=DataKeys("prompt", "label"),
+        seed=0,
+        shuffle=False,
+        num_epoch=None,
+        groups_per_rollout=2,
+        max_staleness=1,
+    )
     values.update(overrides)
     return ControllerSpec(**values)
 
@@ -39,13 +48,24 @@ class InlineBox:
 
 def publish(tmp_path, transport, leased, reward=1.0):
     a = leased.assignment
-    samples = [Sample(group_index=a.task.group_index, index=i, prompt_index=a.task.prompt_index, tokens=[1, 2, 3],
-                      response_length=1, reward=reward, status=Status.COMPLETED, weight_versions=[0])
-               for i in range(2)]
+    samples = [
+        Sample(
+            group_index=a.task.group_index,
+            index=i,
+            prompt_index=a.task.prompt_index,
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=reward,
+            status=Status.COMPLETED,
+            weight_versions=[0],
+        )
+        for i in range(2)
+    ]
     sid = f"{a.lease.task_id}-{a.lease.attempt_id}"
     if transport == "straw":
         ref = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run")).publish(
-            samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid)
+            samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid
+        )
     else:
         ref = InlineBox(samples)
     return sid, ref
@@ -69,12 +89,12 @@ def test_exactly_once_acceptance(tmp_path, prompts, transport):
 def test_admission_bounds_outstanding_groups(tmp_path, prompts, transport):
     controller = Controller(make_spec(tmp_path, prompts, transport, groups_per_rollout=2, max_staleness=1))
     leased = controller.lease("w", 100)
-    assert len(leased) == 4                  # (version 0 + staleness 1 + 1) x 2 groups
+    assert len(leased) == 4  # (version 0 + staleness 1 + 1) x 2 groups
     assert controller.lease("w", 100) == []
     for item in leased[:2]:
         controller.complete(item.assignment.lease, *publish(tmp_path, transport, item), 2, 2, 0)
     assert controller.lease("w", 100) == []  # accepted-but-untrained groups still count
-    assert controller.take_groups(0, 3, 0, 0).groups == []   # only two accepted so far
+    assert controller.take_groups(0, 3, 0, 0).groups == []  # only two accepted so far
     assert len(controller.take_groups(0, 2, 0, 0).groups) == 2
     assert controller.lease("w", 100) == []  # the trainer has not moved to version 1 yet
     controller.sync(1, 2, 2)
@@ -96,9 +116,12 @@ def test_continuations_come_first_then_oldest_version(tmp_path, prompts):
     transport = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run"))
     for item, version in ((a, 2), (b, 1)):
         lease = item.assignment.lease
-        partial = transport.publish([Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[version])],
-                                    task_id=lease.task_id, attempt_id=lease.attempt_id,
-                                    submission_id=f"partial-{lease.attempt_id}")
+        partial = transport.publish(
+            [Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[version])],
+            task_id=lease.task_id,
+            attempt_id=lease.attempt_id,
+            submission_id=f"partial-{lease.attempt_id}",
+        )
         assert controller.return_partial(lease, item.assignment.task.as_continuation(version), partial)
     order = [x.assignment.task.task_id for x in controller.lease("w", 3)]
     assert order[:2] == [b.assignment.task.task_id, a.assignment.task.task_id]
@@ -118,7 +141,8 @@ def test_restart_fences_old_leases_and_keeps_the_dataset_cursor(tmp_path, prompt
     controller = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=0))
     leased = controller.lease("w", 2)
     submitted_before = {t.prompt_index for t in controller.queue.pending()} | {
-        x.assignment.task.prompt_index for x in leased}
+        x.assignment.task.prompt_index for x in leased
+    }
     controller.shutdown()
     restarted = Controller(make_spec(tmp_path, prompts, groups_per_rollout=2, max_staleness=0))
     sid, ref = publish(tmp_path, "straw", leased[0])
@@ -138,13 +162,12 @@ def test_stale_groups_are_skipped_and_their_prompts_regenerated_once(tmp_path, p
     leased = controller.lease("w", 4)
     for item, min_version in zip(leased, (0, 2, 0, 2)):
         controller.complete(item.assignment.lease, *publish(tmp_path, "straw", item), 2, 2, min_version)
-    taken = controller.take_groups(0, 2, 2, 0)    # policy 2: groups from version 0 are 2 versions old
+    taken = controller.take_groups(0, 2, 2, 0)  # policy 2: groups from version 0 are 2 versions old
     assert [g.position for g in taken.groups] == [1, 3] and taken.skipped == [0, 2] and taken.next_cursor == 4
-    again = controller.take_groups(0, 2, 2, 0)    # re-asking is idempotent: no duplicate resubmission
+    again = controller.take_groups(0, 2, 2, 0)  # re-asking is idempotent: no duplicate resubmission
     assert again.skipped == [0, 2]
     regenerated = [t for t in controller.queue.pending() if t.task_id.startswith("r")]
-    assert sorted(t.prompt_index for t in regenerated) == sorted(
-        leased[i].assignment.task.prompt_index for i in (0, 2))
+    assert sorted(t.prompt_index for t in regenerated) == sorted(leased[i].assignment.task.prompt_index for i in (0, 2))
     assert controller.stats().regenerated == 2
     controller.shutdown()
 
@@ -161,17 +184,18 @@ def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(t
     controller = Controller(make_spec(tmp_path, prompts))
     data_dir = str(tmp_path / "queue")
     [leased] = controller.lease("w", 1)
-    publish(tmp_path, "straw", leased)          # a producer that published, then died
+    publish(tmp_path, "straw", leased)  # a producer that published, then died
     unstarted = StrawTransport(StoreOptions(data_dir, "run"))
     unstarted.publish([], task_id="x", attempt_id="y", submission_id="z")
     unstarted_id = unstarted.store.writer_id
-    journal = os.path.join(data_dir, "control", "writers", unstarted_id[:2], unstarted_id, "operations", "control",
-                           "journal.log")
-    open(journal, "w").close()                  # what the kill left: the journal created, nothing in it
+    journal = os.path.join(
+        data_dir, "control", "writers", unstarted_id[:2], unstarted_id, "operations", "control", "journal.log"
+    )
+    open(journal, "w").close()  # what the kill left: the journal created, nothing in it
     report = controller.reap_writers([])
     assert report["writers_never_started"] == 1 and report["writers_retired"] >= 1
     with open(journal, "wb") as f:
-        f.write(b"not a journal")               # not the empty journal of a kill: refused, not hidden
+        f.write(b"not a journal")  # not the empty journal of a kill: refused, not hidden
     with pytest.raises((CorruptData, UnsafeRecovery)):
         controller.reap_writers([])
     controller.shutdown()

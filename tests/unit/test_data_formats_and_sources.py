@@ -13,14 +13,19 @@ import pytest
 
 from vime.data.prompt import PromptError, chat_messages, render_prompt, sft_tokens
 from vime.data.source import (
-    CustomPromptSource, DataError, DataKeys, DatasetCursor, PromptDataset, PromptRecord, open_prompt_source,
+    CustomPromptSource,
+    DataError,
+    DataKeys,
+    DatasetCursor,
+    PromptDataset,
+    PromptRecord,
+    open_prompt_source,
 )
 from vime.runtime.plugins import PluginError
 from vime.sample import Sample, Status
 
 KEYS = DataKeys("prompt", "label", "metadata")
-CHAT = [{"role": "system", "content": "brief", "step_loss_mask": 0},
-        {"role": "user", "content": "12="}]
+CHAT = [{"role": "system", "content": "brief", "step_loss_mask": 0}, {"role": "user", "content": "12="}]
 
 
 def write_jsonl(path, rows):
@@ -29,8 +34,10 @@ def write_jsonl(path, rows):
 
 
 def test_parquet_with_chat_messages_struct_metadata_and_json_string_metadata(tmp_path):
-    rows = [{"question": CHAT, "answer": "3", "meta": json.dumps({"source_name": "math"})},
-            {"question": [{"role": "user", "content": "7="}], "answer": "8", "meta": None}]
+    rows = [
+        {"question": CHAT, "answer": "3", "meta": json.dumps({"source_name": "math"})},
+        {"question": [{"role": "user", "content": "7="}], "answer": "8", "meta": None},
+    ]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     data = PromptDataset.load(str(path), DataKeys("question", "answer", "meta"))
@@ -41,8 +48,12 @@ def test_parquet_with_chat_messages_struct_metadata_and_json_string_metadata(tmp
 
 
 def test_parquet_struct_metadata_and_memory_url(tmp_path):
-    table = pa.Table.from_pylist([{"prompt": "a", "label": "1", "metadata": {"source_name": "s1"}},
-                                  {"prompt": "b", "label": "2", "metadata": {"source_name": None}}])
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": "a", "label": "1", "metadata": {"source_name": "s1"}},
+            {"prompt": "b", "label": "2", "metadata": {"source_name": None}},
+        ]
+    )
     with fsspec.open("memory://vime-tests/prompts.parquet", "wb") as f:
         pq.write_table(table, f)
     data = PromptDataset.load("memory://vime-tests/prompts.parquet", KEYS)
@@ -57,19 +68,32 @@ def test_jsonl_with_other_keys_and_no_label(tmp_path):
     assert data[0] == PromptRecord(0, "1=", None, {"k": 1})
 
 
-@pytest.mark.parametrize("row, match", [
-    ({"prompt": [{"role": "user", "content": "x", "step_loss_mask": 2}], "label": "1"},
-     r"line 2: field 'prompt', message 0: step_loss_mask must be 0 or 1, got 2"),
-    ({"prompt": [{"role": "user", "content": "x", "step_loss_mask": True}], "label": "1"},
-     r"line 2: field 'prompt', message 0: step_loss_mask must be 0 or 1, got True"),
-    ({"prompt": [{"role": "user"}], "label": "1"}, r"line 2: field 'prompt', message 0: a chat message needs"),
-    ({"prompt": [], "label": "1"}, r"line 2: field 'prompt' must be a string or a list of chat messages"),
-    ({"prompt": "x", "label": "1", "metadata": "{not json"}, r"line 2: field 'metadata' \(--metadata-key\) is a "
-                                                              r"string but not JSON"),
-    ({"prompt": "x", "label": "1", "metadata": [1]}, r"line 2: field 'metadata' \(--metadata-key\) must be an object"),
-    ({"prompt": "x"}, r"line 2: record has no field 'label' \(--label-key\)"),
-    ([1, 2], r"line 2: expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        (
+            {"prompt": [{"role": "user", "content": "x", "step_loss_mask": 2}], "label": "1"},
+            r"line 2: field 'prompt', message 0: step_loss_mask must be 0 or 1, got 2",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "x", "step_loss_mask": True}], "label": "1"},
+            r"line 2: field 'prompt', message 0: step_loss_mask must be 0 or 1, got True",
+        ),
+        ({"prompt": [{"role": "user"}], "label": "1"}, r"line 2: field 'prompt', message 0: a chat message needs"),
+        ({"prompt": [], "label": "1"}, r"line 2: field 'prompt' must be a string or a list of chat messages"),
+        (
+            {"prompt": "x", "label": "1", "metadata": "{not json"},
+            r"line 2: field 'metadata' \(--metadata-key\) is a "
+            r"string but not JSON",
+        ),
+        (
+            {"prompt": "x", "label": "1", "metadata": [1]},
+            r"line 2: field 'metadata' \(--metadata-key\) must be an object",
+        ),
+        ({"prompt": "x"}, r"line 2: record has no field 'label' \(--label-key\)"),
+        ([1, 2], r"line 2: expected a JSON object, got list"),
+    ],
+)
 def test_bad_records_name_file_line_and_key(tmp_path, row, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok", "label": "1"}, row])
     with pytest.raises(DataError, match=r"bad\.jsonl, " + match):
@@ -97,9 +121,22 @@ def test_source_name_rule():
 def test_source_and_session_survive_the_queue_record_codec():
     from vime.queue.records import decode_group, encode_group
 
-    samples = [Sample(group_index=3, index=i, prompt_index=7, tokens=[1, 2, 3], response_length=1, reward=1.0,
-                      status=Status.COMPLETED, weight_versions=[0], loss_mask=[0], session_id=f"g3-{i}", **kw)
-               for i, kw in enumerate([{"source": "dyn"}, {"metadata": {"source_name": "meta"}}, {}])]
+    samples = [
+        Sample(
+            group_index=3,
+            index=i,
+            prompt_index=7,
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=1.0,
+            status=Status.COMPLETED,
+            weight_versions=[0],
+            loss_mask=[0],
+            session_id=f"g3-{i}",
+            **kw,
+        )
+        for i, kw in enumerate([{"source": "dyn"}, {"metadata": {"source_name": "meta"}}, {}])
+    ]
     decoded = decode_group(encode_group(samples, "g3", {}))
     assert [s.source_name for s in decoded] == ["dyn", "meta", "unknown"]
     assert [s.session_id for s in decoded] == ["g3-0", "g3-1", "g3-2"]
@@ -109,20 +146,24 @@ def test_source_and_session_survive_the_queue_record_codec():
 def test_reward_by_source():
     from vime.rollout.rewards import reward_by_source
 
-    samples = [Sample(reward=1.0, source="a"), Sample(reward=0.0, source="a"),
-               Sample(reward=0.5, metadata={"source_name": "b"}), Sample(reward=0.25)]
+    samples = [
+        Sample(reward=1.0, source="a"),
+        Sample(reward=0.0, source="a"),
+        Sample(reward=0.5, metadata={"source_name": "b"}),
+        Sample(reward=0.25),
+    ]
     assert reward_by_source(samples) == {"reward_mean/a": 0.5, "reward_mean/b": 0.5, "reward_mean/unknown": 0.25}
 
 
 # ---------------------------------------------------------------- chat templates and step_loss_mask
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    from transformers import AutoTokenizer
-
     from vime.tools.make_tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer("0123456789=<>/abcdefghijklmnopqrstuvwxyz")
@@ -140,13 +181,18 @@ def test_chat_template_rendering_ignores_step_loss_mask(chat_tokenizer):
 
 
 def test_sft_tokens_mask_assistant_turns_and_honour_step_loss_mask(chat_tokenizer):
-    conversation = [{"role": "user", "content": "1="}, {"role": "assistant", "content": "2"},
-                    {"role": "user", "content": "3="}, {"role": "assistant", "content": "99", "step_loss_mask": 0},
-                    {"role": "user", "content": "5="}, {"role": "assistant", "content": "6"}]
+    conversation = [
+        {"role": "user", "content": "1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "3="},
+        {"role": "assistant", "content": "99", "step_loss_mask": 0},
+        {"role": "user", "content": "5="},
+        {"role": "assistant", "content": "6"},
+    ]
     tokens, response_length, mask = sft_tokens(chat_tokenizer, conversation)
     text = chat_tokenizer.decode(tokens)
     assert text.startswith("<user>1=</s><assistant>")
-    response = tokens[len(tokens) - response_length:]
+    response = tokens[len(tokens) - response_length :]
     assert len(mask) == response_length
     trained = chat_tokenizer.decode([t for t, m in zip(response, mask) if m])
     assert trained == "2</s>6</s>"  # the turn with step_loss_mask 0 is not trained, user turns never
@@ -184,9 +230,11 @@ class Args:
 
 
 def test_custom_source_rows_as_dicts_samples_and_records():
-    rows = [{"prompt": "1=", "label": "2", "metadata": {"source_name": "m"}},
-            Sample(prompt=[{"role": "user", "content": "3="}], label="4", source="dyn", metadata={"k": 1}),
-            PromptRecord(99, "5=", "6", {})]
+    rows = [
+        {"prompt": "1=", "label": "2", "metadata": {"source_name": "m"}},
+        Sample(prompt=[{"role": "user", "content": "3="}], label="4", source="dyn", metadata={"k": 1}),
+        PromptRecord(99, "5=", "6", {}),
+    ]
     source = open_prompt_source(None, KEYS, data_source_path=f"{__name__}.RowsSource", args=Args(rows))
     assert isinstance(source, CustomPromptSource) and len(source) == 3
     assert source[0] == PromptRecord(0, "1=", "2", {"source_name": "m"})
@@ -203,16 +251,20 @@ def test_custom_source_errors_name_the_flag_and_row(tmp_path):
         open_prompt_source(None, KEYS, data_source_path=path, args=Args([]))
     with pytest.raises(DataError, match=r"--data-source-path .*RowsSource, row 0: expected a dict record, a Sample"):
         open_prompt_source(None, KEYS, data_source_path=path, args=Args([42]))
-    source = open_prompt_source(None, KEYS, data_source_path=path, args=Args([{"prompt": "a", "label": "b"},
-                                                                              {"text": "c"}]))
+    source = open_prompt_source(
+        None, KEYS, data_source_path=path, args=Args([{"prompt": "a", "label": "b"}, {"text": "c"}])
+    )
     with pytest.raises(DataError, match=r"RowsSource, row 1: record has no field 'prompt' \(--input-key\)"):
         source[1]
     with pytest.raises(DataError, match=r"RowsSource, row 5: IndexError"):
         source[5]
     with pytest.raises(DataError, match=r"StreamingSource has no __len__\(\) \(vime's data sources are map-style"):
         open_prompt_source(None, KEYS, data_source_path=f"{__name__}.StreamingSource", args=None)
-    with pytest.raises(PluginError, match=r"--data-source-path .*RowsSource: constructing it with args failed: "
-                                          r"AttributeError"):
+    with pytest.raises(
+        PluginError,
+        match=r"--data-source-path .*RowsSource: constructing it with args failed: "
+        r"AttributeError",
+    ):
         open_prompt_source(None, KEYS, data_source_path=path, args=object())
     with pytest.raises(DataError, match=r"^--prompt-data: no prompt file given"):
         open_prompt_source(None, KEYS)

@@ -12,20 +12,30 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
-                                        "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
+)
 
 from tests import megatron_shim  # noqa: E402
+from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
 
 GROUPS = 3  # x 4 samples = 3 micro-batches of 4; global batch 8: steps of 2 and 1 micro-batches
-TORCH_RUNS = {"kl_loss_entropy": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
-              "ppo": {"advantage_estimator": "ppo", "kl_coef": 0.05}}
+TORCH_RUNS = {
+    "kl_loss_entropy": {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01},
+    "ppo": {"advantage_estimator": "ppo", "kl_coef": 0.05},
+}
 
 
-
-def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, world: int = 2,
-          layouts: dict[str, dict] | None = None) -> None:
+def _rank(
+    rank: int,
+    port: int,
+    model_dir: str,
+    work: str,
+    backend_name: str,
+    world: int = 2,
+    layouts: dict[str, dict] | None = None,
+) -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -49,8 +59,11 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
             metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
             folder = os.path.join(work, f"{name}_ckpt_rank{rank}")
             backend.save_training_state(folder)
-            results[name] = {"metrics": metrics, "wrote_checkpoint": os.path.isdir(folder),
-                             "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()}}
+            results[name] = {
+                "metrics": metrics,
+                "wrote_checkpoint": os.path.isdir(folder),
+                "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()},
+            }
     elif backend_name == "megatron":
         from vime.backends.megatron_backend import MegatronBackend
 
@@ -64,8 +77,9 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
         from vime.backends.megatron_model import Parallelism
 
         for name, algorithm in TORCH_RUNS.items():
-            backend = MegatronBackend(trainer_spec(model_dir, **algorithm),
-                                      megatron_spec(model_dir, parallel=Parallelism(pipeline=2)))
+            backend = MegatronBackend(
+                trainer_spec(model_dir, **algorithm), megatron_spec(model_dir, parallel=Parallelism(pipeline=2))
+            )
             assert backend.pipeline.rank == rank and len(backend.gpt.decoder.layers) == 1
             metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
             backend.save_training_state(os.path.join(work, f"pp_{name}_ckpt"))
@@ -73,17 +87,22 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
             results[name] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
         # Three layers split unevenly: one in the first stage, two in the last.
         uneven = os.path.join(work, "tied3")
-        backend = MegatronBackend(trainer_spec(uneven, **TORCH_RUNS["kl_loss_entropy"]),
-                                  megatron_spec(uneven, parallel=Parallelism(pipeline=2, first_stage_layers=1)))
+        backend = MegatronBackend(
+            trainer_spec(uneven, **TORCH_RUNS["kl_loss_entropy"]),
+            megatron_spec(uneven, parallel=Parallelism(pipeline=2, first_stage_layers=1)),
+        )
         assert len(backend.gpt.decoder.layers) == 1 + rank
-        results["uneven"] = {"metrics": [backend.train_rollout(make_samples(0, GROUPS), 0)],
-                             "weights": dict(backend.hf_named_weights())}
+        results["uneven"] = {
+            "metrics": [backend.train_rollout(make_samples(0, GROUPS), 0)],
+            "weights": dict(backend.hf_named_weights()),
+        }
         # An MoE model whose recorded routes (R3) each stage replays in its own layers, with the aux loss.
         from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
 
         backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(pipeline=2)))
-        results["moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
-                                         for seed in (0, 1)]}
+        results["moe_r3"] = {
+            "metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0) for seed in (0, 1)]
+        }
     elif backend_name == "megatron_layout":  # a dense model in layouts of ``Parallelism`` fields, one after another
         from tests.unit.test_megatron_moe_r3 import make_samples as routed_samples
         from vime.backends.megatron_backend import MegatronBackend
@@ -91,15 +110,17 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
 
         for layout_id, layout in layouts.items():
             for name, algorithm in TORCH_RUNS.items():
-                backend = MegatronBackend(trainer_spec(model_dir, **algorithm),
-                                          megatron_spec(model_dir, parallel=Parallelism(**layout)))
+                backend = MegatronBackend(
+                    trainer_spec(model_dir, **algorithm), megatron_spec(model_dir, parallel=Parallelism(**layout))
+                )
                 metrics = [backend.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
                 backend.save_training_state(os.path.join(work, f"{layout_id}_{name}_ckpt"))
                 results[f"{layout_id}/{name}"] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
             # MoE with recorded routes (R3) and the aux loss
             backend = MegatronBackend(*_routed_specs(os.path.join(work, "moe"), Parallelism(**layout)))
-            results[f"{layout_id}/moe_r3"] = {"metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0)
-                                                          for seed in (0, 1)]}
+            results[f"{layout_id}/moe_r3"] = {
+                "metrics": [backend.train_rollout(routed_samples(seed, routes=True), 0) for seed in (0, 1)]
+            }
             _reset_megatron()
     else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
         from vime.backends.megatron_backend import MegatronBackend
@@ -107,12 +128,14 @@ def _rank(rank: int, port: int, model_dir: str, work: str, backend_name: str, wo
 
         for layout_id, layout in layouts.items():
             parallel = Parallelism(**layout)
-            backend = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]),
-                                      megatron_spec(model_dir, parallel=parallel))
+            backend = MegatronBackend(
+                trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir, parallel=parallel)
+            )
             assert local_expert_count(backend.gpt) == 4 // parallel.expert and backend.dp.size == 2
             assert len(backend.gpt.decoder.layers) == 2 // parallel.pipeline
-            fc1 = next(p for n, p in backend.gpt.named_parameters()
-                       if n.endswith("experts.local_experts.0.linear_fc1.weight"))
+            fc1 = next(
+                p for n, p in backend.gpt.named_parameters() if n.endswith("experts.local_experts.0.linear_fc1.weight")
+            )
             assert fc1.shape[0] == 2 * backend.megatron.model.moe_ffn_hidden_size // parallel.expert_tensor_size
             # Two groups: one micro-batch per rank per step, of different lengths (the ranks pad to agree).
             metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
@@ -139,14 +162,18 @@ def _routed_specs(moe_dir: str, parallel):
     from tests.unit.test_megatron_backend import megatron_spec, trainer_spec
     from vime.backends.megatron_model import MoeOptions
 
-    return (trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]),
-            megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)))
+    return (
+        trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]),
+        megatron_spec(moe_dir, parallel=parallel, moe=MoeOptions(routing_replay=True, aux_loss_coeff=0.01)),
+    )
 
 
-def _spawn_ranks(backend_name: str, model_dir: str, work: str, world: int = 2,
-                 layouts: dict[str, dict] | None = None) -> list[dict]:
-    torch.multiprocessing.spawn(_rank, args=(free_port(), model_dir, work, backend_name, world, layouts),
-                                nprocs=world, join=True)
+def _spawn_ranks(
+    backend_name: str, model_dir: str, work: str, world: int = 2, layouts: dict[str, dict] | None = None
+) -> list[dict]:
+    torch.multiprocessing.spawn(
+        _rank, args=(free_port(), model_dir, work, backend_name, world, layouts), nprocs=world, join=True
+    )
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -178,8 +205,9 @@ def test_torch_backend_two_ranks_take_one_ranks_steps(model_dir, tmp_path):
             assert_same_metrics(ranks[1][name]["metrics"][seed], expected)
         for param_name, param in single.model.named_parameters():
             for rank in ranks:  # both replicas stay equal to the single rank's model
-                torch.testing.assert_close(rank[name]["weights"][param_name], param.detach(), rtol=0, atol=1e-6,
-                                           msg=f"{name}: {param_name}")
+                torch.testing.assert_close(
+                    rank[name]["weights"][param_name], param.detach(), rtol=0, atol=1e-6, msg=f"{name}: {param_name}"
+                )
         assert ranks[0][name]["wrote_checkpoint"] and not ranks[1][name]["wrote_checkpoint"]
 
 
@@ -191,11 +219,14 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
     ranks = _spawn_ranks("megatron", model_dir, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]))
-    _assert_ranks_took_the_steps(ranks, "megatron", [reference.train_rollout(make_samples(seed, GROUPS), 0)
-                                                     for seed in (0, 1)])
+    _assert_ranks_took_the_steps(
+        ranks, "megatron", [reference.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+    )
     for rank in ranks:
         for name, param in reference.model.named_parameters():
-            torch.testing.assert_close(rank["megatron"]["weights"][name], param.detach(), rtol=0, atol=2e-5, msg=name)
+            torch.testing.assert_close(
+                rank["megatron"]["weights"][name], param.detach(), rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=name
+            )
     # The two replicas wrote one torch_dist checkpoint; one process resumes from it.
     resumed = MegatronBackend(trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir))
     resumed.load_training_state(str(tmp_path / "megatron_ckpt"))
@@ -205,10 +236,10 @@ def test_megatron_backend_two_data_parallel_ranks_take_one_ranks_steps(model_dir
 
 # Four processes, expert parallelism 2 (each rank holds half of the experts) in every layout.
 EXPERT_LAYOUTS = {
-    "ep2_pp2": {"expert": 2, "pipeline": 2},                                     # in each of two stages
-    "ep2_tp2_sp": {"expert": 2, "tensor": 2, "sequence_parallel": True},         # experts split over TP ranks
+    "ep2_pp2": {"expert": 2, "pipeline": 2},  # in each of two stages
+    "ep2_tp2_sp": {"expert": 2, "tensor": 2, "sequence_parallel": True},  # experts split over TP ranks
     "ep2_tp2_sp_etp1": {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True},  # ... or whole
-    "ep2_cp2": {"expert": 2, "context": 2},                                      # over context-parallel ranks
+    "ep2_cp2": {"expert": 2, "context": 2},  # over context-parallel ranks
 }
 
 
@@ -238,12 +269,15 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
         for rank in ranks:
             assert rank[layout_id]["weights"].keys() == expected_weights.keys()
             for name, tensor in expected_weights.items():
-                torch.testing.assert_close(rank[layout_id]["weights"][name], tensor, rtol=0, atol=2e-5,
-                                           msg=f"{layout_id}: {name}")
+                torch.testing.assert_close(
+                    rank[layout_id]["weights"][name], tensor, rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=f"{layout_id}: {name}"
+                )
         resumed = MegatronBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(moe_dir))
         resumed.load_training_state(str(tmp_path / f"{layout_id}_ckpt"))
         for name, tensor in resumed.hf_named_weights():
-            torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=2e-5, msg=f"{layout_id}: {name}")
+            torch.testing.assert_close(
+                tensor, expected_weights[name], rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=f"{layout_id}: {name}"
+            )
 
 
 def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str, num_layers: int = 2) -> str:
@@ -275,8 +309,9 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
 
     tied = _tied_qwen2_with_tokenizer(str(tmp_path / "tied"), model_dir)
     tied3 = _tied_qwen2_with_tokenizer(str(tmp_path / "tied3"), model_dir, num_layers=3)
-    moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
-                                              **megatron_shim.MOE_VARIANTS["qwen3_moe"])
+    moe_dir = megatron_shim.tiny_moe_hf_model(
+        str(tmp_path / "moe"), with_tokenizer=True, **megatron_shim.MOE_VARIANTS["qwen3_moe"]
+    )
     ranks = _spawn_ranks("megatron_pp", tied, str(tmp_path))
     megatron_shim.install()
     reference = TorchBackend(trainer_spec(tied3, **TORCH_RUNS["kl_loss_entropy"]))
@@ -284,36 +319,48 @@ def test_megatron_pipeline_stages_take_one_ranks_steps(model_dir, tmp_path):
     for rank in ranks:
         assert_same_metrics(rank["uneven"]["metrics"][0], expected)
         for param_name, param in reference.model.named_parameters():
-            torch.testing.assert_close(rank["uneven"]["weights"][param_name], param.detach(), rtol=0, atol=2e-5,
-                                       msg=param_name)
+            torch.testing.assert_close(
+                rank["uneven"]["weights"][param_name], param.detach(), rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=param_name
+            )
     one_stage = MegatronBackend(*_routed_specs(moe_dir, Parallelism()))
-    _assert_ranks_took_the_steps(ranks, "moe_r3", [one_stage.train_rollout(routed_samples(seed, routes=True), 0)
-                                                   for seed in (0, 1)])
+    _assert_ranks_took_the_steps(
+        ranks, "moe_r3", [one_stage.train_rollout(routed_samples(seed, routes=True), 0) for seed in (0, 1)]
+    )
     for name, algorithm in TORCH_RUNS.items():
         reference = TorchBackend(trainer_spec(tied, **algorithm))
-        _assert_ranks_took_the_steps(ranks, name, [reference.train_rollout(make_samples(seed, GROUPS), 0)
-                                                   for seed in (0, 1)])
+        _assert_ranks_took_the_steps(
+            ranks, name, [reference.train_rollout(make_samples(seed, GROUPS), 0) for seed in (0, 1)]
+        )
         expected_weights = {n: p.detach() for n, p in reference.model.named_parameters()}
         assert "lm_head.weight" not in ranks[0][name]["weights"]  # tied: exported once, as the embedding
         for rank in ranks:
             assert rank[name]["weights"].keys() == expected_weights.keys()
             for param_name, tensor in expected_weights.items():
-                torch.testing.assert_close(rank[name]["weights"][param_name], tensor, rtol=0, atol=2e-5,
-                                           msg=f"{name}: {param_name}")
+                torch.testing.assert_close(
+                    rank[name]["weights"][param_name],
+                    tensor,
+                    rtol=0,
+                    atol=ADAMW_WEIGHT_ATOL,
+                    msg=f"{name}: {param_name}",
+                )
         from vime.backends.megatron_convert import read_hf_state_dict
 
         written = read_hf_state_dict(str(tmp_path / f"pp_{name}_weights"))
         assert written.keys() == expected_weights.keys()
         for param_name, tensor in expected_weights.items():
-            torch.testing.assert_close(written[param_name], tensor, rtol=0, atol=2e-5, msg=param_name)
+            torch.testing.assert_close(written[param_name], tensor, rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=param_name)
         resumed = MegatronBackend(trainer_spec(tied, **algorithm), megatron_spec(tied))
         resumed.load_training_state(str(tmp_path / f"pp_{name}_ckpt"))
         for param_name, tensor in resumed.hf_named_weights():
-            torch.testing.assert_close(tensor, expected_weights[param_name], rtol=0, atol=2e-5, msg=param_name)
+            torch.testing.assert_close(
+                tensor, expected_weights[param_name], rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=param_name
+            )
 
 
-QWEN3_LAYOUTS = {"tp2_sp_cp2": {"tensor": 2, "sequence_parallel": True, "context": 2},
-                 "cp2_pp2": {"context": 2, "pipeline": 2}}
+QWEN3_LAYOUTS = {
+    "tp2_sp_cp2": {"tensor": 2, "sequence_parallel": True, "context": 2},
+    "cp2_pp2": {"context": 2, "pipeline": 2},
+}
 
 
 def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_dir, tmp_path):
@@ -331,8 +378,9 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
     from vime.backends.torch_backend import TorchBackend
 
     qwen3 = _with_tokenizer(str(tmp_path / "qwen3"), model_dir, "qwen3")
-    moe_dir = megatron_shim.tiny_moe_hf_model(str(tmp_path / "moe"), with_tokenizer=True,
-                                              **megatron_shim.MOE_VARIANTS["qwen3_moe"])
+    moe_dir = megatron_shim.tiny_moe_hf_model(
+        str(tmp_path / "moe"), with_tokenizer=True, **megatron_shim.MOE_VARIANTS["qwen3_moe"]
+    )
     ranks = _spawn_ranks("megatron_layout", qwen3, str(tmp_path), world=4, layouts=QWEN3_LAYOUTS)
     megatron_shim.install()
     for name, algorithm in TORCH_RUNS.items():
@@ -346,8 +394,9 @@ def test_megatron_tensor_and_context_parallel_qwen3_take_one_ranks_steps(model_d
             _assert_ranks_took_the_steps(ranks, key, expected)
             for rank in ranks:
                 for param_name, tensor in expected_weights.items():
-                    torch.testing.assert_close(rank[key]["weights"][param_name], tensor, rtol=0, atol=1e-4,
-                                               msg=f"{key}: {param_name}")
+                    torch.testing.assert_close(
+                        rank[key]["weights"][param_name], tensor, rtol=0, atol=1e-4, msg=f"{key}: {param_name}"
+                    )
             resumed = MegatronBackend(trainer_spec(qwen3, **algorithm), megatron_spec(qwen3))
             resumed.load_training_state(str(tmp_path / f"{layout_id}_{name}_ckpt"))
             for param_name, tensor in resumed.hf_named_weights():
@@ -384,10 +433,13 @@ def test_pipeline_stages_must_split_the_layers_as_megatron_does():
     check_stage_layers(6, Parallelism(pipeline=4, first_stage_layers=2, last_stage_layers=2))
     with pytest.raises(ValueError, match="^--pipeline-model-parallel-size 2 must divide the model's 3 layers"):
         check_stage_layers(3, Parallelism(pipeline=2))
-    with pytest.raises(ValueError, match="^--decoder-last-pipeline-num-layers 2: the model's 2 layers .* leave 0 for "
-                                         "the other 1"):
+    with pytest.raises(
+        ValueError, match="^--decoder-last-pipeline-num-layers 2: the model's 2 layers .* leave 0 for the other 1"
+    ):
         check_stage_layers(2, Parallelism(pipeline=2, last_stage_layers=2))
-    with pytest.raises(ValueError, match="^--decoder-first-pipeline-num-layers 1, --decoder-last-pipeline-num-layers 1:"):
+    with pytest.raises(
+        ValueError, match="^--decoder-first-pipeline-num-layers 1, --decoder-last-pipeline-num-layers 1:"
+    ):
         check_stage_layers(3, Parallelism(pipeline=2, first_stage_layers=1, last_stage_layers=1))
 
 
@@ -398,8 +450,11 @@ def test_expert_parallel_ranks_refuse_a_rollout_they_cannot_share_evenly():
     from tests.unit.test_megatron_backend import make_samples
     from vime.backends.megatron_backend import MegatronBackend
 
-    backend = types.SimpleNamespace(expert_dp=object(), dp=types.SimpleNamespace(size=2),
-                                    spec=types.SimpleNamespace(micro_batch_size=4, global_batch_size=8))
+    backend = types.SimpleNamespace(
+        expert_dp=object(),
+        dp=types.SimpleNamespace(size=2),
+        spec=types.SimpleNamespace(micro_batch_size=4, global_batch_size=8),
+    )
     MegatronBackend._check_lockstep(backend, make_samples(0, groups=2))  # 2 micro-batches, one step: even
     with pytest.raises(ValueError, match="^--expert-model-parallel-size: 12 samples make 3 micro-batch"):
         MegatronBackend._check_lockstep(backend, make_samples(0, groups=3))

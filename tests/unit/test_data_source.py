@@ -18,8 +18,13 @@ def write_jsonl(path, rows):
 
 
 def test_jsonl_records(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1=", "label": "2", "metadata": {"source_name": "a"}},
-                                              {"prompt": [{"role": "user", "content": "hi"}], "label": "x"}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "1=", "label": "2", "metadata": {"source_name": "a"}},
+            {"prompt": [{"role": "user", "content": "hi"}], "label": "x"},
+        ],
+    )
     data = PromptDataset.load(path, KEYS)
     assert len(data) == 2
     assert data[0].prompt == "1=" and data[0].label == "2" and data[0].metadata == {"source_name": "a"}
@@ -57,8 +62,9 @@ def test_missing_label_and_bad_types(tmp_path):
 
 
 def test_cursor_walks_epochs_deterministically(tmp_path):
-    data = PromptDataset.load(write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "label": ""} for i in range(5)]),
-                              KEYS)
+    data = PromptDataset.load(
+        write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "label": ""} for i in range(5)]), KEYS
+    )
     cursor = DatasetCursor()
     first = cursor.take(data, 7, seed=3, shuffle=True)
     assert [e for e, _ in first] == [0] * 5 + [1] * 2

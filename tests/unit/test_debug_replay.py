@@ -21,10 +21,21 @@ def full_sample(index: int = 0, *, reward=0.75) -> Sample:
     """A sample with every field set, optional captures in several dtypes, kinds and shapes."""
     generator = torch.Generator().manual_seed(index)
     return Sample(
-        group_index=3, index=index, prompt_index=17, prompt=[{"role": "user", "content": "12="}], label=["23", 1],
-        tokens=[1, 2, 11, 2, 3, 0], response="23", response_length=3, loss_mask=[1, 0, 1], reward=reward,
-        status=Status.TRUNCATED, rollout_log_probs=[-0.1, -2.5e-8, -3.0000000001], weight_versions=[4, 4, 5],
-        metadata={"source_name": "digits", "nested": {"a": [1, 2.5, None]}, "n": np.int64(7)}, source="mix-a",
+        group_index=3,
+        index=index,
+        prompt_index=17,
+        prompt=[{"role": "user", "content": "12="}],
+        label=["23", 1],
+        tokens=[1, 2, 11, 2, 3, 0],
+        response="23",
+        response_length=3,
+        loss_mask=[1, 0, 1],
+        reward=reward,
+        status=Status.TRUNCATED,
+        rollout_log_probs=[-0.1, -2.5e-8, -3.0000000001],
+        weight_versions=[4, 4, 5],
+        metadata={"source_name": "digits", "nested": {"a": [1, 2.5, None]}, "n": np.int64(7)},
+        source="mix-a",
         session_id=f"g3-{index}",
         rollout_routed_experts=torch.randint(0, 255, (5, 2, 3), dtype=torch.uint8, generator=generator),
         rollout_topk_token_ids=torch.randint(0, 11, (3, 4), dtype=torch.int32, generator=generator),
@@ -54,9 +65,14 @@ def make_archive(rollout_id=0, policy_version=0, samples=None, metrics=None) -> 
     if samples is None:
         samples = [full_sample(0), full_sample(1, reward=None), full_sample(2, reward=1)]
     groups = [(10, "g000000010", samples[:2]), (11, "r000000004", samples[2:])]
-    return da.build_archive(rollout_id=rollout_id, policy_version=policy_version, groups=groups,
-                            metrics=metrics or {"loss": 0.1 + 0.2, "grad_norm": 1.5, "tokens_per_version": {4: 6}},
-                            trainer={"lr": 1e-3, "adam_betas": (0.9, 0.999)}, argv=["vime", "train"])
+    return da.build_archive(
+        rollout_id=rollout_id,
+        policy_version=policy_version,
+        groups=groups,
+        metrics=metrics or {"loss": 0.1 + 0.2, "grad_norm": 1.5, "tokens_per_version": {4: 6}},
+        trainer={"lr": 1e-3, "adam_betas": (0.9, 0.999)},
+        argv=["vime", "train"],
+    )
 
 
 def test_archive_round_trips_every_field(tmp_path):
@@ -83,9 +99,11 @@ def test_resave_of_the_same_batch_is_kept_anything_else_is_refused(tmp_path):
     # A resumed run retrains the step from the same groups: accepted, the file is left as it was.
     assert da.write_archive(path, make_archive(metrics={"loss": 9.0, "grad_norm": 9.0})) == "kept"
     other = [full_sample(0), full_sample(1, reward=None), full_sample(2, reward=0)]
-    for archive, words in ((make_archive(samples=other), "other samples"),
-                           (make_archive(policy_version=3), "policy v0"),
-                           (make_archive(rollout_id=1), "rollout 0, not 1")):
+    for archive, words in (
+        (make_archive(samples=other), "other samples"),
+        (make_archive(policy_version=3), "policy v0"),
+        (make_archive(rollout_id=1), "rollout 0, not 1"),
+    ):
         with pytest.raises(da.ArchiveExists) as error:
             da.write_archive(path, archive)
         message = str(error.value)
@@ -122,17 +140,20 @@ def test_damaged_or_foreign_archives_are_refused_on_load(tmp_path):
 
 
 def test_templates_and_archive_discovery(tmp_path, monkeypatch):
-    for bad, words in (("/d/batch.vdr", "must contain '{rollout_id}'"),
-                       ("/d/{rollout_id}-{step}.vdr", "does not format"),
-                       ("s3://bucket/{rollout_id}.vdr", "local or mounted")):
+    for bad, words in (
+        ("/d/batch.vdr", "must contain '{rollout_id}'"),
+        ("/d/{rollout_id}-{step}.vdr", "does not format"),
+        ("s3://bucket/{rollout_id}.vdr", "local or mounted"),
+    ):
         with pytest.raises(ConfigError, match="^--save-debug-rollout-data: ") as error:
             da.check_template(bad, "--save-debug-rollout-data")
         assert words in str(error.value)
     folder = tmp_path / "dbg"
     for rollout_id in (0, 2, 11):
-        da.write_archive(da.archive_path(str(folder / "step_{rollout_id:03d}.vdr"), rollout_id),
-                         make_archive(rollout_id=rollout_id))
-    (folder / "step_7.vdr").write_bytes(b"x")         # not what the template formats (007)
+        da.write_archive(
+            da.archive_path(str(folder / "step_{rollout_id:03d}.vdr"), rollout_id), make_archive(rollout_id=rollout_id)
+        )
+    (folder / "step_7.vdr").write_bytes(b"x")  # not what the template formats (007)
     (folder / ".step_005.vdr.tmp-1234").write_bytes(b"x")  # an interrupted write
     (folder / "notes.txt").write_text("x")
     found = da.existing_archives(str(folder / "step_{rollout_id:03d}.vdr"))
@@ -180,8 +201,12 @@ def test_metric_differences_are_bit_for_bit():
     assert da.metric_differences(recorded, {**recorded, "per": {"1": [1.0, 2.0000000000000004]}}) == ["per"]
     assert da.metric_differences(recorded, {"loss": recorded["loss"]}) == ["grad_norm", "per"]
     # A recording made on several trainer ranks summed in another order: compared within a tolerance.
-    assert da.metric_differences(recorded, {**recorded, "loss": 0.3, "per": {"1": [1.0, 2.0000000000000004]}},
-                                 rel_tol=1e-5) == []
+    assert (
+        da.metric_differences(
+            recorded, {**recorded, "loss": 0.3, "per": {"1": [1.0, 2.0000000000000004]}}, rel_tol=1e-5
+        )
+        == []
+    )
     assert da.metric_differences(recorded, {**recorded, "loss": 0.31}, rel_tol=1e-5) == ["loss"]
 
 
@@ -198,10 +223,21 @@ def digit_batch(rollout_id: int) -> list[tuple[int, str, list[Sample]]]:
     groups = []
     for g in range(2):
         prompt = [2 + rollout_id, 3 + g, 11]
-        members = [Sample(group_index=2 * rollout_id + g, index=i, prompt_index=g, tokens=prompt + [4, 5 + i, 0],
-                          response_length=3, loss_mask=[1, 1, 1], reward=float(i == 0), status=Status.COMPLETED,
-                          rollout_log_probs=[-0.5, -1.25, -0.125], weight_versions=[rollout_id] * 3)
-                   for i in range(2)]
+        members = [
+            Sample(
+                group_index=2 * rollout_id + g,
+                index=i,
+                prompt_index=g,
+                tokens=prompt + [4, 5 + i, 0],
+                response_length=3,
+                loss_mask=[1, 1, 1],
+                reward=float(i == 0),
+                status=Status.COMPLETED,
+                rollout_log_probs=[-0.5, -1.25, -0.125],
+                weight_versions=[rollout_id] * 3,
+            )
+            for i in range(2)
+        ]
         groups.append((2 * rollout_id + g, f"g{2 * rollout_id + g:09d}", members))
     return groups
 
@@ -210,7 +246,7 @@ def record(settings, template: str, steps: int, save: str) -> list[dict]:
     """What `vime train --save-debug-rollout-data` records, made in this process (with a
     checkpoint after the first step in ``save``)."""
     from vime.recovery import checkpoint as ckpt
-    from vime.replay import _replay_trainer_class, ReplayGroup, trainer_spec
+    from vime.replay import ReplayGroup, _replay_trainer_class, trainer_spec
 
     spec = trainer_spec(settings, 1)
     trainer = _replay_trainer_class()(spec)
@@ -218,8 +254,14 @@ def record(settings, template: str, steps: int, save: str) -> list[dict]:
     for rollout_id in range(steps):
         batch = digit_batch(rollout_id)
         metrics = trainer.train_rollout(rollout_id, [ReplayGroup(p, t, m) for p, t, m in batch], rollout_id)
-        archive = da.build_archive(rollout_id=rollout_id, policy_version=rollout_id, groups=batch, metrics=metrics,
-                                   trainer=da.spec_as_dict(spec.backend), argv=[])
+        archive = da.build_archive(
+            rollout_id=rollout_id,
+            policy_version=rollout_id,
+            groups=batch,
+            metrics=metrics,
+            trainer=da.spec_as_dict(spec.backend),
+            argv=[],
+        )
         da.write_archive(da.archive_path(template, rollout_id), archive)
         recorded.append(metrics)
         if rollout_id == 0:
@@ -237,9 +279,28 @@ def test_replay_reproduces_the_recording_without_any_engine(tiny_model, tmp_path
     from vime.replay import replay
 
     template = str(tmp_path / "debug" / "{rollout_id}.vdr")
-    flags = ["--hf-checkpoint", tiny_model, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
-             "--micro-batch-size", "1", "--lr", "1e-2", "--train-threads", "1", "--num-rollout", "5"]
+    flags = [
+        "--hf-checkpoint",
+        tiny_model,
+        "--prompt-data",
+        "data.jsonl",
+        "--rm-type",
+        "exact_match",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--lr",
+        "1e-2",
+        "--train-threads",
+        "1",
+        "--num-rollout",
+        "5",
+    ]
     save = str(tmp_path / "save")
     recorded = record(parse_train_args([*flags, "--run-dir", str(tmp_path / "rec")]), template, steps=3, save=save)
     assert all(m["grad_norm"] > 0 for m in recorded) and any(m["loss"] != 0 for m in recorded)
@@ -256,8 +317,9 @@ def test_replay_reproduces_the_recording_without_any_engine(tiny_model, tmp_path
     assert json.load(open(tmp_path / "replay" / "replay.json"))["all_match"] is True
 
     # Other flags give other numbers, and the replay says so (it is not a test that cannot fail).
-    settings = parse_train_args([*flags, "--lr", "2e-2", "--run-dir", str(tmp_path / "other"),
-                                 "--load-debug-rollout-data", template])
+    settings = parse_train_args(
+        [*flags, "--lr", "2e-2", "--run-dir", str(tmp_path / "other"), "--load-debug-rollout-data", template]
+    )
     log = MetricsLog(settings.run_dir, stream=io.StringIO())
     replay(settings, log)
     out = log.stream.getvalue()
@@ -265,8 +327,19 @@ def test_replay_reproduces_the_recording_without_any_engine(tiny_model, tmp_path
     assert json.load(open(tmp_path / "other" / "replay.json"))["all_match"] is False
 
     # From a checkpoint: the steps after it, with the same numbers.
-    settings = parse_train_args([*flags, "--run-dir", str(tmp_path / "resumed"), "--load", save, "--save", save,
-                                 "--load-debug-rollout-data", template])
+    settings = parse_train_args(
+        [
+            *flags,
+            "--run-dir",
+            str(tmp_path / "resumed"),
+            "--load",
+            save,
+            "--save",
+            save,
+            "--load-debug-rollout-data",
+            template,
+        ]
+    )
     log = MetricsLog(settings.run_dir, stream=io.StringIO())
     replay(settings, log)
     assert "--save is ignored" in log.stream.getvalue()
@@ -282,7 +355,8 @@ def test_replay_reproduces_the_recording_without_any_engine(tiny_model, tmp_path
 
     # The checkpoint's step has no archive: named, before anything is trained.
     os.unlink(da.archive_path(template, 1))
-    settings = parse_train_args([*flags, "--run-dir", str(tmp_path / "gap"), "--load", save,
-                                 "--load-debug-rollout-data", template])
+    settings = parse_train_args(
+        [*flags, "--run-dir", str(tmp_path / "gap"), "--load", save, "--load-debug-rollout-data", template]
+    )
     with pytest.raises(da.ArchiveError, match=r"^--load-debug-rollout-data: no archive for rollout 1 .*at step 2"):
         replay(settings, MetricsLog(settings.run_dir, stream=io.StringIO()))

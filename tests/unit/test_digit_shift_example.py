@@ -34,7 +34,9 @@ def test_rule():
     assert make_data.shift_digits("371") == "482"
     assert make_data.shift_digits("909") == "010"
     assert make_data.make_example("059") == {
-        "prompt": "059=", "label": "160", "metadata": {"source_name": "digit_shift"}
+        "prompt": "059=",
+        "label": "160",
+        "metadata": {"source_name": "digit_shift"},
     }
 
 

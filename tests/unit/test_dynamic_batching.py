@@ -12,13 +12,19 @@ import torch
 
 from tests.train_args import minimal_train_argv as base
 from vime.backends.micro_batches import (
-    assign_to_ranks, dynamic_layout, fixed_layout, over_budget, pack_by_tokens, pack_consecutive, regroup,
+    assign_to_ranks,
+    dynamic_layout,
+    fixed_layout,
+    over_budget,
+    pack_by_tokens,
+    pack_consecutive,
+    regroup,
 )
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config import ConfigError, parse_train_args
 from vime.config.framework import AlgorithmConfig
-from vime.sample import Sample
 from vime.runtime.ports import free_port
+from vime.sample import Sample
 
 GROUP = 4
 
@@ -37,9 +43,9 @@ def test_first_fit_decreasing_respects_the_budget_and_places_every_sample_once(b
     assert _covers_once(bins, len(lengths))
     for mb in bins:
         load = sum(lengths[i] for i in mb)
-        assert load <= budget or len(mb) == 1, (mb, load)   # only a sample longer than the budget overflows
+        assert load <= budget or len(mb) == 1, (mb, load)  # only a sample longer than the budget overflows
         assert mb == sorted(mb)
-    assert pack_by_tokens(lengths, budget) == bins   # deterministic
+    assert pack_by_tokens(lengths, budget) == bins  # deterministic
     # First-fit: no two micro-batches could have been merged into one within the budget (only fewer bins
     # are possible by other orders). FFD's known bound: at most 11/9 of the optimum + 1 bins; check against
     # the trivial lower bound, the total tokens over the budget.
@@ -72,7 +78,7 @@ def test_consecutive_packing_keeps_the_rollout_order():
 def test_steps_are_global_batches_of_samples_and_micro_batches_stay_inside_them():
     lengths = [5, 30, 7, 7, 2, 12, 3, 40, 9, 1]
     layout = dynamic_layout(lengths, global_batch_size=4, max_tokens=16, forward_max_tokens=32)
-    assert len(layout.steps) == 3   # 4 + 4 + 2 samples
+    assert len(layout.steps) == 3  # 4 + 4 + 2 samples
     for k, step in enumerate(layout.steps):
         assert sorted(i for mb in step for i in mb) == list(range(4 * k, min(4 * k + 4, len(lengths))))
     assert [len(r) for r in layout.step_ranges()] == [len(s) for s in layout.steps]
@@ -90,9 +96,9 @@ def test_ranks_get_micro_batches_balanced_by_tokens():
     counts = [10, 3, 8, 2, 7]
     owners = assign_to_ranks(counts, 2)
     loads = [sum(c for c, o in zip(counts, owners) if o == r) for r in range(2)]
-    assert loads == [15, 15]   # largest first: 10->0, 8->1, 7->1 (15), 3->0 (13), 2->0 (15)
+    assert loads == [15, 15]  # largest first: 10->0, 8->1, 7->1 (15), 3->0 (13), 2->0 (15)
     assert owners == [0, 0, 1, 0, 1]
-    assert assign_to_ranks([5], 3) == [0]   # ranks 1 and 2 have nothing this step
+    assert assign_to_ranks([5], 3) == [0]  # ranks 1 and 2 have nothing this step
 
 
 def test_regroup_moves_items_between_layouts():
@@ -105,8 +111,13 @@ def test_regroup_moves_items_between_layouts():
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("dynbatch_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("dynbatch_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
 
 
 def make_samples(seed: int, groups: int = 4, long_response: int | None = None) -> list[Sample]:
@@ -119,8 +130,14 @@ def make_samples(seed: int, groups: int = 4, long_response: int | None = None) -
         for i in range(GROUP):
             n = long_response if (long_response and g == 0 and i == 1) else rng.randint(2, 7)
             response = [rng.randint(1, 11) for _ in range(n)]
-            sample = Sample(group_index=g, index=i, tokens=prompt + response, response_length=n,
-                            reward=float(rng.random() < 0.5) + 0.1 * i, status=Sample.Status.COMPLETED)
+            sample = Sample(
+                group_index=g,
+                index=i,
+                tokens=prompt + response,
+                response_length=n,
+                reward=float(rng.random() < 0.5) + 0.1 * i,
+                status=Sample.Status.COMPLETED,
+            )
             sample.loss_mask = [1] * n
             sample.loss_mask[min(1, n - 1)] = 0 if i == 2 else 1
             sample.weight_versions = [0] * n
@@ -129,21 +146,53 @@ def make_samples(seed: int, groups: int = 4, long_response: int | None = None) -
     return samples
 
 
-def spec(model_dir, *, micro_batch_size=4, global_batch_size=2 * GROUP, max_tokens=None, forward_tokens=None,
-         balance=False, **algorithm) -> TorchTrainerSpec:
+def spec(
+    model_dir,
+    *,
+    micro_batch_size=4,
+    global_batch_size=2 * GROUP,
+    max_tokens=None,
+    forward_tokens=None,
+    balance=False,
+    **algorithm,
+) -> TorchTrainerSpec:
     algo = AlgorithmConfig(**algorithm)
     algo.validate()
     return TorchTrainerSpec(
-        hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.01, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, n_samples_per_prompt=GROUP,
-        rollout_temperature=1.0, algorithm=algo, seed=0, threads=1, use_dynamic_batch_size=max_tokens is not None,
-        max_tokens_per_gpu=max_tokens, log_probs_max_tokens_per_gpu=forward_tokens, balance_data=balance)
+        hf_checkpoint=model_dir,
+        lr=1e-3,
+        weight_decay=0.01,
+        adam_betas=(0.9, 0.999),
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        n_samples_per_prompt=GROUP,
+        rollout_temperature=1.0,
+        algorithm=algo,
+        seed=0,
+        threads=1,
+        use_dynamic_batch_size=max_tokens is not None,
+        max_tokens_per_gpu=max_tokens,
+        log_probs_max_tokens_per_gpu=forward_tokens,
+        balance_data=balance,
+    )
 
 
 # What the packing must not change: step sums (losses), gradient norms, the schedule. Means of per-micro-batch
 # token averages (entropy, clip fractions) are packing-dependent diagnostics and not compared.
-STEP_METRICS = ("loss", "pg_loss", "kl_loss", "grad_norm", "value_loss", "critic_grad_norm", "lr", "critic_lr",
-                "optimizer_steps", "train_tokens")
+STEP_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl_loss",
+    "grad_norm",
+    "value_loss",
+    "critic_grad_norm",
+    "lr",
+    "critic_lr",
+    "optimizer_steps",
+    "train_tokens",
+)
 
 
 def assert_same_steps(ours: dict, theirs: dict) -> None:
@@ -161,7 +210,7 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, initial: list[tor
     ours = torch.cat([(p.detach() - p0).flatten() for p, p0 in zip(a.parameters(), initial)])
     theirs = torch.cat([(q.detach() - p0).flatten() for q, p0 in zip(b.parameters(), initial)])
     assert float((ours - theirs).norm() / theirs.norm()) < 1e-3
-    assert float((ours - theirs).abs().max()) < 1e-4   # a tenth of one step of lr = 1e-3
+    assert float((ours - theirs).abs().max()) < 1e-4  # a tenth of one step of lr = 1e-3
 
 
 RUNS = {
@@ -183,8 +232,7 @@ def with_extras(samples: list[Sample]) -> list[Sample]:
     for sample in samples:
         ids = [rng.sample(range(12), 3) for _ in range(sample.response_length)]
         sample.rollout_topk_token_ids = np.array(ids)
-        sample.rollout_topk_log_probs = np.array([[-0.5 - 0.7 * j - 0.1 * rng.random() for j in range(3)]
-                                                  for _ in ids])
+        sample.rollout_topk_log_probs = np.array([[-0.5 - 0.7 * j - 0.1 * rng.random() for j in range(3)] for _ in ids])
         sample.teacher_log_probs = [-1.5 - 0.05 * (t % 3) for t in range(sample.response_length)]
     return samples
 
@@ -210,10 +258,10 @@ def test_dynamic_micro_batches_train_as_fixed_ones(model_dir, name):
             if budget == 1:
                 assert got["train_micro_batches"] == len(samples)
             elif budget == 10_000:
-                assert got["train_micro_batches"] == 2   # one per optimizer step: steps are global batches
+                assert got["train_micro_batches"] == 2  # one per optimizer step: steps are global batches
             if budget > 1:
                 assert got["train_max_micro_batch_tokens"] <= budget
-            assert_same_params(backend.model, fixed.model, initial)   # after each rollout of two steps
+            assert_same_params(backend.model, fixed.model, initial)  # after each rollout of two steps
             if fixed.critic is not None:
                 assert_same_params(backend.critic.module, fixed.critic.module, critic_initial)
 
@@ -226,7 +274,7 @@ def test_one_long_response_never_overflows_the_budget(model_dir, caplog):
     fixed = TorchBackend(spec(model_dir))
     initial = [p.detach().clone() for p in fixed.model.parameters()]
     expected = fixed.train_rollout(samples, 0)
-    assert expected["train_max_micro_batch_tokens"] > longest   # fixed micro-batches put it beside others
+    assert expected["train_max_micro_batch_tokens"] > longest  # fixed micro-batches put it beside others
     packed = TorchBackend(spec(model_dir, max_tokens=longest))
     with caplog.at_level(logging.WARNING, logger="vime.backends.torch_backend"):
         got = packed.train_rollout(samples, 0)
@@ -245,7 +293,7 @@ def test_one_long_response_never_overflows_the_budget(model_dir, caplog):
 
 # ---------------------------------------------------------------------- two data-parallel ranks (gloo)
 
-DP_CASES = [(30, False), (30, True), (10_000, True)]   # (--max-tokens-per-gpu, --balance-data)
+DP_CASES = [(30, False), (30, True), (10_000, True)]  # (--max-tokens-per-gpu, --balance-data)
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
@@ -263,12 +311,15 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
         # Budget 30: three micro-batches in most steps (ranks run two and one; --balance-data assigns them
         # otherwise than round-robin). Budget 10000: one per step, so rank 1 only joins the sums.
         max_tokens, balance = case
-        backend = TorchBackend(spec(model_dir, max_tokens=max_tokens, forward_tokens=50, balance=balance,
-                                    **RUNS["kl_loss_entropy"]))
+        backend = TorchBackend(
+            spec(model_dir, max_tokens=max_tokens, forward_tokens=50, balance=balance, **RUNS["kl_loss_entropy"])
+        )
         assert backend.dp.size == 2
         metrics = [backend.train_rollout(make_samples(seed, long_response=25), 0) for seed in (0, 1)]
-        results[case] = {"metrics": metrics,
-                            "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()}}
+        results[case] = {
+            "metrics": metrics,
+            "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()},
+        }
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -284,8 +335,9 @@ def test_two_ranks_with_token_budgets_take_one_ranks_steps(model_dir, tmp_path):
             for got, reference in zip(rank[case]["metrics"], expected):
                 assert_same_steps(got, reference)
             for name, param in single.model.named_parameters():
-                torch.testing.assert_close(rank[case]["weights"][name], param.detach(), rtol=0, atol=1e-5,
-                                           msg=f"{case}: {name}")
+                torch.testing.assert_close(
+                    rank[case]["weights"][name], param.detach(), rtol=0, atol=1e-5, msg=f"{case}: {name}"
+                )
 
 
 def test_balanced_ranks_get_similar_token_counts(model_dir):
@@ -310,19 +362,40 @@ def config_dir(tmp_path):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("extra, flag, message", [
-    (["--use-dynamic-batch-size"], "--max-tokens-per-gpu", "is required with --use-dynamic-batch-size"),
-    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu", "must be >= 1"),
-    (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--log-probs-max-tokens-per-gpu", "-1"],
-     "--log-probs-max-tokens-per-gpu", "must be >= 1"),
-    (["--max-tokens-per-gpu", "64"], "--max-tokens-per-gpu", "has no effect without --use-dynamic-batch-size"),
-    (["--num-steps-per-rollout", "0"], "--num-steps-per-rollout", "must be >= 1"),
-    (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "3"],
-     "--num-steps-per-rollout", "3 must divide --rollout-batch-size x --n-samples-per-prompt = 8"),
-    (["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "2",
-      "--global-batch-size", "8"], "--num-steps-per-rollout", "disagree with --global-batch-size 8"),
-    (["--balance-data", "--use-distributed-optimizer"], "--balance-data", "cannot be combined"),
-])
+@pytest.mark.parametrize(
+    "extra, flag, message",
+    [
+        (["--use-dynamic-batch-size"], "--max-tokens-per-gpu", "is required with --use-dynamic-batch-size"),
+        (["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"], "--max-tokens-per-gpu", "must be >= 1"),
+        (
+            ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", "--log-probs-max-tokens-per-gpu", "-1"],
+            "--log-probs-max-tokens-per-gpu",
+            "must be >= 1",
+        ),
+        (["--max-tokens-per-gpu", "64"], "--max-tokens-per-gpu", "has no effect without --use-dynamic-batch-size"),
+        (["--num-steps-per-rollout", "0"], "--num-steps-per-rollout", "must be >= 1"),
+        (
+            ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "3"],
+            "--num-steps-per-rollout",
+            "3 must divide --rollout-batch-size x --n-samples-per-prompt = 8",
+        ),
+        (
+            [
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "2",
+                "--num-steps-per-rollout",
+                "2",
+                "--global-batch-size",
+                "8",
+            ],
+            "--num-steps-per-rollout",
+            "disagree with --global-batch-size 8",
+        ),
+        (["--balance-data", "--use-distributed-optimizer"], "--balance-data", "cannot be combined"),
+    ],
+)
 def test_bad_token_budget_flags_are_refused_naming_the_flag(config_dir, extra, flag, message):
     with pytest.raises(ConfigError) as error:
         parse_train_args(base(config_dir, *extra))
@@ -332,18 +405,45 @@ def test_bad_token_budget_flags_are_refused_naming_the_flag(config_dir, extra, f
 def test_token_budget_flags_reach_the_trainer(config_dir):
     from workers.trainer_worker import TrainerWorkerSpec
 
-    s = parse_train_args(base(config_dir, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                              "--num-steps-per-rollout", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu",
-                              "512", "--balance-data", "--actor-num-gpus-per-node", "2"))
-    assert s.global_batch_size == 2   # 8 samples / 4 steps; no multiple of micro-batch x replicas needed
-    assert parse_train_args(base(config_dir, "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                                 "--num-steps-per-rollout", "2", "--global-batch-size", "4")).global_batch_size == 4
+    s = parse_train_args(
+        base(
+            config_dir,
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-steps-per-rollout",
+            "4",
+            "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu",
+            "512",
+            "--balance-data",
+            "--actor-num-gpus-per-node",
+            "2",
+        )
+    )
+    assert s.global_batch_size == 2  # 8 samples / 4 steps; no multiple of micro-batch x replicas needed
+    assert (
+        parse_train_args(
+            base(
+                config_dir,
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "2",
+                "--num-steps-per-rollout",
+                "2",
+                "--global-batch-size",
+                "4",
+            )
+        ).global_batch_size
+        == 4
+    )
     from vime.backends.lr_schedule import lr_schedule_from_settings, optimizer_steps_per_rollout
 
     assert optimizer_steps_per_rollout(8, 2, 64, dynamic=True) == 4
     lr_schedule_from_settings(s)
-    backend = TrainerWorkerSpec.from_settings(s, transport="memory", store=None, threads=1,
-                                              cpu_affinity=None).backend
+    backend = TrainerWorkerSpec.from_settings(s, transport="memory", store=None, threads=1, cpu_affinity=None).backend
     assert backend.use_dynamic_batch_size and backend.max_tokens_per_gpu == 512
     assert backend.log_probs_max_tokens_per_gpu is None and backend.balance_data and backend.global_batch_size == 2
 
@@ -351,14 +451,28 @@ def test_token_budget_flags_reach_the_trainer(config_dir):
 def test_megatron_expert_parallelism_refuses_token_budgets(config_dir):
     from vime.config import check_trainer_parallelism
 
-    s = parse_train_args(base(config_dir, "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "4",
-                              "--n-samples-per-prompt", "2", "--micro-batch-size", "1", "--use-dynamic-batch-size",
-                              "--max-tokens-per-gpu", "256"))
-    s.train.train_backend = "megatron"   # Megatron needs CUDA at parse time: its settings are made here
-    check_trainer_parallelism(s)          # data parallelism: fine
+    s = parse_train_args(
+        base(
+            config_dir,
+            "--actor-num-gpus-per-node",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--use-dynamic-batch-size",
+            "--max-tokens-per-gpu",
+            "256",
+        )
+    )
+    s.train.train_backend = "megatron"  # Megatron needs CUDA at parse time: its settings are made here
+    check_trainer_parallelism(s)  # data parallelism: fine
     s.megatron.expert_model_parallel_size = 2
-    with pytest.raises(ConfigError, match="^--use-dynamic-batch-size: cannot be combined with "
-                                          "--expert-model-parallel-size 2"):
+    with pytest.raises(
+        ConfigError, match="^--use-dynamic-batch-size: cannot be combined with --expert-model-parallel-size 2"
+    ):
         check_trainer_parallelism(s)
     s.train.use_dynamic_batch_size, s.train.balance_data = False, True
     with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --expert-model-parallel-size"):
@@ -377,8 +491,7 @@ def test_megatron_backend_with_token_budgets_trains_as_fixed_micro_batches(tmp_p
     model_dir = megatron_shim.tiny_qwen2_with_tokenizer(str(tmp_path / "tiny"))
     algorithm = RUNS["kl_loss_entropy"]
     fixed = TorchBackend(spec(model_dir, **algorithm))
-    megatron = MegatronBackend(spec(model_dir, max_tokens=20, forward_tokens=40, **algorithm),
-                               megatron_spec(model_dir))
+    megatron = MegatronBackend(spec(model_dir, max_tokens=20, forward_tokens=40, **algorithm), megatron_spec(model_dir))
     for rollout in range(2):
         samples = make_samples(rollout, long_response=30)
         expected = fixed.train_rollout(samples, 0)

@@ -52,26 +52,36 @@ def prompts(tmp_path):
 
 
 def controller(tmp_path, prompts, transport):
-    return Controller(ControllerSpec(
-        transport=transport, store=StoreOptions(str(tmp_path / "queue"), "run", 1.0), lease_seconds=60,
-        prompt_data=prompts, keys=DataKeys("prompt", "label"), seed=0, shuffle=False, num_epoch=1,
-        groups_per_rollout=1, max_staleness=0))
+    return Controller(
+        ControllerSpec(
+            transport=transport,
+            store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
+            lease_seconds=60,
+            prompt_data=prompts,
+            keys=DataKeys("prompt", "label"),
+            seed=0,
+            shuffle=False,
+            num_epoch=1,
+            groups_per_rollout=1,
+            max_staleness=0,
+        )
+    )
 
 
 @pytest.mark.parametrize("transport", ["straw", "object-store"])
 def test_a_rejected_group_is_terminal_and_frees_its_slot(tmp_path, prompts, transport):
     c = controller(tmp_path, prompts, transport)
     first = c.lease("w", 10)
-    assert len(first) == 1                     # admission: one group outstanding at staleness 0
+    assert len(first) == 1  # admission: one group outstanding at staleness 0
     lease = first[0].assignment.lease
     assert c.reject(lease, "zero_std_0.0")
-    assert c.reject(lease, "zero_std_0.0") in (True, False)   # a replayed call changes nothing
+    assert c.reject(lease, "zero_std_0.0") in (True, False)  # a replayed call changes nothing
     stats = c.stats()
     assert stats.rejected == 1 and stats.accepted == 0 and stats.leased == 0
-    second = c.lease("w", 10)                  # the slot went to the next prompt
+    second = c.lease("w", 10)  # the slot went to the next prompt
     assert [i.prompt.index for i in second] == [1]
-    assert not c.heartbeat([lease])[0]         # the rejected lease is dead
-    assert c.reject(lease, "another reason") is False   # already rejected: nothing changes
+    assert not c.heartbeat([lease])[0]  # the rejected lease is dead
+    assert c.reject(lease, "another reason") is False  # already rejected: nothing changes
     # Every other prompt is handed out once; the rejected one never again.
     c.reject(second[0].assignment.lease, "zero_std_1.0")
     seen = [first[0].prompt.index, second[0].prompt.index]
@@ -81,7 +91,7 @@ def test_a_rejected_group_is_terminal_and_frees_its_slot(tmp_path, prompts, tran
             c.reject(item.assignment.lease, "zero_std_0.0")
     assert seen == list(range(6))
     assert c.stats().end_of_data and c.stats().rejected == 6
-    assert c.take_groups(0, 1, 0, 0, allow_partial=True).groups == []   # nothing to train
+    assert c.take_groups(0, 1, 0, 0, allow_partial=True).groups == []  # nothing to train
     c.shutdown()
     if transport == "straw":
         from vime.queue.journal_view import JournalView
@@ -95,7 +105,7 @@ def test_a_stale_lease_cannot_reject(tmp_path, prompts):
     c = controller(tmp_path, prompts, "straw")
     c.spec.max_staleness = 10
     item = c.lease("w", 1)[0]
-    c.return_partial(item.assignment.lease, item.assignment.task, None)   # the lease moved on
+    c.return_partial(item.assignment.lease, item.assignment.task, None)  # the lease moved on
     assert c.reject(item.assignment.lease, "late") is False
     assert item.prompt.index in [i.prompt.index for i in c.lease("w", 10)]  # the prompt is still to do
     assert c.stats().rejected == 0

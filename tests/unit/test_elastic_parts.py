@@ -32,14 +32,29 @@ def test_engine_addresses_are_normalised_or_refused():
 
 
 def server_info(parallel=None, kv=None, ec=None, model="/models/m"):
-    return {"vllm_config": {"parallel_config": parallel or {"tensor_parallel_size": 1},
-                            "kv_transfer_config": kv, "ec_transfer_config": ec, "model_config": {"model": model}}}
+    return {
+        "vllm_config": {
+            "parallel_config": parallel or {"tensor_parallel_size": 1},
+            "kv_transfer_config": kv,
+            "ec_transfer_config": ec,
+            "model_config": {"model": model},
+        }
+    }
 
 
 def test_server_info_gives_gpu_count_and_worker_type():
-    facts = facts_from_server_info("http://e:1", server_info(
-        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 4,
-         "data_parallel_size_local": 2, "prefill_context_parallel_size": 1}))
+    facts = facts_from_server_info(
+        "http://e:1",
+        server_info(
+            {
+                "tensor_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 2,
+                "prefill_context_parallel_size": 1,
+            }
+        ),
+    )
     assert (facts.gpus, facts.tensor_parallel_size, facts.worker_type, facts.model) == (8, 2, "regular", "/models/m")
     assert facts_from_server_info("u", server_info(kv={"kv_role": "kv_producer"})).worker_type == "prefill"
     assert facts_from_server_info("u", server_info(kv={"kv_role": "kv_consumer"})).worker_type == "decode"
@@ -53,15 +68,22 @@ def test_only_the_samples_own_faults_spend_its_attempts():
     """An engine that answers no request, 5xx, or a 4xx that is not about the request (403 from a server
     without --enable-scale-out, 404) is at fault: the group goes back to the queue. A request the engine
     refused for itself (400/413/422) or an answer this sample's settings cannot use is the sample's."""
-    engine = [GenerateError("answered 500", status=500), GenerateError("answered 503", status=503),
-              GenerateError("answered 403: Scale-out endpoints are disabled", status=403),
-              GenerateError("answered 404", status=404), GenerateError("answered 429", status=429),
-              GenerateError("timed out after 120s (--rollout-request-timeout)"),
-              GenerateError("failed: Server disconnected")]
+    engine = [
+        GenerateError("answered 500", status=500),
+        GenerateError("answered 503", status=503),
+        GenerateError("answered 403: Scale-out endpoints are disabled", status=403),
+        GenerateError("answered 404", status=404),
+        GenerateError("answered 429", status=429),
+        GenerateError("timed out after 120s (--rollout-request-timeout)"),
+        GenerateError("failed: Server disconnected"),
+    ]
     assert all(error.engine_fault for error in engine)
-    sample = [GenerateError("answered 400: This model's maximum context length is 64", status=400),
-              GenerateError("answered 413", status=413), GenerateError("answered 422", status=422),
-              GenerateError("score centering: the engine returned 3 top log-probs", engine_fault=False)]
+    sample = [
+        GenerateError("answered 400: This model's maximum context length is 64", status=400),
+        GenerateError("answered 413", status=413),
+        GenerateError("answered 422", status=422),
+        GenerateError("score centering: the engine returned 3 top log-probs", engine_fault=False),
+    ]
     assert not any(error.engine_fault for error in sample)
     import pickle  # crosses Ray actor boundaries whole
 
@@ -75,14 +97,39 @@ def test_elastic_flags_parse_and_validate(tmp_path):
     model = make_tiny_model(str(tmp_path / "m"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input": "1=", "label": "2"}\n')
-    base = ["--hf-checkpoint", model, "--prompt-data", str(prompts), "--rm-type", "exact_match",
-            "--run-dir", str(tmp_path / "run")]
-    s = parse_train_args(base + ["--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "3",
-                                 "--rollout-health-check-first-wait", "5", "--rollout-engine-restart-budget", "0",
-                                 "--rollout-elastic-resource", ""])
+    base = [
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        str(prompts),
+        "--rm-type",
+        "exact_match",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    s = parse_train_args(
+        base
+        + [
+            "--rollout-health-check-interval",
+            "2",
+            "--rollout-health-check-timeout",
+            "3",
+            "--rollout-health-check-first-wait",
+            "5",
+            "--rollout-engine-restart-budget",
+            "0",
+            "--rollout-elastic-resource",
+            "",
+        ]
+    )
     e = s.elastic
-    assert (e.rollout_health_check_interval, e.rollout_health_check_timeout, e.rollout_health_check_first_wait,
-            e.rollout_engine_restart_budget, e.rollout_elastic_resource) == (2, 3, 5, 0, "")
+    assert (
+        e.rollout_health_check_interval,
+        e.rollout_health_check_timeout,
+        e.rollout_health_check_first_wait,
+        e.rollout_engine_restart_budget,
+        e.rollout_elastic_resource,
+    ) == (2, 3, 5, 0, "")
     assert parse_train_args(base).elastic.rollout_elastic_resource == "vime_rollout"
     with pytest.raises(ConfigError, match="--rollout-health-check-interval: must be > 0"):
         parse_train_args(base + ["--rollout-health-check-interval", "0"])
@@ -94,19 +141,31 @@ class _Engine(BaseHTTPRequestHandler):
     """Stands in for a vLLM server in this unit test (no vLLM in the unit tier): /health, and the
     generate route answering as vLLM 0.32 does, or with 403 when the server says it is a black hole."""
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self._answer(200 if self.path == "/health" else 404, b"")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         if self.path != "/inference/v1/generate":
             self._answer(404, b"")
         elif self.server.black_hole:
             self._answer(403, b'{"error": {"message": "Scale-out endpoints are disabled."}}')
         else:
-            self._answer(200, json.dumps({"choices": [{
-                "token_ids": [5], "finish_reason": "length", "logprobs": {"content": [{"token_id": 5, "logprob": -1.5}]},
-                "weight_versions": [{"version": self.server.label, "start": 0, "end": 1}]}]}).encode())
+            self._answer(
+                200,
+                json.dumps(
+                    {
+                        "choices": [
+                            {
+                                "token_ids": [5],
+                                "finish_reason": "length",
+                                "logprobs": {"content": [{"token_id": 5, "logprob": -1.5}]},
+                                "weight_versions": [{"version": self.server.label, "start": 0, "end": 1}],
+                            }
+                        ]
+                    }
+                ).encode(),
+            )
 
     def _answer(self, status, body):
         self.send_response(status)
@@ -140,8 +199,10 @@ def test_health_monitor_declares_an_engine_dead_after_consecutive_failures():
         monitor.watch("http://127.0.0.1:1", first_wait=3600)  # not checked during its first wait
         monitor.check_once()
         assert monitor.take_dead() == [] and monitor.status()[dead]["failures"] == 1
-        assert "answered 403; the server refuses the token-in/token-out route; start it with --enable-scale-out" \
+        assert (
+            "answered 403; the server refuses the token-in/token-out route; start it with --enable-scale-out"
             in monitor.status()[black_hole]["last_error"]
+        )
         import time
 
         time.sleep(0.02)
@@ -180,13 +241,18 @@ def test_generation_probe_checks_tokens_log_probs_and_the_version():
         for s in (server, hole):
             s.shutdown()
             s.server_close()
-    good = {"token_ids": [5], "logprobs": {"content": [{"logprob": -0.1}]},
-            "weight_versions": [{"version": "default", "start": 0, "end": 1}]}
+    good = {
+        "token_ids": [5],
+        "logprobs": {"content": [{"logprob": -0.1}]},
+        "weight_versions": [{"version": "default", "start": 0, "end": 1}],
+    }
     assert check_choice("u", good, 0) is good  # vLLM's first label, "default", is version 0
     assert check_choice("u", {"finish_reason": "abort", "token_ids": []}, 3)  # aborted by a weight update
-    for broken, why in (({**good, "token_ids": []}, "no generated token ids"),
-                        ({**good, "logprobs": None}, "0 log-prob"),
-                        ({**good, "weight_versions": None}, "no weight_versions")):
+    for broken, why in (
+        ({**good, "token_ids": []}, "no generated token ids"),
+        ({**good, "logprobs": None}, "0 log-prob"),
+        ({**good, "weight_versions": None}, "no weight_versions"),
+    ):
         with pytest.raises(ProbeFailed, match=why):
             check_choice("u", broken, None)
 
@@ -216,19 +282,46 @@ def test_engines_command_refuses_runs_it_cannot_reach(tmp_path, capsys):
     (run / "run.json").write_text(json.dumps({"run_token": "t", "pid": os.getpid()}))
     assert engines_cli.main(["add", "--run", str(run), "127.0.0.1:8000"]) == 1
     assert "has not started Ray yet" in capsys.readouterr().err
-    (run / "run.json").write_text(json.dumps({"pid": 2 ** 22 + 12345, "ray_address": "127.0.0.1:1",
-                                              "ray_namespace": "vime-x"}))
+    (run / "run.json").write_text(
+        json.dumps({"pid": 2**22 + 12345, "ray_address": "127.0.0.1:1", "ray_namespace": "vime-x"})
+    )
     assert engines_cli.main(["remove", "--run", str(run), "engine-0"]) == 1
     assert "is not running" in capsys.readouterr().err
 
 
 def test_engine_table_shows_state_version_and_health():
-    table = engines_cli.format_table({"weight_version": 7, "engines": [
-        {"name": "engine-0", "url": "http://127.0.0.1:5", "origin": "start", "owned": True, "state": "serving",
-         "weight_version": 7, "healthy": True, "restarts": 1, "node_id": "abcdef0123456789", "last_error": ""},
-        {"name": "engine-1", "url": "http://h:6", "origin": "added", "owned": False, "state": "lost",
-         "weight_version": 3, "healthy": False, "failed_checks": 2, "restarts": 0, "node_id": None,
-         "last_error": "failed its health checks"}]})
+    table = engines_cli.format_table(
+        {
+            "weight_version": 7,
+            "engines": [
+                {
+                    "name": "engine-0",
+                    "url": "http://127.0.0.1:5",
+                    "origin": "start",
+                    "owned": True,
+                    "state": "serving",
+                    "weight_version": 7,
+                    "healthy": True,
+                    "restarts": 1,
+                    "node_id": "abcdef0123456789",
+                    "last_error": "",
+                },
+                {
+                    "name": "engine-1",
+                    "url": "http://h:6",
+                    "origin": "added",
+                    "owned": False,
+                    "state": "lost",
+                    "weight_version": 3,
+                    "healthy": False,
+                    "failed_checks": 2,
+                    "restarts": 0,
+                    "node_id": None,
+                    "last_error": "failed its health checks",
+                },
+            ],
+        }
+    )
     lines = table.splitlines()
     assert lines[0].split()[:5] == ["NAME", "URL", "ORIGIN", "STATE", "WEIGHT_VERSION"]
     assert "engine-0" in lines[1] and "serving" in lines[1] and " ok " in lines[1] and "abcdef012345" in lines[1]
@@ -281,8 +374,18 @@ def test_a_late_engine_catches_up_to_a_delta_version_it_never_held(tmp_path):
     expected = str(tmp_path / "expected")
     trainer.write(expected)
 
-    engine = EngineActor(EngineSpec(index=7, model="unused", vllm_args={}, tensor_parallel_size=1, run_token="t",
-                                    log_path=str(tmp_path / "log"), startup_timeout=1, http_timeout=1))
+    engine = EngineActor(
+        EngineSpec(
+            index=7,
+            model="unused",
+            vllm_args={},
+            tensor_parallel_size=1,
+            run_token="t",
+            log_path=str(tmp_path / "log"),
+            startup_timeout=1,
+            http_timeout=1,
+        )
+    )
     engine.client = _Client()
     assert engine.load_version(root, 3) == 3
     assert engine.client.label == "3" and read_files(engine.client.loaded[-1]) == read_files(expected)
@@ -298,8 +401,18 @@ def test_a_late_engine_catches_up_to_a_delta_version_it_never_held(tmp_path):
     import shutil
 
     shutil.rmtree(os.path.join(root, "weight_v000002"))
-    late = EngineActor(EngineSpec(index=8, model="unused", vllm_args={}, tensor_parallel_size=1, run_token="t",
-                                  log_path=str(tmp_path / "log"), startup_timeout=1, http_timeout=1))
+    late = EngineActor(
+        EngineSpec(
+            index=8,
+            model="unused",
+            vllm_args={},
+            tensor_parallel_size=1,
+            run_token="t",
+            log_path=str(tmp_path / "log"),
+            startup_timeout=1,
+            http_timeout=1,
+        )
+    )
     late.client = _Client()
     assert late.load_version(root, 2) == 5 and late.client.label == "5"
     with pytest.raises(Exception, match="does not exist"):

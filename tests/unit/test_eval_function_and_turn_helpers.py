@@ -17,7 +17,7 @@ from vime.rollout.generate import SamplingParams, append_observation, session_he
 from vime.rollout.types import RolloutFnEvalOutput
 from vime.sample import Sample
 
-EVAL_FUNCTION = '''
+EVAL_FUNCTION = """
 from vime.rollout.types import RolloutFnEvalOutput
 
 CALLS = []
@@ -32,7 +32,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         s.reward = float(s.response == s.label)
     return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples], "samples": samples}},
                                metrics={"calls": len(CALLS)})
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,9 @@ def tokenizer():
 
 
 def test_eval_function_runs_on_a_parquet_set(tmp_path, tokenizer):
-    rows = [{"prompt": f"{i}=", "label": str(i), "metadata": {"source_name": "easy" if i < 3 else "hard"}}
-            for i in range(4)]
+    rows = [
+        {"prompt": f"{i}=", "label": str(i), "metadata": {"source_name": "easy" if i < 3 else "hard"}} for i in range(4)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
     dataset = PromptDataset.load(str(tmp_path / "test.parquet"), DataKeys("prompt", "label"))
     (tmp_path / "my_eval.py").write_text(EVAL_FUNCTION)
@@ -52,10 +53,22 @@ def test_eval_function_runs_on_a_parquet_set(tmp_path, tokenizer):
     async def no_reward(args, sample):
         raise AssertionError("the eval function scores its own samples")
 
-    result = asyncio.run(evaluate_dataset(
-        dataset, tokenizer=tokenizer, router_url="http://127.0.0.1:9", reward=no_reward, args=None,
-        params=SamplingParams(max_new_tokens=2), n_samples=2, apply_chat_template=False, timeout=1.0,
-        name="held_out", rollout_id=7, eval_function_path=f"{tmp_path}/my_eval.py:generate_rollout"))
+    result = asyncio.run(
+        evaluate_dataset(
+            dataset,
+            tokenizer=tokenizer,
+            router_url="http://127.0.0.1:9",
+            reward=no_reward,
+            args=None,
+            params=SamplingParams(max_new_tokens=2),
+            n_samples=2,
+            apply_chat_template=False,
+            timeout=1.0,
+            name="held_out",
+            rollout_id=7,
+            eval_function_path=f"{tmp_path}/my_eval.py:generate_rollout",
+        )
+    )
     assert result["reward"] == 0.75 and result["samples"] == 8
     assert result["reward/easy"] == 1.0 and result["reward/hard"] == 0.0 and result["calls"] == 1.0
     assert sys.modules["vime_plugin_my_eval"].CALLS == [(7, "held_out", True)]
@@ -74,15 +87,14 @@ def test_eval_answers_in_several_forms_and_a_bad_one():
     assert interpret_eval_output(scored, "s", "f")["reward"] == 0.5
     assert interpret_eval_output({"s": {"rewards": [1, 0, 0, 1]}}, "s", "f")["samples"] == 4
     wrapped = RolloutFnEvalOutput(data={"s": {"rewards": [1.0], "response_lengths": [3]}}, metrics={"m": 2})
-    assert interpret_eval_output(wrapped, "s", "f") == {"reward": 1.0, "response_length": 3.0, "samples": 1.0,
-                                                        "m": 2.0}
+    assert interpret_eval_output(wrapped, "s", "f") == {"reward": 1.0, "response_length": 3.0, "samples": 1.0, "m": 2.0}
     with pytest.raises(TypeError, match=r"--eval-function-path my\.py:f: for held-out set 's' it returned NoneType"):
         interpret_eval_output(None, "s", "my.py:f")
 
 
 def test_turn_helpers_keep_every_per_token_list_aligned():
     sample = Sample(tokens=[5, 6], session_id="g1-0")
-    append_observation(sample, [7])                      # an observation before any generated token
+    append_observation(sample, [7])  # an observation before any generated token
     sample.append_response_tokens([8, 9], [-0.5, -0.25], [3, 3])
     append_observation(sample, [10, 11])
     assert sample.response_tokens == [7, 8, 9, 10, 11] and sample.response_length == 5

@@ -19,12 +19,11 @@ def test_delay_sleeps_at_every_hit_of_its_point_only(monkeypatch):
     slept = time.monotonic() - started
     assert 0.4 <= slept < 2.0
     started = time.monotonic()
-    fault_point("rollout.after_publish")   # not delayed
+    fault_point("rollout.after_publish")  # not delayed
     assert time.monotonic() - started < 0.1
 
 
-def test_a_hold_lasts_from_its_position_until_the_release_file_exists_and_can_be_armed_again(monkeypatch,
-                                                                                             tmp_path):
+def test_a_hold_lasts_from_its_position_until_the_release_file_exists_and_can_be_armed_again(monkeypatch, tmp_path):
     release = tmp_path / "release"
     monkeypatch.setenv("VIME_FAULT_HOLDS", "driver.before_step=3")
     monkeypatch.setenv("VIME_FAULT_RELEASE", str(release))
@@ -43,4 +42,4 @@ def test_tokens_per_version_counts_each_response_token_by_its_version():
     b = Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[3, 4])
     empty = Sample(tokens=[1], response_length=0, weight_versions=[])
     assert tokens_per_version([a, b, empty]) == {"2": 2, "3": 2, "4": 1}
-    assert list(tokens_per_version([b, a])) == ["2", "3", "4"]   # ordered by version
+    assert list(tokens_per_version([b, a])) == ["2", "3", "4"]  # ordered by version

@@ -18,13 +18,13 @@ import torch
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config.framework import AlgorithmConfig
-from vime.sample import Sample
 from vime.runtime.ports import free_port
+from vime.sample import Sample
 
 GROUP = 4
 GROUPS = 3  # x 4 samples = 3 micro-batches of 4; global batch 8: optimizer steps of 2 and 1 micro-batches
 KL = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}  # the reference model is sharded too
-PPO = {"advantage_estimator": "ppo", "kl_coef": 0.05}                  # and PPO's critic
+PPO = {"advantage_estimator": "ppo", "kl_coef": 0.05}  # and PPO's critic
 
 
 def make_samples(seed: int) -> list[Sample]:
@@ -34,8 +34,14 @@ def make_samples(seed: int) -> list[Sample]:
         prompt = [rng.randint(1, 10) for _ in range(rng.randint(2, 4))] + [11]
         for i in range(GROUP):
             response = [rng.randint(1, 11) for _ in range(rng.randint(2, 6))]
-            sample = Sample(group_index=g, index=i, tokens=prompt + response, response_length=len(response),
-                            reward=float(rng.random() < 0.5) + 0.1 * i, status=Sample.Status.COMPLETED)
+            sample = Sample(
+                group_index=g,
+                index=i,
+                tokens=prompt + response,
+                response_length=len(response),
+                reward=float(rng.random() < 0.5) + 0.1 * i,
+                status=Sample.Status.COMPLETED,
+            )
             sample.loss_mask = [1] * len(response)
             sample.weight_versions = [0] * len(response)
             sample.rollout_log_probs = [-2.0 - 0.1 * rng.random() for _ in response]
@@ -46,21 +52,38 @@ def make_samples(seed: int) -> list[Sample]:
 def spec(model_dir: str, *, sharded: bool, bf16: bool = False, **algorithm) -> TorchTrainerSpec:
     algo = AlgorithmConfig(**algorithm)
     algo.validate()
-    return TorchTrainerSpec(hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.01, adam_betas=(0.9, 0.999),
-                            adam_eps=1e-8, clip_grad=1.0, micro_batch_size=4, global_batch_size=2 * GROUP,
-                            n_samples_per_prompt=GROUP, rollout_temperature=1.0, algorithm=algo, seed=0, threads=1,
-                            bf16=bf16, use_distributed_optimizer=sharded)
+    return TorchTrainerSpec(
+        hf_checkpoint=model_dir,
+        lr=1e-3,
+        weight_decay=0.01,
+        adam_betas=(0.9, 0.999),
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        micro_batch_size=4,
+        global_batch_size=2 * GROUP,
+        n_samples_per_prompt=GROUP,
+        rollout_temperature=1.0,
+        algorithm=algo,
+        seed=0,
+        threads=1,
+        bf16=bf16,
+        use_distributed_optimizer=sharded,
+    )
 
 
 def local_numel(backend: TorchBackend) -> dict[str, int]:
     """This rank's elements of the policy's parameters and of AdamW's moments."""
+
     def local(t):
         return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
 
-    moments = sum(local(value) for state in backend.optimizer.state.values()
-                  for key, value in state.items() if key in ("exp_avg", "exp_avg_sq"))
+    moments = sum(
+        local(value)
+        for state in backend.optimizer.state.values()
+        for key, value in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    )
     return {"params": sum(local(p) for p in backend.model.parameters()), "moments": moments}
-
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
@@ -68,20 +91,21 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     torch.set_num_threads(1)
-    import torch.distributed as dist
-
     import datetime
 
+    import torch.distributed as dist
+
     # A rank left out of FSDP's collectives (a missing lock-step pass) fails the test instead of hanging it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     results = {}
     backend = TorchBackend(spec(model_dir, sharded=True, **KL))
     assert backend.sharding.active and backend.dp.size == 2
     results["first"] = backend.train_rollout(make_samples(0), 0)
     results["numel"] = local_numel(backend)
-    results["gathered"] = backend.sharding.full_state_dict(backend.model)   # rank 0's; {} on rank 1
-    if rank == 0:   # what TrainerWorker.publish_weights does on each rank
+    results["gathered"] = backend.sharding.full_state_dict(backend.model)  # rank 0's; {} on rank 1
+    if rank == 0:  # what TrainerWorker.publish_weights does on each rank
         backend.save_weights(os.path.join(work, "exported"))
     else:
         backend.export_peer()
@@ -91,19 +115,21 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     resumed = TorchBackend(spec(model_dir, sharded=True, **KL))
     resumed.load_training_state(os.path.join(work, "ckpt_one_rank"))
     results["second_from_one_rank"] = resumed.train_rollout(make_samples(1), 0)
-    ppo = TorchBackend(spec(model_dir, sharded=True, megatron_config_path=os.path.join(work, "critic_save.yaml"),
-                            **PPO))
+    ppo = TorchBackend(
+        spec(model_dir, sharded=True, megatron_config_path=os.path.join(work, "critic_save.yaml"), **PPO)
+    )
     results["ppo"] = [ppo.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
-    ppo.save_training_state(os.path.join(work, "ckpt_ppo"))   # also the critic's role `save` copy (gathered)
+    ppo.save_training_state(os.path.join(work, "ckpt_ppo"))  # also the critic's role `save` copy (gathered)
     results["critic_gathered"] = ppo.sharding.full_state_dict(ppo.critic.module)
     # --log-probs-chunk-size reads the LM head's weight after the root's forward (FSDP keeps it gathered)
     chunked = TorchBackend(dataclasses.replace(spec(model_dir, sharded=True, **KL), log_probs_chunk_size=3))
     results["chunked"] = chunked.train_rollout(make_samples(0), 0)
     bf16 = TorchBackend(spec(model_dir, sharded=True, bf16=True, **KL))
     results["bf16"] = bf16.train_rollout(make_samples(0), 0)
-    results["bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.model.parameters()}
-                                    | {str(v.dtype) for s in bf16.optimizer.state.values()
-                                       for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")})
+    results["bf16_dtypes"] = sorted(
+        {str(p.dtype) for p in bf16.model.parameters()}
+        | {str(v.dtype) for s in bf16.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
+    )
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -120,8 +146,9 @@ def assert_same_metrics(ours: dict, theirs: dict) -> None:
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("fsdp_tiny")), hidden_size=64, num_heads=2, num_kv_heads=1,
-                           intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("fsdp_tiny")), hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +160,13 @@ def reference(model_dir):
     total = local_numel(single)
     second = single.train_rollout(make_samples(1), 0)
     ppo = TorchBackend(spec(model_dir, sharded=False, **PPO))
-    return {"first": first, "second": second, "after_first": after_first, "numel": total,
-            "ppo": [ppo.train_rollout(make_samples(seed), 0) for seed in (0, 1)]}
+    return {
+        "first": first,
+        "second": second,
+        "after_first": after_first,
+        "numel": total,
+        "ppo": [ppo.train_rollout(make_samples(seed), 0) for seed in (0, 1)],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +174,7 @@ def work(model_dir, tmp_path_factory):
     """The two ranks' results, after a one-rank sharded-format checkpoint was written for them to resume."""
     folder = str(tmp_path_factory.mktemp("fsdp_work"))
     one = TorchBackend(spec(model_dir, sharded=True, **KL))
-    assert not one.sharding.active   # one rank: nothing to shard, the checkpoint format is the sharded one
+    assert not one.sharding.active  # one rank: nothing to shard, the checkpoint format is the sharded one
     one.train_rollout(make_samples(0), 0)
     one.save_training_state(os.path.join(folder, "ckpt_one_rank"))
     with open(os.path.join(folder, "critic_save.yaml"), "w") as f:
@@ -156,7 +188,7 @@ def test_two_sharded_ranks_take_one_unsharded_ranks_step(work, reference):
     _, ranks = work
     for rank in ranks:
         assert rank["first"]["optimizer_steps"] == 2.0
-        assert_same_metrics(rank["first"], reference["first"])   # loss, grad_norm (global), kl, entropy...
+        assert_same_metrics(rank["first"], reference["first"])  # loss, grad_norm (global), kl, entropy...
         assert_same_metrics(rank["second"], reference["second"])
     gathered = ranks[0]["gathered"]
     assert gathered.keys() == reference["after_first"].keys() and ranks[1]["gathered"] == {}
@@ -208,7 +240,7 @@ def test_exported_hf_weights_are_the_gathered_parameters(work, reference):
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(weights[name], reference["after_first"][name], rtol=0, atol=1e-6, msg=name)
     with open(os.path.join(exported, "config.json")) as f:
-        assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"]   # the engines' class, not FSDP's
+        assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"]  # the engines' class, not FSDP's
 
 
 def test_ppo_actor_and_critic_sharded(work, reference):
@@ -262,7 +294,7 @@ def test_one_rank_bf16_sharded_format_checkpoint_resumes_exactly(model_dir, tmp_
     expected = continuous.train_rollout(make_samples(1), 0)
     resumed = TorchBackend(spec(model_dir, sharded=True, bf16=True, **KL))
     resumed.load_training_state(str(tmp_path / "ckpt"))
-    assert {p.dtype for p in resumed.actor.parameters()} == {torch.float32}   # the masters were loaded
+    assert {p.dtype for p in resumed.actor.parameters()} == {torch.float32}  # the masters were loaded
     got = resumed.train_rollout(make_samples(1), 0)
     for name in ("loss", "grad_norm", "kl_loss"):
         assert got[name] == expected[name], name

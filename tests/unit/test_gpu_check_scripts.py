@@ -23,5 +23,9 @@ def test_gpu_check_skips_with_a_reason_without_cuda(script):
 
 
 def test_every_gpu_check_is_found():
-    assert {os.path.basename(s) for s in SCRIPTS} >= {"check_epd.py", "check_megatron_main_job.py",
-                                                       "check_nccl_weights.py", "check_pd_disaggregation.py"}
+    assert {os.path.basename(s) for s in SCRIPTS} >= {
+        "check_epd.py",
+        "check_megatron_main_job.py",
+        "check_nccl_weights.py",
+        "check_pd_disaggregation.py",
+    }

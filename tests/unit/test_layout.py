@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+
 import tomllib
 
 from tests.conftest import REPO
@@ -18,7 +19,8 @@ def test_stdlib_queue_is_not_shadowed_from_the_repository_root():
         "q = queue.Queue(); q.put(1); assert q.get() == 1\n"
         "assert queue.__file__.endswith('queue.py'), queue.__file__\n"
         "with concurrent.futures.ThreadPoolExecutor(1) as ex: assert ex.submit(lambda: 2).result() == 2\n"
-        "print('ok')")
+        "print('ok')"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -27,7 +29,8 @@ def test_subsystems_import_as_vime_subpackages_from_the_root():
     result = run_from_root(
         "import vime.queue.records, vime.workers.controller, vime.recovery.checkpoint, vime.tools.make_tiny_model\n"
         "import queue; assert hasattr(queue, 'Queue')\n"
-        "print(vime.queue.records.__file__)")
+        "print(vime.queue.records.__file__)"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(os.path.join("queue", "records.py"))
 
@@ -41,8 +44,12 @@ def test_every_package_folder_is_declared_for_the_wheel():
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         if root != os.path.join(REPO, "vime") and any(f.endswith(".py") for f in files):
             found.add("vime." + os.path.relpath(root, os.path.join(REPO, "vime")).replace(os.sep, "."))
-    for folder, package in (("workers", "vime.workers"), ("queue", "vime.queue"), ("recovery", "vime.recovery"),
-                            ("tools", "vime.tools")):
+    for folder, package in (
+        ("workers", "vime.workers"),
+        ("queue", "vime.queue"),
+        ("recovery", "vime.recovery"),
+        ("tools", "vime.tools"),
+    ):
         assert config["package-dir"][package] == folder
         assert not os.path.exists(os.path.join(REPO, folder, "__init__.py")), f"{folder}/__init__.py would shadow"
         found.add(package)
@@ -50,13 +57,18 @@ def test_every_package_folder_is_declared_for_the_wheel():
 
 
 def test_train_py_and_console_script_share_the_entry_point():
-    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert "--rollout-num-gpus" in text and "Without GPUs this counts CPU slots" in text
-    for group in ("Cluster resources", "vLLM engines (--vllm-*)", "vllm-router (--router-*)",
-                  "Megatron-style model and parallelism flags"):
+    for group in (
+        "Cluster resources",
+        "vLLM engines (--vllm-*)",
+        "vllm-router (--router-*)",
+        "Megatron-style model and parallelism flags",
+    ):
         assert group in text
     vime = os.path.join(os.path.dirname(sys.executable), "vime")
     result2 = subprocess.run([vime, "train", "--help"], capture_output=True, text=True, timeout=120)

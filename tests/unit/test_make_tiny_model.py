@@ -80,14 +80,34 @@ def test_deterministic_and_idempotent(tmp_path):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
-    other = AutoModelForCausalLM.from_pretrained(make_tiny_model(str(tmp_path / "c"), seed=4, hidden_size=64, num_heads=2, num_kv_heads=1))
+    other = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model(str(tmp_path / "c"), seed=4, hidden_size=64, num_heads=2, num_kv_heads=1)
+    )
     assert not torch.equal(other.lm_head.weight, ma.lm_head.weight)
 
 
 def test_cli_and_custom_chars(tmp_path):
     out = tmp_path / "cli"
-    assert main([str(out), "--arch", "llama", "--chars", "0123456789=+", "--hidden-size", "64", "--num-heads", "2",
-                 "--num-kv-heads", "1", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                str(out),
+                "--arch",
+                "llama",
+                "--chars",
+                "0123456789=+",
+                "--hidden-size",
+                "64",
+                "--num-heads",
+                "2",
+                "--num-kv-heads",
+                "1",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok("1+2=", add_special_tokens=False).input_ids == [2, 12, 3, 11]
     model = AutoModelForCausalLM.from_pretrained(str(out))

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from tests.train_args import minimal_train_argv as _args
 from tests.conftest import REPO
 from tests.megatron_shim import tiny_hf_model
+from tests.train_args import minimal_train_argv as _args
 from vime.backends.megatron_convert import read_hf_state_dict
 from vime.config import ConfigError, parse_train_args
 
@@ -21,14 +21,30 @@ def _same_hf_weights(a: str, b: str) -> None:
         assert torch.equal(left[name], right[name]), name
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
-                            "ignore::FutureWarning")
+@pytest.mark.filterwarnings(
+    "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
+)
 def test_convert_torch_dist_in_a_fresh_process_and_back(tmp_path):
     pytest.importorskip("megatron.core")
     hf = tiny_hf_model(str(tmp_path / "hf"), "qwen3", tie=True)
     # A plain process (no test shim): the converters run on a CPU machine as they are.
-    result = subprocess.run([sys.executable, "-m", "vime.cli", "tools", "convert-hf-to-megatron", "--hf-checkpoint", hf,
-                             "--save", str(tmp_path / "mcore")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vime.cli",
+            "tools",
+            "convert-hf-to-megatron",
+            "--hf-checkpoint",
+            hf,
+            "--save",
+            str(tmp_path / "mcore"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text() == "0"
     step = tmp_path / "mcore" / "iter_0000000"
@@ -36,8 +52,21 @@ def test_convert_torch_dist_in_a_fresh_process_and_back(tmp_path):
 
     from vime.cli import main
 
-    assert main(["tools", "convert-megatron-to-hf", "--load", str(tmp_path / "mcore"), "--save", str(tmp_path / "back"),
-                 "--hf-config", hf]) == 0
+    assert (
+        main(
+            [
+                "tools",
+                "convert-megatron-to-hf",
+                "--load",
+                str(tmp_path / "mcore"),
+                "--save",
+                str(tmp_path / "back"),
+                "--hf-config",
+                hf,
+            ]
+        )
+        == 0
+    )
     _same_hf_weights(hf, str(tmp_path / "back"))
     assert (tmp_path / "back" / "config.json").exists()
 
@@ -46,13 +75,41 @@ def test_convert_torch_format_round_trip(tmp_path):
     from vime.cli import main
 
     hf = tiny_hf_model(str(tmp_path / "hf"), "llama", rope_scaling=True)
-    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", hf, "--save", str(tmp_path / "mcore"),
-                 "--ckpt-format", "torch"]) == 0
+    assert (
+        main(
+            [
+                "tools",
+                "convert-hf-to-megatron",
+                "--hf-checkpoint",
+                hf,
+                "--save",
+                str(tmp_path / "mcore"),
+                "--ckpt-format",
+                "torch",
+            ]
+        )
+        == 0
+    )
     saved = torch.load(tmp_path / "mcore" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert saved["model"]["embedding.word_embeddings.weight"].shape[0] == 128  # padded vocabulary
     assert saved["args"]["rope_scaling_factor"] == 8.0
-    assert main(["tools", "convert-megatron-to-hf", "--load", str(tmp_path / "mcore"), "--save", str(tmp_path / "back"),
-                 "--hf-config", hf, "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "tools",
+                "convert-megatron-to-hf",
+                "--load",
+                str(tmp_path / "mcore"),
+                "--save",
+                str(tmp_path / "back"),
+                "--hf-config",
+                hf,
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     _same_hf_weights(hf, str(tmp_path / "back"))
 
 
@@ -70,25 +127,31 @@ def test_megatron_backend_needs_cuda(qwen2_dir):
         parse_train_args(_args(qwen2_dir, "--train-backend", "megatron"))
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
-    (["--rope-scaling-factor", "8"], "--rope-scaling-factor"),
-    (["--custom-megatron-init-path", "no_such_module.init"], "--custom-megatron-init-path"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
+        (["--context-parallel-size", "2"], "--context-parallel-size"),
+        (["--rope-scaling-factor", "8"], "--rope-scaling-factor"),
+        (["--custom-megatron-init-path", "no_such_module.init"], "--custom-megatron-init-path"),
+    ],
+)
 def test_bad_megatron_flags_name_the_flag(qwen2_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
         parse_train_args(_args(qwen2_dir, *extra))
     assert str(error.value).startswith(flag), str(error.value)
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--num-layers", "3"], "--num-layers"),
-    (["--kv-channels", "64"], "--kv-channels"),
-    (["--qk-layernorm"], "--qk-layernorm"),             # Qwen3's, not Qwen2's
-    (["--untie-embeddings-and-output-weights", "--vocab-size", "17"], "--vocab-size"),
-    (["--rotary-base", "1000000"], "--rotary-base"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--num-layers", "3"], "--num-layers"),
+        (["--kv-channels", "64"], "--kv-channels"),
+        (["--qk-layernorm"], "--qk-layernorm"),  # Qwen3's, not Qwen2's
+        (["--untie-embeddings-and-output-weights", "--vocab-size", "17"], "--vocab-size"),
+        (["--rotary-base", "1000000"], "--rotary-base"),
+    ],
+)
 def test_model_flags_are_checked_against_config_json(qwen2_dir, extra, flag):
     from transformers import AutoConfig
 
@@ -103,12 +166,39 @@ def test_preset_flags_resolve_the_architecture(qwen2_dir):
 
     from vime.backends.megatron_args import resolve_model_args
 
-    settings = parse_train_args(_args(
-        qwen2_dir, "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--swiglu",
-        "--disable-bias-linear", "--add-qkv-bias", "--num-attention-heads", "4", "--group-query-attention",
-        "--num-query-groups", "2", "--kv-channels", "16", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
-        "--use-rotary-position-embeddings", "--rotary-base", "10000", "--untie-embeddings-and-output-weights",
-        "--vocab-size", "16", "--ckpt-format", "torch"))
+    settings = parse_train_args(
+        _args(
+            qwen2_dir,
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--ffn-hidden-size",
+            "96",
+            "--swiglu",
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--num-attention-heads",
+            "4",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--kv-channels",
+            "16",
+            "--normalization",
+            "RMSNorm",
+            "--norm-epsilon",
+            "1e-6",
+            "--use-rotary-position-embeddings",
+            "--rotary-base",
+            "10000",
+            "--untie-embeddings-and-output-weights",
+            "--vocab-size",
+            "16",
+            "--ckpt-format",
+            "torch",
+        )
+    )
     args = resolve_model_args(settings.megatron, AutoConfig.from_pretrained(qwen2_dir))
     assert (args.family, args.add_qkv_bias, args.tie_embeddings, args.kv_channels) == ("qwen2", True, False, 16)
     assert settings.megatron.ckpt_format == "torch"
@@ -134,6 +224,10 @@ def test_tiny_presets_describe_make_tiny_model(tmp_path, preset, arch):
 
     model = make_tiny_model(str(tmp_path / arch), arch=arch)
     path = os.path.join(REPO, "scripts", "models", preset)
-    flags = subprocess.run(["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-                           capture_output=True, text=True, check=True).stdout.split()
+    flags = subprocess.run(
+        ["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     parse_train_args(_args(model, *flags)).megatron.check_against_hf(AutoConfig.from_pretrained(model))

@@ -7,7 +7,14 @@ from transformers import AutoConfig
 from tests.megatron_shim import tiny_hf_model
 from vime.backends.megatron_args import model_args_from_hf
 from vime.backends.megatron_convert import (
-    from_te_names, fuse_qkv, hf_to_mcore, mcore_to_hf, merge_tp_shards, read_hf_state_dict, split_qkv, to_te_names,
+    from_te_names,
+    fuse_qkv,
+    hf_to_mcore,
+    mcore_to_hf,
+    merge_tp_shards,
+    read_hf_state_dict,
+    split_qkv,
+    to_te_names,
     write_hf_safetensors,
 )
 from vime.config.base import ConfigError
@@ -54,11 +61,20 @@ def test_megatron_names_and_shapes(tiny):
 
 
 def test_qkv_is_fused_group_by_group():
-    args = model_args_from_hf(AutoConfig.for_model("llama", hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
-                                                   intermediate_size=8, num_hidden_layers=1, vocab_size=4))
+    args = model_args_from_hf(
+        AutoConfig.for_model(
+            "llama",
+            hidden_size=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            vocab_size=4,
+        )
+    )
     d = args.kv_channels  # 2
-    q = torch.arange(4 * d).float().unsqueeze(1)          # heads 0..3
-    k = 100 + torch.arange(2 * d).float().unsqueeze(1)    # kv heads 0..1
+    q = torch.arange(4 * d).float().unsqueeze(1)  # heads 0..3
+    k = 100 + torch.arange(2 * d).float().unsqueeze(1)  # kv heads 0..1
     v = 200 + torch.arange(2 * d).float().unsqueeze(1)
     fused = fuse_qkv(q, k, v, args).squeeze(1).tolist()
     # group 0: q heads 0,1 | k head 0 | v head 0; then group 1

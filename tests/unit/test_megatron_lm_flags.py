@@ -16,7 +16,7 @@ from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_
 
 pytest.importorskip("megatron.core")
 
-STAND_IN = '''
+STAND_IN = """
 def add_megatron_arguments(parser):
     group = parser.add_argument_group("network size")
     group.add_argument("--init-method-std", type=float, default=0.02)
@@ -26,7 +26,7 @@ def add_megatron_arguments(parser):
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--train-iters", dest="num_rollout", type=int)
     return parser
-'''
+"""
 
 
 @pytest.fixture
@@ -74,11 +74,18 @@ def test_megatron_lm_flags_pass_through_to_args(model_dir, megatron_lm_checkout)
 
 
 def test_transformer_config_fields_reach_the_model_and_vimes_own_are_refused(model_dir):
-    given = Passthrough(values={"init_method_std": 0.5, "apply_residual_connection_post_layernorm": True,
-                                "use_distributed_optimizer": True},
-                        flags={"init_method_std": "--init-method-std",
-                               "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
-                               "use_distributed_optimizer": "--use-distributed-optimizer"})
+    given = Passthrough(
+        values={
+            "init_method_std": 0.5,
+            "apply_residual_connection_post_layernorm": True,
+            "use_distributed_optimizer": True,
+        },
+        flags={
+            "init_method_std": "--init-method-std",
+            "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
+            "use_distributed_optimizer": "--use-distributed-optimizer",
+        },
+    )
     assert transformer_overrides(given) == {"init_method_std": 0.5, "apply_residual_connection_post_layernorm": True}
     with pytest.raises(ConfigError, match=r"^--bf16: sets TransformerConfig.bf16, which vime sets itself"):
         transformer_overrides(Passthrough(values={"bf16": True}, flags={"bf16": "--bf16"}))
@@ -100,8 +107,11 @@ def test_a_checkout_that_does_not_import_is_named_with_the_reason(model_dir, tmp
     (package / "arguments.py").write_text("import module_megatron_lm_needs_but_is_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path / "broken"))
     try:
-        with pytest.raises(ConfigError, match="^--init-method-std: not a vime flag, and the Megatron-LM checkout .* "
-                                              "does not import: No module named 'module_megatron_lm_needs"):
+        with pytest.raises(
+            ConfigError,
+            match="^--init-method-std: not a vime flag, and the Megatron-LM checkout .* "
+            "does not import: No module named 'module_megatron_lm_needs",
+        ):
             parse_train_args(base(model_dir, "--init-method-std", "0.5"))
     finally:
         for name in [n for n in sys.modules if n.startswith("megatron.training")]:
@@ -113,6 +123,6 @@ def test_parse_passthrough_keeps_what_was_given():
     parser.add_argument("--init-method-std", type=float, default=0.02)
     parser.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     given = parse_passthrough(["--no-masked-softmax-fusion"], argparse.Namespace(), parser)
-    assert given.values == {"masked_softmax_fusion": False}   # the default of the other flag is not "given"
+    assert given.values == {"masked_softmax_fusion": False}  # the default of the other flag is not "given"
     assert given.flags == {"masked_softmax_fusion": "--no-masked-softmax-fusion"}
     assert parse_passthrough([], argparse.Namespace(), parser) == Passthrough()

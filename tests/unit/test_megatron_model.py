@@ -33,9 +33,9 @@ def tiny(request, tmp_path_factory):
 
 
 def _batch():
-    ids = torch.tensor([[1, 2, 3, 4, 5, 11, 6, 7, 8, 9],
-                        [3, 4, 5, 11, 6, 15, 0, 0, 0, 0],
-                        [7, 7, 0, 0, 0, 0, 0, 0, 0, 0]])
+    ids = torch.tensor(
+        [[1, 2, 3, 4, 5, 11, 6, 7, 8, 9], [3, 4, 5, 11, 6, 15, 0, 0, 0, 0], [7, 7, 0, 0, 0, 0, 0, 0, 0, 0]]
+    )
     lengths = torch.tensor([[10], [6], [2]])
     return ids, (torch.arange(10) < lengths).long()
 

@@ -8,17 +8,23 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tests.train_args import minimal_train_argv as _args
 from tests.conftest import REPO
 from tests.megatron_shim import MOE_VARIANTS, tiny_moe_hf_model
+from tests.train_args import minimal_train_argv as _args
 from vime.backends.megatron_args import model_args_from_hf, parse_moe_layer_freq
 from vime.backends.megatron_convert import (
-    from_te_names, hf_to_mcore, mcore_to_hf, merge_tp_shards, read_hf_state_dict, to_te_names,
+    from_te_names,
+    hf_to_mcore,
+    mcore_to_hf,
+    merge_tp_shards,
+    read_hf_state_dict,
+    to_te_names,
 )
 from vime.config import ConfigError, parse_train_args
 
-MEGATRON_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
-                                               "ignore::FutureWarning")
+MEGATRON_WARNINGS = pytest.mark.filterwarnings(
+    "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
+)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_VARIANTS))
@@ -31,12 +37,24 @@ def tiny(request, tmp_path_factory):
 def test_architecture_from_config_json(tiny):
     name, _, args = tiny
     assert (args.num_experts, args.moe_router_topk) == (4, 2)
-    expected = {"qwen3_moe": dict(moe_ffn_hidden_size=24, moe_layers=(0, 1), moe_router_pre_softmax=False,
-                                  moe_shared_expert_intermediate_size=None, qk_layernorm=True),
-                "qwen2_moe": dict(moe_ffn_hidden_size=24, moe_layers=(0,), moe_router_pre_softmax=True,
-                                  moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True,
-                                  add_qkv_bias=True),
-                "mixtral": dict(moe_ffn_hidden_size=48, moe_layers=(0, 1), moe_router_pre_softmax=False)}[name]
+    expected = {
+        "qwen3_moe": dict(
+            moe_ffn_hidden_size=24,
+            moe_layers=(0, 1),
+            moe_router_pre_softmax=False,
+            moe_shared_expert_intermediate_size=None,
+            qk_layernorm=True,
+        ),
+        "qwen2_moe": dict(
+            moe_ffn_hidden_size=24,
+            moe_layers=(0,),
+            moe_router_pre_softmax=True,
+            moe_shared_expert_intermediate_size=40,
+            moe_shared_expert_gate=True,
+            add_qkv_bias=True,
+        ),
+        "mixtral": dict(moe_ffn_hidden_size=48, moe_layers=(0, 1), moe_router_pre_softmax=False),
+    }[name]
     assert {k: getattr(args, k) for k in expected} == expected
 
 
@@ -65,7 +83,7 @@ def test_expert_names_and_shapes(tiny):
     if name == "qwen2_moe":
         assert mcore[layer + "shared_experts.gate_weight"].shape == (1, args.hidden_size)
         assert mcore[layer + "shared_experts.linear_fc1.weight"].shape == (80, args.hidden_size)
-        assert "decoder.layers.1.mlp.linear_fc1.weight" in mcore        # the dense layer (mlp_only_layers)
+        assert "decoder.layers.1.mlp.linear_fc1.weight" in mcore  # the dense layer (mlp_only_layers)
         assert "decoder.layers.1.mlp.router.weight" not in mcore
 
 
@@ -88,7 +106,7 @@ def test_tensor_parallel_torch_shards_merge_back():
     mcore = hf_to_mcore(read_hf_state_dict(folder), args)
     shards = [{}, {}]
     for name, value in mcore.items():
-        if name.endswith("linear_fc1.weight"):       # dense, expert and shared MLPs: [gate; up] per rank
+        if name.endswith("linear_fc1.weight"):  # dense, expert and shared MLPs: [gate; up] per rank
             gate, up = value.chunk(2)
             parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(2), up.chunk(2))]
         elif name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
@@ -97,7 +115,7 @@ def test_tensor_parallel_torch_shards_merge_back():
             parts = list(torch.cat([value, torch.zeros(128 - value.shape[0], value.shape[1])]).chunk(2))
         elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
             parts = list(value.chunk(2, dim=1))
-        else:                                        # norms, router, shared-expert gate: replicated
+        else:  # norms, router, shared-expert gate: replicated
             parts = [value, value]
         for shard, part in zip(shards, parts):
             shard[name] = part
@@ -117,9 +135,9 @@ def _megatron():
 
 
 def _batch():
-    ids = torch.tensor([[1, 2, 3, 4, 5, 11, 6, 7, 8, 9],
-                        [3, 4, 5, 11, 6, 15, 0, 0, 0, 0],
-                        [7, 7, 0, 0, 0, 0, 0, 0, 0, 0]])
+    ids = torch.tensor(
+        [[1, 2, 3, 4, 5, 11, 6, 7, 8, 9], [3, 4, 5, 11, 6, 15, 0, 0, 0, 0], [7, 7, 0, 0, 0, 0, 0, 0, 0, 0]]
+    )
     return ids, (torch.arange(10) < torch.tensor([[10], [6], [2]])).long()
 
 
@@ -175,29 +193,35 @@ def dense_dir(tmp_path_factory):
     return tiny_hf_model(str(tmp_path_factory.mktemp("dense")), "qwen3")
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--moe-router-topk", "5", "--num-experts", "4"], "--moe-router-topk"),
-    (["--num-experts", "0"], "--num-experts"),
-    (["--moe-layer-freq", "[1]*3", "--num-layers", "2"], "--moe-layer-freq"),
-    (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
-    (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
-    (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--moe-router-topk", "5", "--num-experts", "4"], "--moe-router-topk"),
+        (["--num-experts", "0"], "--num-experts"),
+        (["--moe-layer-freq", "[1]*3", "--num-layers", "2"], "--moe-layer-freq"),
+        (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
+        (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
+        (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+    ],
+)
 def test_bad_moe_flags_name_the_flag(qwen3_moe_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
         parse_train_args(_args(qwen3_moe_dir, *extra))
     assert str(error.value).startswith(flag), str(error.value)
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--num-experts", "8"], "--num-experts"),
-    (["--moe-router-topk", "1"], "--moe-router-topk"),
-    (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size"),
-    (["--moe-router-pre-softmax"], "--moe-router-pre-softmax"),            # norm_topk_prob: true
-    (["--moe-shared-expert-intermediate-size", "40"], "--moe-shared-expert-intermediate-size"),
-    (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function"),
-    (["--moe-layer-freq", "[0]+[1]*1"], "--moe-layer-freq"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--num-experts", "8"], "--num-experts"),
+        (["--moe-router-topk", "1"], "--moe-router-topk"),
+        (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size"),
+        (["--moe-router-pre-softmax"], "--moe-router-pre-softmax"),  # norm_topk_prob: true
+        (["--moe-shared-expert-intermediate-size", "40"], "--moe-shared-expert-intermediate-size"),
+        (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function"),
+        (["--moe-layer-freq", "[0]+[1]*1"], "--moe-layer-freq"),
+    ],
+)
 def test_moe_flags_are_checked_against_config_json(qwen3_moe_dir, extra, flag):
     settings = parse_train_args(_args(qwen3_moe_dir, *extra))
     with pytest.raises(ConfigError) as error:
@@ -231,8 +255,12 @@ def test_moe_layer_freq_spellings():
 
 def _preset(name: str) -> list[str]:
     path = os.path.join(REPO, "scripts", "models", name)
-    return subprocess.run(["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-                          capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(
+        ["bash", "-c", f'source "{path}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
 
 
 def test_moe_presets(qwen3_moe_dir):
@@ -253,10 +281,38 @@ def test_conversion_commands_round_trip(tmp_path, ckpt_format):
 
     _megatron()
     hf = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS["qwen2_moe"])
-    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", hf, "--save", str(tmp_path / "mcore"),
-                 "--ckpt-format", ckpt_format]) == 0
-    assert main(["tools", "convert-megatron-to-hf", "--load", str(tmp_path / "mcore"), "--save", str(tmp_path / "back"),
-                 "--hf-config", hf, "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "tools",
+                "convert-hf-to-megatron",
+                "--hf-checkpoint",
+                hf,
+                "--save",
+                str(tmp_path / "mcore"),
+                "--ckpt-format",
+                ckpt_format,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "tools",
+                "convert-megatron-to-hf",
+                "--load",
+                str(tmp_path / "mcore"),
+                "--save",
+                str(tmp_path / "back"),
+                "--hf-config",
+                hf,
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     left, right = read_hf_state_dict(hf), read_hf_state_dict(str(tmp_path / "back"))
     assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron",
-                                        "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
+)
 
 from test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec  # noqa: E402
 
@@ -33,8 +34,10 @@ def model_dir(tmp_path_factory):
 
 
 def ppo(model_dir, *, ckpt_format="torch_dist", **algorithm) -> MegatronBackend:
-    return MegatronBackend(trainer_spec(model_dir, advantage_estimator="ppo", **algorithm),
-                           megatron_spec(model_dir, ckpt_format=ckpt_format))
+    return MegatronBackend(
+        trainer_spec(model_dir, advantage_estimator="ppo", **algorithm),
+        megatron_spec(model_dir, ckpt_format=ckpt_format),
+    )
 
 
 def params(module) -> list[torch.Tensor]:
@@ -56,13 +59,14 @@ def without_time(metrics: dict) -> dict:
 def test_ppo_matches_the_torch_backends_critic(model_dir):
     """Same body (the actor's weights) and the same head: values, GAE and every metric as the torch backend's."""
     reference = TorchBackend(trainer_spec(model_dir, advantage_estimator="ppo", kl_coef=0.05))
-    megatron = MegatronBackend(trainer_spec(model_dir, advantage_estimator="ppo", kl_coef=0.05),
-                               megatron_spec(model_dir))
+    megatron = MegatronBackend(
+        trainer_spec(model_dir, advantage_estimator="ppo", kl_coef=0.05), megatron_spec(model_dir)
+    )
     with torch.no_grad():
         for name, param in megatron.critic_gpt.output_layer.named_parameters():
             param.copy_(getattr(reference.critic.module.value_head, name))
     samples = make_samples(0)
-    packed = [pack(samples[i:i + 4], megatron.pad_id) for i in range(0, len(samples), 4)]
+    packed = [pack(samples[i : i + 4], megatron.pad_id) for i in range(0, len(samples), 4)]
     with torch.no_grad():
         values = [megatron._values(b) for b in packed]
         for ours, theirs in zip(values, [reference._values(b) for b in packed]):
@@ -74,8 +78,14 @@ def test_ppo_matches_the_torch_backends_critic(model_dir):
     rows = lambda tensors: [row for b, t in zip(packed, tensors) for row in b.rows(t)]  # noqa: E731
     kl = [approx_kl(o, r, megatron.spec.algorithm.kl_loss_type) for o, r in zip(rows(old), rows(ref))]
     expected_advantages, expected_returns = ppo_advantages_and_returns(
-        torch.tensor([s.reward for s in samples]), rows(values), rows([b.response_mask for b in packed]), kl=kl,
-        kl_coef=0.05, gamma=megatron.spec.algorithm.gamma, lambd=megatron.spec.algorithm.lambd)
+        torch.tensor([s.reward for s in samples]),
+        rows(values),
+        rows([b.response_mask for b in packed]),
+        kl=kl,
+        kl_coef=0.05,
+        gamma=megatron.spec.algorithm.gamma,
+        lambd=megatron.spec.algorithm.lambd,
+    )
     for got, want in ((advantages, expected_advantages), (returns, expected_returns)):
         for a, b in zip(rows(got), want):
             torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-6, atol=1e-6)
@@ -118,7 +128,7 @@ def test_checkpoint_round_trips_the_critic(model_dir, tmp_path, ckpt_format):
     resumed = ppo(model_dir, ckpt_format=ckpt_format, num_critic_only_steps=2)
     assert not same_critic(trainer, resumed)  # a fresh critic differs ...
     resumed.load_training_state(str(tmp_path / "iter_0000001"))
-    assert same_critic(trainer, resumed)      # ... the loaded one does not
+    assert same_critic(trainer, resumed)  # ... the loaded one does not
     assert resumed.rollouts_trained == 1 and resumed.critic.optimizer_steps == 1
     # Both continue identically: rollout 2 is still critic-only (the count was restored), rollout 3 trains both.
     for version in (1, 2):
@@ -143,7 +153,9 @@ def write_yaml(tmp_path, text: str, name: str) -> str:
 
 def test_role_overrides_and_the_critics_own_checkpoints(model_dir, tmp_path):
     save = tmp_path / "critic_ckpt"
-    roles = write_yaml(tmp_path, f"""
+    roles = write_yaml(
+        tmp_path,
+        f"""
 megatron:
   - role: actor
     overrides:
@@ -153,7 +165,9 @@ megatron:
       lr: 1e-5
       weight_decay: 0.0
       save: {save}
-""", "roles.yaml")
+""",
+        "roles.yaml",
+    )
     trainer = ppo(model_dir, megatron_config_path=roles)
     assert trainer.optimizer.param_groups[0]["lr"] == 1e-6
     assert trainer.critic.optimizer.param_groups[0]["lr"] == 1e-5
@@ -168,15 +182,17 @@ megatron:
     reload = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {save}\n", "load.yaml")
     restarted = ppo(model_dir, megatron_config_path=reload)
     assert same_critic(trainer, restarted) and not restarted.critic.optimizer.state
-    assert restarted.optimizer.param_groups[0]["lr"] == 1e-3   # no actor entry: the command line's
+    assert restarted.optimizer.param_groups[0]["lr"] == 1e-3  # no actor entry: the command line's
     # ... or from a PPO run's own checkpoints (its critic/), here the same weights.
     (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("1")
-    from_run = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'run'}\n",
-                          "run.yaml")
+    from_run = write_yaml(
+        tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'run'}\n", "run.yaml"
+    )
     assert same_critic(trainer, ppo(model_dir, megatron_config_path=from_run))
 
-    unsupported = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr_decay_iters: 5\n",
-                             "bad.yaml")
+    unsupported = write_yaml(
+        tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr_decay_iters: 5\n", "bad.yaml"
+    )
     with pytest.raises(Exception, match=r"megatron\[0\]\.overrides\.lr_decay_iters: the Megatron backend"):
         ppo(model_dir, megatron_config_path=unsupported)
 
@@ -187,10 +203,11 @@ def test_critic_body_from_an_actor_checkpoint_keeps_a_fresh_head(model_dir, tmp_
     from vime.tools.convert_checkpoint import hf_to_megatron
 
     hf_to_megatron(model_dir, str(tmp_path / "actor"), ckpt_format=ckpt_format)
-    load = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'actor'}\n",
-                      "load.yaml")
+    load = write_yaml(
+        tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'actor'}\n", "load.yaml"
+    )
     from_checkpoint, from_hf = ppo(model_dir, megatron_config_path=load), ppo(model_dir)
-    assert same_critic(from_checkpoint, from_hf)   # the same body, and the same --seed head
+    assert same_critic(from_checkpoint, from_hf)  # the same body, and the same --seed head
     actor = dict(from_hf.gpt.named_parameters())
     for name, param in from_hf.critic_gpt.named_parameters():
         if not name.startswith("output_layer."):
@@ -215,10 +232,12 @@ def test_critic_from_a_torch_backend_critic_and_with_tied_embeddings(model_dir, 
             shutil.copy(os.path.join(model_dir, name), tied / name)
     reference = TorchBackend(trainer_spec(str(tied), advantage_estimator="ppo"))
     reference._save_critic(str(tmp_path / "torch_critic"))
-    load = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'torch_critic'}"
-                                "\n", "load.yaml")
-    megatron = MegatronBackend(trainer_spec(str(tied), advantage_estimator="ppo", megatron_config_path=load),
-                               megatron_spec(str(tied)))
+    load = write_yaml(
+        tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {tmp_path / 'torch_critic'}\n", "load.yaml"
+    )
+    megatron = MegatronBackend(
+        trainer_spec(str(tied), advantage_estimator="ppo", megatron_config_path=load), megatron_spec(str(tied))
+    )
     assert megatron.megatron.model.tie_embeddings and megatron.gpt.share_embeddings_and_output_weights
     assert not megatron.critic_gpt.share_embeddings_and_output_weights
     batch = pack(make_samples(0)[:4], megatron.pad_id)

@@ -9,7 +9,7 @@ import pytest
 
 from vime.runtime.plugins import HOOKS, PluginError, absolute_plugin_path, call_maybe_async, load_function, load_hook
 
-GOOD = '''
+GOOD = """
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     return []
 async def generate(args, sample, sampling_params):
@@ -28,7 +28,7 @@ def four(args, a, b, c):
 def keyword_only(args, sample, *, scale):
     return 0
 NOT_CALLABLE = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -38,14 +38,17 @@ def plugin(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("flag, attr", [
-    ("--rollout-function-path", "generate_rollout"),
-    ("--custom-generate-function-path", "generate"),
-    ("--custom-rm-path", "rm"),
-    ("--dynamic-sampling-filter-path", "keep"),
-    ("--eval-function-path", "generate_rollout"),
-    ("--data-source-path", "Source"),
-])
+@pytest.mark.parametrize(
+    "flag, attr",
+    [
+        ("--rollout-function-path", "generate_rollout"),
+        ("--custom-generate-function-path", "generate"),
+        ("--custom-rm-path", "rm"),
+        ("--dynamic-sampling-filter-path", "keep"),
+        ("--eval-function-path", "generate_rollout"),
+        ("--data-source-path", "Source"),
+    ],
+)
 def test_each_hook_loads_from_a_file_and_a_module(plugin, flag, attr):
     assert callable(load_hook(flag, f"{plugin}:{attr}"))
 
@@ -55,20 +58,26 @@ def test_module_paths_load():
     assert load_hook("--rollout-function-path", "vime.rollout.sft.generate_rollout")
 
 
-@pytest.mark.parametrize("path, reason", [
-    ("{dir}/absent.py:f", r"no such file '.*absent\.py'"),
-    ("{plugin}:", r"no attribute after ':'"),
-    ("{plugin}:nope", r"module has no attribute 'nope'; it has .*generate_rollout"),
-    ("{plugin}:NOT_CALLABLE", r"a int is not callable"),
-    ("no_such_package_xyz.module.fn", r"module 'no_such_package_xyz.module' not found"),
-    ("vime.rollout.no_such_module.fn", r"module 'vime.rollout.no_such_module' not found"),
-    ("vime.rollout.filters.nope", r"module has no attribute 'nope'"),
-    ("justaname", r"expected 'package.module.attr' or 'path/to/file.py:attr'"),
-    ("{dir}/raises.py:f", r"importing '.*raises\.py' failed: RuntimeError: boom at import"),
-    ("{dir}/syntax.py:f", r"importing '.*syntax\.py' failed: SyntaxError"),
-    ("{dir}/needs_dep.py:f", r"importing '.*needs_dep\.py' failed: ModuleNotFoundError: No module named "
-                             r"'missing_dependency_xyz'"),
-])
+@pytest.mark.parametrize(
+    "path, reason",
+    [
+        ("{dir}/absent.py:f", r"no such file '.*absent\.py'"),
+        ("{plugin}:", r"no attribute after ':'"),
+        ("{plugin}:nope", r"module has no attribute 'nope'; it has .*generate_rollout"),
+        ("{plugin}:NOT_CALLABLE", r"a int is not callable"),
+        ("no_such_package_xyz.module.fn", r"module 'no_such_package_xyz.module' not found"),
+        ("vime.rollout.no_such_module.fn", r"module 'vime.rollout.no_such_module' not found"),
+        ("vime.rollout.filters.nope", r"module has no attribute 'nope'"),
+        ("justaname", r"expected 'package.module.attr' or 'path/to/file.py:attr'"),
+        ("{dir}/raises.py:f", r"importing '.*raises\.py' failed: RuntimeError: boom at import"),
+        ("{dir}/syntax.py:f", r"importing '.*syntax\.py' failed: SyntaxError"),
+        (
+            "{dir}/needs_dep.py:f",
+            r"importing '.*needs_dep\.py' failed: ModuleNotFoundError: No module named "
+            r"'missing_dependency_xyz'",
+        ),
+    ],
+)
 def test_loading_errors_name_flag_path_and_reason(tmp_path, plugin, path, reason):
     (tmp_path / "raises.py").write_text("raise RuntimeError('boom at import')\n")
     (tmp_path / "syntax.py").write_text("def f(:\n")
@@ -84,21 +93,39 @@ def test_loading_errors_name_flag_path_and_reason(tmp_path, plugin, path, reason
 def test_dependency_missing_inside_a_module_is_not_reported_as_the_module_missing(tmp_path, monkeypatch):
     (tmp_path / "pkg_with_dep.py").write_text("import missing_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginError, match=r"importing module 'pkg_with_dep' failed: No module named "
-                                          r"'missing_dependency_xyz'"):
+    with pytest.raises(
+        PluginError,
+        match=r"importing module 'pkg_with_dep' failed: No module named "
+        r"'missing_dependency_xyz'",
+    ):
         load_hook("--custom-rm-path", "pkg_with_dep.rm")
 
 
-@pytest.mark.parametrize("flag, attr, reason", [
-    ("--custom-rm-path", "four", r"its parameters \(args, a, b, c\) do not accept vime's call rm\(args, sample\)"),
-    ("--rollout-function-path", "two", r"do not accept vime's call generate_rollout\(args, rollout_id, data_source\)"),
-    ("--eval-function-path", "four", r"do not accept vime's call generate_rollout\(args, rollout_id, data_source, "
-                                     r"evaluation=True\)"),
-    ("--dynamic-sampling-filter-path", "keyword_only", r"missing a required argument: 'scale'"),
-    ("--data-source-path", "rm", r"its parameters \(args, sample\) do not accept vime's call DataSource\(args\)"),
-    ("--custom-generate-function-path", "rm", r"do not accept vime's call await generate\(args, sample, "
-                                              r"sampling_params\)"),
-])
+@pytest.mark.parametrize(
+    "flag, attr, reason",
+    [
+        ("--custom-rm-path", "four", r"its parameters \(args, a, b, c\) do not accept vime's call rm\(args, sample\)"),
+        (
+            "--rollout-function-path",
+            "two",
+            r"do not accept vime's call generate_rollout\(args, rollout_id, data_source\)",
+        ),
+        (
+            "--eval-function-path",
+            "four",
+            r"do not accept vime's call generate_rollout\(args, rollout_id, data_source, "
+            r"evaluation=True\)",
+        ),
+        ("--dynamic-sampling-filter-path", "keyword_only", r"missing a required argument: 'scale'"),
+        ("--data-source-path", "rm", r"its parameters \(args, sample\) do not accept vime's call DataSource\(args\)"),
+        (
+            "--custom-generate-function-path",
+            "rm",
+            r"do not accept vime's call await generate\(args, sample, "
+            r"sampling_params\)",
+        ),
+    ],
+)
 def test_wrong_signatures_are_refused(plugin, flag, attr, reason):
     with pytest.raises(PluginError, match=reason) as error:
         load_hook(flag, f"{plugin}:{attr}")
@@ -122,7 +149,9 @@ def test_absolute_paths_and_async_calls(plugin, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert absolute_plugin_path("my_hooks.py:rm") == f"{tmp_path}/my_hooks.py:rm"
     assert absolute_plugin_path("pkg.mod.fn") == "pkg.mod.fn"
-    rm, generate = load_hook("--custom-rm-path", f"{plugin}:rm"), load_hook("--custom-generate-function-path",
-                                                                          f"{plugin}:generate")
+    rm, generate = (
+        load_hook("--custom-rm-path", f"{plugin}:rm"),
+        load_hook("--custom-generate-function-path", f"{plugin}:generate"),
+    )
     assert asyncio.run(call_maybe_async(rm, None, None)) == 1.0
     assert asyncio.run(call_maybe_async(generate, None, "s", {})) == "s"

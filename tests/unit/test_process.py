@@ -96,8 +96,7 @@ def test_stop_kills_descendant_that_left_the_process_group(tmp_path: Path, token
 
 def test_child_env_has_run_token_and_extra_env(tmp_path: Path, token: str):
     code = "import os; print(os.environ['VIME_RUN_TOKEN'], os.environ['EXTRA'], os.environ['SPT_NOENV'])"
-    proc = ManagedProcess([PY, "-c", code], log_path=tmp_path / "env.log", run_token=token,
-                          env={"EXTRA": "x1"}).start()
+    proc = ManagedProcess([PY, "-c", code], log_path=tmp_path / "env.log", run_token=token, env={"EXTRA": "x1"}).start()
     assert proc.wait(timeout=20) == 0
     assert proc.log_tail().strip() == f"{token} x1 1"
 
@@ -113,8 +112,9 @@ def test_log_tail_returns_last_lines_of_stdout_and_stderr(tmp_path: Path, token:
 
 
 def _start_parent(code: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    return subprocess.Popen(
+        [PY, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2]
+    )
 
 
 def test_child_dies_when_its_parent_is_sigkilled_and_sweep_finds_grandchild(tmp_path: Path, token: str):
@@ -124,7 +124,7 @@ def test_child_dies_when_its_parent_is_sigkilled_and_sweep_finds_grandchild(tmp_
     parent = _start_parent(f"""
         import sys, time
         from vime.runtime.process import ManagedProcess
-        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / 'orphan.log')!r},
+        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / "orphan.log")!r},
                                run_token={token!r}).start()
         print(child.pid, flush=True)
         time.sleep(600)
@@ -152,7 +152,7 @@ def test_children_are_stopped_when_the_parent_exits_on_an_exception(tmp_path: Pa
     parent = _start_parent(f"""
         import sys
         from vime.runtime.process import ManagedProcess
-        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / 'exc.log')!r},
+        child = ManagedProcess([sys.executable, "-c", {TREE!r}], log_path={str(tmp_path / "exc.log")!r},
                                run_token={token!r}).start()
         print(child.pid, flush=True)
         import time
@@ -229,7 +229,10 @@ def test_run_token_survives_setproctitle_in_children(tmp_path: Path, token: str)
     # vLLM's EngineCore/Worker and vllm-router rename themselves with setproctitle, which would
     # otherwise overwrite /proc/PID/environ and hide them from the sweep.
     pytest.importorskip("setproctitle")
-    code = "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); print('ok', flush=True); time.sleep(600)"
+    code = (
+        "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); print('ok', flush=True); "
+        "time.sleep(600)"
+    )
     proc = ManagedProcess([PY, "-c", code], log_path=tmp_path / "title.log", run_token=token).start()
     try:
         assert _wait_for(lambda: "ok" in proc.log_tail(), 10)

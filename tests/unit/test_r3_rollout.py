@@ -39,12 +39,15 @@ async def serve(requests: list, *, with_routes: bool = True):
     async def generate_route(request):
         body = await request.json()
         requests.append(body["sampling_params"])
-        tokens, new = body["token_ids"], [5, 6, 7][:body["sampling_params"]["max_tokens"]]
+        tokens, new = body["token_ids"], [5, 6, 7][: body["sampling_params"]["max_tokens"]]
         start = body["sampling_params"].get(REQUEST_FIELD, 0)
         rows = np.stack([experts_of(p) for p in range(start, len(tokens) + len(new) - 1)])
-        choice = {"token_ids": new, "finish_reason": "length",
-                  "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in new]},
-                  "routed_experts": encoded(rows) if with_routes else None}
+        choice = {
+            "token_ids": new,
+            "finish_reason": "length",
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in new]},
+            "routed_experts": encoded(rows) if with_routes else None,
+        }
         return web.json_response({"choices": [choice]})
 
     app = web.Application()
@@ -84,17 +87,40 @@ def test_routes_cover_every_token_across_continuations():
 
 def test_an_engine_without_routes_fails_naming_the_flag():
     sample = Sample(prompt="12=", tokens=[1, 2, 3, 4], session_id="s")
-    with pytest.raises(GenerateError, match="^--use-rollout-routing-replay: the engine returned no routed_experts "
-                                            r"\(is vLLM running with --enable-return-routed-experts\?\)"):
+    with pytest.raises(
+        GenerateError,
+        match="^--use-rollout-routing-replay: the engine returned no routed_experts "
+        r"\(is vLLM running with --enable-return-routed-experts\?\)",
+    ):
         run_turns(sample, [2], with_routes=False)
 
 
 def test_r3_asks_the_engines_for_their_routes(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    settings = parse_train_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", "d.jsonl", "--rm-type",
-                                 "exact_match", "--run-dir", str(tmp_path / "run"),
-                                 "--use-rollout-routing-replay"])
+    settings = parse_train_args(
+        [
+            "--hf-checkpoint",
+            str(tmp_path),
+            "--prompt-data",
+            "d.jsonl",
+            "--rm-type",
+            "exact_match",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--use-rollout-routing-replay",
+        ]
+    )
     assert "enable-return-routed-experts" in settings.vllm.vllm_args
-    plain = parse_train_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", "d.jsonl", "--rm-type",
-                              "exact_match", "--run-dir", str(tmp_path / "run")])
+    plain = parse_train_args(
+        [
+            "--hf-checkpoint",
+            str(tmp_path),
+            "--prompt-data",
+            "d.jsonl",
+            "--rm-type",
+            "exact_match",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert "enable-return-routed-experts" not in plain.vllm.vllm_args

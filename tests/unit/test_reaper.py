@@ -58,11 +58,14 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-
-
 def _start_driver(tmp_path: Path, token: str, mode: str, end: str = "hold") -> tuple[subprocess.Popen, dict]:
-    driver = subprocess.Popen([PY, "-c", DRIVER, token, str(tmp_path), mode, end], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    driver = subprocess.Popen(
+        [PY, "-c", DRIVER, token, str(tmp_path), mode, end],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     line = driver.stdout.readline()
     assert line, "the fake driver printed nothing"
     return driver, json.loads(line)
@@ -102,7 +105,8 @@ def test_reaper_stops_every_process_of_a_killed_driver(tmp_path: Path, token: st
         assert _gone(pids[name]), name
     assert _wait_for(lambda: _gone(reaper.pid), 10), "the reaper outlived its sweep"
     log = (tmp_path / "reaper.log").read_text()
-    assert f"the driver (pid {driver.pid}) is gone without its teardown" in log and "no process of the run is left" in log
+    assert f"the driver (pid {driver.pid}) is gone without its teardown" in log
+    assert "no process of the run is left" in log
 
 
 def test_without_a_reaper_the_orphans_survive(tmp_path: Path, token: str):
@@ -154,16 +158,23 @@ def test_watch_owner_tells_a_clean_end_from_a_death(tmp_path: Path):
 
 
 def _detached_with_token(token: str) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-c", "import time; time.sleep(600)"], env={**os.environ, RUN_TOKEN_ENV: token},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [PY, "-c", "import time; time.sleep(600)"], env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True
+    )
 
 
 def test_startup_sweeps_what_a_dead_incarnation_left_and_says_so(tmp_path: Path, token: str):
     data_dir = str(tmp_path / "rollout_data")
     # A dead incarnation (its driver is gone, and so is its reaper) that left two processes.
     dead_driver = subprocess.Popen([PY, "-c", "import time; time.sleep(600)"])
-    dead = incarnations.Incarnation(token=token, pid=dead_driver.pid, pid_start=process_start_time(dead_driver.pid),
-                                    host=os.uname().nodename, started=time.time(), run_dir=str(tmp_path / "run"))
+    dead = incarnations.Incarnation(
+        token=token,
+        pid=dead_driver.pid,
+        pid_start=process_start_time(dead_driver.pid),
+        host=os.uname().nodename,
+        started=time.time(),
+        run_dir=str(tmp_path / "run"),
+    )
     incarnations.record(data_dir, dead)
     leftovers = [_detached_with_token(token), _detached_with_token(token)]
     dead_driver.kill()
@@ -173,19 +184,29 @@ def test_startup_sweeps_what_a_dead_incarnation_left_and_says_so(tmp_path: Path,
     live_driver = subprocess.Popen([PY, "-c", "import time; time.sleep(600)"])
     live_child = _detached_with_token(live_token)
     try:
-        incarnations.record(data_dir, incarnations.Incarnation(
-            token=live_token, pid=live_driver.pid, pid_start=process_start_time(live_driver.pid),
-            host=os.uname().nodename, started=time.time(), run_dir="elsewhere"))
+        incarnations.record(
+            data_dir,
+            incarnations.Incarnation(
+                token=live_token,
+                pid=live_driver.pid,
+                pid_start=process_start_time(live_driver.pid),
+                host=os.uname().nodename,
+                started=time.time(),
+                run_dir="elsewhere",
+            ),
+        )
         with open(incarnations.path_in(data_dir), "ab") as f:
             f.write(b'{"token": "torn')  # a line torn by a crash mid-write is skipped, not fatal
         assert _wait_for(lambda: len(_left(token)) == 2, 10)
         said: list[str] = []
-        guard = incarnations.RunGuard.start(f"{token}-new", data_dir=data_dir, run_dir=str(tmp_path / "new"),
-                                            say=said.append)
+        guard = incarnations.RunGuard.start(
+            f"{token}-new", data_dir=data_dir, run_dir=str(tmp_path / "new"), say=said.append
+        )
         try:
             assert all(p.poll() is not None for p in leftovers), "the start-up sweep left a dead run's process"
             assert len(said) == 1 and said[0].startswith(
-                f"stopped 2 process(es) left by an earlier run (token {token[:12]}, driver pid {dead_driver.pid}"), said
+                f"stopped 2 process(es) left by an earlier run (token {token[:12]}, driver pid {dead_driver.pid}"
+            ), said
             assert live_child.poll() is None, "a live run's process was swept"
             tokens = [r.token for r in incarnations.read(data_dir)]
             assert tokens == [live_token, f"{token}-new"], tokens  # the dead one's record is dropped
@@ -195,8 +216,9 @@ def test_startup_sweeps_what_a_dead_incarnation_left_and_says_so(tmp_path: Path,
         assert [r.token for r in incarnations.read(data_dir)] == [live_token]
         # Nothing left by anyone: the next start says nothing.
         said.clear()
-        incarnations.RunGuard.start(f"{token}-third", data_dir=data_dir, run_dir=str(tmp_path / "third"),
-                                    say=said.append).close(everything_stopped=True)
+        incarnations.RunGuard.start(
+            f"{token}-third", data_dir=data_dir, run_dir=str(tmp_path / "third"), say=said.append
+        ).close(everything_stopped=True)
         assert said == []
     finally:
         for proc in (live_driver, live_child, *leftovers):

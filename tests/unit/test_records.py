@@ -17,11 +17,22 @@ OWNER = {"task_id": "t", "attempt_id": "a"}
 def full_sample(index=0, response_length=3):
     tokens = [5, 6, 7, 8, 9][: 2 + response_length]
     return Sample(
-        group_index=4, index=index, prompt_index=17, prompt="p", label={"answer": "482"}, tokens=tokens,
-        response="xyz", response_length=response_length, loss_mask=[1, 0, 1][:response_length], reward=0.75,
-        status=Status.TRUNCATED, rollout_log_probs=[-0.5, -1.25, -2.0][:response_length],
-        weight_versions=[3, 3, 4][:response_length], metadata={"source_name": "math", "k": [1, 2]},
-        source="dyn", session_id="s-1",
+        group_index=4,
+        index=index,
+        prompt_index=17,
+        prompt="p",
+        label={"answer": "482"},
+        tokens=tokens,
+        response="xyz",
+        response_length=response_length,
+        loss_mask=[1, 0, 1][:response_length],
+        reward=0.75,
+        status=Status.TRUNCATED,
+        rollout_log_probs=[-0.5, -1.25, -2.0][:response_length],
+        weight_versions=[3, 3, 4][:response_length],
+        metadata={"source_name": "math", "k": [1, 2]},
+        source="dyn",
+        session_id="s-1",
         rollout_routed_experts=torch.randint(0, 200, (len(tokens) - 1, 2, 4), dtype=torch.uint8),
         rollout_topk_token_ids=torch.randint(0, 100, (response_length, 128), dtype=torch.int32),
         rollout_topk_log_probs=torch.randn(response_length, 128),
@@ -32,12 +43,32 @@ def full_sample(index=0, response_length=3):
 
 
 def assert_same(a: Sample, b: Sample):
-    for name in ("group_index", "index", "prompt_index", "label", "tokens", "response", "response_length",
-                 "loss_mask", "reward", "status", "weight_versions", "metadata", "source", "session_id"):
+    for name in (
+        "group_index",
+        "index",
+        "prompt_index",
+        "label",
+        "tokens",
+        "response",
+        "response_length",
+        "loss_mask",
+        "reward",
+        "status",
+        "weight_versions",
+        "metadata",
+        "source",
+        "session_id",
+    ):
         assert getattr(a, name) == getattr(b, name), name
     assert torch.tensor(a.rollout_log_probs, dtype=torch.float32).tolist() == b.rollout_log_probs
-    for name in ("rollout_routed_experts", "rollout_topk_token_ids", "rollout_topk_log_probs", "rollout_topp_ids",
-                 "rollout_topp_offsets", "rollout_topp_log_probs"):
+    for name in (
+        "rollout_routed_experts",
+        "rollout_topk_token_ids",
+        "rollout_topk_log_probs",
+        "rollout_topp_ids",
+        "rollout_topp_offsets",
+        "rollout_topp_log_probs",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
 
@@ -66,12 +97,15 @@ def test_minimal_sample_round_trips_in_memory():
     assert back.source_name == "unknown"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("rollout_routed_experts", torch.zeros(2, 2, 4, dtype=torch.uint8)),   # needs len(tokens) - 1 = 4 rows
-    ("rollout_topk_token_ids", torch.zeros(2, 8, dtype=torch.int32)),      # needs response_length = 3 rows
-    ("rollout_topp_offsets", torch.tensor([0, 1])),
-    ("weight_versions", [0]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rollout_routed_experts", torch.zeros(2, 2, 4, dtype=torch.uint8)),  # needs len(tokens) - 1 = 4 rows
+        ("rollout_topk_token_ids", torch.zeros(2, 8, dtype=torch.int32)),  # needs response_length = 3 rows
+        ("rollout_topp_offsets", torch.tensor([0, 1])),
+        ("weight_versions", [0]),
+    ],
+)
 def test_incomplete_capture_is_refused(field, value):
     sample = full_sample()
     setattr(sample, field, value)

@@ -12,7 +12,7 @@ from vime.rl.losses import ppo_clip_loss, reduce_loss
 def reference_grpo(rewards, group, normalize=True, eps=1e-6):
     out = []
     for start in range(0, len(rewards), group):
-        chunk = rewards[start:start + group]
+        chunk = rewards[start : start + group]
         mean = sum(chunk) / len(chunk)
         std = math.sqrt(sum((r - mean) ** 2 for r in chunk) / (len(chunk) - 1)) if len(chunk) > 1 else 0.0
         out.extend((r - mean) / (std + eps) if normalize and len(chunk) > 1 else r - mean for r in chunk)
@@ -69,9 +69,9 @@ def test_reductions_per_sample_and_per_token():
     assert reduce_loss(per_token, mask, per_token_loss=False).item() == pytest.approx((6 / 3 + 4 / 1) / 2)
     assert reduce_loss(per_token, mask, per_token_loss=True).item() == pytest.approx(10 / 4)
     # micro-batches add up to the whole batch
-    halves = [reduce_loss(per_token[i:i + 1], mask[i:i + 1], per_token_loss=False, num_samples=2) for i in (0, 1)]
+    halves = [reduce_loss(per_token[i : i + 1], mask[i : i + 1], per_token_loss=False, num_samples=2) for i in (0, 1)]
     assert sum(halves).item() == pytest.approx((6 / 3 + 4 / 1) / 2)
-    tokens = [reduce_loss(per_token[i:i + 1], mask[i:i + 1], per_token_loss=True, num_tokens=4) for i in (0, 1)]
+    tokens = [reduce_loss(per_token[i : i + 1], mask[i : i + 1], per_token_loss=True, num_tokens=4) for i in (0, 1)]
     assert sum(tokens).item() == pytest.approx(10 / 4)
 
 

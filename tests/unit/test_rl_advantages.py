@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from vime.rl.advantages import (
-    compute_advantages, discounted_returns, gae_advantages, reinforce_plus_plus_baseline_advantages,
-    reinforce_plus_plus_returns, whiten_ragged,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    reinforce_plus_plus_returns,
+    whiten_ragged,
 )
 
 F64 = torch.float64
@@ -26,7 +30,7 @@ def tensors(rows):
 def ref_group_stats(rewards, size):
     stats = []
     for start in range(0, len(rewards), size):
-        group = rewards[start:start + size]
+        group = rewards[start : start + size]
         mean = sum(group) / len(group)
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1)) if len(group) > 1 else 0.0
         stats += [(mean, std)] * len(group)
@@ -63,8 +67,9 @@ def assert_close(got, expected, tol=1e-9):
 @pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo"])
 @pytest.mark.parametrize("normalize_std", [True, False])
 def test_group_estimators_put_the_normalised_reward_on_every_trained_token(estimator, normalize_std):
-    got = compute_advantages(estimator, torch.tensor(REWARDS, dtype=F64), tensors(MASKS), group_size=3,
-                             normalize_std=normalize_std)
+    got = compute_advantages(
+        estimator, torch.tensor(REWARDS, dtype=F64), tensors(MASKS), group_size=3, normalize_std=normalize_std
+    )
     expected = []
     for reward, (mean, std), mask in zip(REWARDS, ref_group_stats(REWARDS, 3), MASKS):
         value = (reward - mean) / (std + 1e-6) if normalize_std else reward - mean
@@ -81,34 +86,55 @@ def test_single_sample_groups_have_no_group_signal():
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_plus_plus_matches_discounted_kl_penalised_returns(gamma):
     beta = 0.2
-    raw = reinforce_plus_plus_returns(torch.tensor(REWARDS, dtype=F64), tensors(KL), tensors(MASKS),
-                                      kl_coef=beta, gamma=gamma)
-    assert_close([a * torch.tensor(m, dtype=F64) for a, m in zip(raw, MASKS)],
-                 ref_reinforce_pp(REWARDS, KL, MASKS, beta, gamma))
-    got = compute_advantages("reinforce_plus_plus", torch.tensor(REWARDS, dtype=F64), tensors(MASKS), group_size=3,
-                             kl=tensors(KL), kl_coef=beta, gamma=gamma, normalize=True)
+    raw = reinforce_plus_plus_returns(
+        torch.tensor(REWARDS, dtype=F64), tensors(KL), tensors(MASKS), kl_coef=beta, gamma=gamma
+    )
+    assert_close(
+        [a * torch.tensor(m, dtype=F64) for a, m in zip(raw, MASKS)], ref_reinforce_pp(REWARDS, KL, MASKS, beta, gamma)
+    )
+    got = compute_advantages(
+        "reinforce_plus_plus",
+        torch.tensor(REWARDS, dtype=F64),
+        tensors(MASKS),
+        group_size=3,
+        kl=tensors(KL),
+        kl_coef=beta,
+        gamma=gamma,
+        normalize=True,
+    )
     assert_close(got, ref_whiten(ref_reinforce_pp(REWARDS, KL, MASKS, beta, gamma), MASKS))
 
 
 def test_reinforce_plus_plus_pays_the_reward_on_the_last_trained_token():
     # Sample 4's last two tokens are masked: the reward lands on token 1, and token 0 sees it undiscounted.
-    (returns,) = reinforce_plus_plus_returns(torch.tensor([2.0], dtype=F64), tensors([[0, 0, 0, 0]]),
-                                             tensors([[1, 1, 0, 0]]), kl_coef=0.0, gamma=0.5)
+    (returns,) = reinforce_plus_plus_returns(
+        torch.tensor([2.0], dtype=F64), tensors([[0, 0, 0, 0]]), tensors([[1, 1, 0, 0]]), kl_coef=0.0, gamma=0.5
+    )
     assert returns.tolist() == [1.0, 2.0, 0.0, 0.0]
 
 
 def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
     beta = 0.1
-    raw = reinforce_plus_plus_baseline_advantages(torch.tensor(REWARDS, dtype=F64), tensors(KL), tensors(MASKS),
-                                                  group_size=3, kl_coef=beta)
-    expected_raw = [[(reward - mean - beta * k) * m for k, m in zip(kls, mask)]
-                    for reward, (mean, _), kls, mask in zip(REWARDS, ref_group_stats(REWARDS, 3), KL, MASKS)]
+    raw = reinforce_plus_plus_baseline_advantages(
+        torch.tensor(REWARDS, dtype=F64), tensors(KL), tensors(MASKS), group_size=3, kl_coef=beta
+    )
+    expected_raw = [
+        [(reward - mean - beta * k) * m for k, m in zip(kls, mask)]
+        for reward, (mean, _), kls, mask in zip(REWARDS, ref_group_stats(REWARDS, 3), KL, MASKS)
+    ]
     assert_close(raw, expected_raw)
-    got = compute_advantages("reinforce_plus_plus_baseline", torch.tensor(REWARDS, dtype=F64), tensors(MASKS),
-                             group_size=3, kl=tensors(KL), kl_coef=beta, normalize=True)
+    got = compute_advantages(
+        "reinforce_plus_plus_baseline",
+        torch.tensor(REWARDS, dtype=F64),
+        tensors(MASKS),
+        group_size=3,
+        kl=tensors(KL),
+        kl_coef=beta,
+        normalize=True,
+    )
     assert_close(got, ref_whiten(expected_raw, MASKS))
     flat = torch.cat(got)[torch.cat(tensors(MASKS)) > 0]
-    assert abs(float(flat.mean())) < 1e-9 and float((flat ** 2).mean()) == pytest.approx(1.0, rel=1e-6)
+    assert abs(float(flat.mean())) < 1e-9 and float((flat**2).mean()) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_whitening_ignores_masked_tokens_and_zeroes_them():
@@ -140,8 +166,7 @@ def test_discounted_returns_of_a_single_reward():
 def test_misuse_is_refused():
     masks = tensors([[1], [1]])
     with pytest.raises(ValueError, match="kl_coef"):
-        compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0], dtype=F64), masks, group_size=2,
-                           kl_coef=0.1)
+        compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0], dtype=F64), masks, group_size=2, kl_coef=0.1)
     with pytest.raises(NotImplementedError, match="critic"):
         compute_advantages("ppo", torch.tensor([1.0, 0.0], dtype=F64), masks, group_size=2)
     with pytest.raises(ValueError, match="unknown"):

@@ -7,7 +7,14 @@ import torch
 
 from vime.rl.kl import approx_kl
 from vime.rl.losses import (
-    cispo_loss, gspo_loss, nll_loss, ppo_clip_loss, reduce_loss, reinforce_loss, sequence_log_ratio, token_entropy,
+    cispo_loss,
+    gspo_loss,
+    nll_loss,
+    ppo_clip_loss,
+    reduce_loss,
+    reinforce_loss,
+    sequence_log_ratio,
+    token_entropy,
 )
 
 F64 = torch.float64

@@ -8,9 +8,9 @@ import random
 import aiohttp
 import pytest
 import torch
+from test_rl_torch_backend import backend
 
 from tests.train_args import minimal_train_argv as args
-from test_rl_torch_backend import backend
 from vime.config import ConfigError, parse_train_args
 from vime.queue.records import IncompleteCapture, decode_group, encode_group
 from vime.rl.opd import opd_advantages
@@ -54,7 +54,10 @@ def vllm_prompt_logprobs(tokens, scores):
 def test_parse_prompt_logprobs():
     tokens = [5, 6, 7, 6]
     assert teacher_mod.parse_prompt_logprobs(vllm_prompt_logprobs(tokens, [-1.0, -2.5, -9999.0]), tokens) == [
-        -1.0, -2.5, -9999.0]
+        -1.0,
+        -2.5,
+        -9999.0,
+    ]
     with pytest.raises(teacher_mod.TeacherError, match="3 entries for 4 tokens"):
         teacher_mod.parse_prompt_logprobs(vllm_prompt_logprobs(tokens, [-1.0, -2.0, -3.0])[:3], tokens)
     wrong_token = [None, {"9": {"logprob": -1.0}}, {"7": -1.0}, {"6": -1.0}]
@@ -83,8 +86,9 @@ class FakeTeacher:
             return web.Response(status=status, text=f"injected {status}")
         tokens = body["token_ids"]
         scores = [-0.1 * t * tok for t, tok in enumerate(tokens) if t > 0]
-        return web.json_response({"choices": [{"token_ids": [0]}],
-                                  "prompt_logprobs": vllm_prompt_logprobs(tokens, scores)})
+        return web.json_response(
+            {"choices": [{"token_ids": [0]}], "prompt_logprobs": vllm_prompt_logprobs(tokens, scores)}
+        )
 
     async def __aenter__(self):
         from aiohttp import web
@@ -103,8 +107,10 @@ class FakeTeacher:
 
 
 def test_teacher_scores_the_response_tokens_of_each_sample():
-    samples = [Sample(index=0, tokens=[3, 4, 5, 6, 7], response_length=2),
-               Sample(index=1, tokens=[3, 4, 9], response_length=1)]
+    samples = [
+        Sample(index=0, tokens=[3, 4, 5, 6, 7], response_length=2),
+        Sample(index=1, tokens=[3, 4, 9], response_length=1),
+    ]
 
     async def run():
         async with FakeTeacher() as server:
@@ -123,6 +129,7 @@ def test_teacher_scores_the_response_tokens_of_each_sample():
 
 def score_with(failures, samples):
     """Attach the scores of a teacher whose first answers are ``failures``; returns its request count."""
+
     async def run():
         async with FakeTeacher(failures) as server:
             args = argparse.Namespace(opd_teacher_url=server.url, opd_teacher_model=None, rollout_request_timeout=5)
@@ -157,8 +164,9 @@ def test_an_unreachable_teacher_fails_with_its_url(monkeypatch):
     url = f"http://127.0.0.1:{free_port()}"
     samples = [Sample(index=i, tokens=[3, 4, 5], response_length=1) for i in range(2)]
     args = argparse.Namespace(opd_teacher_url=url, opd_teacher_model=None, rollout_request_timeout=5)
-    with pytest.raises(teacher_mod.TeacherError, match=f"the OPD teacher at {url} could not score .* after 2 "
-                                                       "attempts: POST .* failed"):
+    with pytest.raises(
+        teacher_mod.TeacherError, match=f"the OPD teacher at {url} could not score .* after 2 attempts: POST .* failed"
+    ):
         asyncio.run(teacher_mod.attach_teacher_log_probs(args, samples, attempts=2))
     assert all(s.teacher_log_probs is None for s in samples)
 
@@ -192,8 +200,9 @@ def stub_worker(args):
     worker.use_opd = args.use_opd
     worker.stats = RolloutWorkerStats()
     worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    worker.transport = types.SimpleNamespace(publish=lambda samples, **_: [list(s.teacher_log_probs or [])
-                                                                           for s in samples])
+    worker.transport = types.SimpleNamespace(
+        publish=lambda samples, **_: [list(s.teacher_log_probs or []) for s in samples]
+    )
     worker.controller = StubController()
     return worker
 
@@ -206,8 +215,19 @@ def leased_item():
 
 
 def finished_group():
-    return [Sample(group_index=0, index=i, tokens=[3, 4, 5 + i], response_length=1, response="x", reward=1.0,
-                   weight_versions=[0], status=Sample.Status.COMPLETED) for i in range(3)]
+    return [
+        Sample(
+            group_index=0,
+            index=i,
+            tokens=[3, 4, 5 + i],
+            response_length=1,
+            response="x",
+            reward=1.0,
+            weight_versions=[0],
+            status=Sample.Status.COMPLETED,
+        )
+        for i in range(3)
+    ]
 
 
 def test_the_rollout_worker_attaches_what_the_reward_hook_did_not():
@@ -239,16 +259,20 @@ def test_the_rollout_worker_leaves_teacher_log_probs_alone_without_opd():
 def test_teacher_url_comes_from_the_flags():
     url = argparse.Namespace(opd_teacher_url="127.0.0.1:8000/", opd_teacher_model=None)
     assert teacher_mod.teacher_base_url(url) == "http://127.0.0.1:8000"
-    model = argparse.Namespace(opd_teacher_url=None, opd_teacher_model="teacher",
-                               vllm_model_routers={"actor": ("10.0.0.1", 1), "teacher": ("10.0.0.2", 30000)})
+    model = argparse.Namespace(
+        opd_teacher_url=None,
+        opd_teacher_model="teacher",
+        vllm_model_routers={"actor": ("10.0.0.1", 1), "teacher": ("10.0.0.2", 30000)},
+    )
     assert teacher_mod.teacher_base_url(model) == "http://10.0.0.2:30000"
     with pytest.raises(teacher_mod.TeacherError, match="--opd-teacher-url or --opd-teacher-model"):
         teacher_mod.teacher_base_url(argparse.Namespace())
 
 
 def test_teacher_log_probs_round_trip_through_the_queue_codec():
-    sample = Sample(index=0, tokens=[1, 2, 3, 4], response_length=2, weight_versions=[0, 0],
-                    teacher_log_probs=[-0.25, -1.5])
+    sample = Sample(
+        index=0, tokens=[1, 2, 3, 4], response_length=2, weight_versions=[0, 0], teacher_log_probs=[-0.25, -1.5]
+    )
     (back,) = decode_group(list(encode_group([sample], "x", {"task_id": "t", "attempt_id": "a"})))
     assert torch.as_tensor(back.teacher_log_probs).tolist() == [-0.25, -1.5]
     plain = Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[0])
@@ -277,7 +301,7 @@ def models(tmp_path_factory):
 def log_softmax(model, tokens, prompt_length):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1]
-    return torch.log_softmax(logits, -1)[prompt_length - 1:]
+    return torch.log_softmax(logits, -1)[prompt_length - 1 :]
 
 
 def sampled_from_student(student, teacher, *, groups=2, n=4, length=6, seed=0):
@@ -293,9 +317,17 @@ def sampled_from_student(student, teacher, *, groups=2, n=4, length=6, seed=0):
                 for _ in range(length):
                     probs = torch.softmax(student(input_ids=torch.tensor([tokens])).logits[0, -1], -1)
                     tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
-            sample = Sample(group_index=g, index=i, tokens=tokens, response_length=length, reward=1.0,
-                            status=Sample.Status.COMPLETED, loss_mask=[1] * length, weight_versions=[0] * length)
-            response = torch.tensor(tokens[len(prompt):]).unsqueeze(-1)
+            sample = Sample(
+                group_index=g,
+                index=i,
+                tokens=tokens,
+                response_length=length,
+                reward=1.0,
+                status=Sample.Status.COMPLETED,
+                loss_mask=[1] * length,
+                weight_versions=[0] * length,
+            )
+            response = torch.tensor(tokens[len(prompt) :]).unsqueeze(-1)
             scores = log_softmax(teacher, tokens, len(prompt)).gather(-1, response).squeeze(-1)
             sample.teacher_log_probs = scores.tolist()
             samples.append(sample)
@@ -320,9 +352,17 @@ def test_opd_pulls_the_student_toward_the_teacher(models):
     before = reverse_kl_to_teacher(trainer.model, teacher, samples)
     first = trainer.train_rollout(samples, 0)
     # The metric is the sampled reverse KL the penalty used: old (= initial) student minus teacher.
-    sampled = [lp - tp for s in samples
-               for lp, tp in zip(log_softmax(student, s.tokens, s.prompt_length).gather(
-                   -1, torch.tensor(s.response_tokens).unsqueeze(-1)).squeeze(-1).tolist(), s.teacher_log_probs)]
+    sampled = [
+        lp - tp
+        for s in samples
+        for lp, tp in zip(
+            log_softmax(student, s.tokens, s.prompt_length)
+            .gather(-1, torch.tensor(s.response_tokens).unsqueeze(-1))
+            .squeeze(-1)
+            .tolist(),
+            s.teacher_log_probs,
+        )
+    ]
     assert first["opd_reverse_kl"] == pytest.approx(sum(sampled) / len(sampled), rel=1e-4, abs=1e-6)
     for step in range(1, 5):
         trainer.train_rollout(samples, step)
@@ -351,17 +391,19 @@ def test_opd_needs_teacher_log_probs_on_every_sample(models):
 
 
 def test_opd_flags(config_dir):
-    settings = parse_train_args(args(config_dir, "--use-opd", "--opd-teacher-model", "teacher",
-                                     "--advantage-estimator", "ppo"))
+    settings = parse_train_args(
+        args(config_dir, "--use-opd", "--opd-teacher-model", "teacher", "--advantage-estimator", "ppo")
+    )
     assert settings.algorithm.use_opd and settings.algorithm.opd_kl_coef == 1.0
     assert settings.args.opd_teacher_model == "teacher"  # what vime.rollout.teacher reads from the hooks' args
-    for extra, flag in ((["--opd-kl-coef", "0.5"], "--opd-kl-coef"),
-                        (["--opd-teacher-url", "http://x"], "--opd-teacher-url"),
-                        (["--use-opd", "--opd-kl-coef", "-1"], "--opd-kl-coef"),
-                        (["--use-opd", "--opd-kl-coef", "nan"], "--opd-kl-coef"),
-                        (["--use-opd", "--loss-type", "sft_loss"], "--use-opd"),
-                        (["--use-opd", "--opd-teacher-url", "http://x", "--opd-teacher-model", "t"],
-                         "--opd-teacher-url")):
+    for extra, flag in (
+        (["--opd-kl-coef", "0.5"], "--opd-kl-coef"),
+        (["--opd-teacher-url", "http://x"], "--opd-teacher-url"),
+        (["--use-opd", "--opd-kl-coef", "-1"], "--opd-kl-coef"),
+        (["--use-opd", "--opd-kl-coef", "nan"], "--opd-kl-coef"),
+        (["--use-opd", "--loss-type", "sft_loss"], "--use-opd"),
+        (["--use-opd", "--opd-teacher-url", "http://x", "--opd-teacher-model", "t"], "--opd-teacher-url"),
+    ):
         with pytest.raises(ConfigError) as error:
             parse_train_args(args(config_dir, *extra))
         assert str(error.value).startswith(flag + ":"), str(error.value)
@@ -374,10 +416,12 @@ def test_both_backends_accept_opd_at_start_up():
     from vime.config.framework import AlgorithmConfig, RolloutConfig
     from vime.rl.algorithm_checks import check_algorithm_with_run
 
-    for backend in ("megatron", "torch"):
-        settings = SimpleNamespace(algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
-                                   rollout=RolloutConfig(),
-                                   train=SimpleNamespace(train_backend=backend, hf_checkpoint=None))
+    for train_backend in ("megatron", "torch"):
+        settings = SimpleNamespace(
+            algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
+            rollout=RolloutConfig(),
+            train=SimpleNamespace(train_backend=train_backend, hf_checkpoint=None),
+        )
         check_algorithm_with_run(settings)
 
 
@@ -391,7 +435,10 @@ def test_opd_without_a_teacher_fails_at_start_up_unless_a_hook_may_attach_the_sc
         with pytest.raises(ConfigError, match="^--use-opd: needs a teacher"):
             parse_train_args(args(config_dir, "--use-opd", "--custom-rm-path", path))
     # A user hook may attach sample.teacher_log_probs itself (the trainer refuses a sample without them).
-    for hook in (["--custom-rm-path", "my_reward.rm"], ["--rollout-function-path", "my_rollout.generate"],
-                 ["--custom-generate-function-path", "my_generate.generate"]):
+    for hook in (
+        ["--custom-rm-path", "my_reward.rm"],
+        ["--rollout-function-path", "my_rollout.generate"],
+        ["--custom-generate-function-path", "my_generate.generate"],
+    ):
         assert parse_train_args(args(config_dir, "--use-opd", *hook)).algorithm.use_opd
     assert parse_train_args(args(config_dir, "--use-opd", "--opd-teacher-url", "http://t:1")).algorithm.use_opd

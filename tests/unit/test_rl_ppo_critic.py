@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from test_rl_torch_backend import backend, make_samples
 
 from tests.train_args import minimal_train_argv as args
-from test_rl_torch_backend import backend, make_samples
 from vime.config import ConfigError, parse_train_args
 from vime.config.roles import check_supported_roles, load_role_config, parse_role_config
 from vime.rl.advantages import ppo_advantages_and_returns
@@ -35,8 +35,9 @@ def test_clipped_value_loss_matches_the_definition():
     old = [0.00, 0.00, 0.00, 0.00, 0.50]
     returns = [0.50, 2.00, -1.00, 0.30, 0.00]
     clip = 0.2
-    got, got_clipped = clipped_value_loss(torch.tensor(values, dtype=F64), torch.tensor(old, dtype=F64),
-                                          torch.tensor(returns, dtype=F64), value_clip=clip)
+    got, got_clipped = clipped_value_loss(
+        torch.tensor(values, dtype=F64), torch.tensor(old, dtype=F64), torch.tensor(returns, dtype=F64), value_clip=clip
+    )
     expected, expected_clipped = ref_value_loss(values, old, returns, clip)
     assert got.dtype == F64
     assert got.tolist() == pytest.approx(expected, abs=1e-12)
@@ -68,13 +69,14 @@ def test_ppo_advantages_and_returns_are_gae_on_kl_shaped_rewards():
     masks = [torch.tensor([1, 1, 0, 1], dtype=F64), torch.tensor([1, 0], dtype=F64)]
     kl = [torch.tensor([0.1, -0.2, 5.0, 0.3], dtype=F64), torch.tensor([0.4, 0.6], dtype=F64)]
     gamma, lambd, beta = 0.9, 0.8, 0.5
-    advantages, returns = ppo_advantages_and_returns(rewards, values, masks, kl=kl, kl_coef=beta, gamma=gamma,
-                                                     lambd=lambd)
+    advantages, returns = ppo_advantages_and_returns(
+        rewards, values, masks, kl=kl, kl_coef=beta, gamma=gamma, lambd=lambd
+    )
     for i in range(2):
         v, m, k = values[i].tolist(), masks[i].tolist(), kl[i].tolist()
         n = len(v)
-        r = [-beta * k[t] * m[t] for t in range(n)]   # KL on trained tokens only
-        last = max(t for t in range(n) if m[t])        # the reward is paid on the last trained token
+        r = [-beta * k[t] * m[t] for t in range(n)]  # KL on trained tokens only
+        last = max(t for t in range(n) if m[t])  # the reward is paid on the last trained token
         r[last] += rewards[i].item()
         delta = [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
         gae = [sum((gamma * lambd) ** (s - t) * delta[s] for s in range(t, n)) for t in range(n)]
@@ -87,8 +89,13 @@ def test_ppo_advantages_and_returns_are_gae_on_kl_shaped_rewards():
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("ppo_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("ppo_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +123,21 @@ def test_one_ppo_step_updates_actor_and_critic_and_the_critic_learns(model_dir, 
     samples = make_samples(model)
     first = trainer.train_rollout(samples, policy_version=0)
     assert changed(actor, trainer.model) and changed(critic, trainer.critic.module)
-    for key in ("loss", "pg_loss", "grad_norm", "value_loss", "value_clipfrac", "critic_grad_norm", "value_mean",
-                "return_mean"):
+    for key in (
+        "loss",
+        "pg_loss",
+        "grad_norm",
+        "value_loss",
+        "value_clipfrac",
+        "critic_grad_norm",
+        "value_mean",
+        "return_mean",
+    ):
         assert math.isfinite(first[key]), key
     assert first["critic_only"] == 0.0 and first["optimizer_steps"] == 1
     # With gamma = lambda = 1 and no KL, every token's return is its sample's reward (the metric averages
     # the trained tokens of each micro-batch of 4, then the micro-batches).
-    batches = [samples[i:i + 4] for i in range(0, len(samples), 4)]
+    batches = [samples[i : i + 4] for i in range(0, len(samples), 4)]
     expected = [sum(s.reward * sum(s.loss_mask) for s in b) / sum(sum(s.loss_mask) for s in b) for b in batches]
     assert first["return_mean"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
     losses = [first["value_loss"]] + [trainer.train_rollout(samples, 0)["value_loss"] for _ in range(5)]
@@ -139,7 +154,7 @@ def test_value_loss_is_the_clipped_regression_on_returns(model_dir, model):
     with torch.no_grad():
         for s in samples:
             values = critic(torch.tensor([s.tokens]), torch.ones(1, len(s.tokens), dtype=torch.long))[0, :-1]
-            response_values = values[s.prompt_length - 1:]
+            response_values = values[s.prompt_length - 1 :]
             for v, m in zip(response_values.tolist(), s.loss_mask):
                 if m:
                     errors, count = errors + (v - s.reward) ** 2, count + 1
@@ -207,7 +222,9 @@ def write_yaml(tmp_path, text, name="roles.yaml"):
 
 def test_role_overrides_set_the_learning_rates_and_the_critic_checkpoints(model_dir, model, tmp_path):
     save = tmp_path / "critic_ckpt"
-    path = write_yaml(tmp_path, f"""
+    path = write_yaml(
+        tmp_path,
+        f"""
 megatron:
   - name: default
     role: actor
@@ -219,9 +236,10 @@ megatron:
       lr: 1e-5
       weight_decay: 0.01
       save: {save}
-""")
+""",
+    )
     trainer = ppo(model_dir, megatron_config_path=path)
-    assert trainer.optimizer.param_groups[0]["lr"] == 1e-6            # YAML 1.1 reads 1e-6 as a string
+    assert trainer.optimizer.param_groups[0]["lr"] == 1e-6  # YAML 1.1 reads 1e-6 as a string
     assert trainer.critic.optimizer.param_groups[0]["lr"] == 1e-5
     assert trainer.critic.optimizer.param_groups[0]["weight_decay"] == 0.01
     trainer.train_rollout(make_samples(model), 0)
@@ -233,14 +251,15 @@ megatron:
     reload = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {save}\n", "load.yaml")
     restarted = ppo(model_dir, megatron_config_path=reload)
     assert not changed(params(trainer.critic.module), restarted.critic.module)
-    assert restarted.optimizer.param_groups[0]["lr"] == 1e-3          # no actor entry: the command line's
+    assert restarted.optimizer.param_groups[0]["lr"] == 1e-3  # no actor entry: the command line's
 
 
 def test_critic_load_of_an_hf_folder_starts_the_body_from_it(model_dir, tmp_path):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    other = make_tiny_model(str(tmp_path / "other"), hidden_size=64, num_heads=2, num_kv_heads=1,
-                            intermediate_size=128, seed=5)
+    other = make_tiny_model(
+        str(tmp_path / "other"), hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, seed=5
+    )
     path = write_yaml(tmp_path, f"megatron:\n  - role: critic\n    overrides:\n      load: {other}\n")
     trainer = ppo(model_dir, megatron_config_path=path)
     from transformers import AutoModelForCausalLM
@@ -253,23 +272,30 @@ def test_critic_load_of_an_hf_folder_starts_the_body_from_it(model_dir, tmp_path
 
 
 # ----------------------------------------------------------------------------- --megatron-config-path
-@pytest.mark.parametrize("text, field", [
-    ("megatron:\n  - role: judge\n", "megatron[0].role"),
-    ("megatron:\n  - name: default\n", "megatron[0].role"),
-    ("megatron:\n  - role: critic\n  - role: critic\n", "megatron[1].role"),
-    ("megatron:\n  - role: critic\n    overrides:\n      lr: fast\n", "megatron[0].overrides.lr"),
-    ("megatron:\n  - role: critic\n    overrides:\n      lr: -1e-5\n", "megatron[0].overrides.lr"),
-    ("megatron:\n  - role: actor\n    overrides:\n      adam_beta2: 1.0\n", "megatron[0].overrides.adam_beta2"),
-    ("megatron:\n  - role: critic\n    overrides:\n      tensor_model_parallel_size: 2\n",
-     "megatron[0].overrides.tensor_model_parallel_size"),
-    ("megatron:\n  - role: critic\n    overrides:\n      tensor-model-parallel-size: 2\n",
-     "megatron[0].overrides.tensor-model-parallel-size"),
-    ("megatron:\n  - role: critic\n    overrides:\n      save: 3\n", "megatron[0].overrides.save"),
-    ("megatron:\n  - role: critic\n    colour: red\n", "megatron[0].colour"),
-    ("megatron:\n  - role: critic\n    overrides: {lr: 1}\n    args: {lr: 2}\n", "megatron[0].args"),
-    ("sglang: []\n", "sglang"),
-    ("megatron: {role: critic}\n", "megatron"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ("megatron:\n  - role: judge\n", "megatron[0].role"),
+        ("megatron:\n  - name: default\n", "megatron[0].role"),
+        ("megatron:\n  - role: critic\n  - role: critic\n", "megatron[1].role"),
+        ("megatron:\n  - role: critic\n    overrides:\n      lr: fast\n", "megatron[0].overrides.lr"),
+        ("megatron:\n  - role: critic\n    overrides:\n      lr: -1e-5\n", "megatron[0].overrides.lr"),
+        ("megatron:\n  - role: actor\n    overrides:\n      adam_beta2: 1.0\n", "megatron[0].overrides.adam_beta2"),
+        (
+            "megatron:\n  - role: critic\n    overrides:\n      tensor_model_parallel_size: 2\n",
+            "megatron[0].overrides.tensor_model_parallel_size",
+        ),
+        (
+            "megatron:\n  - role: critic\n    overrides:\n      tensor-model-parallel-size: 2\n",
+            "megatron[0].overrides.tensor-model-parallel-size",
+        ),
+        ("megatron:\n  - role: critic\n    overrides:\n      save: 3\n", "megatron[0].overrides.save"),
+        ("megatron:\n  - role: critic\n    colour: red\n", "megatron[0].colour"),
+        ("megatron:\n  - role: critic\n    overrides: {lr: 1}\n    args: {lr: 2}\n", "megatron[0].args"),
+        ("sglang: []\n", "sglang"),
+        ("megatron: {role: critic}\n", "megatron"),
+    ],
+)
 def test_role_file_errors_name_the_yaml_field(tmp_path, text, field):
     path = write_yaml(tmp_path, text)
     with pytest.raises(ConfigError) as error:
@@ -278,12 +304,17 @@ def test_role_file_errors_name_the_yaml_field(tmp_path, text, field):
 
 
 def test_role_file_parsing():
-    config = parse_role_config({"megatron": [
-        {"name": "default", "role": "critic", "args": {"lr": "1e-5", "num_nodes": 2, "lr_decay_iters": 10}}]})
+    config = parse_role_config(
+        {
+            "megatron": [
+                {"name": "default", "role": "critic", "args": {"lr": "1e-5", "num_nodes": 2, "lr_decay_iters": 10}}
+            ]
+        }
+    )
     critic = config.role("critic")
     assert critic.lr == 1e-5 and critic.entry == "megatron[0]" and critic.ignored == ("num_nodes",)
     assert critic.get("lr_decay_iters") == 10 and critic.field("lr") == "megatron[0].args.lr"
-    assert config.role("actor").values == {}                          # absent: keeps the command line
+    assert config.role("actor").values == {}  # absent: keeps the command line
     with pytest.raises(ConfigError, match="megatron\\[0\\].args.lr_decay_iters: the torch backend"):
         check_supported_roles(config, "torch")
     actor_save = parse_role_config({"megatron": [{"role": "actor", "overrides": {"save": "/x"}}]})
@@ -293,12 +324,15 @@ def test_role_file_parsing():
         load_role_config("/nonexistent/roles.yaml")
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--advantage-estimator", "ppo", "--value-clip", "0"], "--value-clip"),
-    (["--advantage-estimator", "ppo", "--num-critic-only-steps", "-1"], "--num-critic-only-steps"),
-    (["--num-critic-only-steps", "2"], "--num-critic-only-steps"),                    # GRPO has no critic
-    (["--advantage-estimator", "ppo", "--loss-type", "sft_loss"], "--loss-type"),
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--advantage-estimator", "ppo", "--value-clip", "0"], "--value-clip"),
+        (["--advantage-estimator", "ppo", "--num-critic-only-steps", "-1"], "--num-critic-only-steps"),
+        (["--num-critic-only-steps", "2"], "--num-critic-only-steps"),  # GRPO has no critic
+        (["--advantage-estimator", "ppo", "--loss-type", "sft_loss"], "--loss-type"),
+    ],
+)
 def test_refused_ppo_flags_name_the_flag(config_dir, extra, flag):
     with pytest.raises(ConfigError) as error:
         parse_train_args(args(config_dir, *extra))
@@ -307,15 +341,15 @@ def test_refused_ppo_flags_name_the_flag(config_dir, extra, flag):
 
 def test_role_file_checks_at_start_up(config_dir, tmp_path):
     critic_only = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr: 1e-5\n")
-    settings = parse_train_args(args(config_dir, "--advantage-estimator", "ppo", "--megatron-config-path",
-                                     critic_only))
+    settings = parse_train_args(args(config_dir, "--advantage-estimator", "ppo", "--megatron-config-path", critic_only))
     assert settings.algorithm.uses_critic and settings.algorithm.role_config().role("critic").lr == 1e-5
     with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*megatron\[0\].role: a critic entry needs"):
-        parse_train_args(args(config_dir, "--megatron-config-path", critic_only))     # GRPO
+        parse_train_args(args(config_dir, "--megatron-config-path", critic_only))  # GRPO
     warmup = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      lr_decay_iters: 5\n", "w.yaml")
     with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*lr_decay_iters: the torch backend"):
         parse_train_args(args(config_dir, "--advantage-estimator", "ppo", "--megatron-config-path", warmup))
-    missing = write_yaml(tmp_path, "megatron:\n  - role: critic\n    overrides:\n      load: /nowhere/critic\n",
-                         "m.yaml")
+    missing = write_yaml(
+        tmp_path, "megatron:\n  - role: critic\n    overrides:\n      load: /nowhere/critic\n", "m.yaml"
+    )
     with pytest.raises(ConfigError, match=r"^--megatron-config-path: .*overrides.load: .*does not exist"):
         parse_train_args(args(config_dir, "--advantage-estimator", "ppo", "--megatron-config-path", missing))

@@ -16,14 +16,19 @@ import torch
 from vime.config import ConfigError, parse_train_args
 from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
 from vime.rollout.generate import (
-    GenerateError, SamplingParams, append_observation, sampler_rows, score_centering_capture, score_centering_request,
+    GenerateError,
+    SamplingParams,
+    append_observation,
+    sampler_rows,
+    score_centering_capture,
+    score_centering_request,
 )
 from vime.sample import Sample, SamplerRows
 
 F64 = torch.float64
-LOGITS = [0.3, 1.2, -0.5, 0.8, -1.0, 0.1]   # trainer, vocabulary of 6
-HEAD = [1, 3, 0]                             # the sampler's top-3 ids
-SAMPLER_HEAD = [0.40, 0.20, 0.15]            # its probabilities there (full-vocabulary normalised)
+LOGITS = [0.3, 1.2, -0.5, 0.8, -1.0, 0.1]  # trainer, vocabulary of 6
+HEAD = [1, 3, 0]  # the sampler's top-3 ids
+SAMPLER_HEAD = [0.40, 0.20, 0.15]  # its probabilities there (full-vocabulary normalised)
 
 
 def softmax(z):
@@ -71,12 +76,14 @@ def test_topk_gradient_is_the_expected_score_when_the_tail_follows_the_trainer(m
         q[i] = qi
     assert sum(q) == pytest.approx(1.0)
     # E_{y~q}[w(p_y/q_y) d log p_y / d z] with d log p_y / d z_v = [v == y] - p_v
-    expected = [sum(q[y] * weight(p[y] / q[y], mode, low, high) * ((v == y) - p[v]) for y in range(6))
-                for v in range(6)]
+    expected = [
+        sum(q[y] * weight(p[y] / q[y], mode, low, high) * ((v == y) - p[v]) for y in range(6)) for v in range(6)
+    ]
     z = torch.tensor(LOGITS, dtype=F64, requires_grad=True)
     train_head = torch.log_softmax(z, -1)[HEAD].unsqueeze(0)
-    correction, _, _ = topk_correction(train_head, torch.tensor([[math.log(v) for v in SAMPLER_HEAD]], dtype=F64),
-                                       mode=mode, low=low, high=high)
+    correction, _, _ = topk_correction(
+        train_head, torch.tensor([[math.log(v) for v in SAMPLER_HEAD]], dtype=F64), mode=mode, low=low, high=high
+    )
     correction.sum().backward()
     assert z.grad.tolist() == pytest.approx(expected, abs=1e-12)
 
@@ -110,20 +117,23 @@ def ref_support(train_logits_rows, sampler_rows, mode, low, high):
 
 @pytest.mark.parametrize("mode, low, high", MODES)
 def test_support_correction_on_ragged_top_p_supports(mode, low, high):
-    logits_rows = [[0.5, 0.1, -0.3], [1.0], [0.2, 0.9]]       # supports of 3, 1 and 2 tokens
+    logits_rows = [[0.5, 0.1, -0.3], [1.0], [0.2, 0.9]]  # supports of 3, 1 and 2 tokens
     sampler_rows = [[0.5, 0.3, 0.2], [1.0], [0.45, 0.55]]
     flat_logits = [torch.tensor(r, dtype=F64, requires_grad=True) for r in logits_rows]
     train = torch.cat([torch.log_softmax(r, -1) for r in flat_logits])
     sampler = torch.tensor([math.log(v) for r in sampler_rows for v in r], dtype=F64)
-    correction, q_mass, p_mass = support_correction(train, sampler, torch.tensor([0, 3, 4, 6]),
-                                                    mode=mode, low=low, high=high)
+    correction, q_mass, p_mass = support_correction(
+        train, sampler, torch.tensor([0, 3, 4, 6]), mode=mode, low=low, high=high
+    )
     assert correction.tolist() == pytest.approx(ref_support(logits_rows, sampler_rows, mode, low, high), abs=1e-12)
     assert q_mass.tolist() == pytest.approx([1.0, 1.0, 1.0]) and p_mass.tolist() == pytest.approx([1.0, 1.0, 1.0])
     correction.sum().backward()
     for logits, q, z in zip(logits_rows, sampler_rows, flat_logits):
         p = softmax(logits)
-        expected = [sum(q[y] * weight(p[y] / q[y], mode, low, high) * ((v == y) - p[v]) for y in range(len(p)))
-                    for v in range(len(p))]
+        expected = [
+            sum(q[y] * weight(p[y] / q[y], mode, low, high) * ((v == y) - p[v]) for y in range(len(p)))
+            for v in range(len(p))
+        ]
         assert z.grad.tolist() == pytest.approx(expected, abs=1e-12)
 
 
@@ -133,8 +143,9 @@ def test_weighting_rules():
     assert weighting(True, "vime.rl.tis.icepop_function", 0.5, 2.0)["mode"] == "mis"
     with pytest.raises(ValueError, match="built-in"):
         weighting(True, "my.module.weigh", 0.5, 2.0)
-    w = sampled_importance_weight(torch.tensor([0.0, 0.0]), torch.tensor([math.log(4.0), math.log(0.9)]),
-                                  mode="tis", low=0.5, high=2.0)
+    w = sampled_importance_weight(
+        torch.tensor([0.0, 0.0]), torch.tensor([math.log(4.0), math.log(0.9)]), mode="tis", low=0.5, high=2.0
+    )
     assert w.tolist() == pytest.approx([0.5, 1 / 0.9])
 
 
@@ -145,13 +156,21 @@ SUPPORT = score_centering_capture(3, 0.9)
 
 def entry(token, candidates):
     """One ``logprobs.content`` entry as vLLM's generate endpoint sends it: the sampled token first."""
-    return {"token_id": token, "logprob": dict(candidates)[token],
-            "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in candidates]}
+    return {
+        "token_id": token,
+        "logprob": dict(candidates)[token],
+        "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in candidates],
+    }
 
 
 def sc_args(**overrides):
-    values = {"use_score_centering": True, "score_centering_top_k": 3, "rollout_temperature": 0.7,
-              "rollout_top_p": 1.0, **overrides}
+    values = {
+        "use_score_centering": True,
+        "score_centering_top_k": 3,
+        "rollout_temperature": 0.7,
+        "rollout_top_p": 1.0,
+        **overrides,
+    }
     return argparse.Namespace(**values)
 
 
@@ -166,13 +185,16 @@ def test_requests_ask_for_k_plus_one_log_probs_or_the_whole_vocabulary():
     assert score_centering_request(sc_args(use_score_centering=False), plain) == (plain, None)
 
 
-@pytest.mark.parametrize("params, named", [
-    ({"temperature": 1.0}, "--rollout-temperature"),
-    ({"top_p": 0.5}, "--rollout-top-p"),
-    ({"top_k": 20}, "top_k"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"min_p": 0.05}, "min_p"),
-])
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        ({"temperature": 1.0}, "--rollout-temperature"),
+        ({"top_p": 0.5}, "--rollout-top-p"),
+        ({"top_k": 20}, "top_k"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"min_p": 0.05}, "min_p"),
+    ],
+)
 def test_requests_that_sample_otherwise_are_refused(params, named):
     with pytest.raises(GenerateError, match=named):
         score_centering_request(sc_args(), params)
@@ -180,8 +202,10 @@ def test_requests_that_sample_otherwise_are_refused(params, named):
 
 def test_top_k_heads_keep_the_k_most_probable_of_the_answer():
     # vLLM lists the sampled token first; outside the top k + 1 it displaces the (k+1)-th from the list.
-    content = [entry(7, [(7, -4.0), (2, -0.5), (5, -1.0), (1, -1.5), (9, -2.0)]),
-               entry(5, [(5, -1.0), (2, -0.5), (1, -1.5), (9, -2.0)])]   # sampled token inside the head
+    content = [
+        entry(7, [(7, -4.0), (2, -0.5), (5, -1.0), (1, -1.5), (9, -2.0)]),
+        entry(5, [(5, -1.0), (2, -0.5), (1, -1.5), (9, -2.0)]),
+    ]  # sampled token inside the head
     rows = sampler_rows(content, TOP_K)
     assert not rows.is_support and rows.ids.dtype == np.int32 and rows.log_probs.dtype == np.float32
     assert rows.ids.tolist() == [[2, 5, 1], [2, 5, 1]]
@@ -191,9 +215,11 @@ def test_top_k_heads_keep_the_k_most_probable_of_the_answer():
 
 
 def test_top_p_supports_keep_the_tokens_with_finite_log_probs():
-    floor = -9999.0   # vLLM's JSON stand-in for -inf
-    content = [entry(3, [(3, -0.2), (0, -1.7), (1, floor), (2, floor)]),
-               entry(1, [(1, 0.0), (0, floor), (2, floor), (3, floor)])]
+    floor = -9999.0  # vLLM's JSON stand-in for -inf
+    content = [
+        entry(3, [(3, -0.2), (0, -1.7), (1, floor), (2, floor)]),
+        entry(1, [(1, 0.0), (0, floor), (2, floor), (3, floor)]),
+    ]
     rows = sampler_rows(content, SUPPORT)
     assert rows.is_support and rows.offsets.tolist() == [0, 2, 3]
     assert rows.ids.tolist() == [3, 0, 1] and rows.log_probs.tolist() == pytest.approx([-0.2, -1.7, 0.0])
@@ -222,14 +248,15 @@ def test_heads_follow_continuations_and_tool_output():
         sample.append_response_tokens([7], [-0.5], [1])
     with pytest.raises(ValueError, match="differ in kind or size"):
         sample.append_response_tokens([7], [-0.5], [1], sampler=SamplerRows(np.zeros((1, 3)), np.zeros((1, 3))))
-    assert sample.response_length == 6   # a refused append changes nothing
+    assert sample.response_length == 6  # a refused append changes nothing
 
 
 def test_supports_follow_continuations_and_tool_output():
     sample = Sample(tokens=[1])
-    append_observation(sample, [4])   # a first observation has no sampler rows to fill yet
-    sample.append_response_tokens([2, 3], [-0.1, 0.0], [0, 0],
-                                  sampler=SamplerRows([2, 5, 3], [-0.1, -2.4, 0.0], [0, 2, 3]))
+    append_observation(sample, [4])  # a first observation has no sampler rows to fill yet
+    sample.append_response_tokens(
+        [2, 3], [-0.1, 0.0], [0, 0], sampler=SamplerRows([2, 5, 3], [-0.1, -2.4, 0.0], [0, 2, 3])
+    )
     append_observation(sample, [8])
     sample.append_response_tokens([6], [-0.7], [1], sampler=SamplerRows([6, 1], [-0.7, -0.7], [0, 2]))
     assert sample.rollout_topp_offsets.tolist() == [0, 0, 2, 3, 3, 5]
@@ -251,9 +278,22 @@ def vocab_dir(tmp_path):
 
 
 def launch(vocab_dir, *extra):
-    return parse_train_args(["--hf-checkpoint", vocab_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-                             "--run-dir", "/tmp/vime-test-run", "--use-score-centering", "--score-centering-top-k",
-                             "4", *extra])
+    return parse_train_args(
+        [
+            "--hf-checkpoint",
+            vocab_dir,
+            "--prompt-data",
+            "data.jsonl",
+            "--rm-type",
+            "exact_match",
+            "--run-dir",
+            "/tmp/vime-test-run",
+            "--use-score-centering",
+            "--score-centering-top-k",
+            "4",
+            *extra,
+        ]
+    )
 
 
 def test_engines_get_processed_log_probs_and_enough_of_them(vocab_dir):
@@ -264,17 +304,24 @@ def test_engines_get_processed_log_probs_and_enough_of_them(vocab_dir):
     assert given["logprobs-mode"] == "processed_logprobs" and given["max-logprobs"] == "50"
     whole = launch(vocab_dir, "--rollout-top-p", "0.9", "--vllm-max-logprobs", "12").vllm.vllm_args
     assert whole["max-logprobs"] == "12"
-    assert "logprobs-mode" not in parse_train_args(["--hf-checkpoint", vocab_dir, "--prompt-data", "data.jsonl",
-                                                    "--rm-type", "exact_match"]).vllm.vllm_args
+    assert (
+        "logprobs-mode"
+        not in parse_train_args(
+            ["--hf-checkpoint", vocab_dir, "--prompt-data", "data.jsonl", "--rm-type", "exact_match"]
+        ).vllm.vllm_args
+    )
 
 
-@pytest.mark.parametrize("extra, flag", [
-    (["--vllm-logprobs-mode", "raw_logprobs"], "--vllm-logprobs-mode"),
-    (["--vllm-max-logprobs", "4"], "--vllm-max-logprobs"),
-    (["--rollout-top-p", "0.9", "--vllm-max-logprobs", "20"], None),          # covers the vocabulary of 12
-    (["--rollout-top-p", "0.9", "--vllm-max-logprobs", "11"], "--vllm-max-logprobs"),
-    (["--score-centering-top-k", "12"], "--score-centering-top-k"),            # k + 1 log-probs exceed 12
-])
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--vllm-logprobs-mode", "raw_logprobs"], "--vllm-logprobs-mode"),
+        (["--vllm-max-logprobs", "4"], "--vllm-max-logprobs"),
+        (["--rollout-top-p", "0.9", "--vllm-max-logprobs", "20"], None),  # covers the vocabulary of 12
+        (["--rollout-top-p", "0.9", "--vllm-max-logprobs", "11"], "--vllm-max-logprobs"),
+        (["--score-centering-top-k", "12"], "--score-centering-top-k"),  # k + 1 log-probs exceed 12
+    ],
+)
 def test_engine_flags_that_defeat_score_centering_name_the_flag(vocab_dir, extra, flag):
     if flag is None:
         launch(vocab_dir, *extra)
@@ -291,15 +338,20 @@ def tiny(tmp_path_factory):
 
     from vime.tools.make_tiny_model import make_tiny_model
 
-    path = make_tiny_model(str(tmp_path_factory.mktemp("sc_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    path = make_tiny_model(
+        str(tmp_path_factory.mktemp("sc_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def full_log_probs(model, sample):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([sample.tokens])).logits[0, :-1]
-    return torch.log_softmax(logits, -1)[sample.prompt_length - 1:]
+    return torch.log_softmax(logits, -1)[sample.prompt_length - 1 :]
 
 
 def supported_samples(model, *, seed=0, shift=0.0):
@@ -312,8 +364,15 @@ def supported_samples(model, *, seed=0, shift=0.0):
         prompt = [rng.randint(1, 10) for _ in range(3)] + [11]
         for i in range(4):
             response = [rng.randint(1, 11) for _ in range(rng.randint(3, 5))]
-            sample = Sample(group_index=g, index=i, tokens=prompt + response, response_length=len(response),
-                            reward=float(i % 2), status=Sample.Status.COMPLETED, weight_versions=[0] * len(response))
+            sample = Sample(
+                group_index=g,
+                index=i,
+                tokens=prompt + response,
+                response_length=len(response),
+                reward=float(i % 2),
+                status=Sample.Status.COMPLETED,
+                weight_versions=[0] * len(response),
+            )
             sample.loss_mask = [1] * len(response)
             sample.loss_mask[1] = 0
             log_probs = full_log_probs(model, sample)
@@ -340,10 +399,23 @@ def sc_backend(path, **algorithm):
 
     algo = AlgorithmConfig(use_score_centering=True, calculate_per_token_loss=True, **algorithm)
     algo.validate()
-    return TorchBackend(TorchTrainerSpec(
-        hf_checkpoint=path, lr=1e-3, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=8, global_batch_size=8, n_samples_per_prompt=4, rollout_temperature=1.0, algorithm=algo,
-        seed=0, threads=1))
+    return TorchBackend(
+        TorchTrainerSpec(
+            hf_checkpoint=path,
+            lr=1e-3,
+            weight_decay=0.0,
+            adam_betas=(0.9, 0.999),
+            adam_eps=1e-8,
+            clip_grad=1.0,
+            micro_batch_size=8,
+            global_batch_size=8,
+            n_samples_per_prompt=4,
+            rollout_temperature=1.0,
+            algorithm=algo,
+            seed=0,
+            threads=1,
+        )
+    )
 
 
 def test_top_p_replay_normalises_the_trainer_on_exactly_the_recorded_support(tiny):
@@ -358,9 +430,9 @@ def test_top_p_replay_normalises_the_trainer_on_exactly_the_recorded_support(tin
     for sample, row in zip(samples, replayed):
         log_probs, offsets = full_log_probs(model, sample), sample.rollout_topp_offsets
         for t, token in enumerate(sample.response_tokens):
-            support = sample.rollout_topp_ids[offsets[t]:offsets[t + 1]]
+            support = sample.rollout_topp_ids[offsets[t] : offsets[t + 1]]
             expected = log_probs[t, token] - (torch.logsumexp(log_probs[t, support], 0) if len(support) else 0)
-            assert row[t].item() == pytest.approx(expected.item(), abs=1e-5)   # the tool token stays as it was
+            assert row[t].item() == pytest.approx(expected.item(), abs=1e-5)  # the tool token stays as it was
     metrics = sc_backend(path).train_rollout(samples, 0)
     assert abs(metrics["sc_correction"]) < 1e-6 and metrics["onpolicy_logprob_abs_diff"] < 1e-5
     assert metrics["sc_sampler_head_mass"] == pytest.approx(1.0, abs=1e-5)
@@ -378,9 +450,9 @@ def test_top_p_correction_is_the_support_formula(tiny, mode):
         log_probs, offsets = full_log_probs(model, sample), sample.rollout_topp_offsets
         for t in range(sample.response_length):
             if sample.loss_mask[t]:
-                support = sample.rollout_topp_ids[offsets[t]:offsets[t + 1]]
+                support = sample.rollout_topp_ids[offsets[t] : offsets[t + 1]]
                 train = torch.log_softmax(log_probs[t, support], 0)
-                sampler = torch.as_tensor(sample.rollout_topp_log_probs[offsets[t]:offsets[t + 1]])
+                sampler = torch.as_tensor(sample.rollout_topp_log_probs[offsets[t] : offsets[t + 1]])
                 corrections.append(support_correction(train, sampler, torch.tensor([0, len(support)]), **w)[0])
     assert abs(metrics["sc_correction"]) > 1e-3
     assert metrics["sc_correction"] == pytest.approx(torch.cat(corrections).mean().item(), abs=1e-5)
@@ -404,6 +476,6 @@ def test_a_response_started_over_drops_its_old_rows():
     sample.response_length, sample.weight_versions, sample.rollout_log_probs, sample.loss_mask = 0, [], None, None
     sample.append_response_tokens([4], [-0.3], [1], sampler=topk([4]))
     assert sample.rollout_topk_token_ids.tolist() == [[4, 5]]
-    sample.response_length = 2   # rows and response disagree otherwise: refused
+    sample.response_length = 2  # rows and response disagree otherwise: refused
     with pytest.raises(ValueError, match="sampler rows for 1 tokens"):
         sample.append_response_tokens([5], [-0.3], [1], sampler=topk([5]))

@@ -21,9 +21,14 @@ def call(function):
     pg_loss = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0], dtype=F64, requires_grad=True)
     masks = [torch.ones(3), torch.ones(2)]
     out, out_masks, metrics = function(
-        ARGS, pg_loss=pg_loss, train_log_probs=[torch.tensor(r, dtype=F64) for r in TRAIN],
-        rollout_log_probs=[torch.tensor(r, dtype=F64) for r in ROLLOUT], loss_masks=masks,
-        total_lengths=[5, 4], response_lengths=[3, 2])
+        ARGS,
+        pg_loss=pg_loss,
+        train_log_probs=[torch.tensor(r, dtype=F64) for r in TRAIN],
+        rollout_log_probs=[torch.tensor(r, dtype=F64) for r in ROLLOUT],
+        loss_masks=masks,
+        total_lengths=[5, 4],
+        response_lengths=[3, 2],
+    )
     assert out_masks is masks
     return pg_loss, out, metrics
 

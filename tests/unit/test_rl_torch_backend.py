@@ -17,8 +17,13 @@ GROUP = 4
 def model_dir(tmp_path_factory):
     from vime.tools.make_tiny_model import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("rl_tiny_model")), hidden_size=64, num_heads=2,
-                           num_kv_heads=1, intermediate_size=128)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("rl_tiny_model")),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,7 @@ def response_log_softmax(model, sample):
     """[response_length, vocab] log-probs of the positions predicting the response tokens (temperature 1)."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([sample.tokens])).logits[0, :-1]
-    return torch.log_softmax(logits, -1)[sample.prompt_length - 1:]
+    return torch.log_softmax(logits, -1)[sample.prompt_length - 1 :]
 
 
 def make_samples(model, *, groups=2, versions=None, top_k=None, seed=0):
@@ -43,12 +48,18 @@ def make_samples(model, *, groups=2, versions=None, top_k=None, seed=0):
         prompt = [rng.randint(1, 10) for _ in range(rng.randint(2, 4))] + [11]
         for i in range(GROUP):
             response = [rng.randint(1, 11) for _ in range(rng.randint(2, 6))]
-            sample = Sample(group_index=g, index=i, tokens=prompt + response, response_length=len(response),
-                            reward=float(rng.random() < 0.5) + 0.1 * i, status=Sample.Status.COMPLETED)
+            sample = Sample(
+                group_index=g,
+                index=i,
+                tokens=prompt + response,
+                response_length=len(response),
+                reward=float(rng.random() < 0.5) + 0.1 * i,
+                status=Sample.Status.COMPLETED,
+            )
             sample.loss_mask = [1] * len(response)
             sample.loss_mask[min(1, len(response) - 1)] = 0 if i == 2 else 1  # one masked (tool) token
             sample.weight_versions = list(versions[i]) if versions else [0] * len(response)
-            sample.weight_versions = (sample.weight_versions * len(response))[:len(response)]
+            sample.weight_versions = (sample.weight_versions * len(response))[: len(response)]
             log_softmax = response_log_softmax(model, sample)
             sample.rollout_log_probs = log_softmax.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1).tolist()
             if top_k:
@@ -61,20 +72,40 @@ def make_samples(model, *, groups=2, versions=None, top_k=None, seed=0):
 def backend(model_dir, *, micro_batch_size=4, **algorithm):
     algo = AlgorithmConfig(**algorithm)
     algo.validate()
-    return TorchBackend(TorchTrainerSpec(
-        hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.0, adam_betas=(0.9, 0.999), adam_eps=1e-8, clip_grad=1.0,
-        micro_batch_size=micro_batch_size, global_batch_size=2 * GROUP, n_samples_per_prompt=GROUP,
-        rollout_temperature=1.0, algorithm=algo, seed=0, threads=1))
+    return TorchBackend(
+        TorchTrainerSpec(
+            hf_checkpoint=model_dir,
+            lr=1e-3,
+            weight_decay=0.0,
+            adam_betas=(0.9, 0.999),
+            adam_eps=1e-8,
+            clip_grad=1.0,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=2 * GROUP,
+            n_samples_per_prompt=GROUP,
+            rollout_temperature=1.0,
+            algorithm=algo,
+            seed=0,
+            threads=1,
+        )
+    )
 
 
 ESTIMATORS = {
     "grpo": {},
     "gspo": {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4},
     "cispo": {"advantage_estimator": "cispo", "eps_clip": 1.0, "eps_clip_high": 4.0},
-    "reinforce_plus_plus": {"advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True,
-                            "kl_coef": 0.01, "gamma": 0.99},
-    "reinforce_plus_plus_baseline": {"advantage_estimator": "reinforce_plus_plus_baseline",
-                                     "normalize_advantages": True, "kl_coef": 0.01},
+    "reinforce_plus_plus": {
+        "advantage_estimator": "reinforce_plus_plus",
+        "normalize_advantages": True,
+        "kl_coef": 0.01,
+        "gamma": 0.99,
+    },
+    "reinforce_plus_plus_baseline": {
+        "advantage_estimator": "reinforce_plus_plus_baseline",
+        "normalize_advantages": True,
+        "kl_coef": 0.01,
+    },
     "grpo_reinforce_dual_entropy": {"pg_loss_type": "reinforce", "entropy_coef": 0.01},
 }
 
@@ -87,8 +118,16 @@ def test_one_step_with_each_estimator(model_dir, model, name):
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert metrics["optimizer_steps"] == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
-    for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "train_rollout_logprob_abs_diff",
-                "onpolicy_logprob_abs_diff", "train_tokens", "train_seconds"):
+    for key in (
+        "pg_loss",
+        "pg_clipfrac",
+        "ppo_kl",
+        "entropy",
+        "train_rollout_logprob_abs_diff",
+        "onpolicy_logprob_abs_diff",
+        "train_tokens",
+        "train_seconds",
+    ):
         assert math.isfinite(metrics[key]), key
     # The sampler's log-probs are the model's own: trainer and sampler agree before the step.
     assert metrics["onpolicy_logprob_abs_diff"] < 1e-4
@@ -98,18 +137,22 @@ def test_one_step_with_each_estimator(model_dir, model, name):
 
 def test_kl_loss_against_the_reference_model(model_dir, model):
     metrics = backend(model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3").train_rollout(
-        make_samples(model), policy_version=0)
+        make_samples(model), policy_version=0
+    )
     assert abs(metrics["kl"]) < 1e-6 and abs(metrics["kl_loss"]) < 1e-6
     # A reference that differs from the policy has a positive k3 KL.
-    from vime.tools.make_tiny_model import make_tiny_model
     import tempfile
+
+    from vime.tools.make_tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as other:
         make_tiny_model(other, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, seed=5)
-        metrics = backend(model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3",
-                          ref_load=other).train_rollout(make_samples(model), policy_version=0)
-    assert metrics["kl"] > 1e-3 and metrics["loss"] == pytest.approx(metrics["pg_loss"] + 0.1 * metrics["kl_loss"],
-                                                                     rel=1e-4, abs=1e-6)
+        metrics = backend(
+            model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", ref_load=other
+        ).train_rollout(make_samples(model), policy_version=0)
+    assert metrics["kl"] > 1e-3 and metrics["loss"] == pytest.approx(
+        metrics["pg_loss"] + 0.1 * metrics["kl_loss"], rel=1e-4, abs=1e-6
+    )
 
 
 def test_tis_weights_the_loss_by_the_clipped_ratio(model_dir, model):
@@ -132,7 +175,8 @@ def test_custom_tis_function_can_reject_tokens(model_dir, model, tmp_path):
         "def reject(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,\n"
         "           response_lengths):\n"
         "    CALLS.append((args.tis_clip, response_lengths))\n"
-        "    return pg_loss, [torch.zeros_like(m) for m in loss_masks], {'rejected': torch.ones_like(pg_loss)}\n")
+        "    return pg_loss, [torch.zeros_like(m) for m in loss_masks], {'rejected': torch.ones_like(pg_loss)}\n"
+    )
     trainer = backend(model_dir, use_tis=True, custom_tis_function_path=f"{plugin}:reject")
     samples = make_samples(model)
     metrics = trainer.train_rollout(samples, 0)
@@ -173,8 +217,8 @@ def test_sft_loss_is_the_token_mean_negative_log_likelihood(model_dir, model):
     attention = torch.zeros_like(input_ids)
     labels = torch.full_like(input_ids, -100)
     for row, s in enumerate(samples):
-        input_ids[row, :len(s.tokens)] = torch.tensor(s.tokens)
-        attention[row, :len(s.tokens)] = 1
+        input_ids[row, : len(s.tokens)] = torch.tensor(s.tokens)
+        attention[row, : len(s.tokens)] = 1
         for t, (token, keep) in enumerate(zip(s.response_tokens, s.loss_mask)):
             if keep:
                 labels[row, s.prompt_length + t] = token
@@ -186,8 +230,9 @@ def test_sft_loss_is_the_token_mean_negative_log_likelihood(model_dir, model):
 
 def test_score_centering_is_zero_when_the_sampler_is_the_trainer(model_dir, model):
     samples = make_samples(model, top_k=4)
-    metrics = backend(model_dir, use_score_centering=True, score_centering_top_k=4,
-                      calculate_per_token_loss=True).train_rollout(samples, 0)
+    metrics = backend(
+        model_dir, use_score_centering=True, score_centering_top_k=4, calculate_per_token_loss=True
+    ).train_rollout(samples, 0)
     assert abs(metrics["sc_correction"]) < 1e-5
     assert metrics["sc_sampler_head_mass"] == pytest.approx(metrics["sc_train_head_mass"], abs=1e-5)
     assert 0 < metrics["sc_train_head_mass"] < 1
@@ -196,8 +241,9 @@ def test_score_centering_is_zero_when_the_sampler_is_the_trainer(model_dir, mode
     shifted = make_samples(model, top_k=4)
     for s in shifted:
         s.rollout_topk_log_probs = s.rollout_topk_log_probs - 0.3
-    moved = backend(model_dir, use_score_centering=True, score_centering_top_k=4,
-                    calculate_per_token_loss=True).train_rollout(shifted, 0)
+    moved = backend(
+        model_dir, use_score_centering=True, score_centering_top_k=4, calculate_per_token_loss=True
+    ).train_rollout(shifted, 0)
     assert abs(moved["sc_correction"]) > 1e-3 and moved["loss"] != pytest.approx(metrics["loss"])
 
 
@@ -216,7 +262,8 @@ def test_tis_needs_rollout_log_probs(model_dir, model):
 def test_per_sample_and_per_token_reductions_differ_on_ragged_batches(model_dir, model):
     per_sample = backend(model_dir, pg_loss_type="reinforce").train_rollout(make_samples(model), 0)
     per_token = backend(model_dir, pg_loss_type="reinforce", calculate_per_token_loss=True).train_rollout(
-        make_samples(model), 0)
+        make_samples(model), 0
+    )
     # REINFORCE's loss is -mean(A log p); recompute both reductions independently from the model.
     from vime.rl.advantages import grpo_advantages
 

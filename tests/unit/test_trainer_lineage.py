@@ -39,8 +39,9 @@ def test_versions_of_lost_steps_are_lost_and_staleness_counts_steps():
 
 def test_a_checkpoint_keeps_the_lineage_and_old_ones_still_load(tmp_path):
     lineage = Lineage().restored(step=2, restored_version=2, new_version=5)
-    state = CheckpointState(schema=1, step=3, weight_version=6, consumer_cursor=6, run_options={},
-                            step_cursors=[2, 4, 6], lineage=lineage)
+    state = CheckpointState(
+        schema=1, step=3, weight_version=6, consumer_cursor=6, run_options={}, step_cursors=[2, 4, 6], lineage=lineage
+    )
     save_checkpoint(str(tmp_path), state, lambda path: __import__("os").makedirs(path, exist_ok=True))
     assert load_state(str(tmp_path))[1].lineage == lineage
     old = {"schema": 1, "step": 1, "weight_version": 1, "consumer_cursor": 2, "run_options": {}}
@@ -50,8 +51,12 @@ def test_a_checkpoint_keeps_the_lineage_and_old_ones_still_load(tmp_path):
 def test_the_restart_budget_is_checked_naming_its_flag(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert parse_train_args(minimal_train_argv(str(tmp_path))).checkpoint.trainer_restart_budget == 3
-    assert parse_train_args(minimal_train_argv(str(tmp_path), "--trainer-restart-budget", "0")) \
-        .checkpoint.trainer_restart_budget == 0
+    assert (
+        parse_train_args(
+            minimal_train_argv(str(tmp_path), "--trainer-restart-budget", "0")
+        ).checkpoint.trainer_restart_budget
+        == 0
+    )
     with pytest.raises(ConfigError, match="--trainer-restart-budget"):
         parse_train_args(minimal_train_argv(str(tmp_path), "--trainer-restart-budget", "-1"))
 
@@ -61,9 +66,18 @@ def test_the_restart_budget_is_checked_naming_its_flag(tmp_path):
 def controller(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(20)))
-    spec = ControllerSpec(transport="straw", store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-                          lease_seconds=60, prompt_data=str(prompts), keys=DataKeys("prompt", "label"), seed=0,
-                          shuffle=False, num_epoch=None, groups_per_rollout=2, max_staleness=1)
+    spec = ControllerSpec(
+        transport="straw",
+        store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
+        lease_seconds=60,
+        prompt_data=str(prompts),
+        keys=DataKeys("prompt", "label"),
+        seed=0,
+        shuffle=False,
+        num_epoch=None,
+        groups_per_rollout=2,
+        max_staleness=1,
+    )
     made = []
 
     def make():
@@ -83,9 +97,19 @@ def accept(tmp_path, controller, versions_per_group):
     writer = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run"))
     for item, versions in zip(leased, versions_per_group):
         a = item.assignment
-        samples = [Sample(group_index=a.task.group_index, index=i, prompt_index=a.task.prompt_index,
-                          tokens=[1] * (len(versions) + 1), response_length=len(versions), reward=1.0,
-                          status=Status.COMPLETED, weight_versions=list(versions)) for i in range(2)]
+        samples = [
+            Sample(
+                group_index=a.task.group_index,
+                index=i,
+                prompt_index=a.task.prompt_index,
+                tokens=[1] * (len(versions) + 1),
+                response_length=len(versions),
+                reward=1.0,
+                status=Status.COMPLETED,
+                weight_versions=list(versions),
+            )
+            for i in range(2)
+        ]
         sid = f"{a.lease.task_id}-{a.lease.attempt_id}"
         ref = writer.publish(samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid)
         controller.complete(a.lease, sid, ref, 2, len(versions) * 2, min(versions))

@@ -13,10 +13,13 @@ EC_PATH = "/dev/shm/vime-ec-test"
 
 
 def plan_for(doc, *, gpus, vllm_args=None, router_args=None, external_router_url=None, ec_storage_path=EC_PATH):
-    deployment = resolve(parse_vllm_config(doc), GlobalFlags(hf_checkpoint="/models/vl", rollout_num_gpus=gpus,
-                                                             vllm_args=vllm_args or {}))
-    return build_launch_plan(deployment, router_args=router_args, external_router_url=external_router_url,
-                             ec_storage_path=ec_storage_path)
+    deployment = resolve(
+        parse_vllm_config(doc),
+        GlobalFlags(hf_checkpoint="/models/vl", rollout_num_gpus=gpus, vllm_args=vllm_args or {}),
+    )
+    return build_launch_plan(
+        deployment, router_args=router_args, external_router_url=external_router_url, ec_storage_path=ec_storage_path
+    )
 
 
 def model(name, *groups, **fields):
@@ -42,12 +45,21 @@ def json_flag(argv, flag):
 
 
 def test_pd_engines_get_kv_roles_on_their_command_line():
-    plan = plan_for({"vllm": [model("actor", group("prefill", 4, num_gpus_per_engine=2),
-                                    group("decode", 4, num_gpus_per_engine=4))]},
-                    gpus=8, vllm_args={"max-model-len": "2048", "enforce-eager": None})
+    plan = plan_for(
+        {
+            "vllm": [
+                model("actor", group("prefill", 4, num_gpus_per_engine=2), group("decode", 4, num_gpus_per_engine=4))
+            ]
+        },
+        gpus=8,
+        vllm_args={"max-model-len": "2048", "enforce-eager": None},
+    )
     prefill_a, prefill_b, decode = plan.engines
-    for engine, role, tp in ((prefill_a, "kv_producer", "2"), (prefill_b, "kv_producer", "2"),
-                             (decode, "kv_consumer", "4")):
+    for engine, role, tp in (
+        (prefill_a, "kv_producer", "2"),
+        (prefill_b, "kv_producer", "2"),
+        (decode, "kv_consumer", "4"),
+    ):
         argv = argv_of(engine)
         assert json_flag(argv, "--kv-transfer-config") == {"kv_connector": "NixlConnector", "kv_role": role}
         assert flag_value(argv, "--tensor-parallel-size") == tp
@@ -61,22 +73,27 @@ def test_pd_engines_get_kv_roles_on_their_command_line():
 
 
 def test_full_epd_roles_start_order_and_encoder_urls():
-    plan = plan_for({"vllm": [model("actor", group("decode"), group("prefill"), group("encoder"),
-                                    update_weights=False)]}, gpus=3)
-    encoder, = plan.encoders
+    plan = plan_for(
+        {"vllm": [model("actor", group("decode"), group("prefill"), group("encoder"), update_weights=False)]}, gpus=3
+    )
+    (encoder,) = plan.encoders
     assert encoder.index == 0 and [e.index for e in plan.language_engines] == [1, 2]  # encoders start first
     assert (encoder.router_role, encoder.update_weights) == (None, False)  # never registered with the router
     enc_argv = argv_of(encoder)
     assert json_flag(enc_argv, "--ec-transfer-config") == {
-        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
-        "ec_connector_extra_config": {"shared_storage_path": EC_PATH}}
+        "ec_connector": "ECExampleConnector",
+        "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": EC_PATH},
+    }
     assert "--no-enable-prefix-caching" in enc_argv and "--kv-transfer-config" not in enc_argv
 
     decode, prefill = plan.language_engines
     pre_argv, dec_argv = argv_of(prefill), argv_of(decode)
     assert json_flag(pre_argv, "--ec-transfer-config") == {
-        "ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"shared_storage_path": EC_PATH}}
+        "ec_connector": "ECExampleConnector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"shared_storage_path": EC_PATH},
+    }
     assert json_flag(pre_argv, "--kv-transfer-config")["kv_role"] == "kv_producer"
     assert "--no-enable-prefix-caching" not in pre_argv
     assert "--ec-transfer-config" not in dec_argv  # decode never touches the encoder cache
@@ -87,22 +104,37 @@ def test_full_epd_roles_start_order_and_encoder_urls():
     wired = plan.with_encoder_urls({"actor": ["http://10.0.0.5:9000"]})
     decode, prefill = wired.language_engines
     assert prefill.encoder_urls == ("http://10.0.0.5:9000",) and decode.encoder_urls == ()
-    assert wired.encoder_endpoints({"actor": ["http://10.0.0.5:9000"]}) == \
-        {"actor": ("/models/vl", ["http://10.0.0.5:9000"])}
+    assert wired.encoder_endpoints({"actor": ["http://10.0.0.5:9000"]}) == {
+        "actor": ("/models/vl", ["http://10.0.0.5:9000"])
+    }
     with pytest.raises(ValueError, match="1 encoder engine"):
         plan.models[0].with_encoder_urls([])
 
 
 def test_encoder_endpoints_carry_the_encoders_served_name():
-    plan = plan_for({"vllm": [model("vl", group("encoder", overrides={"served_model_name": "vl-enc vl"}),
-                                    group("regular"), update_weights=False)]}, gpus=2)
+    plan = plan_for(
+        {
+            "vllm": [
+                model(
+                    "vl",
+                    group("encoder", overrides={"served_model_name": "vl-enc vl"}),
+                    group("regular"),
+                    update_weights=False,
+                )
+            ]
+        },
+        gpus=2,
+    )
     assert plan.encoder_endpoints({"vl": ["http://e:1"]}) == {"vl": ("vl-enc", ["http://e:1"])}
     assert "--served-model-name" in argv_of(plan.encoders[0])
 
 
 def test_encoder_with_regular_split_without_pd():
-    plan = plan_for({"vllm": [model("actor", group("encoder", 2), group("regular", 6, num_gpus_per_engine=2))]},
-                    gpus=8, vllm_args={"enable-prefix-caching": None})
+    plan = plan_for(
+        {"vllm": [model("actor", group("encoder", 2), group("regular", 6, num_gpus_per_engine=2))]},
+        gpus=8,
+        vllm_args={"enable-prefix-caching": None},
+    )
     assert len(plan.encoders) == 2 and len(plan.language_engines) == 3
     for engine in plan.encoders:
         argv = argv_of(engine)
@@ -118,50 +150,100 @@ def test_encoder_with_regular_split_without_pd():
 def test_user_ec_transfer_config_replaces_the_generated_one_per_group():
     """The guide's connector swap: the user's keys win over the derived connector/role, nothing is
     deep-merged, and a group without the override keeps the generated config."""
-    custom = {"ec_connector": "MyProductionConnector",
-              "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"}}
-    plan = plan_for({"vllm": [model("actor",
-                                    group("encoder", overrides={"ec_transfer_config": custom}),
-                                    group("regular", overrides={"ec_transfer_config": json.dumps(custom)}),
-                                    group("regular"))]}, gpus=3)
+    custom = {
+        "ec_connector": "MyProductionConnector",
+        "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"},
+    }
+    plan = plan_for(
+        {
+            "vllm": [
+                model(
+                    "actor",
+                    group("encoder", overrides={"ec_transfer_config": custom}),
+                    group("regular", overrides={"ec_transfer_config": json.dumps(custom)}),
+                    group("regular"),
+                )
+            ]
+        },
+        gpus=3,
+    )
     encoder, consumer, plain = plan.engines
     assert json_flag(argv_of(encoder), "--ec-transfer-config") == {
-        "ec_connector": "MyProductionConnector", "ec_role": "ec_producer",
-        "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"}}
+        "ec_connector": "MyProductionConnector",
+        "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"},
+    }
     assert json_flag(argv_of(consumer), "--ec-transfer-config") == {
-        "ec_connector": "MyProductionConnector", "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"}}
-    assert json_flag(argv_of(plain), "--ec-transfer-config")["ec_connector_extra_config"] == \
-        {"shared_storage_path": EC_PATH}
+        "ec_connector": "MyProductionConnector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"shared_storage_path": "/mnt/shared/ec-cache"},
+    }
+    assert json_flag(argv_of(plain), "--ec-transfer-config")["ec_connector_extra_config"] == {
+        "shared_storage_path": EC_PATH
+    }
 
 
 def test_user_kv_transfer_config_is_layered_over_the_roles():
     overrides = {"kv_transfer_config": {"kv_connector": "MooncakeConnector", "kv_buffer_size": 1e9}}
-    plan = plan_for({"vllm": [model("actor", group("prefill", overrides=overrides),
-                                    group("decode", overrides=overrides))]}, gpus=2)
+    plan = plan_for(
+        {"vllm": [model("actor", group("prefill", overrides=overrides), group("decode", overrides=overrides))]}, gpus=2
+    )
     prefill, decode = plan.engines
-    assert json_flag(argv_of(prefill), "--kv-transfer-config") == \
-        {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "kv_buffer_size": 1e9}
+    assert json_flag(argv_of(prefill), "--kv-transfer-config") == {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_size": 1e9,
+    }
     assert json_flag(argv_of(decode), "--kv-transfer-config")["kv_role"] == "kv_consumer"
     assert plan.models[0].router.router_args["kv-connector"] == "mooncake"  # router speaks the same protocol
 
     # A --vllm-kv-transfer-config flag is the user's layer for groups that do not override it.
-    plan = plan_for({"vllm": [model("actor", group("prefill"), group("decode"))]}, gpus=2,
-                    vllm_args={"kv-transfer-config": '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'})
+    plan = plan_for(
+        {"vllm": [model("actor", group("prefill"), group("decode"))]},
+        gpus=2,
+        vllm_args={"kv-transfer-config": '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'},
+    )
     assert {json_flag(argv_of(e), "--kv-transfer-config")["kv_role"] for e in plan.engines} == {"kv_both"}
 
 
 def test_one_model_cannot_mix_kv_connectors():
     with pytest.raises(ConfigError, match="model actor uses several KV connectors"):
-        plan_for({"vllm": [model("actor", group("prefill", overrides={"kv_transfer_config": {
-            "kv_connector": "MooncakeConnector"}}), group("decode"))]}, gpus=2)
+        plan_for(
+            {
+                "vllm": [
+                    model(
+                        "actor",
+                        group("prefill", overrides={"kv_transfer_config": {"kv_connector": "MooncakeConnector"}}),
+                        group("decode"),
+                    )
+                ]
+            },
+            gpus=2,
+        )
 
 
 def test_overrides_become_command_line_flags():
-    plan = plan_for({"vllm": [model("actor", group("regular", overrides={
-        "enable_prefix_caching": False, "enforce_eager": None, "max-num-seqs": 8,
-        "limit_mm_per_prompt": {"image": 2}, "gpu_memory_utilization": 0.5}))]},
-        gpus=1, vllm_args={"enable-prefix-caching": None, "enforce-eager": None, "dtype": "float32"})
+    plan = plan_for(
+        {
+            "vllm": [
+                model(
+                    "actor",
+                    group(
+                        "regular",
+                        overrides={
+                            "enable_prefix_caching": False,
+                            "enforce_eager": None,
+                            "max-num-seqs": 8,
+                            "limit_mm_per_prompt": {"image": 2},
+                            "gpu_memory_utilization": 0.5,
+                        },
+                    ),
+                )
+            ]
+        },
+        gpus=1,
+        vllm_args={"enable-prefix-caching": None, "enforce-eager": None, "dtype": "float32"},
+    )
     argv = argv_of(plan.engines[0])
     assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
     assert "--enforce-eager" not in argv  # null drops a flag inherited from --vllm-*
@@ -171,18 +253,28 @@ def test_overrides_become_command_line_flags():
 
 
 def test_routers_one_per_model_and_external_router_only_for_one_model():
-    doc = {"vllm": [model("actor", group("regular", 2)),
-                    model("ref", group("regular", 2), model_path="/models/ref", update_weights=False)]}
+    doc = {
+        "vllm": [
+            model("actor", group("regular", 2)),
+            model("ref", group("regular", 2), model_path="/models/ref", update_weights=False),
+        ]
+    }
     plan = plan_for(doc, gpus=4, router_args={"policy": "consistent_hash"})
-    assert [(m.name, m.router.router_args, m.router.external_url) for m in plan.models] == \
-        [("actor", {"policy": "consistent_hash"}, None), ("ref", {"policy": "consistent_hash"}, None)]
-    assert [(e.name, e.index, e.update_weights) for e in plan.engines] == \
-        [("actor-g0-regular-0", 0, True), ("actor-g0-regular-1", 1, True),
-         ("ref-g0-regular-0", 2, False), ("ref-g0-regular-1", 3, False)]
+    assert [(m.name, m.router.router_args, m.router.external_url) for m in plan.models] == [
+        ("actor", {"policy": "consistent_hash"}, None),
+        ("ref", {"policy": "consistent_hash"}, None),
+    ]
+    assert [(e.name, e.index, e.update_weights) for e in plan.engines] == [
+        ("actor-g0-regular-0", 0, True),
+        ("actor-g0-regular-1", 1, True),
+        ("ref-g0-regular-0", 2, False),
+        ("ref-g0-regular-1", 3, False),
+    ]
     with pytest.raises(ConfigError, match="^--vllm-router-ip: one external router cannot serve 2 models"):
         plan_for(doc, gpus=4, external_router_url="http://10.0.0.1:30000")
-    single = plan_for({"vllm": [model("actor", group("regular", 2))]}, gpus=2,
-                      external_router_url="http://10.0.0.1:30000")
+    single = plan_for(
+        {"vllm": [model("actor", group("regular", 2))]}, gpus=2, external_router_url="http://10.0.0.1:30000"
+    )
     assert single.models[0].router.external_url == "http://10.0.0.1:30000"
 
 
@@ -195,17 +287,30 @@ def test_ec_storage_path_is_per_deployment_and_only_with_encoders():
 
 
 def test_multi_node_engine_reports_its_nodes():
-    deployment = resolve(parse_vllm_config({"vllm": [model("big", group("regular", 16, num_gpus_per_engine=16))]}),
-                         GlobalFlags(hf_checkpoint="/m", rollout_num_gpus=16, gpus_per_node=8))
+    deployment = resolve(
+        parse_vllm_config({"vllm": [model("big", group("regular", 16, num_gpus_per_engine=16))]}),
+        GlobalFlags(hf_checkpoint="/m", rollout_num_gpus=16, gpus_per_node=8),
+    )
     (engine,) = build_launch_plan(deployment).engines
     assert (engine.num_gpus, engine.num_nodes, engine.tensor_parallel_size) == (16, 2, 16)
 
 
 def test_encoders_of_every_model_start_before_any_language_engine():
-    plan = plan_for({"vllm": [model("actor", group("encoder"), group("regular")),
-                              model("judge", group("regular"), group("encoder"), update_weights=False)]}, gpus=4)
+    plan = plan_for(
+        {
+            "vllm": [
+                model("actor", group("encoder"), group("regular")),
+                model("judge", group("regular"), group("encoder"), update_weights=False),
+            ]
+        },
+        gpus=4,
+    )
     assert [(e.name, e.index) for e in plan.engines] == [
-        ("actor-g0-encoder-0", 0), ("judge-g1-encoder-0", 1), ("actor-g1-regular-0", 2), ("judge-g0-regular-0", 3)]
+        ("actor-g0-encoder-0", 0),
+        ("judge-g1-encoder-0", 1),
+        ("actor-g1-regular-0", 2),
+        ("judge-g0-regular-0", 3),
+    ]
     assert [e.name for e in plan.model("judge").encoders] == ["judge-g1-encoder-0"]
 
 
@@ -216,8 +321,12 @@ def deployment_for(doc, gpus):
 def test_the_trained_model_is_the_one_weight_synced_model():
     from vime.config.vllm_config import trained_model_name
 
-    doc = {"vllm": [model("ref", group("regular"), model_path="/models/ref", update_weights=False),
-                    model("actor", group("regular"), update_weights=True)]}
+    doc = {
+        "vllm": [
+            model("ref", group("regular"), model_path="/models/ref", update_weights=False),
+            model("actor", group("regular"), update_weights=True),
+        ]
+    }
     assert trained_model_name(deployment_for(doc, 2)) == "actor"
     both = {"vllm": [model("a", group("regular")), model("b", group("regular"))]}  # both inferred from the path
     with pytest.raises(ConfigError, match=r"--vllm-config.*exactly one model .*found 2 \(a, b\)"):
@@ -232,12 +341,24 @@ def test_engine_variants_carry_each_groups_flags_and_size():
     plus the weight transport's additions."""
     from vime.workers.model_servers import engine_variants
 
-    plan = plan_for({"vllm": [model("actor", group("regular", 2, num_gpus_per_engine=2,
-                                                   overrides={"max_model_len": 128}),
-                                    group("regular", 1))]}, gpus=3, vllm_args={"max-model-len": "64"})
+    plan = plan_for(
+        {
+            "vllm": [
+                model(
+                    "actor",
+                    group("regular", 2, num_gpus_per_engine=2, overrides={"max_model_len": 128}),
+                    group("regular", 1),
+                )
+            ]
+        },
+        gpus=3,
+        vllm_args={"max-model-len": "64"},
+    )
     variants = engine_variants(plan.model("actor").language_engines, lambda args: {**args, "extra": "1"})
-    assert [(v.tensor_parallel_size, v.vllm_args["max-model-len"], v.vllm_args["extra"]) for v in variants] == \
-        [(2, "128", "1"), (1, "64", "1")]
+    assert [(v.tensor_parallel_size, v.vllm_args["max-model-len"], v.vllm_args["extra"]) for v in variants] == [
+        (2, "128", "1"),
+        (1, "64", "1"),
+    ]
 
 
 def test_a_pd_router_lists_every_prefill_and_decode_engine_on_its_command_line():
@@ -247,11 +368,20 @@ def test_a_pd_router_lists_every_prefill_and_decode_engine_on_its_command_line()
     from vime.engines.router import build_router_command
     from vime.workers.model_servers import pd_router_args
 
-    plan = plan_for({"vllm": [model("actor", group("prefill", 2), group("decode", 1))]}, gpus=3,
-                    router_args={"policy": "round_robin"})
-    members = [SimpleNamespace(url=f"http://h:{port}", worker_type=kind, state=state)
-               for port, kind, state in ((1, "prefill", "serving"), (2, "prefill", "serving"),
-                                         (3, "decode", "serving"), (4, "decode", "lost"))]
+    plan = plan_for(
+        {"vllm": [model("actor", group("prefill", 2), group("decode", 1))]},
+        gpus=3,
+        router_args={"policy": "round_robin"},
+    )
+    members = [
+        SimpleNamespace(url=f"http://h:{port}", worker_type=kind, state=state)
+        for port, kind, state in (
+            (1, "prefill", "serving"),
+            (2, "prefill", "serving"),
+            (3, "decode", "serving"),
+            (4, "decode", "lost"),
+        )
+    ]
     args = pd_router_args(plan.model("actor"), SimpleNamespace(members=members))
     argv = build_router_command("127.0.0.1", 9000, args)
     assert argv[argv.index("--policy") + 1] == "round_robin" and "--vllm-pd-disaggregation" in argv
@@ -267,8 +397,16 @@ def test_engine_variants_carry_the_role_and_restarts_keep_a_pd_engines_port(monk
 
     plan = plan_for({"vllm": [model("actor", group("prefill", 1), group("decode", 1))]}, gpus=2)
     variants = engine_variants(plan.model("actor").engines, dict)
-    template = EngineTemplate(model="/m", vllm_args={}, tensor_parallel_size=1, run_token="t", log_dir=str(tmp_path),
-                              startup_timeout=1, http_timeout=1, weight_dir=str(tmp_path))
+    template = EngineTemplate(
+        model="/m",
+        vllm_args={},
+        tensor_parallel_size=1,
+        run_token="t",
+        log_dir=str(tmp_path),
+        startup_timeout=1,
+        http_timeout=1,
+        weight_dir=str(tmp_path),
+    )
     specs = [template.spec(i, variant=v) for i, v in enumerate(variants)]
     assert [(s.worker_type, s.keep_port) for s in specs] == [("prefill", True), ("decode", True)]
     assert not template.spec(2).keep_port  # a regular engine re-registers wherever it listens

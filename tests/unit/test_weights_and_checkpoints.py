@@ -14,6 +14,7 @@ def writer(content: bytes):
         os.makedirs(folder)
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(content)
+
     return write
 
 
@@ -46,8 +47,9 @@ def test_a_failed_write_leaves_no_version(tmp_path):
 
 
 def state(step, cursor=0, **options):
-    return ckpt.CheckpointState(schema=1, step=step, weight_version=step, consumer_cursor=cursor,
-                                run_options={"seed": 1, **options})
+    return ckpt.CheckpointState(
+        schema=1, step=step, weight_version=step, consumer_cursor=cursor, run_options={"seed": 1, **options}
+    )
 
 
 def test_checkpoint_is_complete_or_invisible(tmp_path):

@@ -18,7 +18,6 @@ from vime.weights.local import LocalWeights
 from vime.weights.publisher import WeightPublisher
 from vime.workers.engines import EngineActor, EngineSpec
 
-
 # ---------------------------------------------------------------- a trainer in miniature
 
 
@@ -50,8 +49,11 @@ class Trainer:
 
 
 def read_files(folder: str) -> dict[str, bytes]:
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
-            if name != disk.MANIFEST}
+    return {
+        name: open(os.path.join(folder, name), "rb").read()
+        for name in sorted(os.listdir(folder))
+        if name != disk.MANIFEST
+    }
 
 
 def expected_files(trainer: Trainer, tmp_path, name: str) -> dict[str, bytes]:
@@ -189,6 +191,7 @@ def test_a_version_of_another_lineage_is_replaced_not_reused(tmp_path):
         def write(folder):
             os.makedirs(folder)
             open(os.path.join(folder, "model.safetensors"), "wb").write(content)
+
         return write
 
     path = disk.publish_full(root, 3, writer(b"old lineage"))
@@ -228,8 +231,18 @@ def test_engine_actor_loads_its_own_copy(tmp_path, trainer):
 
     root = str(tmp_path / "weights")
     publisher = WeightPublisher(root, keep=1)
-    actor = EngineActor(EngineSpec(index=3, model="unused", vllm_args={}, tensor_parallel_size=1, run_token="t",
-                                   log_path=str(tmp_path / "log"), startup_timeout=1, http_timeout=1))
+    actor = EngineActor(
+        EngineSpec(
+            index=3,
+            model="unused",
+            vllm_args={},
+            tensor_parallel_size=1,
+            run_token="t",
+            log_path=str(tmp_path / "log"),
+            startup_timeout=1,
+            http_timeout=1,
+        )
+    )
     actor.client = Client()
     for version in (1, 2, 3):
         trainer.step()
@@ -305,8 +318,14 @@ def test_schema_1_manifests_still_read(tmp_path):
     folder = tmp_path / "weight_v000001"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x")
-    old = {"schema": 1, "version": 1, "mode": "full", "parent": None, "created": 0.0,
-           "files": {"model.safetensors": disk.sha256_file(str(folder / "model.safetensors"))}}
+    old = {
+        "schema": 1,
+        "version": 1,
+        "mode": "full",
+        "parent": None,
+        "created": 0.0,
+        "files": {"model.safetensors": disk.sha256_file(str(folder / "model.safetensors"))},
+    }
     (folder / disk.MANIFEST).write_text(json.dumps(old))
     manifest = disk.verify(str(folder))
     assert manifest.full_checksums == old["files"] and manifest.parent_files == {}

@@ -16,20 +16,30 @@ from vime.config.framework import WeightSyncConfig
 from vime.weights import nccl
 
 
-
 @pytest.fixture
 def args(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    return ["--hf-checkpoint", str(tmp_path), "--prompt-data", "data.jsonl", "--rm-type", "exact_match",
-            "--run-dir", str(tmp_path / "run")]
+    return [
+        "--hf-checkpoint",
+        str(tmp_path),
+        "--prompt-data",
+        "data.jsonl",
+        "--rm-type",
+        "exact_match",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
 
 
 def test_metadata_round_trip_in_parameter_order():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
     metas = nccl.tensor_metadata(model.named_parameters())
     assert [(m.name, m.dtype, m.shape) for m in metas] == [
-        ("0.weight", "bfloat16", [4, 3]), ("0.bias", "bfloat16", [4]), ("1.weight", "bfloat16", [4]),
-        ("1.bias", "bfloat16", [4])]
+        ("0.weight", "bfloat16", [4, 3]),
+        ("0.bias", "bfloat16", [4]),
+        ("1.weight", "bfloat16", [4]),
+        ("1.bias", "bfloat16", [4]),
+    ]
     text = nccl.encode_metadata(metas)
     assert isinstance(text, str) and nccl.decode_metadata(text) == metas
     assert nccl.torch_dtype("bfloat16") is torch.bfloat16

@@ -20,8 +20,10 @@ def enable_full_recompute(module: torch.nn.Module) -> None:
     body) in the backward pass. Only training forwards (``module.training``) recompute: the no-grad passes
     of old and reference log-probs keep nothing to recompute anyway."""
     if not getattr(module, "supports_gradient_checkpointing", False):
-        raise ValueError(f"--recompute-granularity full: {type(module).__name__} does not support activation "
-                         "checkpointing in transformers; run without the flag")
+        raise ValueError(
+            f"--recompute-granularity full: {type(module).__name__} does not support activation "
+            "checkpointing in transformers; run without the flag"
+        )
     # Non-reentrant checkpointing: gradients reach the parameters without the inputs requiring grad, and it
     # composes with the rest of autograd (saved-tensor hooks, the chunked log-probs' own recomputation).
     module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -22,8 +22,8 @@ import torch
 
 @dataclasses.dataclass
 class TokenLogProbs:
-    log_probs: torch.Tensor                     # [..., ] of the target tokens
-    entropy: torch.Tensor | None = None         # [..., ]
+    log_probs: torch.Tensor  # [..., ] of the target tokens
+    entropy: torch.Tensor | None = None  # [..., ]
     head_log_probs: torch.Tensor | None = None  # [..., k] at the given head ids
 
 
@@ -33,22 +33,40 @@ def causal_lm_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.M
     head = model.get_output_embeddings()
     body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
     if not isinstance(head, torch.nn.Linear) or body is None or body is model:
-        raise ValueError(f"--log-probs-chunk-size: cannot split {type(model).__name__} into a transformer body "
-                         "and a linear LM head; run without the flag")
+        raise ValueError(
+            f"--log-probs-chunk-size: cannot split {type(model).__name__} into a transformer body "
+            "and a linear LM head; run without the flag"
+        )
     return body, head
 
 
-def chunked_forward(model: torch.nn.Module, model_inputs: dict, targets: torch.Tensor, *, chunk_size: int,
-                    temperature: float, entropy: str | None = None,
-                    head_ids: torch.Tensor | None = None) -> TokenLogProbs:
+def chunked_forward(
+    model: torch.nn.Module,
+    model_inputs: dict,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    temperature: float,
+    entropy: str | None = None,
+    head_ids: torch.Tensor | None = None,
+) -> TokenLogProbs:
     """What ``TorchBackend._forward`` computes (the logits at t predict ``targets[:, t]``, t < T-1), by chunks.
 
-    ``model_inputs``: the keyword arguments of the model's forward (input_ids, attention_mask, ...). ``entropy``: None, 'metric' (no gradient) or 'loss' (differentiable); ``head_ids`` [B, T-1, k]: also the
+    ``model_inputs``: the keyword arguments of the model's forward (input_ids, attention_mask, ...).
+    ``entropy``: None, 'metric' (no gradient) or 'loss' (differentiable); ``head_ids`` [B, T-1, k]: also the
     log-probs at those ids (score centering)."""
     body, head = causal_lm_parts(model)
     hidden = final_hidden_states(model, body, model_inputs)[:, :-1]
-    return chunked_token_log_probs(hidden, head.weight, head.bias, targets, chunk_size=chunk_size,
-                                   temperature=temperature, entropy=entropy, head_ids=head_ids)
+    return chunked_token_log_probs(
+        hidden,
+        head.weight,
+        head.bias,
+        targets,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        entropy=entropy,
+        head_ids=head_ids,
+    )
 
 
 def final_hidden_states(model: torch.nn.Module, body: torch.nn.Module, model_inputs: dict) -> torch.Tensor:
@@ -67,14 +85,24 @@ def final_hidden_states(model: torch.nn.Module, body: torch.nn.Module, model_inp
     finally:
         handle.remove()
     if len(captured) != 1:
-        raise ValueError(f"--log-probs-chunk-size: the body of {type(model).__name__} ran {len(captured)} times "
-                         "in one forward; run without the flag")
+        raise ValueError(
+            f"--log-probs-chunk-size: the body of {type(model).__name__} ran {len(captured)} times "
+            "in one forward; run without the flag"
+        )
     return captured[0]
 
 
-def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                            targets: torch.Tensor, *, chunk_size: int, temperature: float,
-                            entropy: str | None = None, head_ids: torch.Tensor | None = None) -> TokenLogProbs:
+def chunked_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    temperature: float,
+    entropy: str | None = None,
+    head_ids: torch.Tensor | None = None,
+) -> TokenLogProbs:
     """Log-probs of ``targets`` under ``log_softmax((hidden @ weight.T + bias) / temperature)``, ``chunk_size``
     positions at a time (temperature <= 0: none, as the unchunked path). ``hidden`` [..., d], ``targets`` [...],
     ``head_ids`` [..., k]; results have the leading shape of ``targets``."""
@@ -85,10 +113,14 @@ def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
-    heads = (head_ids.reshape(flat_targets.numel(), -1) if head_ids is not None
-             else torch.zeros((flat_targets.numel(), 0), dtype=torch.long, device=flat_targets.device))
+    heads = (
+        head_ids.reshape(flat_targets.numel(), -1)
+        if head_ids is not None
+        else torch.zeros((flat_targets.numel(), 0), dtype=torch.long, device=flat_targets.device)
+    )
     log_probs, token_entropy, head_log_probs = _ChunkedLogSoftmax.apply(
-        flat_hidden, weight, bias, flat_targets, heads, chunk_size, float(temperature), entropy is not None)
+        flat_hidden, weight, bias, flat_targets, heads, chunk_size, float(temperature), entropy is not None
+    )
     out = TokenLogProbs(log_probs.reshape(shape))
     if entropy is not None:
         # 'metric' is reported, never differentiated: detached, as the unchunked path computes it without a graph.
@@ -98,8 +130,9 @@ def chunked_token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: to
     return out
 
 
-def _chunk_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       temperature: float) -> torch.Tensor:
+def _chunk_log_softmax(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     """One chunk's float32 log-softmax, in the unchunked path's order of operations (logits in the model's
     dtype, then the temperature, then float32), so that the two agree to the last bit where they can."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
@@ -145,8 +178,9 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         # Summed over chunks in float32 (as one matmul over all tokens would), cast once at the end.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        grad_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-                     if need_bias and bias is not None else None)
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias and bias is not None else None
+        )
         with_heads = grad_heads is not None and heads.shape[1] > 0
         n = targets.numel()
         for start in range(0, n, ctx.chunk_size):

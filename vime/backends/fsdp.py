@@ -40,7 +40,7 @@ import torch
 
 from vime.backends.data_parallel import DataParallel
 
-SHARDED_DIR = "sharded"              # the DCP checkpoint (every rank's shards and rank 0's metadata)
+SHARDED_DIR = "sharded"  # the DCP checkpoint (every rank's shards and rank 0's metadata)
 TRAINER_STATE_FILE = "trainer_state.pt"
 
 
@@ -65,7 +65,7 @@ class Sharding:
     def __init__(self, dp: DataParallel, *, bf16: bool):
         self.dp = dp
         self.bf16 = bf16
-        self.active = dp.size > 1   # one rank: nothing to shard (see the module's docstring)
+        self.active = dp.size > 1  # one rank: nothing to shard (see the module's docstring)
 
     # ------------------------------------------------------------------ wrapping
     def shard(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -132,13 +132,14 @@ class Sharding:
         if not write:
             return
         # A tied parameter once, under its first name (the other is tied again on load), as unsharded HF writes.
-        aliases = ({name for name, _ in model.named_parameters(remove_duplicate=False)}
-                   - {name for name, _ in model.named_parameters()})
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
+            name for name, _ in model.named_parameters()
+        }
         state = {name: value for name, value in state.items() if name not in aliases}
         if dtype is not None:
             state = {name: value.to(dtype) if value.is_floating_point() else value for name, value in state.items()}
         model.save_pretrained(path, state_dict=state, safe_serialization=True)
-        if dtype is not None:   # config.json names the parameters' dtype (float32 shards), not the files'
+        if dtype is not None:  # config.json names the parameters' dtype (float32 shards), not the files'
             model.config.dtype = dtype
             model.config.save_pretrained(path)
 
@@ -149,8 +150,9 @@ class Sharding:
         state = self.full_state_dict(model)
         if not state:
             return []
-        return [(name, state[name].to(dtype) if dtype is not None else state[name])
-                for name, _ in model.named_parameters()]
+        return [
+            (name, state[name].to(dtype) if dtype is not None else state[name]) for name, _ in model.named_parameters()
+        ]
 
     # ------------------------------------------------------------------ checkpoints
     @contextlib.contextmanager
@@ -160,6 +162,7 @@ class Sharding:
             if not self.active:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
             yield
+
     @staticmethod
     def _state_dicts(roles) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -189,8 +192,10 @@ class Sharding:
         with self._one_process(), self._masters_in_place(roles):
             dcp.save(self._state_dicts(roles), checkpoint_id=os.path.join(path, SHARDED_DIR), no_dist=not self.active)
         if write:
-            state = dict(trainer_state, rng={"python": random.getstate(), "numpy": np.random.get_state(),
-                                             "torch": torch.get_rng_state()})
+            state = dict(
+                trainer_state,
+                rng={"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            )
             torch.save(state, os.path.join(path, TRAINER_STATE_FILE))
 
     def load_checkpoint(self, path: str, roles) -> dict:
@@ -201,14 +206,20 @@ class Sharding:
 
         sharded = os.path.join(path, SHARDED_DIR)
         if not os.path.isdir(sharded):
-            raise ValueError(f"{path} holds no sharded checkpoint ({SHARDED_DIR}/): it was saved without "
-                             "--use-distributed-optimizer, which this run sets; resume it with the same setting")
+            raise ValueError(
+                f"{path} holds no sharded checkpoint ({SHARDED_DIR}/): it was saved without "
+                "--use-distributed-optimizer, which this run sets; resume it with the same setting"
+            )
         with self._one_process(), self._masters_in_place(roles):
-            state = self._state_dicts(roles)   # the layout to load into: this run's shards
+            state = self._state_dicts(roles)  # the layout to load into: this run's shards
             dcp.load(state, checkpoint_id=sharded, no_dist=not self.active)
             for role in roles:
-                set_state_dict(role.module, role.optimizer, model_state_dict=state[role.name]["model"],
-                               optim_state_dict=state[role.name]["optimizer"])
+                set_state_dict(
+                    role.module,
+                    role.optimizer,
+                    model_state_dict=state[role.name]["model"],
+                    optim_state_dict=state[role.name]["optimizer"],
+                )
         saved = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
         random.setstate(saved["rng"]["python"])
         np.random.set_state(saved["rng"]["numpy"])
@@ -226,6 +237,9 @@ def save_value_model(critic: torch.nn.Module, state: dict[str, torch.Tensor], pa
     os.makedirs(path, exist_ok=True)
     body = {name.removeprefix("body."): value for name, value in state.items() if name.startswith("body.")}
     critic.body.save_pretrained(os.path.join(path, "model"), state_dict=body, safe_serialization=True)
-    head = {name.removeprefix("value_head."): value.contiguous() for name, value in state.items()
-            if name.startswith("value_head.")}
+    head = {
+        name.removeprefix("value_head."): value.contiguous()
+        for name, value in state.items()
+        if name.startswith("value_head.")
+    }
     save_file(head, os.path.join(path, VALUE_HEAD_FILE))

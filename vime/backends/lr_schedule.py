@@ -74,11 +74,14 @@ class LRSchedule:
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:  # WSD: stable until the last wsd_decay_iters steps of the decay, then anneal
             anneal_start = self.decay_iters - self.wsd_decay_iters
-            coeff = 1.0 if step <= anneal_start else _anneal(self.wsd_decay_style,
-                                                             (step - anneal_start) / self.wsd_decay_iters)
+            coeff = (
+                1.0
+                if step <= anneal_start
+                else _anneal(self.wsd_decay_style, (step - anneal_start) / self.wsd_decay_iters)
+            )
         return self.min_lr + coeff * (self.lr - self.min_lr)
 
-    def for_role(self, role, source: str | None = None) -> "LRSchedule":
+    def for_role(self, role, source: str | None = None) -> LRSchedule:
         """This schedule for a role of ``--megatron-config-path`` (a ``vime.config.roles.RoleOverrides``).
 
         The role's ``lr`` scales the whole shape (``min_lr`` and ``lr_warmup_init`` proportionally);
@@ -99,11 +102,13 @@ class LRSchedule:
         if style == "WSD" and self.wsd_decay_iters is None:
             fail("lr_decay_style", "WSD needs --lr-wsd-decay-iters on the command line")
         if (style != "constant" or self.decay_iters is not None) and not warmup < (self.decay_iters or 0):
-            fail("lr_warmup_iters" if "lr_warmup_iters" in role.values else "lr_decay_style",
-                 f"the warmup ({warmup:g} steps) must end before the decay does (--lr-decay-iters "
-                 f"{self.decay_iters})")
-        return dataclasses.replace(self, lr=lr, min_lr=min_lr, warmup_init=self.warmup_init * scale,
-                                   warmup_iters=warmup, decay_style=style)
+            fail(
+                "lr_warmup_iters" if "lr_warmup_iters" in role.values else "lr_decay_style",
+                f"the warmup ({warmup:g} steps) must end before the decay does (--lr-decay-iters {self.decay_iters})",
+            )
+        return dataclasses.replace(
+            self, lr=lr, min_lr=min_lr, warmup_init=self.warmup_init * scale, warmup_iters=warmup, decay_style=style
+        )
 
 
 def _anneal(style: str, ratio: float) -> float:
@@ -112,12 +117,13 @@ def _anneal(style: str, ratio: float) -> float:
     if style == "cosine":
         return 0.5 * (math.cos(math.pi * ratio) + 1.0)
     if style == "exponential":
-        return 2.0 * 0.5 ** ratio - 1.0
+        return 2.0 * 0.5**ratio - 1.0
     return 1.0 - math.sqrt(ratio)  # minus_sqrt
 
 
-def optimizer_steps_per_rollout(samples: int, global_batch_size: int, micro_batch_size: int,
-                                dynamic: bool = False) -> int:
+def optimizer_steps_per_rollout(
+    samples: int, global_batch_size: int, micro_batch_size: int, dynamic: bool = False
+) -> int:
     """Optimizer steps of a full rollout, as the backends take them: one per ``global_batch_size //
     micro_batch_size`` micro-batches (at least one); with token budgets (``dynamic``), one per global batch."""
     if dynamic:
@@ -137,25 +143,44 @@ def schedule_from_flags(train, steps_per_rollout: int) -> LRSchedule:
         decay_iters = train.num_rollout * steps_per_rollout
     warmup = train.lr_warmup_iters if train.lr_warmup_fraction is None else train.lr_warmup_fraction * decay_iters
     if not warmup < decay_iters:
-        raise ConfigError("--lr-warmup-iters", f"{warmup:g} warmup steps do not end before the decay does: "
-                                               f"{decay_iters} steps (" + (
-                              f"--num-rollout {train.num_rollout} x {steps_per_rollout} optimizer steps per "
-                              "rollout, the default of --lr-decay-iters)" if default else "--lr-decay-iters)"))
+        raise ConfigError(
+            "--lr-warmup-iters",
+            f"{warmup:g} warmup steps do not end before the decay does: "
+            f"{decay_iters} steps ("
+            + (
+                f"--num-rollout {train.num_rollout} x {steps_per_rollout} optimizer steps per "
+                "rollout, the default of --lr-decay-iters)"
+                if default
+                else "--lr-decay-iters)"
+            ),
+        )
     if train.lr_decay_style == "WSD" and train.lr_wsd_decay_iters > decay_iters:
-        raise ConfigError("--lr-wsd-decay-iters", f"{train.lr_wsd_decay_iters} is more than the {decay_iters} "
-                                                  "decay steps (--lr-decay-iters)")
-    return LRSchedule(lr=train.lr, min_lr=train.min_lr, warmup_init=train.lr_warmup_init, warmup_iters=warmup,
-                      decay_iters=decay_iters, decay_style=train.lr_decay_style,
-                      wsd_decay_iters=train.lr_wsd_decay_iters, wsd_decay_style=train.lr_wsd_decay_style)
+        raise ConfigError(
+            "--lr-wsd-decay-iters",
+            f"{train.lr_wsd_decay_iters} is more than the {decay_iters} decay steps (--lr-decay-iters)",
+        )
+    return LRSchedule(
+        lr=train.lr,
+        min_lr=train.min_lr,
+        warmup_init=train.lr_warmup_init,
+        warmup_iters=warmup,
+        decay_iters=decay_iters,
+        decay_style=train.lr_decay_style,
+        wsd_decay_iters=train.lr_wsd_decay_iters,
+        wsd_decay_style=train.lr_wsd_decay_style,
+    )
 
 
 def lr_schedule_from_settings(settings) -> LRSchedule:
     """The command line's schedule for a ``vime train`` run (``vime.config.TrainSettings``); also builds
     each role's of ``--megatron-config-path``, so that every schedule error surfaces at start-up."""
     s = settings
-    steps = optimizer_steps_per_rollout(s.rollout.rollout_batch_size * s.rollout.n_samples_per_prompt,
-                                        s.global_batch_size, s.train.micro_batch_size,
-                                        dynamic=s.train.use_dynamic_batch_size)
+    steps = optimizer_steps_per_rollout(
+        s.rollout.rollout_batch_size * s.rollout.n_samples_per_prompt,
+        s.global_batch_size,
+        s.train.micro_batch_size,
+        dynamic=s.train.use_dynamic_batch_size,
+    )
     schedule = schedule_from_flags(s.train, steps)
     if s.algorithm.megatron_config_path is not None:
         roles = s.algorithm.role_config()

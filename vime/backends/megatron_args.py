@@ -29,20 +29,20 @@ class ModelArgs:
     """A decoder-only transformer, dense or mixture-of-experts, as megatron-core builds it (and as HF
     names it)."""
 
-    family: str                   # HF model_type: one of FAMILIES
+    family: str  # HF model_type: one of FAMILIES
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
     num_attention_heads: int
     num_query_groups: int
-    kv_channels: int              # head dimension
-    vocab_size: int               # unpadded (the HF vocabulary)
+    kv_channels: int  # head dimension
+    vocab_size: int  # unpadded (the HF vocabulary)
     norm_epsilon: float
     rotary_base: float
     add_qkv_bias: bool
     qk_layernorm: bool
     tie_embeddings: bool
-    rope_scaling_factor: float | None = None   # Llama 3.x scaling (low 1, high 4, original 8192)
+    rope_scaling_factor: float | None = None  # Llama 3.x scaling (low 1, high 4, original 8192)
     max_position_embeddings: int = 4096
     swiglu: bool = True
     normalization: str = "RMSNorm"
@@ -51,9 +51,9 @@ class ModelArgs:
     moe_router_topk: int = 0
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
-    moe_shared_expert_gate: bool = False      # Qwen2-MoE: sigmoid(x . w) scales the shared expert
-    moe_router_pre_softmax: bool = False      # top-k weights from the softmax over all experts (no renormalisation)
-    moe_layers: tuple[int, ...] = ()          # 0-based indices of the MoE layers; the others are dense
+    moe_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
+    moe_router_pre_softmax: bool = False  # top-k weights from the softmax over all experts (no renormalisation)
+    moe_layers: tuple[int, ...] = ()  # 0-based indices of the MoE layers; the others are dense
 
     @property
     def is_moe(self) -> bool:
@@ -87,13 +87,16 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     """The Megatron architecture of an HF Qwen2 / Qwen3 / Llama config; anything else is refused."""
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
-        raise ConfigError("--hf-checkpoint", f"model_type {family!r} is not supported by the Megatron backend "
-                                             f"(supported: {', '.join(FAMILIES)})")
+        raise ConfigError(
+            "--hf-checkpoint",
+            f"model_type {family!r} is not supported by the Megatron backend (supported: {', '.join(FAMILIES)})",
+        )
     if getattr(hf_config, "use_sliding_window", False):
         raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ConfigError("--hf-checkpoint", f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) MLPs "
-                                             "are supported")
+        raise ConfigError(
+            "--hf-checkpoint", f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) MLPs are supported"
+        )
     if getattr(hf_config, "mlp_bias", False):
         raise ConfigError("--hf-checkpoint", "MLP biases are not supported by the Megatron backend")
     heads = hf_config.num_attention_heads
@@ -105,9 +108,12 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         odd = {k: scaling.get(k) for k, v in expected.items() if float(scaling.get(k, v)) != v}
         if kind != "llama3" or odd:
-            raise ConfigError("--hf-checkpoint", f"RoPE scaling {scaling} is not supported: megatron-core implements "
-                                                 "Llama 3 scaling with low/high frequency factors 1/4 and an original "
-                                                 "context of 8192")
+            raise ConfigError(
+                "--hf-checkpoint",
+                f"RoPE scaling {scaling} is not supported: megatron-core implements "
+                "Llama 3 scaling with low/high frequency factors 1/4 and an original "
+                "context of 8192",
+            )
         factor = float(scaling["factor"])
     if family == "qwen2":
         qkv_bias = True
@@ -116,14 +122,23 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
     return ModelArgs(
-        family=family, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads, kv_channels=head_dim,
-        vocab_size=hf_config.vocab_size, norm_epsilon=float(hf_config.rms_norm_eps), rotary_base=theta,
-        add_qkv_bias=qkv_bias, qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=head_dim,
+        vocab_size=hf_config.vocab_size,
+        norm_epsilon=float(hf_config.rms_norm_eps),
+        rotary_base=theta,
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        rope_scaling_factor=factor, max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
-        **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}))
+        rope_scaling_factor=factor,
+        max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+        **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
+    )
 
 
 def _moe_from_hf(hf_config) -> dict:
@@ -134,23 +149,37 @@ def _moe_from_hf(hf_config) -> dict:
         if getattr(hf_config, "sliding_window", None):
             raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
         if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) > 0:
-            raise ConfigError("--hf-checkpoint", "Mixtral's router_jitter_noise > 0 is not supported (training "
-                                                 "would route differently from the engines)")
-        return dict(num_experts=hf_config.num_local_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                    moe_ffn_hidden_size=hf_config.intermediate_size, moe_router_pre_softmax=False,
-                    moe_layers=tuple(range(layers)))
+            raise ConfigError(
+                "--hf-checkpoint",
+                "Mixtral's router_jitter_noise > 0 is not supported (training "
+                "would route differently from the engines)",
+            )
+        return dict(
+            num_experts=hf_config.num_local_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.intermediate_size,
+            moe_router_pre_softmax=False,
+            moe_layers=tuple(range(layers)),
+        )
     # Qwen*-MoE: layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     if not moe_layers:
-        raise ConfigError("--hf-checkpoint", f"{family} config with no MoE layer (decoder_sparse_step {step}, "
-                                             f"mlp_only_layers {sorted(dense)})")
+        raise ConfigError(
+            "--hf-checkpoint",
+            f"{family} config with no MoE layer (decoder_sparse_step {step}, mlp_only_layers {sorted(dense)})",
+        )
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) if family == "qwen2_moe" else None
-    return dict(num_experts=hf_config.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
-                moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-                moe_shared_expert_intermediate_size=shared or None, moe_shared_expert_gate=bool(shared),
-                moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)), moe_layers=moe_layers)
+    return dict(
+        num_experts=hf_config.num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        moe_layers=moe_layers,
+    )
 
 
 def _flag(name: str) -> str:
@@ -164,18 +193,25 @@ def check_flags_against_hf(flags, hf_config) -> None:
     except ConfigError:
         # Not an architecture the Megatron backend builds (the torch backend trains any HF causal LM):
         # only the plain numbers can be compared. The Megatron backend refuses it when it starts.
-        _compare_numbers(flags, {
-            "num_layers": getattr(hf_config, "num_hidden_layers", None),
-            "hidden_size": getattr(hf_config, "hidden_size", None),
-            "ffn_hidden_size": getattr(hf_config, "intermediate_size", None),
-            "vocab_size": getattr(hf_config, "vocab_size", None),
-            "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
-            "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
-            "norm_epsilon": getattr(hf_config, "rms_norm_eps", None)})
+        _compare_numbers(
+            flags,
+            {
+                "num_layers": getattr(hf_config, "num_hidden_layers", None),
+                "hidden_size": getattr(hf_config, "hidden_size", None),
+                "ffn_hidden_size": getattr(hf_config, "intermediate_size", None),
+                "vocab_size": getattr(hf_config, "vocab_size", None),
+                "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
+                "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
+                "norm_epsilon": getattr(hf_config, "rms_norm_eps", None),
+            },
+        )
         if getattr(flags, "use_rollout_routing_replay", False):
             # The torch backend trains any HF model but cannot replay routes.
-            raise ConfigError("--use-rollout-routing-replay", "needs --train-backend megatron with a "
-                                                              f"mixture-of-experts model ({', '.join(MOE_FAMILIES)})")
+            families = ", ".join(MOE_FAMILIES)
+            raise ConfigError(
+                "--use-rollout-routing-replay",
+                f"needs --train-backend megatron with a mixture-of-experts model ({families})",
+            ) from None
         return
     resolve_model_args(flags, hf_config)
 
@@ -185,8 +221,11 @@ def _compare_numbers(flags, hf_values: dict) -> None:
         given = getattr(flags, name, None)
         if given is None or hf_value is None:
             continue
-        same = math.isclose(float(given), float(hf_value), rel_tol=1e-9) if isinstance(hf_value, float) \
+        same = (
+            math.isclose(float(given), float(hf_value), rel_tol=1e-9)
+            if isinstance(hf_value, float)
             else given == hf_value
+        )
         if not same:
             raise ConfigError(_flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({hf_value})")
 
@@ -194,35 +233,57 @@ def _compare_numbers(flags, hf_values: dict) -> None:
 def resolve_model_args(flags, hf_config) -> ModelArgs:
     """The architecture from the Megatron flags (``MegatronConfig``), completed and checked by config.json."""
     hf = model_args_from_hf(hf_config)
-    _compare_numbers(flags, {
-        "num_layers": hf.num_layers, "hidden_size": hf.hidden_size, "ffn_hidden_size": hf.ffn_hidden_size,
-        "vocab_size": hf.vocab_size, "num_attention_heads": hf.num_attention_heads,
-        "num_query_groups": hf.num_query_groups, "kv_channels": hf.kv_channels, "norm_epsilon": hf.norm_epsilon,
-        "rotary_base": hf.rotary_base, "rope_scaling_factor": hf.rope_scaling_factor})
+    _compare_numbers(
+        flags,
+        {
+            "num_layers": hf.num_layers,
+            "hidden_size": hf.hidden_size,
+            "ffn_hidden_size": hf.ffn_hidden_size,
+            "vocab_size": hf.vocab_size,
+            "num_attention_heads": hf.num_attention_heads,
+            "num_query_groups": hf.num_query_groups,
+            "kv_channels": hf.kv_channels,
+            "norm_epsilon": hf.norm_epsilon,
+            "rotary_base": hf.rotary_base,
+            "rope_scaling_factor": hf.rope_scaling_factor,
+        },
+    )
     if getattr(flags, "num_query_groups", None) is not None and not getattr(flags, "group_query_attention", True):
         raise ConfigError("--num-query-groups", "needs --group-query-attention")
     if getattr(flags, "group_query_attention", False) and hf.num_query_groups == hf.num_attention_heads:
-        raise ConfigError("--group-query-attention", f"config.json has as many key/value heads as heads "
-                                                     f"({hf.num_attention_heads}): not grouped-query attention")
+        raise ConfigError(
+            "--group-query-attention",
+            f"config.json has as many key/value heads as heads ({hf.num_attention_heads}): not grouped-query attention",
+        )
     switches = {
-        "qk_layernorm": hf.qk_layernorm, "add_qkv_bias": hf.add_qkv_bias, "swiglu": hf.swiglu,
+        "qk_layernorm": hf.qk_layernorm,
+        "add_qkv_bias": hf.add_qkv_bias,
+        "swiglu": hf.swiglu,
         "untie_embeddings_and_output_weights": not hf.tie_embeddings,
         "use_rope_scaling": hf.rope_scaling_factor is not None,
-        "use_rotary_position_embeddings": True, "disable_bias_linear": True,
+        "use_rotary_position_embeddings": True,
+        "disable_bias_linear": True,
     }
     for name, hf_value in switches.items():
         if getattr(flags, name, False) and not hf_value:
             raise ConfigError(_flag(name), f"is given but --hf-checkpoint's config.json ({hf.family}) says otherwise")
     normalization = getattr(flags, "normalization", None)
     if normalization is not None and normalization != hf.normalization:
-        raise ConfigError("--normalization", f"{normalization} disagrees with --hf-checkpoint's config.json "
-                                             f"({hf.normalization})")
+        raise ConfigError(
+            "--normalization", f"{normalization} disagrees with --hf-checkpoint's config.json ({hf.normalization})"
+        )
     _check_moe_flags(flags, hf)
     return hf
 
 
-MOE_MODEL_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                   "moe_router_pre_softmax", "moe_layer_freq")
+MOE_MODEL_FLAGS = (
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax",
+    "moe_layer_freq",
+)
 
 
 def parse_moe_layer_freq(text: str, num_layers: int | None = None) -> list[int] | int:
@@ -253,8 +314,10 @@ def parse_moe_layer_freq(text: str, num_layers: int | None = None) -> list[int] 
     except (SyntaxError, ValueError, TypeError):
         pattern = None
     if not isinstance(pattern, list) or not pattern or any(v not in (0, 1) for v in pattern):
-        raise ConfigError("--moe-layer-freq", f"{text!r}: expected an integer or a list of 0/1 per layer such as "
-                                              "'[1]*48' or '[0]+[1]*23'")
+        raise ConfigError(
+            "--moe-layer-freq",
+            f"{text!r}: expected an integer or a list of 0/1 per layer such as '[1]*48' or '[0]+[1]*23'",
+        )
     if num_layers is not None and len(pattern) != num_layers:
         raise ConfigError("--moe-layer-freq", f"{text!r} has {len(pattern)} entries for {num_layers} layers")
     return pattern
@@ -266,28 +329,47 @@ def _check_moe_flags(flags, hf: ModelArgs) -> None:
     if not hf.is_moe:
         given = [name for name in MOE_MODEL_FLAGS if getattr(flags, name, None) not in (None, False)]
         if given:
-            raise ConfigError(_flag(given[0]), f"is given but --hf-checkpoint's config.json ({hf.family}) is not a "
-                                               "mixture-of-experts model")
+            raise ConfigError(
+                _flag(given[0]),
+                f"is given but --hf-checkpoint's config.json ({hf.family}) is not a mixture-of-experts model",
+            )
         if replay:
-            raise ConfigError("--use-rollout-routing-replay", f"needs a mixture-of-experts model (--num-experts, "
-                                                              f"--moe-router-topk); --hf-checkpoint's config.json "
-                                                              f"({hf.family}) has no experts")
+            raise ConfigError(
+                "--use-rollout-routing-replay",
+                f"needs a mixture-of-experts model (--num-experts, "
+                f"--moe-router-topk); --hf-checkpoint's config.json "
+                f"({hf.family}) has no experts",
+            )
         return
-    _compare_numbers(flags, {
-        "num_experts": hf.num_experts, "moe_router_topk": hf.moe_router_topk,
-        "moe_ffn_hidden_size": hf.moe_ffn_hidden_size,
-        "moe_shared_expert_intermediate_size": hf.moe_shared_expert_intermediate_size})
-    if getattr(flags, "moe_shared_expert_intermediate_size", None) is not None \
-            and hf.moe_shared_expert_intermediate_size is None:
-        raise ConfigError("--moe-shared-expert-intermediate-size", f"is given but --hf-checkpoint's config.json "
-                                                                   f"({hf.family}) has no shared expert")
+    _compare_numbers(
+        flags,
+        {
+            "num_experts": hf.num_experts,
+            "moe_router_topk": hf.moe_router_topk,
+            "moe_ffn_hidden_size": hf.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": hf.moe_shared_expert_intermediate_size,
+        },
+    )
+    if (
+        getattr(flags, "moe_shared_expert_intermediate_size", None) is not None
+        and hf.moe_shared_expert_intermediate_size is None
+    ):
+        raise ConfigError(
+            "--moe-shared-expert-intermediate-size",
+            f"is given but --hf-checkpoint's config.json ({hf.family}) has no shared expert",
+        )
     if getattr(flags, "moe_router_pre_softmax", False) and not hf.moe_router_pre_softmax:
-        raise ConfigError("--moe-router-pre-softmax", f"is given but --hf-checkpoint's config.json ({hf.family}) "
-                                                      "renormalises the top-k weights (norm_topk_prob)")
+        raise ConfigError(
+            "--moe-router-pre-softmax",
+            f"is given but --hf-checkpoint's config.json ({hf.family}) renormalises the top-k weights (norm_topk_prob)",
+        )
     score = getattr(flags, "moe_router_score_function", None)
     if score is not None and score != "softmax":
         raise ConfigError("--moe-router-score-function", f"{score}: {hf.family} routes with a softmax")
     freq = getattr(flags, "moe_layer_freq", None)
     if freq is not None and parse_moe_layer_freq(freq, hf.num_layers) != hf.moe_layer_pattern():
-        raise ConfigError("--moe-layer-freq", f"{freq!r} disagrees with --hf-checkpoint's config.json (MoE layers "
-                                              f"{list(hf.moe_layers)} of {hf.num_layers})")
+        raise ConfigError(
+            "--moe-layer-freq",
+            f"{freq!r} disagrees with --hf-checkpoint's config.json (MoE layers "
+            f"{list(hf.moe_layers)} of {hf.num_layers})",
+        )

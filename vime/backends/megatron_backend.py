@@ -46,8 +46,7 @@ from vime.backends.megatron_model import MoeOptions, Parallelism
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
-from vime.config.roles import FLAG as ROLES_FLAG
-from vime.config.roles import TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
+from vime.config.roles import FLAG as ROLES_FLAG, TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
 from vime.rl.batch import Forward
 from vime.rl.losses import token_entropy
 from vime.sample import Sample
@@ -60,47 +59,67 @@ class MegatronBackendSpec:
     model: ModelArgs
     parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
     ckpt_format: str = "torch_dist"
-    ref_load: str | None = None             # Megatron checkpoint or HF folder: initial actor and KL reference
-    packing: str = "auto"                   # auto | thd | padded
+    ref_load: str | None = None  # Megatron checkpoint or HF folder: initial actor and KL reference
+    packing: str = "auto"  # auto | thd | padded
     vocab_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    recompute: dict | None = None           # TransformerConfig recompute_* fields
-    config_overrides: dict | None = None    # TransformerConfig fields from Megatron-LM flags (config.megatron_lm)
-    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)   # MoE training; routing_replay = R3
+    recompute: dict | None = None  # TransformerConfig recompute_* fields
+    config_overrides: dict | None = None  # TransformerConfig fields from Megatron-LM flags (config.megatron_lm)
+    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # MoE training; routing_replay = R3
     init_hook_path: str | None = None
     before_log_prob_hook_path: str | None = None
     before_train_step_hook_path: str | None = None
-    hook_args: argparse.Namespace | None = None   # what user hooks receive as ``args``
+    hook_args: argparse.Namespace | None = None  # what user hooks receive as ``args``
 
     @classmethod
-    def from_settings(cls, s) -> "MegatronBackendSpec":
+    def from_settings(cls, s) -> MegatronBackendSpec:
         from transformers import AutoConfig
 
         from vime.config.megatron_lm import transformer_overrides
 
         m = s.megatron
-        recompute = {k: v for k, v in (("recompute_granularity", m.recompute_granularity),
-                                       ("recompute_method", m.recompute_method),
-                                       ("recompute_num_layers", m.recompute_num_layers)) if v is not None}
+        recompute = {
+            k: v
+            for k, v in (
+                ("recompute_granularity", m.recompute_granularity),
+                ("recompute_method", m.recompute_method),
+                ("recompute_num_layers", m.recompute_num_layers),
+            )
+            if v is not None
+        }
         return cls(
             model=resolve_model_args(m, AutoConfig.from_pretrained(s.train.hf_checkpoint)),
-            parallel=Parallelism(tensor=m.tensor_model_parallel_size, pipeline=m.pipeline_model_parallel_size,
-                                 context=m.context_parallel_size, expert=m.expert_model_parallel_size,
-                                 expert_tensor=m.expert_tensor_parallel_size,
-                                 first_stage_layers=m.decoder_first_pipeline_num_layers,
-                                 last_stage_layers=m.decoder_last_pipeline_num_layers,
-                                 sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1),
-            ckpt_format=m.ckpt_format, ref_load=s.algorithm.ref_load, packing=m.megatron_packing,
-            vocab_divisible_by=m.make_vocab_size_divisible_by, attention_dropout=m.attention_dropout,
-            hidden_dropout=m.hidden_dropout, recompute=recompute or None,
+            parallel=Parallelism(
+                tensor=m.tensor_model_parallel_size,
+                pipeline=m.pipeline_model_parallel_size,
+                context=m.context_parallel_size,
+                expert=m.expert_model_parallel_size,
+                expert_tensor=m.expert_tensor_parallel_size,
+                first_stage_layers=m.decoder_first_pipeline_num_layers,
+                last_stage_layers=m.decoder_last_pipeline_num_layers,
+                sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
+            ),
+            ckpt_format=m.ckpt_format,
+            ref_load=s.algorithm.ref_load,
+            packing=m.megatron_packing,
+            vocab_divisible_by=m.make_vocab_size_divisible_by,
+            attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout,
+            recompute=recompute or None,
             config_overrides=transformer_overrides(s.megatron_lm) if s.megatron_lm.values else None,
-            moe=MoeOptions(load_balancing_type=m.moe_router_load_balancing_type, aux_loss_coeff=m.moe_aux_loss_coeff,
-                           token_dispatcher_type=m.moe_token_dispatcher_type, grouped_gemm=m.moe_grouped_gemm,
-                           routing_replay=m.use_rollout_routing_replay),
+            moe=MoeOptions(
+                load_balancing_type=m.moe_router_load_balancing_type,
+                aux_loss_coeff=m.moe_aux_loss_coeff,
+                token_dispatcher_type=m.moe_token_dispatcher_type,
+                grouped_gemm=m.moe_grouped_gemm,
+                routing_replay=m.use_rollout_routing_replay,
+            ),
             init_hook_path=m.custom_megatron_init_path,
             before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,
-            before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path, hook_args=s.args)
+            before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path,
+            hook_args=s.args,
+        )
 
 
 def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSpec) -> str:
@@ -127,8 +146,10 @@ class MegatronBackend(RolloutTraining):
         if spec.threads:
             torch.set_num_threads(spec.threads)
         if not mm.cuda_reachable():
-            raise RuntimeError("--train-backend megatron: megatron-core 0.16 needs CUDA for its forward pass and "
-                               "torch.cuda is not available here; use --train-backend torch on CPU")
+            raise RuntimeError(
+                "--train-backend megatron: megatron-core 0.16 needs CUDA for its forward pass and "
+                "torch.cuda is not available here; use --train-backend torch on CPU"
+            )
         seed_everything(spec.seed)
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
@@ -147,15 +168,19 @@ class MegatronBackend(RolloutTraining):
             # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
             self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
         if megatron.moe.routing_replay and not megatron.model.is_moe:
-            raise ValueError(f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
-                             "has no experts)")
+            raise ValueError(
+                f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
+                "has no experts)"
+            )
         self.routing_replay = megatron.moe.routing_replay
         self._routes: dict[tuple[int, ...], torch.Tensor] = {}
         self.user_args = megatron.hook_args if megatron.hook_args is not None else argparse.Namespace()
-        self.log_prob_hook = self._hook("--custom-megatron-before-log-prob-hook-path",
-                                        megatron.before_log_prob_hook_path, load_megatron_hook)
-        self.train_step_hook = self._hook("--custom-megatron-before-train-step-hook-path",
-                                          megatron.before_train_step_hook_path, load_megatron_hook)
+        self.log_prob_hook = self._hook(
+            "--custom-megatron-before-log-prob-hook-path", megatron.before_log_prob_hook_path, load_megatron_hook
+        )
+        self.train_step_hook = self._hook(
+            "--custom-megatron-before-train-step-hook-path", megatron.before_train_step_hook_path, load_megatron_hook
+        )
         init_hook = self._hook("--custom-megatron-init-path", megatron.init_hook_path, load_megatron_hook)
         if init_hook is not None:
             init_hook(self.user_args)
@@ -182,7 +207,7 @@ class MegatronBackend(RolloutTraining):
             self.critic = self._build_critic(roles.role("critic"), roles.source, source)
         self.expert_param_ids = self._routed_expert_param_ids()  # reduced over their own groups (EP)
         self.tp_partial_param_ids = self._tensor_parallel_partial_param_ids()
-        self.rollouts_trained = 0   # the rollout id the train-step hook receives; checkpointed
+        self.rollouts_trained = 0  # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
         self.ref_gpt, self.ref_model = None, None
         if algo.needs_reference_model:
@@ -195,9 +220,7 @@ class MegatronBackend(RolloutTraining):
     @staticmethod
     def _pipeline(megatron: MegatronBackendSpec):
         """This rank's pipeline stage (None without pipeline parallelism)."""
-        from vime.backends.megatron_pipeline import Pipeline
-
-        from vime.backends.megatron_pipeline import check_stage_layers
+        from vime.backends.megatron_pipeline import Pipeline, check_stage_layers
 
         if megatron.parallel.pipeline == 1:
             return None
@@ -213,16 +236,25 @@ class MegatronBackend(RolloutTraining):
         if parallel.context == 1:
             return None
         if megatron.packing == "thd":
-            raise ValueError(f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
-                             "use --megatron-packing padded (or auto)")
+            raise ValueError(
+                f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
+                "use --megatron-packing padded (or auto)"
+            )
         return ContextSplit.from_megatron()
 
     def _language_model(self, gpt, vocab_size: int):
         from vime.backends.megatron_model import MegatronLM
 
         m = self.megatron
-        return MegatronLM(gpt, vocab_size, self.packing, m.parallel.sequence_parallel, model_args=m.model,
-                          pipeline=self.pipeline, context=self.context)
+        return MegatronLM(
+            gpt,
+            vocab_size,
+            self.packing,
+            m.parallel.sequence_parallel,
+            model_args=m.model,
+            pipeline=self.pipeline,
+            context=self.context,
+        )
 
     @staticmethod
     def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
@@ -231,8 +263,10 @@ class MegatronBackend(RolloutTraining):
         if not megatron.model.is_moe or megatron.parallel.tensor == 1:
             return
         if not megatron.parallel.sequence_parallel:
-            raise ValueError("--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
-                             f"{megatron.parallel.tensor} only under sequence parallelism")
+            raise ValueError(
+                "--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
+                f"{megatron.parallel.tensor} only under sequence parallelism"
+            )
 
     @staticmethod
     def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
@@ -244,11 +278,14 @@ class MegatronBackend(RolloutTraining):
         if model.num_experts % ep:
             raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
         if model.moe_ffn_hidden_size % etp:
-            raise ValueError(f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
-                             f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)")
+            raise ValueError(
+                f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
+                f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)"
+            )
         if megatron.ckpt_format != "torch_dist":
-            raise ValueError("--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use "
-                             "torch_dist")
+            raise ValueError(
+                "--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use torch_dist"
+            )
 
     @staticmethod
     def _hook(flag: str, path: str | None, loader):
@@ -257,8 +294,9 @@ class MegatronBackend(RolloutTraining):
     @staticmethod
     def _packing(requested: str, te: bool) -> str:
         if requested == "thd" and not te:
-            raise ValueError("--megatron-packing thd needs Transformer Engine on CUDA (varlen attention); "
-                             "use 'padded' or 'auto'")
+            raise ValueError(
+                "--megatron-packing thd needs Transformer Engine on CUDA (varlen attention); use 'padded' or 'auto'"
+            )
         if requested == "auto":
             return "thd" if te else "padded"
         return requested
@@ -270,20 +308,31 @@ class MegatronBackend(RolloutTraining):
         for name, role in roles.roles.items():
             for key in role.values:
                 if key not in TORCH_ROLE_KEYS[name]:
-                    raise ConfigError(ROLES_FLAG, f"{roles.source or '<yaml>'}: {role.field(key)}: the Megatron "
-                                                  f"backend does not support this override for the {name}; it "
-                                                  f"honours {', '.join(TORCH_ROLE_KEYS[name])}")
+                    raise ConfigError(
+                        ROLES_FLAG,
+                        f"{roles.source or '<yaml>'}: {role.field(key)}: the Megatron "
+                        f"backend does not support this override for the {name}; it "
+                        f"honours {', '.join(TORCH_ROLE_KEYS[name])}",
+                    )
 
     def _build_critic(self, role: RoleOverrides, yaml: str | None, actor_source: str) -> ModelRole:
         """PPO's critic: the actor's architecture with a value head, its body from the critic role's ``load``
         or else from the actor's initial weights (as the torch backend's critic)."""
-        from vime.backends import megatron_model as mm
 
         m = self.megatron
         self.critic_gpt = megatron_critic.build_value_gpt(
-            m.model, m.parallel, seed=self.spec.seed, vocab_divisible_by=m.vocab_divisible_by,
-            use_te=self.packing == "thd", attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
-            recompute=m.recompute, initialize=False, moe=m.moe, overrides=m.config_overrides)
+            m.model,
+            m.parallel,
+            seed=self.spec.seed,
+            vocab_divisible_by=m.vocab_divisible_by,
+            use_te=self.packing == "thd",
+            attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout,
+            recompute=m.recompute,
+            initialize=False,
+            moe=m.moe,
+            overrides=m.config_overrides,
+        )
         if role.load is not None:
             megatron_critic.load_initial(self.critic_gpt, role.load, m.model, field=role.field("load"), yaml=yaml)
         else:
@@ -295,15 +344,22 @@ class MegatronBackend(RolloutTraining):
         return make_role("critic", self.critic_gpt, self.spec, role, yaml)
 
     def _build_and_load(self, source: str):
-        from vime.backends import megatron_checkpoint as mc
-        from vime.backends import megatron_model as mm
+        from vime.backends import megatron_checkpoint as mc, megatron_model as mm
         from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict
 
         m = self.megatron
-        gpt = mm.build_gpt_model(m.model, m.parallel, vocab_divisible_by=m.vocab_divisible_by,
-                                 use_te=self.packing == "thd", attention_dropout=m.attention_dropout,
-                                 hidden_dropout=m.hidden_dropout, recompute=m.recompute, initialize=False,
-                                 moe=m.moe, overrides=m.config_overrides)
+        gpt = mm.build_gpt_model(
+            m.model,
+            m.parallel,
+            vocab_divisible_by=m.vocab_divisible_by,
+            use_te=self.packing == "thd",
+            attention_dropout=m.attention_dropout,
+            hidden_dropout=m.hidden_dropout,
+            recompute=m.recompute,
+            initialize=False,
+            moe=m.moe,
+            overrides=m.config_overrides,
+        )
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
         else:
@@ -316,8 +372,7 @@ class MegatronBackend(RolloutTraining):
         results come back to the CPU (differentiably), where the shared objective runs."""
         if model is self.ref_model and self._log_prob_hook_due is not None:
             self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
-        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       routes=self._batch_routes(batch))
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, routes=self._batch_routes(batch))
 
         def per_token(logits: torch.Tensor) -> list[torch.Tensor]:
             logits = logits[:, :-1]
@@ -382,16 +437,20 @@ class MegatronBackend(RolloutTraining):
             return
         for sample in samples:
             if sample.rollout_routed_experts is None:
-                raise ValueError(f"--use-rollout-routing-replay: sample {sample.index} of group {sample.group_index} "
-                                 "has no rollout_routed_experts (the engines must run with vLLM's "
-                                 "--enable-return-routed-experts and the rollout must record them, see "
-                                 "vime.rollout.routing)")
+                raise ValueError(
+                    f"--use-rollout-routing-replay: sample {sample.index} of group {sample.group_index} "
+                    "has no rollout_routed_experts (the engines must run with vLLM's "
+                    "--enable-return-routed-experts and the rollout must record them, see "
+                    "vime.rollout.routing)"
+                )
             try:
-                self._routes[tuple(sample.tokens)] = sample_routes(sample.rollout_routed_experts, len(sample.tokens),
-                                                                   self.megatron.model)
+                self._routes[tuple(sample.tokens)] = sample_routes(
+                    sample.rollout_routed_experts, len(sample.tokens), self.megatron.model
+                )
             except ValueError as error:
-                raise ValueError(f"--use-rollout-routing-replay: sample {sample.index} of group "
-                                 f"{sample.group_index}: {error}") from None
+                raise ValueError(
+                    f"--use-rollout-routing-replay: sample {sample.index} of group {sample.group_index}: {error}"
+                ) from None
 
     def _log_probs(self, batch) -> torch.Tensor:
         """The actor's (old policy) log-probs; the before-log-prob hook runs once per rollout first."""
@@ -426,15 +485,20 @@ class MegatronBackend(RolloutTraining):
             return
         spec = self.spec  # start-up validation refuses these too (vime.config.check_trainer_parallelism)
         if getattr(spec, "use_dynamic_batch_size", False) or getattr(spec, "balance_data", False):
-            raise ValueError("--use-dynamic-batch-size and --balance-data cannot run with expert parallelism yet: "
-                             "its ranks need the same number of micro-batches in every step")
+            raise ValueError(
+                "--use-dynamic-batch-size and --balance-data cannot run with expert parallelism yet: "
+                "its ranks need the same number of micro-batches in every step"
+            )
         size, replicas = self.spec.micro_batch_size, self.dp.size
         per_step = max(1, self.spec.global_batch_size // size)
         micro_batches = -(-len(samples) // size)
         if micro_batches % replicas or per_step % replicas or micro_batches % per_step:
-            raise ValueError(f"--expert-model-parallel-size: {len(samples)} samples make {micro_batches} micro-batch(es) "
-                             f"of --micro-batch-size {size}, in optimizer steps of {per_step}; both must be multiples "
-                             f"of the {replicas} data-parallel ranks (and the rollout a whole number of steps)")
+            raise ValueError(
+                f"--expert-model-parallel-size: {len(samples)} samples make {micro_batches} "
+                f"micro-batch(es) of --micro-batch-size {size}, in optimizer steps of {per_step}; both "
+                f"must be multiples of the {replicas} data-parallel ranks (and the rollout a whole "
+                "number of steps)"
+            )
 
     def micro_batch_tokens(self, per_gpu: int) -> int:
         """Context-parallel ranks each hold 1/N of every sequence: a micro-batch holds N x the per-GPU budget."""
@@ -459,8 +523,13 @@ class MegatronBackend(RolloutTraining):
 
     def _param_ids(self, keep) -> set[int]:
         """ids of the actor's and critic's parameters for which ``keep(name, param)`` holds."""
-        return {id(p) for gpt in (self.gpt, self.critic_gpt) if gpt is not None
-                for name, p in gpt.named_parameters() if keep(name, p)}
+        return {
+            id(p)
+            for gpt in (self.gpt, self.critic_gpt)
+            if gpt is not None
+            for name, p in gpt.named_parameters()
+            if keep(name, p)
+        }
 
     def _routed_expert_param_ids(self) -> set[int]:
         """ids of the routed experts' parameters."""
@@ -472,8 +541,9 @@ class MegatronBackend(RolloutTraining):
         """ids of the replicated parameters whose gradient each tensor-parallel rank computes only in part, to be
         summed over the TP group: the norms sequence parallelism feeds a slice of the sequence, and the query and
         key norms (--qk-layernorm), shared by every head while each rank holds some of the heads."""
-        return self._param_ids(lambda name, p: getattr(p, "sequence_parallel", False)
-                               or ".q_layernorm." in name or ".k_layernorm." in name)
+        return self._param_ids(
+            lambda name, p: getattr(p, "sequence_parallel", False) or ".q_layernorm." in name or ".k_layernorm." in name
+        )
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' and context-parallel ranks' gradients add up; under expert parallelism an expert's only over
@@ -543,8 +613,11 @@ class MegatronBackend(RolloutTraining):
 
         from vime.backends.megatron_model import gather_canonical
 
-        if (ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_and_model_parallel_world_size() > 1
-                or self.pipeline is not None):
+        if (
+            ps.get_tensor_model_parallel_world_size() > 1
+            or ps.get_expert_tensor_and_model_parallel_world_size() > 1
+            or self.pipeline is not None
+        ):
             gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -578,26 +651,41 @@ class MegatronBackend(RolloutTraining):
 
     def checkpoint_args(self) -> dict:
         p = self.megatron.parallel
-        return {**self.megatron.model.to_dict(), "tensor_model_parallel_size": p.tensor,
-                "pipeline_model_parallel_size": p.pipeline, "context_parallel_size": p.context,
-                "make_vocab_size_divisible_by": self.megatron.vocab_divisible_by,
-                "padded_vocab_size": self.megatron.model.padded_vocab_size(self.megatron.vocab_divisible_by, p.tensor)}
+        return {
+            **self.megatron.model.to_dict(),
+            "tensor_model_parallel_size": p.tensor,
+            "pipeline_model_parallel_size": p.pipeline,
+            "context_parallel_size": p.context,
+            "make_vocab_size_divisible_by": self.megatron.vocab_divisible_by,
+            "padded_vocab_size": self.megatron.model.padded_vocab_size(self.megatron.vocab_divisible_by, p.tensor),
+        }
 
     def save_training_state(self, path: str) -> None:
         """The Megatron checkpoint (--ckpt-format) of model, optimizer and RNG, written straight into ``path``
         (vime's iter_XXXXXXX/ folder)."""
         from vime.backends import megatron_checkpoint as mc
 
-        mc.save(path, self.gpt, self.optimizer, fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained,
-                args=self.checkpoint_args(), extra={"optimizer_steps": self.actor.optimizer_steps})
+        mc.save(
+            path,
+            self.gpt,
+            self.optimizer,
+            fmt=self.megatron.ckpt_format,
+            iteration=self.rollouts_trained,
+            args=self.checkpoint_args(),
+            extra={"optimizer_steps": self.actor.optimizer_steps},
+        )
         if self.critic is not None:
             self._save_critic(os.path.join(path, megatron_critic.CHECKPOINT_DIR))
             if self.critic_save:
                 self._export_critic()
 
     def _critic_checkpoint(self) -> dict:
-        return dict(fmt=self.megatron.ckpt_format, iteration=self.rollouts_trained, args=self.checkpoint_args(),
-                    optimizer_steps=self.critic.optimizer_steps)
+        return dict(
+            fmt=self.megatron.ckpt_format,
+            iteration=self.rollouts_trained,
+            args=self.checkpoint_args(),
+            optimizer_steps=self.critic.optimizer_steps,
+        )
 
     def _save_critic(self, folder: str) -> None:
         megatron_critic.save(folder, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
@@ -615,8 +703,10 @@ class MegatronBackend(RolloutTraining):
         if self.critic is not None:
             critic = os.path.join(folder, megatron_critic.CHECKPOINT_DIR)
             if not megatron_critic.is_critic_checkpoint(critic):
-                raise ValueError(f"{folder} holds no critic state (it was saved by a run without "
-                                 "--advantage-estimator ppo); a PPO run cannot resume from it")
+                raise ValueError(
+                    f"{folder} holds no critic state (it was saved by a run without "
+                    "--advantage-estimator ppo); a PPO run cannot resume from it"
+                )
             self.critic.restore_steps(self._saved_steps(mc.load(critic, self.critic_gpt, self.critic.optimizer)))
 
     @staticmethod
@@ -625,4 +715,3 @@ class MegatronBackend(RolloutTraining):
         vime = common.get("vime") or {}
         steps = vime.get("optimizer_steps", vime.get("optimizer_step"))
         return None if steps is None else int(steps)
-

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from vime.backends.megatron_convert import from_te_names, to_te_names
+from vime.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 FORMATS = ("torch", "torch_dist")
 
 
-class MegatronCheckpointError(ValueError):
+class MegatronCheckpointError(UserError, ValueError):
     pass
 
 
@@ -77,8 +78,7 @@ def checkpoint_format(folder: str) -> str | None:
     names = os.listdir(folder)
     if "metadata.json" in names and any(n.endswith(".distcp") for n in names):
         return "torch_dist"
-    if any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(folder, n, "model_optim_rng.pt"))
-           for n in names):
+    if any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(folder, n, "model_optim_rng.pt")) for n in names):
         return "torch"
     return None
 
@@ -151,8 +151,12 @@ def _ranks() -> tuple[int, int, int, int]:
     """(tensor rank, tensor size, pipeline rank, data rank); context-parallel ranks are replicas too."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True))
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+    )
 
 
 def _rank_folder(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -174,8 +178,16 @@ def barrier() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def save(folder: str, model, optimizer: torch.optim.Optimizer | None, *, fmt: str, iteration: int,
-         args: dict, extra: dict | None = None) -> None:
+def save(
+    folder: str,
+    model,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    fmt: str,
+    iteration: int,
+    args: dict,
+    extra: dict | None = None,
+) -> None:
     """Write ``model`` (and ``optimizer`` when it has state) into the step folder ``folder``, which may
     already exist. Every rank calls it."""
     if fmt not in FORMATS:
@@ -183,9 +195,16 @@ def save(folder: str, model, optimizer: torch.optim.Optimizer | None, *, fmt: st
     os.makedirs(folder, exist_ok=True)
     barrier()
     with_optimizer = _has_state(optimizer)
-    common = {"iteration": iteration, "args": args, "checkpoint_version": CHECKPOINT_VERSION,
-              "vime": {**(extra or {}), "has_optimizer": with_optimizer,
-                       "optimizer_step": _optimizer_step(optimizer) if with_optimizer else 0.0}}
+    common = {
+        "iteration": iteration,
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "vime": {
+            **(extra or {}),
+            "has_optimizer": with_optimizer,
+            "optimizer_step": _optimizer_step(optimizer) if with_optimizer else 0.0,
+        },
+    }
     if fmt == "torch":
         _save_torch(folder, model, optimizer if with_optimizer else None, common)
     else:
@@ -201,9 +220,12 @@ def _save_torch(folder: str, model, optimizer, common: dict) -> None:
         return
     sub = os.path.join(folder, _rank_folder(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
     os.makedirs(sub, exist_ok=True)
-    state = {**common, "model": {k: v for k, v in from_te_names(model.state_dict()).items()
-                                 if not k.endswith("_extra_state")},
-             "optimizer": optimizer.state_dict() if optimizer is not None else None, "rng_state": [rng_state()]}
+    state = {
+        **common,
+        "model": {k: v for k, v in from_te_names(model.state_dict()).items() if not k.endswith("_extra_state")},
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "rng_state": [rng_state()],
+    }
     tmp = os.path.join(sub, "model_optim_rng.pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, os.path.join(sub, "model_optim_rng.pt"))
@@ -211,12 +233,12 @@ def _save_torch(folder: str, model, optimizer, common: dict) -> None:
 
 def _sharded_optimizer_state(model_sharded: dict, optimizer) -> dict:
     from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
     )
 
     state = optimizer.state_dict()
-    id_map = get_param_id_to_sharded_param_map(model_sharded, [p for g in optimizer.param_groups
-                                                               for p in g["params"]])
+    id_map = get_param_id_to_sharded_param_map(model_sharded, [p for g in optimizer.param_groups for p in g["params"]])
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
     return state
 
@@ -234,8 +256,14 @@ def _save_torch_dist(folder: str, model, optimizer, common: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load(folder: str, model, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = False,
-         skip: tuple[str, ...] = ()) -> dict:
+def load(
+    folder: str,
+    model,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = False,
+    skip: tuple[str, ...] = (),
+) -> dict:
     """Load a step folder (either format) into ``model`` and, when the checkpoint has one and
     ``optimizer`` is given, the optimizer; returns the checkpoint's common part (iteration, args, vime).
 
@@ -258,8 +286,9 @@ def read_common(folder: str) -> dict:
     if fmt == "torch":
         rank = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))[0]
         # mmap: the tensors are not read, only the small entries picked below.
-        state = torch.load(os.path.join(folder, rank, "model_optim_rng.pt"), map_location="cpu", mmap=True,
-                           weights_only=False)
+        state = torch.load(
+            os.path.join(folder, rank, "model_optim_rng.pt"), map_location="cpu", mmap=True, weights_only=False
+        )
     else:
         from megatron.core import dist_checkpointing
 
@@ -284,8 +313,9 @@ def _load_model_state(model, state: dict, skip: tuple[str, ...] = ()) -> None:
     missing = [n for n in params if n not in state]
     unused = [n for n in state if n not in params and not n.endswith("_extra_state")]
     if missing or unused:
-        raise MegatronCheckpointError(f"checkpoint does not fit the model: missing {missing[:6]}, "
-                                      f"unexpected {unused[:6]}")
+        raise MegatronCheckpointError(
+            f"checkpoint does not fit the model: missing {missing[:6]}, unexpected {unused[:6]}"
+        )
     with torch.no_grad():
         for name, param in params.items():
             value = state[name]
@@ -294,9 +324,11 @@ def _load_model_state(model, state: dict, skip: tuple[str, ...] = ()) -> None:
                 rows = min(value.shape[0], param.shape[0])
                 value = torch.cat([value[:rows], value.new_zeros(param.shape[0] - rows, *param.shape[1:])])
             if value.shape != param.shape:
-                raise MegatronCheckpointError(f"{name}: checkpoint shape {tuple(value.shape)}, model "
-                                              f"{tuple(param.shape)} (a 'torch' checkpoint loads only with the "
-                                              "tensor parallelism it was saved with; use --ckpt-format torch_dist)")
+                raise MegatronCheckpointError(
+                    f"{name}: checkpoint shape {tuple(value.shape)}, model "
+                    f"{tuple(param.shape)} (a 'torch' checkpoint loads only with the "
+                    "tensor parallelism it was saved with; use --ckpt-format torch_dist)"
+                )
             param.copy_(value.to(param.device, param.dtype))
 
 
@@ -305,14 +337,16 @@ def _load_torch(folder: str, model, optimizer, restore_rng: bool, skip: tuple[st
 
     tp_rank, tp_size, pp_rank, _ = _ranks()
     ranks = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))
-    path = os.path.join(folder, _rank_folder(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()),
-                        "model_optim_rng.pt")
+    path = os.path.join(
+        folder, _rank_folder(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()), "model_optim_rng.pt"
+    )
     if len(ranks) != tp_size * ps.get_pipeline_model_parallel_world_size() or not os.path.isfile(path):
         raise MegatronCheckpointError(
             f"{folder} is a 'torch' checkpoint of {len(ranks)} model-parallel rank(s) ({', '.join(ranks)}); this run "
             f"has tensor x pipeline parallelism {tp_size} x {ps.get_pipeline_model_parallel_world_size()}. The "
             "'torch' format loads only with the parallelism it was saved with: convert it, or save with "
-            "--ckpt-format torch_dist")
+            "--ckpt-format torch_dist"
+        )
     state = torch.load(path, map_location="cpu", weights_only=False)
     _load_model_state(model, state["model"], skip)
     if optimizer is not None and state.get("optimizer") is not None:
@@ -337,8 +371,9 @@ def _load_torch_dist(folder: str, model, optimizer, restore_rng: bool, skip: tup
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [n for n in missing if not n.endswith("_extra_state") and not _skipped(n, skip)]
     if missing or unexpected:
-        raise MegatronCheckpointError(f"{folder} does not fit the model: missing {missing[:6]}, "
-                                      f"unexpected {unexpected[:6]}")
+        raise MegatronCheckpointError(
+            f"{folder} does not fit the model: missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
     if with_optimizer:
         state = loaded["optimizer"]
         step = torch.tensor(float(vime.get("optimizer_step", 0.0)))

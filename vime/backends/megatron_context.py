@@ -35,7 +35,7 @@ class ContextSplit:
         self.group, self.rank, self.size = group, rank, size
 
     @classmethod
-    def from_megatron(cls) -> "ContextSplit | None":
+    def from_megatron(cls) -> ContextSplit | None:
         """The context-parallel group megatron-core set up (None without context parallelism)."""
         from megatron.core import parallel_state as ps
 
@@ -57,8 +57,9 @@ class ContextSplit:
         if chunk * self.multiple != length:
             raise ValueError(f"a sequence of {length} positions does not split into {self.multiple} chunks")
         first, second = rank * chunk, (self.multiple - 1 - rank) * chunk
-        return torch.cat([torch.arange(first, first + chunk, device=device),
-                          torch.arange(second, second + chunk, device=device)])
+        return torch.cat(
+            [torch.arange(first, first + chunk, device=device), torch.arange(second, second + chunk, device=device)]
+        )
 
     def gathered_positions(self, length: int, device=None) -> torch.Tensor:
         """The positions of a gathered sequence, in the order :meth:`gather` puts them (rank by rank)."""
@@ -114,11 +115,13 @@ class ContextParallelAttention(_dot_product_attention()):
         super().__init__(local, *args, **kwargs)
         self.context = ContextSplit.from_megatron()
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None:
-            raise ValueError("--context-parallel-size: packed (thd) sequences are not supported; use "
-                             "--megatron-packing padded")
+            raise ValueError(
+                "--context-parallel-size: packed (thd) sequences are not supported; use --megatron-packing padded"
+            )
         key = self.context.gather(key, 0, sum_gradients=True)
         value = self.context.gather(value, 0, sum_gradients=True)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)

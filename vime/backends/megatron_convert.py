@@ -51,7 +51,8 @@ _TE_NAMES = {
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SEQUENTIAL_EXPERT = re.compile(
-    r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+    r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"
+)
 _GROUPED_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
 
 
@@ -88,8 +89,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: ModelArgs)
     groups, d = args.num_query_groups, args.kv_channels
     per_group = args.num_attention_heads // groups
     tail = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail),
-                       v.reshape(groups, d, *tail)], dim=1)
+    fused = torch.cat(
+        [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1
+    )
     return fused.reshape(groups * (per_group + 2) * d, *tail)
 
 
@@ -99,8 +101,11 @@ def split_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch
     tail = fused.shape[1:]
     grouped = fused.reshape(groups, (per_group + 2) * d, *tail)
     q, k, v = grouped.split([per_group * d, d, d], dim=1)
-    return (q.reshape(groups * per_group * d, *tail).contiguous(), k.reshape(groups * d, *tail).contiguous(),
-            v.reshape(groups * d, *tail).contiguous())
+    return (
+        q.reshape(groups * per_group * d, *tail).contiguous(),
+        k.reshape(groups * d, *tail).contiguous(),
+        v.reshape(groups * d, *tail).contiguous(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- MLPs
@@ -108,8 +113,10 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
     """(Megatron suffix after ``decoder.layers.N.``, HF name after ``model.layers.N.``) of one layer's MLP;
     a fused ``linear_fc1`` maps to the HF (gate, up) pair."""
     if not args.is_moe or layer not in args.moe_layers:
-        return [("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-                ("mlp.linear_fc2.weight", "mlp.down_proj.weight")]
+        return [
+            ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+            ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+        ]
     if args.family == "mixtral":
         block, gate, up, down = "block_sparse_moe.", "w1", "w3", "w2"
     else:
@@ -117,13 +124,18 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
     names: list[tuple[str, str | tuple[str, str]]] = [("mlp.router.weight", block + "gate.weight")]
     for e in range(args.num_experts):
         expert = f"{block}experts.{e}."
-        names.append((f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                      (f"{expert}{gate}.weight", f"{expert}{up}.weight")))
+        names.append(
+            (f"mlp.experts.local_experts.{e}.linear_fc1.weight", (f"{expert}{gate}.weight", f"{expert}{up}.weight"))
+        )
         names.append((f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"{expert}{down}.weight"))
     if args.moe_shared_expert_intermediate_size:
-        names += [("mlp.shared_experts.linear_fc1.weight",
-                   ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
-                  ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight")]
+        names += [
+            (
+                "mlp.shared_experts.linear_fc1.weight",
+                ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+            ),
+            ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
+        ]
         if args.moe_shared_expert_gate:
             names.append(("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"))
     return names
@@ -146,10 +158,12 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         attn = p + "self_attn."
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args)
+            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args
+        )
         if args.add_qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), args)
+                take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), args
+            )
         if args.qk_layernorm:
             out[m + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
@@ -176,7 +190,7 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
     """(HF name, tensor) of a canonical Megatron state dict, in HF's order; a tied lm_head is left out
     (as HF's save_pretrained does)."""
     mcore = from_te_names(mcore)
-    yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"][:args.vocab_size]
+    yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"][: args.vocab_size]
     for i in range(args.num_layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = p + "self_attn."
@@ -204,7 +218,7 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
                 yield p + hf_name, mcore[m + suffix]
     yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
     if not args.tie_embeddings:
-        yield "lm_head.weight", mcore["output_layer.weight"][:args.vocab_size]
+        yield "lm_head.weight", mcore["output_layer.weight"][: args.vocab_size]
 
 
 def mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -212,9 +226,14 @@ def mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
 
 
 # ---------------------------------------------------------------------------------------------- TP shards
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "linear_fc1.weight",
-           "embedding.word_embeddings.weight", "output_layer.weight")
-_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")   # linear_fc*: dense, expert and shared MLPs
+_COLUMN = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "linear_fc1.weight",
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+)
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")  # linear_fc*: dense, expert and shared MLPs
 
 
 def merge_tp_shards(shards: list[dict[str, torch.Tensor]], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -235,7 +254,7 @@ def merge_tp_shards(shards: list[dict[str, torch.Tensor]], args: ModelArgs) -> d
         else:
             value = parts[0]
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            value = value[:args.vocab_size]
+            value = value[: args.vocab_size]
         out[name] = value
     return out
 
@@ -269,8 +288,9 @@ def read_hf_state_dict(folder: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_hf_safetensors(tensors: dict[str, torch.Tensor], folder: str, *,
-                         max_shard_bytes: int = 5 * 1024 ** 3) -> list[str]:
+def write_hf_safetensors(
+    tensors: dict[str, torch.Tensor], folder: str, *, max_shard_bytes: int = 5 * 1024**3
+) -> list[str]:
     """Write ``tensors`` as HF does: model.safetensors, or shards plus model.safetensors.index.json."""
     from safetensors.torch import save_file
 
@@ -291,8 +311,10 @@ def write_hf_safetensors(tensors: dict[str, torch.Tensor], folder: str, *,
     for name, shard in zip(names, shards):
         save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {t: name for name, shard in zip(names, shards) for t in shard}}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {t: name for name, shard in zip(names, shards) for t in shard},
+        }
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     return names

@@ -24,8 +24,8 @@ from vime.backends.megatron_args import ModelArgs
 from vime.config.base import ConfigError
 from vime.config.roles import FLAG as ROLES_FLAG
 
-ROLE = "critic"                 # common["vime"]["role"] of a critic checkpoint
-CHECKPOINT_DIR = "critic"       # the critic's folder inside the run's iter_XXXXXXX/
+ROLE = "critic"  # common["vime"]["role"] of a critic checkpoint
+CHECKPOINT_DIR = "critic"  # the critic's folder inside the run's iter_XXXXXXX/
 HEAD_PREFIX = "output_layer."
 
 
@@ -83,8 +83,11 @@ def load_hf_body(gpt, folder: str, args: ModelArgs) -> None:
     if "model.embed_tokens.weight" not in hf and "embed_tokens.weight" in hf:
         hf = {f"model.{k}": v for k, v in hf.items()}
     # No lm_head is needed (nor used) for the body: convert as a tied model.
-    body = {k: v for k, v in hf_to_mcore(hf, dataclasses.replace(args, tie_embeddings=True)).items()
-            if not k.startswith(HEAD_PREFIX)}
+    body = {
+        k: v
+        for k, v in hf_to_mcore(hf, dataclasses.replace(args, tie_embeddings=True)).items()
+        if not k.startswith(HEAD_PREFIX)
+    }
     # load_canonical wants every parameter: the head's own values stand in for the missing head (on the
     # last pipeline stage, which holds it).
     head = {HEAD_PREFIX + k: v.detach() for k, v in gpt.output_layer.state_dict().items()} if gpt.post_process else {}
@@ -116,17 +119,16 @@ def load_initial(gpt, source: str, args: ModelArgs, *, field: str | None = None,
 
     ``field`` / ``yaml`` name the role's ``load`` for errors (None: ``source`` is the actor's source).
     """
-    from vime.backends.torch_backend import LATEST_FILE
-    from vime.backends.torch_backend import is_critic_checkpoint as is_torch_critic
+    from vime.backends.torch_backend import LATEST_FILE, is_critic_checkpoint as is_torch_critic
 
     if mc.is_checkpoint_root(source):
         folder = mc.resolve_step_folder(source)
-        if is_critic_checkpoint(os.path.join(folder, CHECKPOINT_DIR)):   # a PPO run's --save
+        if is_critic_checkpoint(os.path.join(folder, CHECKPOINT_DIR)):  # a PPO run's --save
             folder = os.path.join(folder, CHECKPOINT_DIR)
         # An actor's checkpoint has a vocabulary projection where the critic has its head: body only.
         mc.load(folder, gpt, skip=() if is_critic_checkpoint(folder) else (HEAD_PREFIX,))
         return
-    if os.path.isfile(os.path.join(source, LATEST_FILE)):   # a torch-backend critic save folder
+    if os.path.isfile(os.path.join(source, LATEST_FILE)):  # a torch-backend critic save folder
         with open(os.path.join(source, LATEST_FILE)) as f:
             source = os.path.join(source, f"iter_{int(f.read().strip()):07d}")
     if is_torch_critic(source):
@@ -138,14 +140,24 @@ def load_initial(gpt, source: str, args: ModelArgs, *, field: str | None = None,
         return
     if field is None:
         raise ValueError(f"{source!r}: neither a Megatron checkpoint nor an HF model folder")
-    raise ConfigError(ROLES_FLAG, f"{yaml or '<yaml>'}: {field}: {source!r} is neither a Megatron checkpoint "
-                                  "(critic or actor), a critic save folder nor an HF model folder (config.json)")
+    raise ConfigError(
+        ROLES_FLAG,
+        f"{yaml or '<yaml>'}: {field}: {source!r} is neither a Megatron checkpoint "
+        "(critic or actor), a critic save folder nor an HF model folder (config.json)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- saving
 def save(folder: str, gpt, optimizer, *, fmt: str, iteration: int, args: dict, optimizer_steps: int) -> None:
-    mc.save(folder, gpt, optimizer, fmt=fmt, iteration=iteration, args={**args, "value_head": True},
-            extra={"role": ROLE, "optimizer_steps": optimizer_steps})
+    mc.save(
+        folder,
+        gpt,
+        optimizer,
+        fmt=fmt,
+        iteration=iteration,
+        args={**args, "value_head": True},
+        extra={"role": ROLE, "optimizer_steps": optimizer_steps},
+    )
 
 
 def export(root: str, gpt, optimizer, *, fmt: str, iteration: int, args: dict, optimizer_steps: int) -> str:

@@ -19,7 +19,8 @@ MEGATRON_HOOKS: dict[str, Hook] = {
     "--custom-megatron-init-path": Hook("init(args)", 1),
     "--custom-megatron-before-log-prob-hook-path": Hook("hook(args, model, store_prefix)", 3),
     "--custom-megatron-before-train-step-hook-path": Hook(
-        "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)", 6),
+        "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)", 6
+    ),
 }
 
 

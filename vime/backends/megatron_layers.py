@@ -36,8 +36,9 @@ def with_sequence_parallel_norms(spec, config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if not isinstance(spec, TransformerBlockSubmodules):
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                          layer_norm=WrappedTorchNorm)
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=WrappedTorchNorm
+        )
     return _replaced(spec, WrappedTorchNorm, SequenceParallelTorchNorm, {})
 
 
@@ -51,8 +52,10 @@ def _replaced(node, old, new, seen: dict):
     if isinstance(node, list):
         out = [_replaced(item, old, new, seen) for item in node]
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-        out = dataclasses.replace(node, **{f.name: _replaced(getattr(node, f.name), old, new, seen)
-                                           for f in dataclasses.fields(node) if f.init})
+        out = dataclasses.replace(
+            node,
+            **{f.name: _replaced(getattr(node, f.name), old, new, seen) for f in dataclasses.fields(node) if f.init},
+        )
     else:
         return node
     seen[id(node)] = out

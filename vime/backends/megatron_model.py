@@ -38,9 +38,9 @@ class Parallelism:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
-    expert_tensor: int | None = None    # tensor parallelism inside each expert (None: as ``tensor``)
+    expert_tensor: int | None = None  # tensor parallelism inside each expert (None: as ``tensor``)
     sequence_parallel: bool = False
-    first_stage_layers: int | None = None   # decoder layers of the first / last pipeline stage (None: even split)
+    first_stage_layers: int | None = None  # decoder layers of the first / last pipeline stage (None: even split)
     last_stage_layers: int | None = None
 
     @property
@@ -55,8 +55,8 @@ class MoeOptions:
     load_balancing_type: str = "aux_loss"
     aux_loss_coeff: float = 0.0
     token_dispatcher_type: str = "allgather"
-    grouped_gemm: bool = False          # only with Transformer Engine (TEGroupedMLP)
-    routing_replay: bool = False        # R3: routers accept forced top-k indices (megatron_routing)
+    grouped_gemm: bool = False  # only with Transformer Engine (TEGroupedMLP)
+    routing_replay: bool = False  # R3: routers accept forced top-k indices (megatron_routing)
 
 
 def te_usable() -> bool:
@@ -87,29 +87,43 @@ def init_parallel(parallel: Parallelism, *, seed: int | None = None) -> None:
     """torch.distributed (a one-process group on 127.0.0.1 unless the caller set one up) and megatron-core's
     parallel state for ``parallel``. Idempotent; a different, already initialised layout is an error."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state as ps, tensor_parallel
 
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo",
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+        )
     world = dist.get_world_size()
     model_parallel = parallel.tensor * parallel.pipeline * parallel.context
     if world % model_parallel:
-        raise ValueError(f"{world} process(es) cannot hold tensor x pipeline x context parallelism "
-                         f"{parallel.tensor} x {parallel.pipeline} x {parallel.context}")
+        raise ValueError(
+            f"{world} process(es) cannot hold tensor x pipeline x context parallelism "
+            f"{parallel.tensor} x {parallel.pipeline} x {parallel.context}"
+        )
     if ps.model_parallel_is_initialized():
-        now = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_context_parallel_world_size())
+        now = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+        )
         if now != (parallel.tensor, parallel.pipeline, parallel.context):
-            raise ValueError(f"megatron-core is already initialised with TP/PP/CP {now}, not "
-                             f"{(parallel.tensor, parallel.pipeline, parallel.context)}")
+            raise ValueError(
+                f"megatron-core is already initialised with TP/PP/CP {now}, not "
+                f"{(parallel.tensor, parallel.pipeline, parallel.context)}"
+            )
     else:
-        ps.initialize_model_parallel(parallel.tensor, parallel.pipeline, context_parallel_size=parallel.context,
-                                     expert_model_parallel_size=parallel.expert,
-                                     expert_tensor_parallel_size=parallel.expert_tensor_size)
+        ps.initialize_model_parallel(
+            parallel.tensor,
+            parallel.pipeline,
+            context_parallel_size=parallel.context,
+            expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=parallel.expert_tensor_size,
+        )
     if seed is not None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -119,60 +133,138 @@ def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
     if not args.is_moe:
         return {}
     return dict(
-        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_score_function="softmax", moe_layer_freq=args.moe_layer_pattern(),
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_layer_freq=args.moe_layer_pattern(),
         moe_router_dtype="fp32",  # HF computes the routing softmax in float32 whatever the weights' dtype
-        moe_router_load_balancing_type=moe.load_balancing_type, moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_token_dispatcher_type=moe.token_dispatcher_type, moe_grouped_gemm=moe.grouped_gemm and use_te,
-        moe_enable_routing_replay=moe.routing_replay)
+        moe_router_load_balancing_type=moe.load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_grouped_gemm=moe.grouped_gemm and use_te,
+        moe_enable_routing_replay=moe.routing_replay,
+    )
 
 
 # The TransformerConfig fields vime decides (model shape from the flags and the HF config, parallelism, precision,
 # fusions, MoE and recomputation); a Megatron-LM flag passed through may set any other (vime.config.megatron_lm).
-VIME_TRANSFORMER_FIELDS = frozenset({
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "normalization",
-    "layernorm_epsilon", "hidden_dropout", "attention_dropout", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-    "params_dtype", "pipeline_dtype", "use_cpu_initialization", "perform_initialization", "bias_activation_fusion",
-    "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm", "apply_rope_fusion",
-    "gradient_accumulation_fusion", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_pre_softmax",
-    "moe_router_score_function", "moe_layer_freq", "moe_router_dtype", "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_enable_routing_replay",
-    "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "fp16", "bf16", "fp8", "fp4",  # vime trains in float32
-})
+VIME_TRANSFORMER_FIELDS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "gated_linear_unit",
+        "activation_func",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "qk_layernorm",
+        "normalization",
+        "layernorm_epsilon",
+        "hidden_dropout",
+        "attention_dropout",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "sequence_parallel",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "num_layers_in_first_pipeline_stage",
+        "num_layers_in_last_pipeline_stage",
+        "params_dtype",
+        "pipeline_dtype",
+        "use_cpu_initialization",
+        "perform_initialization",
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "masked_softmax_fusion",
+        "persist_layer_norm",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "num_moe_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_gate",
+        "moe_router_pre_softmax",
+        "moe_router_score_function",
+        "moe_layer_freq",
+        "moe_router_dtype",
+        "moe_router_load_balancing_type",
+        "moe_aux_loss_coeff",
+        "moe_token_dispatcher_type",
+        "moe_grouped_gemm",
+        "moe_enable_routing_replay",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+        "fp16",
+        "bf16",
+        "fp8",
+        "fp4",  # vime trains in float32
+    }
+)
 
 
-def transformer_config(args: ModelArgs, parallel: Parallelism, *, attention_dropout: float = 0.0,
-                       hidden_dropout: float = 0.0, recompute: dict | None = None, initialize: bool = True,
-                       moe: MoeOptions | None = None, use_te: bool = False, overrides: dict | None = None):
+def transformer_config(
+    args: ModelArgs,
+    parallel: Parallelism,
+    *,
+    attention_dropout: float = 0.0,
+    hidden_dropout: float = 0.0,
+    recompute: dict | None = None,
+    initialize: bool = True,
+    moe: MoeOptions | None = None,
+    use_te: bool = False,
+    overrides: dict | None = None,
+):
     """The model's TransformerConfig; ``overrides`` (Megatron-LM flags passed through) set fields vime leaves at
     megatron-core's defaults."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        context_parallel_size=parallel.context, sequence_parallel=parallel.sequence_parallel,
-        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor_size,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=attention_dropout,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
+        sequence_parallel=parallel.sequence_parallel,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor_size,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=initialize, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **_moe_config(args, moe or MoeOptions(), use_te), **(recompute or {}))
+        perform_initialization=initialize,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **_moe_config(args, moe or MoeOptions(), use_te),
+        **(recompute or {}),
+    )
     unlisted = set(fields) - VIME_TRANSFORMER_FIELDS
     assert not unlisted, f"VIME_TRANSFORMER_FIELDS misses {sorted(unlisted)}"
     clash = sorted(set(overrides or {}) & VIME_TRANSFORMER_FIELDS)
@@ -190,12 +282,20 @@ def _megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_by: int = 128,
-                    use_te: bool | None = None, **config_kwargs):
+def build_gpt_model(
+    args: ModelArgs,
+    parallel: Parallelism,
+    *,
+    vocab_divisible_by: int = 128,
+    use_te: bool | None = None,
+    **config_kwargs,
+):
     """The GPTModel of ``args`` on this process's device (full logits: ``parallel_output=False``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
     )
 
     use_te = te_usable() if use_te is None else use_te
@@ -224,13 +324,19 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
     from megatron.core import parallel_state as ps
 
     model = GPTModel(
-        config=config, transformer_layer_spec=spec,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        config=config,
+        transformer_layer_spec=spec,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         vocab_size=args.padded_vocab_size(vocab_divisible_by, parallel.tensor),
-        max_sequence_length=args.max_position_embeddings, parallel_output=False,
-        share_embeddings_and_output_weights=args.tie_embeddings, position_embedding_type="rope",
+        max_sequence_length=args.max_position_embeddings,
+        parallel_output=False,
+        share_embeddings_and_output_weights=args.tie_embeddings,
+        position_embedding_type="rope",
         rotary_base=int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base,
-        rope_scaling=args.rope_scaling_factor is not None, rope_scaling_factor=args.rope_scaling_factor or 8.0)
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,
+    )
     model.vime_uses_te = use_te
     model.vime_grouped_gemm = bool(config.moe_grouped_gemm)
     if args.is_moe:
@@ -244,22 +350,31 @@ def build_gpt_model(args: ModelArgs, parallel: Parallelism, *, vocab_divisible_b
 def _tp():
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
-        ps.get_tensor_model_parallel_group()
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
 
 
 def _ep():
     from megatron.core import parallel_state as ps
 
-    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), \
-        ps.get_expert_model_parallel_group()
+    return (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_model_parallel_group(),
+    )
 
 
 def _etp():
     from megatron.core import parallel_state as ps
 
-    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), \
-        ps.get_expert_tensor_parallel_group()
+    return (
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_tensor_parallel_group(),
+    )
 
 
 def _tensor_split(canonical_name: str):
@@ -309,8 +424,9 @@ def _canonical_names(model) -> dict[str, str]:
     canonical = dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
     offset = stage_layers(model).start
     if offset:
-        canonical = {n: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", c)
-                     for n, c in canonical.items()}
+        canonical = {
+            n: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", c) for n, c in canonical.items()
+        }
     for name, param in model.named_parameters():
         if _is_tied_copy(param):
             canonical[name] = VOCAB_PARAMS[0]
@@ -318,8 +434,10 @@ def _canonical_names(model) -> dict[str, str]:
     if ep_size == 1:
         return canonical
     local = _local_experts(canonical.values())
-    return {n: _expert_name(c, ep_rank * local + i) if (i := _local_expert_index(c)) is not None else c
-            for n, c in canonical.items()}
+    return {
+        n: _expert_name(c, ep_rank * local + i) if (i := _local_expert_index(c)) is not None else c
+        for n, c in canonical.items()
+    }
 
 
 def local_expert_count(model) -> int:
@@ -360,8 +478,9 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
                 else:
                     full = full.chunk(size, dim=dim)[rank]
             if full.shape != param.shape:
-                raise ValueError(f"{names[name]}: shape {tuple(full.shape)} does not fit the model's "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(
+                    f"{names[name]}: shape {tuple(full.shape)} does not fit the model's {tuple(param.shape)}"
+                )
             param.copy_(full.to(param.device))
 
 
@@ -399,7 +518,7 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
                 else:
                     tensor = torch.cat(parts, dim=param.partition_dim)
             if names[name] in VOCAB_PARAMS:
-                tensor = tensor[:args.vocab_size]
+                tensor = tensor[: args.vocab_size]
             out[names[name]] = tensor.cpu() if to_cpu else tensor
     ep_rank, ep_size, ep_group = _ep()
     if ep_size > 1:
@@ -416,14 +535,16 @@ def _gather_stages(local: dict[str, torch.Tensor], *, to_cpu: bool) -> dict[str,
     if size == 1:
         return local
     stages = [None] * size
-    dist.all_gather_object(stages, {name: tensor.cpu() for name, tensor in local.items()},
-                           group=ps.get_pipeline_model_parallel_group())
+    dist.all_gather_object(
+        stages, {name: tensor.cpu() for name, tensor in local.items()}, group=ps.get_pipeline_model_parallel_group()
+    )
     here = device()
     return {name: tensor if to_cpu else tensor.to(here) for stage in stages for name, tensor in stage.items()}
 
 
-def _gather_experts(local: dict[str, torch.Tensor], experts: int, ep_size: int, group, *,
-                    to_cpu: bool) -> dict[str, torch.Tensor]:
+def _gather_experts(
+    local: dict[str, torch.Tensor], experts: int, ep_size: int, group, *, to_cpu: bool
+) -> dict[str, torch.Tensor]:
     """Every expert-parallel rank's experts (``experts`` each, numbered globally in ``local``'s names), under
     their global names (every rank of the group calls it)."""
     import torch.distributed as dist
@@ -468,8 +589,16 @@ class MegatronLM(torch.nn.Module):
     rank's positions of each padded row, and the last stage gathers every rank's logits into whole rows.
     """
 
-    def __init__(self, gpt, vocab_size: int, packing: str = "padded", sequence_parallel: bool = False,
-                 model_args: ModelArgs | None = None, pipeline=None, context=None):
+    def __init__(
+        self,
+        gpt,
+        vocab_size: int,
+        packing: str = "padded",
+        sequence_parallel: bool = False,
+        model_args: ModelArgs | None = None,
+        pipeline=None,
+        context=None,
+    ):
         super().__init__()
         self.gpt = gpt
         self.vocab_size = vocab_size
@@ -493,8 +622,12 @@ class MegatronLM(torch.nn.Module):
     def _last_stage(self) -> bool:
         return self.pipeline is None or self.pipeline.last
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                routes: list[torch.Tensor] | None = None) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        routes: list[torch.Tensor] | None = None,
+    ) -> CausalLMOutput:
         dev = device()
         input_ids = input_ids.to(dev)
         if attention_mask is None:
@@ -518,7 +651,7 @@ class MegatronLM(torch.nn.Module):
             return CausalLMOutput(logits=None, hidden=output)
         if self.packing != "thd":
             output = output[:batch, :length]
-        return CausalLMOutput(output[..., :self.vocab_size].float())
+        return CausalLMOutput(output[..., : self.vocab_size].float())
 
     def _lockstep(self):
         """The group whose ranks exchange tokens inside every MoE layer (expert and expert tensor
@@ -572,8 +705,9 @@ class MegatronLM(torch.nn.Module):
             mr.force_routes(self.gpt, None)
             return
         rank, size, _ = _tp()
-        layers = mr.per_layer(layout_fn(), tp_rank=rank, tp_size=size, sequence_parallel=self.sequence_parallel,
-                              device=device())
+        layers = mr.per_layer(
+            layout_fn(), tp_rank=rank, tp_size=size, sequence_parallel=self.sequence_parallel, device=device()
+        )
         if self._stage_moe_layers is not None:
             layers = [layers[i] for i in self._stage_moe_layers]
         mr.force_routes(self.gpt, layers)
@@ -595,7 +729,7 @@ class MegatronLM(torch.nn.Module):
         from vime.backends.megatron_routing import padded_layout
 
         padding = attention_mask == 0
-        padding[self._real_rows:] = True  # lockstep padding rows stay out of the routers' statistics
+        padding[self._real_rows :] = True  # lockstep padding rows stay out of the routers' statistics
         held = slice(None)  # the positions this rank holds (on the CPU, as the routes are)
         if self.context is not None:  # this rank's positions (queries) against every rank's (keys)
             held = self.context.positions(padded)
@@ -628,22 +762,29 @@ class MegatronLM(torch.nn.Module):
             bounds.append(bounds[-1] + n)
         if extra:  # padding joins the last sequence: causal attention keeps it out of the real tokens
             tokens = torch.nn.functional.pad(tokens, (0, extra))
-            positions = torch.cat([positions, torch.arange(lengths[-1], lengths[-1] + extra,
-                                                           device=input_ids.device)])
+            positions = torch.cat([positions, torch.arange(lengths[-1], lengths[-1] + extra, device=input_ids.device)])
             bounds[-1] += extra
         cu = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
         longest = max(lengths) + extra
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                 max_seqlen_kv=longest)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
         from vime.backends.megatron_routing import packed_layout
 
         self._force(lambda: packed_layout(self._routes, lengths, total + extra, self.model_args))
         padding = torch.arange(total + extra, device=input_ids.device) >= total
-        output = self.gpt(tokens.unsqueeze(0), positions.unsqueeze(0), None, packed_seq_params=params,
-                          **self._padding(padding.unsqueeze(0)))
+        output = self.gpt(
+            tokens.unsqueeze(0),
+            positions.unsqueeze(0),
+            None,
+            packed_seq_params=params,
+            **self._padding(padding.unsqueeze(0)),
+        )
         if not self._last_stage:
             return output
         packed = output[0]
-        rows = [torch.nn.functional.pad(packed[start:start + n], (0, 0, 0, length - n))
-                for start, n in zip(bounds[:-1], lengths)]
+        rows = [
+            torch.nn.functional.pad(packed[start : start + n], (0, 0, 0, length - n))
+            for start, n in zip(bounds[:-1], lengths)
+        ]
         return torch.stack(rows)

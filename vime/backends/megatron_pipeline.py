@@ -120,20 +120,32 @@ def check_stage_layers(num_layers: int, parallel) -> None:
     stages, first, last = parallel.pipeline, parallel.first_stage_layers, parallel.last_stage_layers
     if first is None and last is None:
         if num_layers % stages:
-            raise ValueError(f"--pipeline-model-parallel-size {stages} must divide the model's {num_layers} layers "
-                             "(--num-layers), or --decoder-first-pipeline-num-layers / "
-                             "--decoder-last-pipeline-num-layers set the end stages' share")
+            raise ValueError(
+                f"--pipeline-model-parallel-size {stages} must divide the model's {num_layers} layers "
+                "(--num-layers), or --decoder-first-pipeline-num-layers / "
+                "--decoder-last-pipeline-num-layers set the end stages' share"
+            )
         return
     middle_stages = stages - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
-    fits = (middle_layers % middle_stages == 0 and middle_layers >= middle_stages) if middle_stages else middle_layers == 0
+    if middle_stages:
+        fits = middle_layers % middle_stages == 0 and middle_layers >= middle_stages
+    else:
+        fits = middle_layers == 0
     if not fits:
-        given = ", ".join(f"{flag} {value}" for flag, value in (("--decoder-first-pipeline-num-layers", first),
-                                                               ("--decoder-last-pipeline-num-layers", last))
-                          if value is not None)
-        raise ValueError(f"{given}: the model's {num_layers} layers (--num-layers) leave {middle_layers} for the "
-                         f"other {middle_stages} of --pipeline-model-parallel-size {stages} stages, which must "
-                         "share them evenly, at least one each")
+        given = ", ".join(
+            f"{flag} {value}"
+            for flag, value in (
+                ("--decoder-first-pipeline-num-layers", first),
+                ("--decoder-last-pipeline-num-layers", last),
+            )
+            if value is not None
+        )
+        raise ValueError(
+            f"{given}: the model's {num_layers} layers (--num-layers) leave {middle_layers} for the "
+            f"other {middle_stages} of --pipeline-model-parallel-size {stages} stages, which must "
+            "share them evenly, at least one each"
+        )
 
 
 def stage_layers(gpt) -> range:

@@ -34,7 +34,8 @@ def detach_from_global_replay(model) -> None:
 
     mine = {id(r.router_replay) for r in moe_routers(model) if r.router_replay is not None}
     RouterReplay.global_router_replay_instances[:] = [
-        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
+    ]
 
 
 def force_routes(model, per_layer: list[torch.Tensor] | None) -> None:
@@ -75,13 +76,17 @@ def sample_routes(routed_experts, num_tokens: int, args: ModelArgs) -> torch.Ten
     routes = torch.as_tensor(np.asarray(routed_experts)).long()
     moe_layers = len(args.moe_layers)
     if routes.dim() != 3 or routes.shape[0] != num_tokens - 1 or routes.shape[2] != args.moe_router_topk:
-        raise ValueError(f"routed experts of shape {tuple(routes.shape)}; expected [len(tokens) - 1 = "
-                         f"{num_tokens - 1}, layers, topk = {args.moe_router_topk}]")
+        raise ValueError(
+            f"routed experts of shape {tuple(routes.shape)}; expected [len(tokens) - 1 = "
+            f"{num_tokens - 1}, layers, topk = {args.moe_router_topk}]"
+        )
     if routes.shape[1] == args.num_layers and moe_layers != args.num_layers:
         routes = routes[:, list(args.moe_layers)]
     elif routes.shape[1] != moe_layers:
-        raise ValueError(f"routed experts for {routes.shape[1]} layers; the model has {args.num_layers} layers, "
-                         f"{moe_layers} of them MoE")
+        raise ValueError(
+            f"routed experts for {routes.shape[1]} layers; the model has {args.num_layers} layers, "
+            f"{moe_layers} of them MoE"
+        )
     if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= args.num_experts):
         raise ValueError(f"routed expert ids outside [0, {args.num_experts})")
     return routes
@@ -109,13 +114,14 @@ def packed_layout(routes: list[torch.Tensor], lengths: list[int], total: int, ar
     start = 0
     for r, n in zip(routes, lengths):
         k = min(r.shape[0], n)
-        out[:, start:start + k, 0] = r[:k].transpose(0, 1)
+        out[:, start : start + k, 0] = r[:k].transpose(0, 1)
         start += n
     return out
 
 
-def per_layer(layout: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
-              device=None) -> list[torch.Tensor]:
+def per_layer(
+    layout: torch.Tensor, *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False, device=None
+) -> list[torch.Tensor]:
     """A [layers, S, B, topk] layout as each router sees it: [S * B, topk] (this rank's sequence slice
     under sequence parallelism)."""
     if sequence_parallel and tp_size > 1:

@@ -17,7 +17,8 @@ The loss does not depend on the packing: ``reduce_loss`` divides by the whole st
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -26,8 +27,8 @@ T = TypeVar("T")
 class BatchLayout:
     """Which samples each micro-batch holds, for the no-gradient forwards and for training."""
 
-    forward: list[list[int]]        # micro-batches of the no-gradient forwards, consecutive, in rollout order
-    steps: list[list[list[int]]]    # optimizer steps, each a list of training micro-batches
+    forward: list[list[int]]  # micro-batches of the no-gradient forwards, consecutive, in rollout order
+    steps: list[list[list[int]]]  # optimizer steps, each a list of training micro-batches
 
     @property
     def train(self) -> list[list[int]]:
@@ -48,7 +49,7 @@ def fixed_layout(count: int, micro_batch_size: int, global_batch_size: int) -> B
     micro-batches (at least one) per optimizer step; the no-gradient forwards use the same micro-batches."""
     micro_batches = [list(range(i, min(i + micro_batch_size, count))) for i in range(0, count, micro_batch_size)]
     per_step = max(1, global_batch_size // micro_batch_size)
-    steps = [micro_batches[i:i + per_step] for i in range(0, len(micro_batches), per_step)]
+    steps = [micro_batches[i : i + per_step] for i in range(0, len(micro_batches), per_step)]
     return BatchLayout(forward=micro_batches, steps=steps)
 
 
@@ -88,15 +89,16 @@ def pack_consecutive(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def dynamic_layout(lengths: Sequence[int], global_batch_size: int, max_tokens: int,
-                   forward_max_tokens: int) -> BatchLayout:
+def dynamic_layout(
+    lengths: Sequence[int], global_batch_size: int, max_tokens: int, forward_max_tokens: int
+) -> BatchLayout:
     """Optimizer steps of ``global_batch_size`` consecutive samples (the last may be short), each packed by
     :func:`pack_by_tokens`; the no-gradient forwards by :func:`pack_consecutive`."""
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
     steps = []
     for first in range(0, len(lengths), global_batch_size):
-        part = lengths[first:first + global_batch_size]
+        part = lengths[first : first + global_batch_size]
         steps.append([[first + i for i in micro_batch] for micro_batch in pack_by_tokens(part, max_tokens)])
     return BatchLayout(forward=pack_consecutive(lengths, forward_max_tokens), steps=steps)
 
@@ -120,8 +122,9 @@ def assign_to_ranks(token_counts: Sequence[int], ranks: int) -> list[int]:
     return owner
 
 
-def regroup(values: Sequence[Sequence[T]], source: Sequence[Sequence[int]],
-            target: Sequence[Sequence[int]]) -> list[list[T]]:
+def regroup(
+    values: Sequence[Sequence[T]], source: Sequence[Sequence[int]], target: Sequence[Sequence[int]]
+) -> list[list[T]]:
     """Per-sample items moved from one layout to another: ``values[b][r]`` belongs to sample ``source[b][r]``;
     the result's ``[b][r]`` is the item of sample ``target[b][r]``."""
     by_sample: dict[int, T] = {}

@@ -31,8 +31,13 @@ from collections.abc import Iterator
 import torch
 
 # vLLM's --dtype values (vllm serve --help) -> torch dtypes; "auto" is the checkpoint's own.
-_VLLM_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float": torch.float32, "float32": torch.float32}
+_VLLM_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def engine_dtype(vllm_dtype: str | None, hf_checkpoint: str) -> torch.dtype:
@@ -61,7 +66,7 @@ def _is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def master_weights(module: torch.nn.Module, bf16: bool) -> "MasterWeights | None":
+def master_weights(module: torch.nn.Module, bf16: bool) -> MasterWeights | None:
     """With ``bf16``, make ``module`` bf16 and return its float32 masters; None without ``bf16`` or when
     FSDP2 shards ``module`` (its mixed-precision policy does this job there)."""
     if not bf16 or _is_sharded(module):
@@ -80,12 +85,18 @@ class MasterWeights:
         self.names = [name for name, _ in named]
         self.model_params = [p for _, p in named]
         # Parameters too, so that they can stand in the module's place (parameters_as).
-        self.params = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
-                       for p in self.model_params]
+        self.params = [
+            torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+            for p in self.model_params
+        ]
         # Every place a parameter sits (a tied one sits in two modules): (module, attribute, index in params).
         index = {id(p): i for i, p in enumerate(self.model_params)}
-        self._slots = [(sub, leaf, index[id(p)]) for sub in module.modules()
-                       for leaf, p in sub._parameters.items() if p is not None and id(p) in index]
+        self._slots = [
+            (sub, leaf, index[id(p)])
+            for sub in module.modules()
+            for leaf, p in sub._parameters.items()
+            if p is not None and id(p) in index
+        ]
         for p in self.model_params:
             p.data = p.data.to(dtype)
         for p, master in zip(self.model_params, self.params):
@@ -101,6 +112,7 @@ class MasterWeights:
             else:
                 master.grad.add_(param.grad)
             param.grad = None
+
         return move_to_master
 
     @torch.no_grad()
@@ -117,8 +129,11 @@ class MasterWeights:
         parameters under their names), in another dtype cast copies. HF's ``save_pretrained`` then writes that
         dtype and names it in config.json. On exit the module holds its bf16 parameters again, refreshed from
         the masters."""
-        installed = self.params if dtype == torch.float32 else [
-            torch.nn.Parameter(master.detach().to(dtype), requires_grad=False) for master in self.params]
+        installed = (
+            self.params
+            if dtype == torch.float32
+            else [torch.nn.Parameter(master.detach().to(dtype), requires_grad=False) for master in self.params]
+        )
         for sub, leaf, i in self._slots:
             sub._parameters[leaf] = installed[i]
         try:

@@ -31,8 +31,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _relayout(values: list[torch.Tensor | None], source: list[PackedBatch], target: list[PackedBatch],
-              source_ids: list[list[int]], target_ids: list[list[int]]) -> list[torch.Tensor | None]:
+def _relayout(
+    values: list[torch.Tensor | None],
+    source: list[PackedBatch],
+    target: list[PackedBatch],
+    source_ids: list[list[int]],
+    target_ids: list[list[int]],
+) -> list[torch.Tensor | None]:
     """Per-micro-batch [B, T-1] values moved from the ``source`` micro-batches to the ``target`` ones (which
     hold the same samples, grouped differently). Only the response positions carry over (0 elsewhere): the
     loss reads nothing else."""
@@ -105,18 +110,27 @@ class RolloutTraining:
     # ------------------------------------------------------------------ the objective's passes
     def _log_probs(self, batch: PackedBatch) -> torch.Tensor:
         """The actor's (old policy) log-probs of ``batch``."""
-        return self.objective.old_log_probs(batch, self.forward(self.model, batch,
-                                                                heads=self.objective.old_heads(batch)))
+        return self.objective.old_log_probs(
+            batch, self.forward(self.model, batch, heads=self.objective.old_heads(batch))
+        )
 
-    def _micro_batch_loss(self, batch: PackedBatch, old: torch.Tensor | None, ref: torch.Tensor | None,
-                          advantages: torch.Tensor | None, totals: dict, step_terms: dict,
-                          metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro_batch_loss(
+        self,
+        batch: PackedBatch,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor | None,
+        totals: dict,
+        step_terms: dict,
+        metrics: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's share of the step loss (micro-batch losses add up to the step's), and its log-probs."""
         out = self.forward(self.model, batch, entropy=self.objective.train_entropy, heads=self.objective.train_heads)
         return self.objective.policy_loss(batch, out, old, ref, advantages, totals, step_terms, metrics)
 
-    def _value_loss(self, batch: PackedBatch, old_values: torch.Tensor, returns: torch.Tensor, totals: dict,
-                    metrics: dict) -> torch.Tensor:
+    def _value_loss(
+        self, batch: PackedBatch, old_values: torch.Tensor, returns: torch.Tensor, totals: dict, metrics: dict
+    ) -> torch.Tensor:
         """The micro-batch's share of the step's clipped value loss."""
         return self.objective.value_loss(batch, self.critic_values(batch), old_values, returns, totals, metrics)
 
@@ -138,17 +152,34 @@ class RolloutTraining:
         forward_budget = self.micro_batch_tokens(spec.log_probs_max_tokens_per_gpu or spec.max_tokens_per_gpu)
         longer = over_budget(lengths, budget)
         if longer:  # trained anyway (alone in its micro-batch): the budget is a packing target, not a cut
-            logger.warning("%d sample(s) of this rollout are longer than --max-tokens-per-gpu %d (the longest: %d "
-                           "tokens); each trains in a micro-batch of its own", len(longer), spec.max_tokens_per_gpu,
-                           max(lengths[i] for i in longer))
+            logger.warning(
+                "%d sample(s) of this rollout are longer than --max-tokens-per-gpu %d (the longest: %d "
+                "tokens); each trains in a micro-batch of its own",
+                len(longer),
+                spec.max_tokens_per_gpu,
+                max(lengths[i] for i in longer),
+            )
         return dynamic_layout(lengths, spec.global_batch_size, budget, forward_budget)
 
-    def _training_batches(self, samples: list[Sample], loss_masks: list[list[int]], layout: BatchLayout,
-                          forward: list[PackedBatch], per_forward: tuple) -> tuple[list[PackedBatch], list[list]]:
+    def _training_batches(
+        self,
+        samples: list[Sample],
+        loss_masks: list[list[int]],
+        layout: BatchLayout,
+        forward: list[PackedBatch],
+        per_forward: tuple,
+    ) -> tuple[list[PackedBatch], list[list]]:
         """The training micro-batches of ``layout`` and, moved into them, the per-micro-batch [B, T-1] results of
         the no-gradient forwards (``per_forward``: lists over ``forward``, or lists of None)."""
-        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
-                       with_heads=self.spec.algorithm.use_score_centering) for ids in layout.train]
+        packed = [
+            pack(
+                [samples[i] for i in ids],
+                self.pad_id,
+                [loss_masks[i] for i in ids],
+                with_heads=self.spec.algorithm.use_score_centering,
+            )
+            for ids in layout.train
+        ]
         moved = [_relayout(values, forward, packed, layout.forward, layout.train) for values in per_forward]
         return packed, moved
 
@@ -177,13 +208,22 @@ class RolloutTraining:
         algo = objective.algorithm
         objective.check_samples(samples)
         loss_masks = objective.loss_masks(samples, policy_version)
-        masked_offpolicy = sum(sum(s.loss_mask or [1] * s.response_length) - sum(m)
-                               for s, m in zip(samples, loss_masks))
+        masked_offpolicy = sum(
+            sum(s.loss_mask or [1] * s.response_length) - sum(m) for s, m in zip(samples, loss_masks)
+        )
         layout = self._batch_layout(samples)
         micro_batches = [[samples[i] for i in ids] for ids in layout.train]
         # First the no-gradient forwards' micro-batches (rollout order: the advantages need it).
-        packed = [pack([samples[i] for i in ids], self.pad_id, [loss_masks[i] for i in ids],
-                       with_heads=algo.use_score_centering, with_teacher=algo.use_opd) for ids in layout.forward]
+        packed = [
+            pack(
+                [samples[i] for i in ids],
+                self.pad_id,
+                [loss_masks[i] for i in ids],
+                with_heads=algo.use_score_centering,
+                with_teacher=algo.use_opd,
+            )
+            for ids in layout.forward
+        ]
         metrics: dict[str, list[float]] = collections.defaultdict(list)
         # SFT needs none of these: no old policy, reference or advantages.
         old, ref, advantages = [None] * len(packed), [None] * len(packed), [None] * len(packed)
@@ -196,31 +236,50 @@ class RolloutTraining:
                 if algo.use_rollout_logprobs:
                     old = [b.rollout_log_probs for b in packed]
                 else:
-                    old = self.dp.fill(self._in_lock_step(self.model, packed, [
-                        self._log_probs(b) if m else None for b, m in zip(packed, mine)]))
+                    old = self.dp.fill(
+                        self._in_lock_step(
+                            self.model, packed, [self._log_probs(b) if m else None for b, m in zip(packed, mine)]
+                        )
+                    )
                 self.model.train()
                 if self.ref_model is not None:
-                    ref = self.dp.fill(self._in_lock_step(self.ref_model, packed, [
-                        self.forward(self.ref_model, b).log_probs if m else None for b, m in zip(packed, mine)]))
+                    ref = self.dp.fill(
+                        self._in_lock_step(
+                            self.ref_model,
+                            packed,
+                            [self.forward(self.ref_model, b).log_probs if m else None for b, m in zip(packed, mine)],
+                        )
+                    )
             if self.critic is not None:
                 self.actor.sleep()
                 self.critic.wake()
                 with torch.no_grad():
                     self.critic.module.eval()
-                    values = self.dp.fill(self._in_lock_step(self.critic.module, packed, [
-                        self.critic_values(b) if m else None for b, m in zip(packed, mine)]))
+                    values = self.dp.fill(
+                        self._in_lock_step(
+                            self.critic.module,
+                            packed,
+                            [self.critic_values(b) if m else None for b, m in zip(packed, mine)],
+                        )
+                    )
                     self.critic.module.train()
             advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
         if layout.train != layout.forward:  # token budgets pack training apart from the forwards
             packed, (old, ref, values, advantages, returns) = self._training_batches(
-                samples, loss_masks, layout, packed, (old, ref, values, advantages, returns))
+                samples, loss_masks, layout, packed, (old, ref, values, advantages, returns)
+            )
 
         steps = layout.step_ranges()
         if self.critic is not None:
             self._optimizer_steps(
-                self.critic, packed, steps, metrics, loss_key="value_loss", grad_key="critic_grad_norm",
-                micro_loss=lambda i, totals, terms: self._value_loss(packed[i], values[i], returns[i], totals,
-                                                                     metrics))
+                self.critic,
+                packed,
+                steps,
+                metrics,
+                loss_key="value_loss",
+                grad_key="critic_grad_norm",
+                micro_loss=lambda i, totals, terms: self._value_loss(packed[i], values[i], returns[i], totals, metrics),
+            )
             self.critic.sleep()
         train_actor = self.critic is None or self.rollouts_trained >= algo.num_critic_only_steps
         self.actor.wake()
@@ -228,13 +287,15 @@ class RolloutTraining:
             on_policy = objective.on_policy(micro_batches, policy_version)
 
             def actor_loss(i: int, totals: dict, step_terms: dict) -> torch.Tensor:
-                loss, log_probs = self._micro_batch_loss(packed[i], old[i], ref[i], advantages[i], totals,
-                                                         step_terms, metrics)
+                loss, log_probs = self._micro_batch_loss(
+                    packed[i], old[i], ref[i], advantages[i], totals, step_terms, metrics
+                )
                 objective.logprob_metrics(packed[i], log_probs, on_policy[i], metrics)
                 return loss
 
-            self._optimizer_steps(self.actor, packed, steps, metrics, loss_key="loss", grad_key="grad_norm",
-                                  micro_loss=actor_loss)
+            self._optimizer_steps(
+                self.actor, packed, steps, metrics, loss_key="loss", grad_key="grad_norm", micro_loss=actor_loss
+            )
         self.rollouts_trained += 1
         metrics = self.dp.merge_metrics(metrics)
         elapsed = time.perf_counter() - started
@@ -243,22 +304,34 @@ class RolloutTraining:
         result["train_seconds"] = elapsed
         result["optimizer_steps"] = float(len(steps)) if train_actor else 0.0
         result["train_micro_batches"] = float(len(packed))
-        result["train_max_micro_batch_tokens"] = float(max((sum(len(s.tokens) for s in mb) for mb in micro_batches),
-                                                           default=0))
+        result["train_max_micro_batch_tokens"] = float(
+            max((sum(len(s.tokens) for s in mb) for mb in micro_batches), default=0)
+        )
         if self.critic is not None:
             result["critic_only"] = float(not train_actor)
         if algo.mask_offpolicy_in_partial_rollout:
             result["offpolicy_masked_tokens"] = float(masked_offpolicy)
         return result
 
-    def _optimizer_steps(self, role, packed: list[PackedBatch], step_ranges: list[range], metrics: dict,
-                         *, loss_key: str, grad_key: str, micro_loss) -> None:
+    def _optimizer_steps(
+        self,
+        role,
+        packed: list[PackedBatch],
+        step_ranges: list[range],
+        metrics: dict,
+        *,
+        loss_key: str,
+        grad_key: str,
+        micro_loss,
+    ) -> None:
         """One optimizer step of ``role`` per range of micro-batches; ``micro_loss(i, totals, step_terms)``
         returns micro-batch i's share of the step loss (micro-batch losses add up to the step's). Data-parallel
         ranks each run their share of a step's micro-batches and add up their gradients."""
         for step_id, steps in enumerate(step_ranges):
-            totals = {"num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
-                      "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps))}
+            totals = {
+                "num_samples": sum(packed[i].input_ids.shape[0] for i in steps),
+                "num_tokens": float(sum(packed[i].response_mask.sum() for i in steps)),
+            }
             self.before_step(role, step_id, len(steps))
             role.optimizer.zero_grad(set_to_none=True)
             # Loss terms are each micro-batch's share of the step's value: they add up over the step.

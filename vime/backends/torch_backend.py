@@ -31,8 +31,8 @@ from vime.backends.precision import MasterWeights, engine_dtype, master_weights
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.config.base import ConfigError
 from vime.config.framework import AlgorithmConfig
-from vime.config.roles import FLAG as ROLES_FLAG
-from vime.config.roles import RoleOverrides
+from vime.config.roles import FLAG as ROLES_FLAG, RoleOverrides
+
 # The batch and the forward's result live with the objective (vime/rl/); imported here under their old
 # names too, for callers that still take them from the torch backend.
 from vime.rl.batch import Forward, PackedBatch, pack  # noqa: F401
@@ -55,10 +55,10 @@ class TorchTrainerSpec:
     algorithm: AlgorithmConfig
     seed: int
     threads: int | None = None
-    cpu_affinity: list[int] | None = None   # CPU cores the trainer may use (None: any)
+    cpu_affinity: list[int] | None = None  # CPU cores the trainer may use (None: any)
     # The command line's schedule (vime.backends.lr_schedule.lr_schedule_from_settings); None: constant --lr.
     lr_schedule: LRSchedule | None = None
-    bf16: bool = False                       # --bf16: bf16 model, float32 master weights (docs/real-models.md)
+    bf16: bool = False  # --bf16: bf16 model, float32 master weights (docs/real-models.md)
     # The engines' --vllm-dtype (None or "auto": the checkpoint's torch_dtype): the dtype a --bf16 run publishes in.
     engine_dtype: str | None = None
     use_distributed_optimizer: bool = False  # --use-distributed-optimizer: FSDP2 over the ranks (torch backend)
@@ -106,7 +106,7 @@ class ValueModel(torch.nn.Module):
         self.value_head = torch.nn.Linear(body.config.hidden_size, 1)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "ValueModel":
+    def from_pretrained(cls, path: str) -> ValueModel:
         return cls(_load_body(path))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -119,8 +119,10 @@ class ValueModel(torch.nn.Module):
 
         os.makedirs(path, exist_ok=True)
         self.body.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
-                  os.path.join(path, VALUE_HEAD_FILE))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+            os.path.join(path, VALUE_HEAD_FILE),
+        )
 
     def load_head(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -147,8 +149,11 @@ def resolve_critic_load(path: str, field: str, source: str | None) -> tuple[str,
         return path, True
     if os.path.isfile(os.path.join(path, "config.json")):
         return path, False
-    raise ConfigError(ROLES_FLAG, f"{source or '<yaml>'}: {field}: {path!r} is neither a critic checkpoint "
-                                  f"(model/ and {VALUE_HEAD_FILE}) nor an HF model folder (config.json)")
+    raise ConfigError(
+        ROLES_FLAG,
+        f"{source or '<yaml>'}: {field}: {path!r} is neither a critic checkpoint "
+        f"(model/ and {VALUE_HEAD_FILE}) nor an HF model folder (config.json)",
+    )
 
 
 class ModelRole:
@@ -164,15 +169,22 @@ class ModelRole:
       is what a sleeping role would otherwise hold beyond its weights and optimizer state.
     """
 
-    def __init__(self, name: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float,
-                 schedule: LRSchedule, masters: MasterWeights | None = None):
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float,
+        schedule: LRSchedule,
+        masters: MasterWeights | None = None,
+    ):
         self.name, self.module, self.optimizer, self.clip_grad = name, module, optimizer, clip_grad
         self.schedule = schedule
-        self.masters = masters   # --bf16 unsharded: the float32 copies the optimizer steps (vime/backends/precision.py)
-        self.lr_key = "lr" if name == "actor" else f"{name}_lr"   # its key in train_rollout's metrics
+        self.masters = masters  # --bf16 unsharded: the float32 copies the optimizer steps (vime/backends/precision.py)
+        self.lr_key = "lr" if name == "actor" else f"{name}_lr"  # its key in train_rollout's metrics
         self.device = next(module.parameters()).device
         self.awake = True
-        self.optimizer_steps = 0   # the schedule's position: checkpointed with the optimizer
+        self.optimizer_steps = 0  # the schedule's position: checkpointed with the optimizer
         self._set_lr()
 
     def _set_lr(self) -> float:
@@ -186,7 +198,7 @@ class ModelRole:
         lr = self._set_lr()
         self.optimizer.step()
         if self.masters is not None:
-            self.masters.refresh()   # the bf16 module follows its float32 masters
+            self.masters.refresh()  # the bf16 module follows its float32 masters
         self.optimizer_steps += 1
         self._set_lr()  # the next step's rate, as Megatron's scheduler leaves it: what hooks see before it
         return lr
@@ -235,28 +247,38 @@ class ModelRole:
                     state[key] = value.to(device)
 
 
-def make_role(name: str, module: torch.nn.Module, spec: "TorchTrainerSpec", role: RoleOverrides,
-              source: str | None) -> ModelRole:
+def make_role(
+    name: str, module: torch.nn.Module, spec: TorchTrainerSpec, role: RoleOverrides, source: str | None
+) -> ModelRole:
     """A role with the command line's optimizer settings and schedule, overridden by the role's."""
     schedule = (spec.lr_schedule or LRSchedule(lr=spec.lr)).for_role(role, source)
-    masters = master_weights(module, spec.bf16)   # --bf16: the module becomes bf16, AdamW steps float32 masters
+    masters = master_weights(module, spec.bf16)  # --bf16: the module becomes bf16, AdamW steps float32 masters
     params = masters.params if masters is not None else module.parameters()
-    return ModelRole(name, module, _optimizer(params, spec, role), role.get("clip_grad", spec.clip_grad), schedule,
-                     masters=masters)
+    return ModelRole(
+        name, module, _optimizer(params, spec, role), role.get("clip_grad", spec.clip_grad), schedule, masters=masters
+    )
 
 
-def _optimizer(params, spec: "TorchTrainerSpec", role: RoleOverrides) -> torch.optim.Optimizer:
+def _optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch.optim.Optimizer:
     """AdamW over ``params`` with the command line's settings, overridden by the role's (--megatron-config-path)."""
     betas = (role.get("adam_beta1", spec.adam_betas[0]), role.get("adam_beta2", spec.adam_betas[1]))
-    return torch.optim.AdamW(params, lr=role.get("lr", spec.lr), betas=betas,
-                             eps=role.get("adam_eps", spec.adam_eps),
-                             weight_decay=role.get("weight_decay", spec.weight_decay))
+    return torch.optim.AdamW(
+        params,
+        lr=role.get("lr", spec.lr),
+        betas=betas,
+        eps=role.get("adam_eps", spec.adam_eps),
+        weight_decay=role.get("weight_decay", spec.weight_decay),
+    )
 
 
 def make_objective(spec: TorchTrainerSpec) -> RLObjective:
     """The RL objective of a trainer spec (both backends train it)."""
-    return RLObjective(spec.algorithm, n_samples_per_prompt=spec.n_samples_per_prompt,
-                       rollout_temperature=spec.rollout_temperature, hf_checkpoint=spec.hf_checkpoint)
+    return RLObjective(
+        spec.algorithm,
+        n_samples_per_prompt=spec.n_samples_per_prompt,
+        rollout_temperature=spec.rollout_temperature,
+        hf_checkpoint=spec.hf_checkpoint,
+    )
 
 
 class TorchBackend(RolloutTraining):
@@ -287,7 +309,7 @@ class TorchBackend(RolloutTraining):
         if spec.recompute_granularity == "full":
             enable_full_recompute(self.model)
         if self.sharding is not None:
-            self.sharding.shard(self.model)   # before the optimizer: it takes the sharded parameters
+            self.sharding.shard(self.model)  # before the optimizer: it takes the sharded parameters
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         roles = algo.role_config()
@@ -306,7 +328,8 @@ class TorchBackend(RolloutTraining):
         if algo.needs_reference_model:
             # With --bf16 the frozen reference is bf16 too: no masters needed, it never changes.
             self.ref_model = AutoModelForCausalLM.from_pretrained(
-                algo.ref_load or spec.hf_checkpoint, dtype=torch.bfloat16 if spec.bf16 else torch.float32)
+                algo.ref_load or spec.hf_checkpoint, dtype=torch.bfloat16 if spec.bf16 else torch.float32
+            )
             self.ref_model.eval().requires_grad_(False)
             if self.sharding is not None:
                 self.sharding.shard(self.ref_model)
@@ -341,9 +364,15 @@ class TorchBackend(RolloutTraining):
         if self.spec.log_probs_chunk_size:
             # Same results, without the micro-batch's whole [tokens x vocab] logits (vime.backends.chunked_logits).
             inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-            chunked = chunked_forward(model, inputs, batch.targets, chunk_size=self.spec.log_probs_chunk_size,
-                                      temperature=self.spec.rollout_temperature, entropy=entropy,
-                                      head_ids=batch.head_ids if heads else None)
+            chunked = chunked_forward(
+                model,
+                inputs,
+                batch.targets,
+                chunk_size=self.spec.log_probs_chunk_size,
+                temperature=self.spec.rollout_temperature,
+                entropy=entropy,
+                head_ids=batch.head_ids if heads else None,
+            )
             return Forward(chunked.log_probs, chunked.entropy, chunked.head_log_probs)
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
         if self.spec.rollout_temperature > 0:
@@ -409,7 +438,7 @@ class TorchBackend(RolloutTraining):
             return
         if not self._writes_files():
             return
-        with self.actor.weights_as(self.export_dtype):   # --bf16: the masters, in the engines' dtype
+        with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         if self.critic is not None and self.critic_save:
@@ -421,7 +450,7 @@ class TorchBackend(RolloutTraining):
         if self._gathered():
             self.sharding.save_pretrained(self.model, path, write=self._writes_files(), dtype=self.export_dtype)
         elif self._writes_files():
-            with self.actor.weights_as(self.export_dtype):   # --bf16: the masters, in the engines' dtype
+            with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
                 self.model.save_pretrained(path, safe_serialization=True)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -445,16 +474,20 @@ class TorchBackend(RolloutTraining):
         if not self._writes_files():
             return
         os.makedirs(path, exist_ok=True)
-        with self.actor.weights_as():   # --bf16: the float32 masters, so that a resume is exact
+        with self.actor.weights_as():  # --bf16: the float32 masters, so that a resume is exact
             self.model.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
-        torch.save({"optimizer": self.optimizer.state_dict(),
-                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                            "torch": torch.get_rng_state()},
-                    "rollouts_trained": self.rollouts_trained,
-                    # The schedules' positions (a role may step several times per rollout, or not at all).
-                    "optimizer_steps": {role.name: role.optimizer_steps for role in (self.actor, self.critic)
-                                        if role is not None}},
-                   os.path.join(path, "optimizer_and_rng.pt"))
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "rollouts_trained": self.rollouts_trained,
+                # The schedules' positions (a role may step several times per rollout, or not at all).
+                "optimizer_steps": {
+                    role.name: role.optimizer_steps for role in (self.actor, self.critic) if role is not None
+                },
+            },
+            os.path.join(path, "optimizer_and_rng.pt"),
+        )
         if self.critic is not None:
             self._save_critic(os.path.join(path, "critic"))
             if self.critic_save:
@@ -464,7 +497,7 @@ class TorchBackend(RolloutTraining):
         if gathered is not None:  # FSDP: the critic's gathered weights (its optimizer is in the sharded checkpoint)
             save_value_model(self.critic.module, gathered, path)
             return
-        with self.critic.weights_as():   # --bf16: the float32 masters
+        with self.critic.weights_as():  # --bf16: the float32 masters
             self.critic.module.save(path)
         torch.save(self.critic.optimizer.state_dict(), os.path.join(path, CRITIC_OPTIMIZER_FILE))
 
@@ -500,8 +533,10 @@ class TorchBackend(RolloutTraining):
     def _counters(self) -> dict:
         """The rollout count and the schedules' positions (a role may step several times per rollout, or not
         at all), as the sharded checkpoint keeps them."""
-        return {"rollouts_trained": self.rollouts_trained,
-                "optimizer_steps": {role.name: role.optimizer_steps for role in self._trained_roles()}}
+        return {
+            "rollouts_trained": self.rollouts_trained,
+            "optimizer_steps": {role.name: role.optimizer_steps for role in self._trained_roles()},
+        }
 
     def load_training_state(self, path: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -513,7 +548,7 @@ class TorchBackend(RolloutTraining):
                 role.restore_steps(saved["optimizer_steps"].get(role.name))
             return
         saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=torch.float32)
-        with self.actor.weights_as():   # --bf16: into the float32 masters (the bf16 copy is refreshed from them)
+        with self.actor.weights_as():  # --bf16: into the float32 masters (the bf16 copy is refreshed from them)
             self.model.load_state_dict(saved.state_dict())
         state = torch.load(os.path.join(path, "optimizer_and_rng.pt"), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -526,10 +561,13 @@ class TorchBackend(RolloutTraining):
         if self.critic is not None:
             critic = os.path.join(path, "critic")
             if not is_critic_checkpoint(critic):
-                raise ValueError(f"{path} holds no critic state (it was saved by a run without "
-                                 "--advantage-estimator ppo); a PPO run cannot resume from it")
+                raise ValueError(
+                    f"{path} holds no critic state (it was saved by a run without "
+                    "--advantage-estimator ppo); a PPO run cannot resume from it"
+                )
             with self.critic.weights_as():
                 self.critic.module.load_weights(critic)
             self.critic.optimizer.load_state_dict(
-                torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False))
+                torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False)
+            )
             self.critic.restore_steps(steps.get("critic"))

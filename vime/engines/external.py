@@ -40,17 +40,20 @@ class EngineFacts:
 
     url: str
     model: str | None
-    gpus: int               # worker GPUs (slots) of the engine
+    gpus: int  # worker GPUs (slots) of the engine
     tensor_parallel_size: int
-    worker_type: str        # regular | prefill | decode | encoder
+    worker_type: str  # regular | prefill | decode | encoder
 
 
 def facts_from_server_info(url: str, info: Any) -> EngineFacts:
     """Parse ``/server_info?config_format=json``; EngineError when it is not what vLLM answers."""
     config = info.get("vllm_config") if isinstance(info, dict) else None
     if not isinstance(config, dict):
-        raise EngineError(url, "GET /server_info did not return a JSON vllm_config (is it a vLLM server started "
-                               "with VLLM_SERVER_DEV_MODE=1?)")
+        raise EngineError(
+            url,
+            "GET /server_info did not return a JSON vllm_config (is it a vLLM server started "
+            "with VLLM_SERVER_DEV_MODE=1?)",
+        )
     parallel = config.get("parallel_config") or {}
 
     def size(name: str) -> int:
@@ -62,11 +65,15 @@ def facts_from_server_info(url: str, info: Any) -> EngineFacts:
     gpus = tp * size("pipeline_parallel_size") * dp * size("prefill_context_parallel_size")
     kv_role = (config.get("kv_transfer_config") or {}).get("kv_role")
     ec_role = (config.get("ec_transfer_config") or {}).get("ec_role")
-    worker_type = ("encoder" if ec_role == "ec_producer" else
-                   {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role, "regular"))
+    worker_type = (
+        "encoder"
+        if ec_role == "ec_producer"
+        else {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role, "regular")
+    )
     model = (config.get("model_config") or {}).get("model")
-    return EngineFacts(url=url, model=str(model) if model else None, gpus=gpus, tensor_parallel_size=tp,
-                       worker_type=worker_type)
+    return EngineFacts(
+        url=url, model=str(model) if model else None, gpus=gpus, tensor_parallel_size=tp, worker_type=worker_type
+    )
 
 
 def probe_engine(url: str, *, timeout: float, wait: float = 0.0, poll_interval: float = 1.0) -> EngineFacts:
@@ -84,6 +91,7 @@ def probe_engine(url: str, *, timeout: float, wait: float = 0.0, poll_interval: 
                 raise EngineError(url, f"not healthy{f' after {wait:g}s' if wait else ''}: {error.message}") from None
         time.sleep(poll_interval)
     # The first /server_info call collects the system environment (slow once, cached after).
-    info = call_json("GET", url, "/server_info", params={"config_format": "json"}, timeout=max(timeout, 60.0),
-                     attempts=2)
+    info = call_json(
+        "GET", url, "/server_info", params={"config_format": "json"}, timeout=max(timeout, 60.0), attempts=2
+    )
     return facts_from_server_info(url, info)

@@ -22,10 +22,12 @@ from tenacity import (
     wait_exponential,
 )
 
+from vime.errors import UserError
+
 DEFAULT_ATTEMPTS = 3
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """A call to a server failed; the message names the server and the call."""
 
     role = "engine"
@@ -113,16 +115,23 @@ def call_json(
     error_type: type[EngineError] = EngineError,
 ) -> Any:
     """Like :func:`call`, returning the decoded JSON body (None for an empty body)."""
-    response = call(method, base_url, path, timeout=timeout, params=params, json_body=json_body,
-                    attempts=attempts, error_type=error_type)
+    response = call(
+        method,
+        base_url,
+        path,
+        timeout=timeout,
+        params=params,
+        json_body=json_body,
+        attempts=attempts,
+        error_type=error_type,
+    )
     if not response.content:
         return None
     try:
         return response.json()
     except json.JSONDecodeError as exc:
         what = f"{method} {path}"
-        raise error_type(base_url.rstrip("/"),
-                         f"{what} returned non-JSON: {response.text[:300]!r}") from exc
+        raise error_type(base_url.rstrip("/"), f"{what} returned non-JSON: {response.text[:300]!r}") from exc
 
 
 def _status_message(what: str, response: requests.Response, attempts: int) -> str:

@@ -61,13 +61,17 @@ def probe_generation(url: str, *, timeout: float, expect_version: int | None = N
         raise ProbeFailed(url, f"generation probe: POST {GENERATE_PATH} failed: {type(error).__name__}") from None
     if response.status_code != 200:
         hint = _STATUS_HINTS.get(response.status_code)
-        raise ProbeFailed(url, f"generation probe: POST {GENERATE_PATH} answered {response.status_code}"
-                               + (f"; {hint}" if hint else f": {response.text[:200]}"))
+        raise ProbeFailed(
+            url,
+            f"generation probe: POST {GENERATE_PATH} answered {response.status_code}"
+            + (f"; {hint}" if hint else f": {response.text[:200]}"),
+        )
     try:
         choice = response.json()["choices"][0]
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ProbeFailed(url, f"generation probe: POST {GENERATE_PATH} answered without choices: "
-                               f"{response.text[:200]!r}") from None
+        raise ProbeFailed(
+            url, f"generation probe: POST {GENERATE_PATH} answered without choices: {response.text[:200]!r}"
+        ) from None
     return check_choice(url, choice, expect_version)
 
 
@@ -82,16 +86,23 @@ def check_choice(url: str, choice: Any, expect_version: int | None) -> dict[str,
         raise ProbeFailed(url, "generation probe: the answer carries no generated token ids")
     content = (choice.get("logprobs") or {}).get("content") or []
     if len(content) != len(ids) or not all(isinstance(entry.get("logprob"), (int, float)) for entry in content):
-        raise ProbeFailed(url, f"generation probe: {len(content)} log-prob(s) for {len(ids)} token(s); the engine "
-                               "must return the sampled token's log-prob (do not start it with --max-logprobs 0)")
+        raise ProbeFailed(
+            url,
+            f"generation probe: {len(content)} log-prob(s) for {len(ids)} token(s); the engine "
+            "must return the sampled token's log-prob (do not start it with --max-logprobs 0)",
+        )
     segments = choice.get("weight_versions")
     if not isinstance(segments, list) or not segments:
-        raise ProbeFailed(url, "generation probe: the answer carries no weight_versions; vime needs vLLM's "
-                               "per-token weight versions (a vLLM >= 0.32 server with --enable-scale-out)")
+        raise ProbeFailed(
+            url,
+            "generation probe: the answer carries no weight_versions; vime needs vLLM's "
+            "per-token weight versions (a vLLM >= 0.32 server with --enable-scale-out)",
+        )
     if expect_version is not None:
         label = str(segments[-1].get("version"))
         served = 0 if label == "default" else label
         if str(served) != str(expect_version):
-            raise ProbeFailed(url, f"generation probe: generated with weight version {label!r}, "
-                                   f"expected {expect_version}")
+            raise ProbeFailed(
+                url, f"generation probe: generated with weight version {label!r}, expected {expect_version}"
+            )
     return choice

@@ -94,8 +94,12 @@ class RouterProcess:
         # turned off): a second router on the machine would die with "Address already in use".
         router_args.setdefault("prometheus-port", str(free_port(host)))
         self.metrics_port = int(router_args["prometheus-port"])  # type: ignore[arg-type]
-        self.process = ManagedProcess(build_router_command(host, port, router_args), log_path=log_path,
-                                      run_token=run_token, name=f"vllm-router:{port}")
+        self.process = ManagedProcess(
+            build_router_command(host, port, router_args),
+            log_path=log_path,
+            run_token=run_token,
+            name=f"vllm-router:{port}",
+        )
 
     def __repr__(self) -> str:
         return f"RouterProcess({self.url}, pid={self.process.pid})"
@@ -130,10 +134,29 @@ class RouterProcess:
     def _fail(self, reason: str) -> NoReturn:
         self.process.stop(timeout=5)
         raise RouterError(
-            self.url, f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}")
+            self.url, f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}"
+        )
 
     def stop(self, timeout: float = 10.0) -> int | None:
         return self.process.stop(timeout)
+
+    def restart(self, timeout: float = 60.0, port_wait: float = 15.0) -> None:
+        """Start the router again at the same address, with the same flags (its metrics port too),
+        after its process exited. Clients keep their URL. What the dead process left (its process
+        group, if any) is stopped first; the port is waited for, as the dead listener's socket may
+        linger a moment. The new router has no workers: the caller registers them again."""
+        self.process.stop(timeout=5)
+        deadline = time.monotonic() + port_wait
+        while not port_is_free(self.host, self.port):
+            if time.monotonic() >= deadline:
+                raise PortInUseError(self.host, self.port, "vllm-router (restarting it at its address)")
+            time.sleep(0.2)
+        previous = self.process
+        self.process = ManagedProcess(
+            previous.argv, log_path=previous.log_path, run_token=previous.run_token, name=previous.name
+        )
+        self.process.start()
+        self.wait_ready(timeout=timeout)
 
     def __enter__(self) -> RouterProcess:
         return self
@@ -142,16 +165,24 @@ class RouterProcess:
         self.stop()
 
 
-def start_router(*, log_path: str | os.PathLike[str], run_token: str, router_args: Mapping[str, str | None],
-                 port: int | None = None, host: str = "127.0.0.1", timeout: float = 60.0,
-                 say=lambda message: None) -> RouterProcess:
+def start_router(
+    *,
+    log_path: str | os.PathLike[str],
+    run_token: str,
+    router_args: Mapping[str, str | None],
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    timeout: float = 60.0,
+    say=lambda message: None,
+) -> RouterProcess:
     """Start a vllm-router and wait until it serves. A port vime picks (``port`` None) is free when
     picked, but another process may bind it before the router does: then it tries fresh ones. A
     given port fails at once."""
     attempts = 1 if port else 3
     for attempt in range(1, attempts + 1):
-        router = RouterProcess(port or free_port(host), host=host, router_args=router_args, log_path=log_path,
-                               run_token=run_token)
+        router = RouterProcess(
+            port or free_port(host), host=host, router_args=router_args, log_path=log_path, run_token=run_token
+        )
         say(f"starting vllm-router on {host}:{router.port}")
         try:
             router.start()
@@ -184,8 +215,15 @@ class RouterClient:
         retried call whose first attempt got through would otherwise fail).
         """
         try:
-            call("POST", self.url, "/add_worker", params={"url": engine_url},
-                 timeout=timeout or self.timeout, attempts=self.attempts, error_type=RouterError)
+            call(
+                "POST",
+                self.url,
+                "/add_worker",
+                params={"url": engine_url},
+                timeout=timeout or self.timeout,
+                attempts=self.attempts,
+                error_type=RouterError,
+            )
         except RouterError as exc:
             # vllm-router 0.1.17 answers 400 "Worker <url> already exists"; no status code tells it apart.
             if "already exists" not in exc.message:
@@ -193,13 +231,21 @@ class RouterClient:
 
     def remove_worker(self, engine_url: str, timeout: float | None = None) -> None:
         """Unregister an engine (also fine for an engine the router does not know)."""
-        call("POST", self.url, "/remove_worker", params={"url": engine_url},
-             timeout=timeout or self.timeout, attempts=self.attempts, error_type=RouterError)
+        call(
+            "POST",
+            self.url,
+            "/remove_worker",
+            params={"url": engine_url},
+            timeout=timeout or self.timeout,
+            attempts=self.attempts,
+            error_type=RouterError,
+        )
 
     def workers(self) -> list[str]:
         """URLs of the registered engines, healthy or not."""
-        body = call_json("GET", self.url, "/list_workers", timeout=self.timeout, attempts=self.attempts,
-                         error_type=RouterError)
+        body = call_json(
+            "GET", self.url, "/list_workers", timeout=self.timeout, attempts=self.attempts, error_type=RouterError
+        )
         if not isinstance(body, dict) or not isinstance(body.get("urls"), list):
             raise RouterError(self.url, f"GET /list_workers answered without a 'urls' list: {str(body)[:300]}")
         return [str(u) for u in body["urls"]]

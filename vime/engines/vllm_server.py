@@ -48,11 +48,17 @@ def build_vllm_command(
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--host", host,
-        "--port", str(port),
-        "--tensor-parallel-size", str(tensor_parallel_size),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
     ]
     # Token-in/token-out generation with per-token weight versions: the rollout path needs it.
     vllm_args.setdefault("enable-scale-out", None)
@@ -96,7 +102,8 @@ def engine_env(token: str, cpu_cores: Sequence[int] | None = None, ranks: int = 
             raise ValueError(f"{len(cores)} cpu_cores cannot be split evenly over {ranks} rank(s)")
         per_rank = len(cores) // ranks
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(str(c) for c in cores[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
+            ",".join(str(c) for c in cores[r * per_rank : (r + 1) * per_rank]) for r in range(ranks)
+        )
     return env
 
 
@@ -125,8 +132,9 @@ class VllmServer:
         if "enable-return-routed-experts" in (vllm_args or {}) and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
             # vLLM 0.32 captures routed experts (R3) only in its V2 model runner (it refuses otherwise).
             full_env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        self.process = ManagedProcess(argv, log_path=log_path, run_token=run_token, env=full_env,
-                                      name=f"vllm:{self.port}")
+        self.process = ManagedProcess(
+            argv, log_path=log_path, run_token=run_token, env=full_env, name=f"vllm:{self.port}"
+        )
 
     def __repr__(self) -> str:
         return f"VllmServer({self.url}, pid={self.process.pid})"
@@ -163,8 +171,8 @@ class VllmServer:
     def _fail(self, reason: str) -> NoReturn:
         self.process.stop(timeout=10)
         raise EngineStartError(
-            self.url,
-            f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}")
+            self.url, f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}"
+        )
 
     def stop(self, timeout: float = 30.0) -> int | None:
         return self.process.stop(timeout)
@@ -188,10 +196,12 @@ class EngineClient:
     def __repr__(self) -> str:
         return f"EngineClient({self.url})"
 
-    def _json(self, method: str, path: str, *, timeout: float | None = None, attempts: int | None = None,
-              **kwargs: Any) -> Any:
-        return call_json(method, self.url, path, timeout=timeout or self.timeout,
-                         attempts=attempts or self.attempts, **kwargs)
+    def _json(
+        self, method: str, path: str, *, timeout: float | None = None, attempts: int | None = None, **kwargs: Any
+    ) -> Any:
+        return call_json(
+            method, self.url, path, timeout=timeout or self.timeout, attempts=attempts or self.attempts, **kwargs
+        )
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when /health answers 200; False when it answers otherwise or cannot be reached."""
@@ -231,8 +241,9 @@ class EngineClient:
         body = self._json("GET", "/is_sleeping")
         return bool(_field(self.url, body, "is_sleeping", "GET /is_sleeping"))
 
-    def reload_weights(self, path: str | os.PathLike[str], timeout: float | None = None,
-                       check_local_path: bool = True) -> None:
+    def reload_weights(
+        self, path: str | os.PathLike[str], timeout: float | None = None, check_local_path: bool = True
+    ) -> None:
         """Every worker re-reads the HF safetensors in ``path`` (``collective_rpc reload_weights``).
 
         A worker that fails makes vLLM answer 500 with the worker's exception, raised here as
@@ -244,24 +255,34 @@ class EngineClient:
         if check_local_path:
             folder = Path(path)
             if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-                raise EngineError(self.url, f"reload_weights({path}): not a folder with *.safetensors "
-                                            "here; not sent, since a failed reload kills the engine")
+                raise EngineError(
+                    self.url,
+                    f"reload_weights({path}): not a folder with *.safetensors "
+                    "here; not sent, since a failed reload kills the engine",
+                )
         results = self.collective_rpc("reload_weights", {"weights_path": str(path)}, timeout=timeout)
         failures = [f"worker {i}: {r}" for i, r in enumerate(results) if r is not None]
         if failures:
             raise EngineError(self.url, f"reload_weights({path}) failed: " + "; ".join(failures))
 
-    def collective_rpc(self, method: str, kwargs: Mapping[str, Any] | None = None,
-                       timeout: float | None = None) -> list[Any]:
+    def collective_rpc(
+        self, method: str, kwargs: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
         """Run ``method`` on every worker of the engine (a worker method, or one of the worker
         extension's); returns each worker's result (None, a dict or a list; other values as text).
         Not retried: the call may have run."""
         timeout = timeout or self.timeout
-        body = self._json("POST", "/collective_rpc", timeout=timeout, attempts=1, json_body={
-            "method": method,
-            "kwargs": dict(kwargs or {}),
-            "timeout": timeout,  # bounds the RPC inside vLLM too, not only our wait for it
-        })
+        body = self._json(
+            "POST",
+            "/collective_rpc",
+            timeout=timeout,
+            attempts=1,
+            json_body={
+                "method": method,
+                "kwargs": dict(kwargs or {}),
+                "timeout": timeout,  # bounds the RPC inside vLLM too, not only our wait for it
+            },
+        )
         return list((body or {}).get("results", []))
 
     def abort_requests(self, timeout: float | None = None) -> int:
@@ -290,19 +311,24 @@ class EngineClient:
         ProbeFailed naming the cause. ``expect_version``: the weight version it must generate with."""
         return probe_generation(self.url, timeout=timeout or self.timeout, expect_version=expect_version)
 
-    def generate(self, token_ids: Sequence[int], sampling_params: Mapping[str, Any],
-                 timeout: float | None = None) -> dict[str, Any]:
+    def generate(
+        self, token_ids: Sequence[int], sampling_params: Mapping[str, Any], timeout: float | None = None
+    ) -> dict[str, Any]:
         """One ``/inference/v1/generate`` call (token ids in); returns ``choices[0]``.
 
         Not retried: a dropped connection may leave the request running in the engine.
         """
-        body = self._json("POST", "/inference/v1/generate", timeout=timeout, attempts=1,
-                          json_body={"token_ids": list(token_ids), "sampling_params": dict(sampling_params)})
+        body = self._json(
+            "POST",
+            "/inference/v1/generate",
+            timeout=timeout,
+            attempts=1,
+            json_body={"token_ids": list(token_ids), "sampling_params": dict(sampling_params)},
+        )
         return _field(self.url, body, "choices", "POST /inference/v1/generate")[0]
 
 
-def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], version: int,
-                          flush: bool) -> None:
+def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], version: int, flush: bool) -> None:
     """Load the weights in ``path`` into one engine and label them ``version``.
 
     flush=True: pause(abort) -> reload -> reset_prefix_cache -> update_weight_version -> resume.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (DeepSeek-Math): each reward minus its group's mean, divided by the group's std.
 
     ``rewards`` is ordered group by group ([num_groups * group_size]). A group whose rewards are all
@@ -41,8 +42,9 @@ def _last_trained_index(mask: torch.Tensor) -> int:
     return int(trained[-1]) if len(trained) else mask.numel() - 1
 
 
-def kl_penalised_token_rewards(rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor],
-                               kl_coef: float) -> list[torch.Tensor]:
+def kl_penalised_token_rewards(
+    rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor], kl_coef: float
+) -> list[torch.Tensor]:
     """r_t = -kl_coef * KL_t on trained tokens, plus the sequence reward on the last trained token."""
     out = []
     for reward, kl_i, mask in zip(rewards, kl, loss_masks, strict=True):
@@ -68,23 +70,27 @@ def discounted_returns(token_rewards: list[torch.Tensor], gamma: float) -> list[
     return out
 
 
-def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor],
-                                *, kl_coef: float, gamma: float) -> list[torch.Tensor]:
+def reinforce_plus_plus_returns(
+    rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor], *, kl_coef: float, gamma: float
+) -> list[torch.Tensor]:
     """REINFORCE++ (arXiv:2501.03262) before whitening: discounted returns of the KL-penalised token rewards."""
     return discounted_returns(kl_penalised_token_rewards(rewards, kl, loss_masks, kl_coef), gamma)
 
 
-def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, kl: list[torch.Tensor],
-                                            loss_masks: list[torch.Tensor], *, group_size: int,
-                                            kl_coef: float) -> list[torch.Tensor]:
+def reinforce_plus_plus_baseline_advantages(
+    rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor], *, group_size: int, kl_coef: float
+) -> list[torch.Tensor]:
     """REINFORCE++-baseline before whitening: (reward - group mean) - kl_coef * KL_t on every trained token."""
     centred = grpo_advantages(rewards, group_size, normalize_std=False)
-    return [(value - kl_coef * kl_i) * mask.to(kl_i.dtype)
-            for value, kl_i, mask in zip(centred, kl, loss_masks, strict=True)]
+    return [
+        (value - kl_coef * kl_i) * mask.to(kl_i.dtype)
+        for value, kl_i, mask in zip(centred, kl, loss_masks, strict=True)
+    ]
 
 
-def gae_advantages(token_rewards: list[torch.Tensor], values: list[torch.Tensor], *, gamma: float,
-                   lambd: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gae_advantages(
+    token_rewards: list[torch.Tensor], values: list[torch.Tensor], *, gamma: float, lambd: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Generalised advantage estimation (PPO): A_t = sum_l (gamma lambd)^l delta_{t+l},
     delta_t = r_t + gamma V_{t+1} - V_t with V past the end = 0. Returns (advantages, returns = A + V)."""
     advantages, returns = [], []
@@ -101,9 +107,16 @@ def gae_advantages(token_rewards: list[torch.Tensor], values: list[torch.Tensor]
     return advantages, returns
 
 
-def ppo_advantages_and_returns(rewards: torch.Tensor, values: list[torch.Tensor], loss_masks: list[torch.Tensor],
-                               *, kl: list[torch.Tensor] | None = None, kl_coef: float = 0.0, gamma: float = 1.0,
-                               lambd: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def ppo_advantages_and_returns(
+    rewards: torch.Tensor,
+    values: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    *,
+    kl: list[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """PPO before whitening: GAE over the KL-shaped token rewards with the critic's ``values``.
 
     Returns (advantages, returns): advantages are 0 where the loss mask is 0; returns = A + V on every
@@ -135,10 +148,20 @@ def whiten_ragged(values: list[torch.Tensor], loss_masks: list[torch.Tensor]) ->
     return list(flat.split([v.numel() for v in values]))
 
 
-def compute_advantages(estimator: str, rewards: torch.Tensor, loss_masks: list[torch.Tensor], *,
-                       group_size: int, kl: list[torch.Tensor] | None = None, kl_coef: float = 0.0,
-                       gamma: float = 1.0, lambd: float = 1.0, normalize_std: bool = True,
-                       normalize: bool = False, values: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    loss_masks: list[torch.Tensor],
+    *,
+    group_size: int,
+    kl: list[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    normalize_std: bool = True,
+    normalize: bool = False,
+    values: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """Token-level advantages of one rollout for ``--advantage-estimator``.
 
     ``kl`` (per token, policy vs reference) is needed when ``kl_coef`` is not 0; ``values`` (critic) for
@@ -149,13 +172,13 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, loss_masks: list[t
             raise ValueError("kl_coef needs the per-token KL to the reference model")
         kl = [torch.zeros(m.shape, dtype=rewards.dtype) for m in loss_masks]
     if estimator in ("grpo", "gspo", "cispo"):
-        advantages = broadcast_to_tokens(grpo_advantages(rewards, group_size, normalize_std=normalize_std),
-                                         loss_masks)
+        advantages = broadcast_to_tokens(grpo_advantages(rewards, group_size, normalize_std=normalize_std), loss_masks)
     elif estimator == "reinforce_plus_plus":
         advantages = reinforce_plus_plus_returns(rewards, kl, loss_masks, kl_coef=kl_coef, gamma=gamma)
     elif estimator == "reinforce_plus_plus_baseline":
-        advantages = reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks, group_size=group_size,
-                                                             kl_coef=kl_coef)
+        advantages = reinforce_plus_plus_baseline_advantages(
+            rewards, kl, loss_masks, group_size=group_size, kl_coef=kl_coef
+        )
     elif estimator == "ppo":
         if values is None:
             raise NotImplementedError("--advantage-estimator ppo needs the critic's values (values=...)")

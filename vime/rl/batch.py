@@ -19,34 +19,39 @@ from vime.sample import Sample
 class PackedBatch:
     """One micro-batch, right-padded: [B, T] inputs, and [B, T-1] per-target values aligned with the logits."""
 
-    input_ids: torch.Tensor        # [B, T]
-    attention_mask: torch.Tensor   # [B, T]
-    targets: torch.Tensor          # [B, T-1] token predicted at each position
-    response_mask: torch.Tensor    # [B, T-1] 1 where the target is a trained response token
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    targets: torch.Tensor  # [B, T-1] token predicted at each position
+    response_mask: torch.Tensor  # [B, T-1] 1 where the target is a trained response token
     rollout_log_probs: torch.Tensor  # [B, T-1] sampler log-probs at the same places (0 elsewhere)
-    starts: list[int] = dataclasses.field(default_factory=list)   # first response position of each row
+    starts: list[int] = dataclasses.field(default_factory=list)  # first response position of each row
     lengths: list[int] = dataclasses.field(default_factory=list)  # response length of each row
     # Score centering: the sampler's top-k heads, or its top-p supports right-padded to the widest.
-    head_ids: torch.Tensor | None = None        # [B, T-1, k] sampler token ids
+    head_ids: torch.Tensor | None = None  # [B, T-1, k] sampler token ids
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] their sampler log-probs
-    head_rows: torch.Tensor | None = None       # [B, T-1] True at trained tokens (where the correction applies)
-    head_valid: torch.Tensor | None = None      # [B, T-1, k] top-p only: True on the support, False on padding
+    head_rows: torch.Tensor | None = None  # [B, T-1] True at trained tokens (where the correction applies)
+    head_valid: torch.Tensor | None = None  # [B, T-1, k] top-p only: True on the support, False on padding
     teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
 
     def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
         """The response part of each row of a [B, T-1] tensor (ragged, one tensor per sample)."""
-        return [values[row, start:start + n] for row, (start, n) in enumerate(zip(self.starts, self.lengths))]
+        return [values[row, start : start + n] for row, (start, n) in enumerate(zip(self.starts, self.lengths))]
 
     def unrows(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`rows`: place per-sample response values into the [B, T-1] layout (0 elsewhere)."""
         out = torch.zeros(self.targets.shape, dtype=rows[0].dtype if rows else torch.float32)
         for row, (start, values) in enumerate(zip(self.starts, rows)):
-            out[row, start:start + values.numel()] = values
+            out[row, start : start + values.numel()] = values
         return out
 
 
-def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None = None,
-         with_heads: bool = False, with_teacher: bool = False) -> PackedBatch:
+def pack(
+    samples: list[Sample],
+    pad_id: int,
+    loss_masks: list[list[int]] | None = None,
+    with_heads: bool = False,
+    with_teacher: bool = False,
+) -> PackedBatch:
     """Right-pad ``samples`` into one batch. ``loss_masks`` overrides the samples' own masks;
     ``with_heads`` also packs the sampler's top-k heads or top-p supports (score centering),
     ``with_teacher`` the teacher's log-probs (on-policy distillation)."""
@@ -66,9 +71,9 @@ def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None 
             mask = loss_masks[row]
         else:
             mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
-        response_mask[row, start:start + sample.response_length] = torch.tensor(mask, dtype=torch.float32)
+        response_mask[row, start : start + sample.response_length] = torch.tensor(mask, dtype=torch.float32)
         if sample.rollout_log_probs is not None:
-            rollout[row, start:start + sample.response_length] = torch.tensor(sample.rollout_log_probs)
+            rollout[row, start : start + sample.response_length] = torch.tensor(sample.rollout_log_probs)
         starts.append(start)
         lengths.append(sample.response_length)
     packed = PackedBatch(input_ids, attention, input_ids[:, 1:], response_mask, rollout, starts, lengths)
@@ -82,13 +87,17 @@ def pack(samples: list[Sample], pad_id: int, loss_masks: list[list[int]] | None 
 def _teacher_row(sample: Sample) -> torch.Tensor:
     values = sample.teacher_log_probs
     if values is None:
-        raise ValueError(f"--use-opd: sample {sample.index} of group {sample.group_index} has no teacher_log_probs; "
-                         "the rollout side records them (e.g. --custom-rm-path vime.rollout.teacher.reward_func, "
-                         "or vime.rollout.teacher.attach_teacher_log_probs in your reward function)")
+        raise ValueError(
+            f"--use-opd: sample {sample.index} of group {sample.group_index} has no teacher_log_probs; "
+            "the rollout side records them (e.g. --custom-rm-path vime.rollout.teacher.reward_func, "
+            "or vime.rollout.teacher.attach_teacher_log_probs in your reward function)"
+        )
     row = torch.as_tensor(np.asarray(values, dtype=np.float32)).reshape(-1)
     if row.numel() != sample.response_length:
-        raise ValueError(f"sample {sample.index} of group {sample.group_index}: {row.numel()} teacher log-probs for "
-                         f"{sample.response_length} response tokens")
+        raise ValueError(
+            f"sample {sample.index} of group {sample.group_index}: {row.numel()} teacher log-probs for "
+            f"{sample.response_length} response tokens"
+        )
     return row
 
 
@@ -96,8 +105,10 @@ def _pack_heads(packed: PackedBatch, samples: list[Sample]) -> None:
     kinds = {_capture_kind(sample) for sample in samples}
     if None in kinds:
         missing = next(sample for sample in samples if _capture_kind(sample) is None)
-        raise ValueError(f"score centering needs the sampler's top-k heads or top-p supports: sample {missing.index} "
-                         f"of group {missing.group_index} has neither (rollout_topk_token_ids / rollout_topp_ids)")
+        raise ValueError(
+            f"score centering needs the sampler's top-k heads or top-p supports: sample {missing.index} "
+            f"of group {missing.group_index} has neither (rollout_topk_token_ids / rollout_topp_ids)"
+        )
     if kinds == {"support"}:
         _pack_supports(packed, samples)
     elif kinds == {"topk"}:
@@ -120,8 +131,10 @@ def _pack_topk(packed: PackedBatch, samples: list[Sample]) -> None:
         ids = torch.as_tensor(np.asarray(sample.rollout_topk_token_ids), dtype=torch.long)
         log_probs = torch.as_tensor(np.asarray(sample.rollout_topk_log_probs), dtype=torch.float32)
         if ids.dim() != 2 or ids.shape != log_probs.shape or ids.shape[0] != sample.response_length:
-            raise ValueError(f"sample {sample.index} of group {sample.group_index}: top-k heads of shape "
-                             f"{tuple(ids.shape)} / {tuple(log_probs.shape)}, expected [{sample.response_length}, k]")
+            raise ValueError(
+                f"sample {sample.index} of group {sample.group_index}: top-k heads of shape "
+                f"{tuple(ids.shape)} / {tuple(log_probs.shape)}, expected [{sample.response_length}, k]"
+            )
         heads.append((ids, log_probs))
     k = {ids.shape[1] for ids, _ in heads}
     if len(k) != 1:
@@ -130,8 +143,8 @@ def _pack_topk(packed: PackedBatch, samples: list[Sample]) -> None:
     packed.head_ids = torch.zeros(shape, dtype=torch.long)
     packed.head_log_probs = torch.zeros(shape)
     for row, ((ids, log_probs), start, n) in enumerate(zip(heads, packed.starts, packed.lengths)):
-        packed.head_ids[row, start:start + n] = ids
-        packed.head_log_probs[row, start:start + n] = log_probs
+        packed.head_ids[row, start : start + n] = ids
+        packed.head_log_probs[row, start : start + n] = log_probs
     # Untrained tokens (tool output, off-policy masking) have no head worth centring: their rows may be empty.
     packed.head_rows = packed.response_mask > 0
 
@@ -144,10 +157,17 @@ def _pack_supports(packed: PackedBatch, samples: list[Sample]) -> None:
         log_probs = torch.as_tensor(np.asarray(sample.rollout_topp_log_probs), dtype=torch.float32).reshape(-1)
         offsets = torch.as_tensor(np.asarray(sample.rollout_topp_offsets), dtype=torch.long).reshape(-1)
         lengths = offsets[1:] - offsets[:-1]
-        if (offsets.numel() != sample.response_length + 1 or offsets[0] != 0 or (lengths < 0).any()
-                or offsets[-1] != ids.numel() or ids.numel() != log_probs.numel()):
-            raise ValueError(f"{where}: top-p support offsets must rise from 0 to the {ids.numel()} support ids in "
-                             f"{sample.response_length + 1} steps, with one log-prob per id")
+        if (
+            offsets.numel() != sample.response_length + 1
+            or offsets[0] != 0
+            or (lengths < 0).any()
+            or offsets[-1] != ids.numel()
+            or ids.numel() != log_probs.numel()
+        ):
+            raise ValueError(
+                f"{where}: top-p support offsets must rise from 0 to the {ids.numel()} support ids in "
+                f"{sample.response_length + 1} steps, with one log-prob per id"
+            )
         supports.append((ids, log_probs, offsets, lengths))
     width = max([1] + [int(lengths.max()) for *_, lengths in supports if lengths.numel()])
     shape = (*packed.targets.shape, width)
@@ -167,16 +187,18 @@ def _pack_supports(packed: PackedBatch, samples: list[Sample]) -> None:
     if uncovered.any():
         row, position = (int(i) for i in uncovered.nonzero()[0])
         sample = samples[row]
-        raise ValueError(f"sample {sample.index} of group {sample.group_index}: response token "
-                         f"{position - packed.starts[row]} is trained but lies outside its recorded top-p support")
+        raise ValueError(
+            f"sample {sample.index} of group {sample.group_index}: response token "
+            f"{position - packed.starts[row]} is trained but lies outside its recorded top-p support"
+        )
 
 
 @dataclasses.dataclass
 class Forward:
     """What a backend's forward pass over a :class:`PackedBatch` returns, at the sampling temperature."""
 
-    log_probs: torch.Tensor                    # [B, T-1] of the target tokens
-    entropy: torch.Tensor | None = None        # [B, T-1]
+    log_probs: torch.Tensor  # [B, T-1] of the target tokens
+    entropy: torch.Tensor | None = None  # [B, T-1]
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] at the sampler's head ids
 
 

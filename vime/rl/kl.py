@@ -17,7 +17,7 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -
     if kind == "k1":
         return log_ratio
     if kind == "k2":
-        return log_ratio ** 2 / 2
+        return log_ratio**2 / 2
     if kind in ("k3", "low_var_kl"):
         kl = torch.expm1(-log_ratio) + log_ratio
         return kl.clamp(min=-10, max=10) if kind == "low_var_kl" else kl

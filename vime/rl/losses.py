@@ -10,22 +10,38 @@ from __future__ import annotations
 import torch
 
 
-def ppo_clip_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                  *, eps_clip: float, eps_clip_high: float | None = None,
-                  eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_clip_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate: -min(r A, clip(r, 1-eps, 1+eps_high) A), r = exp(logp - logp_old).
 
     With ``eps_clip_c`` (dual-clip PPO) the loss of a negative-advantage token is also capped at -c A,
     so that a huge ratio cannot produce a huge update. Returns (per-token loss, per-token indicator
     that the clip was active).
     """
-    return clipped_ratio_loss(torch.exp(log_probs - old_log_probs), advantages, eps_clip=eps_clip,
-                              eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c)
+    return clipped_ratio_loss(
+        torch.exp(log_probs - old_log_probs),
+        advantages,
+        eps_clip=eps_clip,
+        eps_clip_high=eps_clip_high,
+        eps_clip_c=eps_clip_c,
+    )
 
 
-def clipped_ratio_loss(ratio: torch.Tensor, advantages: torch.Tensor, *, eps_clip: float,
-                       eps_clip_high: float | None = None,
-                       eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_ratio_loss(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The PPO surrogate for any importance ratio (per token for PPO, per sequence for GSPO)."""
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     unclipped = ratio * advantages
@@ -43,8 +59,15 @@ def sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mas
     return ((log_probs - old_log_probs) * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
 
 
-def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              *, eps_clip: float, eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gspo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO (arXiv:2507.18071): the clipped surrogate on the sequence ratio s_i = exp(sequence_log_ratio),
     the same value on each token of the sequence (so a per-sample mean gives the sequence's loss).
 
@@ -55,8 +78,14 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     return clipped_ratio_loss(ratio, advantages, eps_clip=eps_clip, eps_clip_high=eps_clip_high)
 
 
-def cispo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-               *, eps_clip: float, eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): -sg(clip(r, 1-eps, 1+eps_high)) A log p.
 
     The clipped ratio is a constant weight, so a clipped token still contributes the REINFORCE gradient
@@ -69,8 +98,9 @@ def cispo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages:
     return -weight * advantages * log_probs, (weight != ratio).to(log_probs.dtype)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       *, value_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, value_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's critic loss per token: max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), c = --value-clip.
 
     The clipped term keeps one update from moving a value far from the one the advantages were computed
@@ -97,8 +127,14 @@ def token_entropy(log_softmax: torch.Tensor) -> torch.Tensor:
     return -(log_softmax.exp() * log_softmax).sum(dim=-1)
 
 
-def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, *, per_token_loss: bool,
-                num_samples: int | None = None, num_tokens: float | None = None) -> torch.Tensor:
+def reduce_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    per_token_loss: bool,
+    num_samples: int | None = None,
+    num_tokens: float | None = None,
+) -> torch.Tensor:
     """Per-sample default: mean_i(sum(sample_i) / len(sample_i)); per-token: sum / total tokens.
 
     When a batch is split into micro-batches, pass the whole batch's ``num_samples`` (per-sample)

@@ -29,7 +29,13 @@ from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, w
 from vime.rl.batch import Forward, PackedBatch, masked_mean, replay_support
 from vime.rl.kl import approx_kl
 from vime.rl.losses import (
-    cispo_loss, clipped_value_loss, gspo_loss, nll_loss, ppo_clip_loss, reduce_loss, reinforce_loss,
+    cispo_loss,
+    clipped_value_loss,
+    gspo_loss,
+    nll_loss,
+    ppo_clip_loss,
+    reduce_loss,
+    reinforce_loss,
     sequence_log_ratio,
 )
 from vime.rl.offpolicy import onpolicy_loss_mask
@@ -50,16 +56,24 @@ class RLObjective:
     reference framework's ``args``).
     """
 
-    def __init__(self, algorithm: AlgorithmConfig, *, n_samples_per_prompt: int, rollout_temperature: float,
-                 hf_checkpoint: str):
+    def __init__(
+        self, algorithm: AlgorithmConfig, *, n_samples_per_prompt: int, rollout_temperature: float, hf_checkpoint: str
+    ):
         self.algorithm = algorithm
         self.n_samples_per_prompt = n_samples_per_prompt
         algo = algorithm
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
-        self.hook_args = argparse.Namespace(**dataclasses.asdict(algo), n_samples_per_prompt=n_samples_per_prompt,
-                                            rollout_temperature=rollout_temperature, hf_checkpoint=hf_checkpoint)
-        self.sc_weighting = (weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
-                             if algo.use_score_centering else None)
+        self.hook_args = argparse.Namespace(
+            **dataclasses.asdict(algo),
+            n_samples_per_prompt=n_samples_per_prompt,
+            rollout_temperature=rollout_temperature,
+            hf_checkpoint=hf_checkpoint,
+        )
+        self.sc_weighting = (
+            weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
+            if algo.use_score_centering
+            else None
+        )
 
     # ------------------------------------------------------------------ what the forwards must return
     @property
@@ -88,8 +102,10 @@ class RLObjective:
         if algo.use_tis or algo.use_rollout_logprobs or algo.use_score_centering:
             missing = next((s for s in samples if s.rollout_log_probs is None), None)
             if missing is not None:
-                raise ValueError(f"sample {missing.index} of group {missing.group_index} has no rollout_log_probs, "
-                                 "which --use-tis, --use-rollout-logprobs and --use-score-centering need")
+                raise ValueError(
+                    f"sample {missing.index} of group {missing.group_index} has no rollout_log_probs, "
+                    "which --use-tis, --use-rollout-logprobs and --use-score-centering need"
+                )
 
     def loss_masks(self, samples: list[Sample], policy_version: int | None) -> list[list[int]]:
         """Each sample's trained tokens: its own loss mask, less (--mask-offpolicy-in-partial-rollout) the
@@ -104,13 +120,27 @@ class RLObjective:
     @staticmethod
     def on_policy(micro_batches: list[list[Sample]], policy_version: int | None) -> list[torch.Tensor]:
         """Per micro-batch, [B, 1]: 1 for the samples generated entirely by the weights being trained."""
-        return [torch.tensor([float(bool(s.weight_versions) and min(s.weight_versions) == policy_version
-                                    == max(s.weight_versions)) for s in mb]).unsqueeze(1)
-                for mb in micro_batches]
+        return [
+            torch.tensor(
+                [
+                    float(
+                        bool(s.weight_versions) and min(s.weight_versions) == policy_version == max(s.weight_versions)
+                    )
+                    for s in mb
+                ]
+            ).unsqueeze(1)
+            for mb in micro_batches
+        ]
 
-    def advantages(self, samples: list[Sample], packed: list[PackedBatch], old: list[torch.Tensor],
-                   ref: list[torch.Tensor | None], values: list[torch.Tensor | None],
-                   metrics: dict) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def advantages(
+        self,
+        samples: list[Sample],
+        packed: list[PackedBatch],
+        old: list[torch.Tensor],
+        ref: list[torch.Tensor | None],
+        values: list[torch.Tensor | None],
+        metrics: dict,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Token advantages of the whole rollout (whitening and group baselines span micro-batches) and,
         with PPO, the critic's returns, both in each micro-batch's [B, T-1] layout."""
         algo = self.algorithm
@@ -127,33 +157,52 @@ class RLObjective:
         if algo.uses_critic:
             value_rows = [row for b, v in zip(packed, values) for row in b.rows(v)]
             token_advantages, token_returns = ppo_advantages_and_returns(
-                rewards, value_rows, masks, kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd)
+                rewards, value_rows, masks, kl=kl, kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd
+            )
         else:
             token_advantages = compute_advantages(
-                algo.advantage_estimator, rewards, masks, group_size=self.n_samples_per_prompt, kl=kl,
-                kl_coef=algo.kl_coef, gamma=algo.gamma, lambd=algo.lambd,
-                normalize_std=not algo.disable_grpo_std_normalization, normalize=False)
+                algo.advantage_estimator,
+                rewards,
+                masks,
+                group_size=self.n_samples_per_prompt,
+                kl=kl,
+                kl_coef=algo.kl_coef,
+                gamma=algo.gamma,
+                lambd=algo.lambd,
+                normalize_std=not algo.disable_grpo_std_normalization,
+                normalize=False,
+            )
         if algo.use_opd:
             student = [row for b, o in zip(packed, old) for row in b.rows(o)]
             teacher = [row for b in packed for row in b.rows(b.teacher_log_probs)]
-            token_advantages, reverse_kl = opd_advantages(token_advantages, student, teacher, masks,
-                                                          kl_coef=algo.opd_kl_coef)
+            token_advantages, reverse_kl = opd_advantages(
+                token_advantages, student, teacher, masks, kl_coef=algo.opd_kl_coef
+            )
             flat_mask = torch.cat(masks) if masks else torch.zeros(0)
-            metrics["opd_reverse_kl"].append(masked_mean(torch.cat(reverse_kl) if reverse_kl else flat_mask,
-                                                         flat_mask))
+            metrics["opd_reverse_kl"].append(masked_mean(torch.cat(reverse_kl) if reverse_kl else flat_mask, flat_mask))
         if algo.normalize_advantages:
             token_advantages = whiten_ragged(token_advantages, masks)
         out, out_returns, first = [], [], 0
         for b in packed:
-            out.append(b.unrows(token_advantages[first:first + len(b.starts)]))
-            out_returns.append(None if token_returns is None else b.unrows(token_returns[first:first + len(b.starts)]))
+            out.append(b.unrows(token_advantages[first : first + len(b.starts)]))
+            out_returns.append(
+                None if token_returns is None else b.unrows(token_returns[first : first + len(b.starts)])
+            )
             first += len(b.starts)
         return out, out_returns
 
     # ------------------------------------------------------------------ one micro-batch
-    def policy_loss(self, batch: PackedBatch, out: Forward, old: torch.Tensor | None, ref: torch.Tensor | None,
-                    advantages: torch.Tensor | None, totals: dict, step_terms: dict,
-                    metrics: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def policy_loss(
+        self,
+        batch: PackedBatch,
+        out: Forward,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor | None,
+        totals: dict,
+        step_terms: dict,
+        metrics: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's share of the step loss, from the training forward ``out`` (computed with
         :attr:`train_entropy` and :attr:`train_heads`), and its log-probs."""
         algo = self.algorithm
@@ -168,16 +217,24 @@ class RLObjective:
             return loss, log_probs
 
         if kind == "gspo":
-            per_token, clipped = gspo_loss(log_probs, old, advantages, mask, eps_clip=algo.eps_clip,
-                                           eps_clip_high=algo.eps_clip_high)
+            per_token, clipped = gspo_loss(
+                log_probs, old, advantages, mask, eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high
+            )
             ppo_kl = -sequence_log_ratio(log_probs.detach(), old, mask).expand_as(log_probs)
         else:
             if kind == "ppo":
-                per_token, clipped = ppo_clip_loss(log_probs, old, advantages, eps_clip=algo.eps_clip,
-                                                   eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c)
+                per_token, clipped = ppo_clip_loss(
+                    log_probs,
+                    old,
+                    advantages,
+                    eps_clip=algo.eps_clip,
+                    eps_clip_high=algo.eps_clip_high,
+                    eps_clip_c=algo.eps_clip_c,
+                )
             elif kind == "cispo":
-                per_token, clipped = cispo_loss(log_probs, old, advantages, eps_clip=algo.eps_clip,
-                                                eps_clip_high=algo.eps_clip_high)
+                per_token, clipped = cispo_loss(
+                    log_probs, old, advantages, eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high
+                )
             else:
                 per_token, clipped = reinforce_loss(log_probs, advantages), torch.zeros_like(log_probs)
             ppo_kl = old - log_probs.detach()
@@ -205,15 +262,20 @@ class RLObjective:
         metrics["ppo_kl"].append(masked_mean(ppo_kl, mask))
         return loss, log_probs
 
-    def apply_tis(self, batch: PackedBatch, per_token: torch.Tensor, trainer_log_probs: torch.Tensor,
-                  metrics: dict) -> torch.Tensor:
+    def apply_tis(
+        self, batch: PackedBatch, per_token: torch.Tensor, trainer_log_probs: torch.Tensor, metrics: dict
+    ) -> torch.Tensor:
         """Weight the per-token loss with the TIS function; tokens it rejects leave the numerator only."""
         masks = batch.rows(batch.response_mask)
         pg_loss, new_masks, tis_metrics = self.tis_function(
-            self.hook_args, pg_loss=torch.cat(batch.rows(per_token)), train_log_probs=batch.rows(trainer_log_probs),
-            rollout_log_probs=batch.rows(batch.rollout_log_probs), loss_masks=masks,
+            self.hook_args,
+            pg_loss=torch.cat(batch.rows(per_token)),
+            train_log_probs=batch.rows(trainer_log_probs),
+            rollout_log_probs=batch.rows(batch.rollout_log_probs),
+            loss_masks=masks,
             total_lengths=[start + 1 + n for start, n in zip(batch.starts, batch.lengths)],
-            response_lengths=list(batch.lengths))
+            response_lengths=list(batch.lengths),
+        )
         weighted = batch.unrows(list(pg_loss.split(batch.lengths)))
         if new_masks is not masks:
             weighted = weighted * batch.unrows([m.to(weighted.dtype) for m in new_masks])
@@ -222,26 +284,31 @@ class RLObjective:
             metrics[name].append(masked_mean(values, flat_mask))
         return weighted
 
-    def score_centering(self, batch: PackedBatch, out: Forward, log_probs: torch.Tensor,
-                        metrics: dict) -> torch.Tensor:
+    def score_centering(self, batch: PackedBatch, out: Forward, log_probs: torch.Tensor, metrics: dict) -> torch.Tensor:
         """Per-token centring correction ([B, T-1], differentiable) and its diagnostics."""
         rows = batch.head_rows
         if batch.head_valid is None:
-            corr, sampler_mass, train_mass = topk_correction(out.head_log_probs[rows], batch.head_log_probs[rows],
-                                                             **self.sc_weighting)
+            corr, sampler_mass, train_mass = topk_correction(
+                out.head_log_probs[rows], batch.head_log_probs[rows], **self.sc_weighting
+            )
         else:
             valid = batch.head_valid[rows]
             offsets = torch.zeros(valid.shape[0] + 1, dtype=torch.long)
             torch.cumsum(valid.sum(-1), 0, out=offsets[1:])
             corr, sampler_mass, train_mass = support_correction(
-                out.head_log_probs[rows][valid], batch.head_log_probs[rows][valid], offsets, **self.sc_weighting)
+                out.head_log_probs[rows][valid], batch.head_log_probs[rows][valid], offsets, **self.sc_weighting
+            )
         correction = torch.zeros_like(log_probs).masked_scatter(rows, corr)
         mask = batch.response_mask
-        for name, values in (("sc_correction", correction),
-                             ("sc_sampler_head_mass", torch.zeros_like(mask).masked_scatter(rows, sampler_mass)),
-                             ("sc_train_head_mass", torch.zeros_like(mask).masked_scatter(rows, train_mass)),
-                             ("sc_importance_weight", sampled_importance_weight(
-                                 log_probs, batch.rollout_log_probs, **self.sc_weighting))):
+        for name, values in (
+            ("sc_correction", correction),
+            ("sc_sampler_head_mass", torch.zeros_like(mask).masked_scatter(rows, sampler_mass)),
+            ("sc_train_head_mass", torch.zeros_like(mask).masked_scatter(rows, train_mass)),
+            (
+                "sc_importance_weight",
+                sampled_importance_weight(log_probs, batch.rollout_log_probs, **self.sc_weighting),
+            ),
+        ):
             metrics[name].append(masked_mean(values, mask))
         return correction
 
@@ -259,8 +326,15 @@ class RLObjective:
             if on_mask.sum() > 0:
                 metrics["onpolicy_logprob_abs_diff"].append(float((diff * on_policy).sum() / on_mask.sum()))
 
-    def value_loss(self, batch: PackedBatch, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                   totals: dict, metrics: dict) -> torch.Tensor:
+    def value_loss(
+        self,
+        batch: PackedBatch,
+        values: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        totals: dict,
+        metrics: dict,
+    ) -> torch.Tensor:
         """The micro-batch's share of the step's clipped value loss (reduced like the policy loss), from the
         critic's current ``values``."""
         algo = self.algorithm

@@ -14,21 +14,29 @@ from __future__ import annotations
 import torch
 
 
-def opd_reverse_kl(student_log_probs: list[torch.Tensor], teacher_log_probs: list[torch.Tensor],
-                   loss_masks: list[torch.Tensor]) -> list[torch.Tensor]:
+def opd_reverse_kl(
+    student_log_probs: list[torch.Tensor], teacher_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """log p_student - log p_teacher per response token (0 where the loss mask is 0)."""
     out = []
     for student, teacher, mask in zip(student_log_probs, teacher_log_probs, loss_masks, strict=True):
         if student.shape != teacher.shape or student.shape != mask.shape:
-            raise ValueError(f"OPD shape mismatch: student {tuple(student.shape)}, teacher {tuple(teacher.shape)}, "
-                             f"loss mask {tuple(mask.shape)}")
+            raise ValueError(
+                f"OPD shape mismatch: student {tuple(student.shape)}, teacher {tuple(teacher.shape)}, "
+                f"loss mask {tuple(mask.shape)}"
+            )
         out.append((student - teacher.to(student.dtype)) * mask.to(student.dtype))
     return out
 
 
-def opd_advantages(advantages: list[torch.Tensor], student_log_probs: list[torch.Tensor],
-                   teacher_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor], *,
-                   kl_coef: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def opd_advantages(
+    advantages: list[torch.Tensor],
+    student_log_probs: list[torch.Tensor],
+    teacher_log_probs: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    *,
+    kl_coef: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A_t - kl_coef x (log p_student - log p_teacher) on trained tokens. Returns (advantages, reverse KL)."""
     reverse_kl = opd_reverse_kl(student_log_probs, teacher_log_probs, loss_masks)
     if len(advantages) != len(reverse_kl):

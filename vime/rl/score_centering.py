@@ -24,8 +24,7 @@ import torch
 from vime.rl.tis import builtin_tis_mode, importance_weights
 
 
-def weighting(use_tis: bool, custom_tis_function_path: str | None, tis_clip_low: float,
-              tis_clip: float) -> dict:
+def weighting(use_tis: bool, custom_tis_function_path: str | None, tis_clip_low: float, tis_clip: float) -> dict:
     """The importance-weight rule shared by the sampled score and the centred scores."""
     if not use_tis:
         return {"mode": "none"}
@@ -35,9 +34,15 @@ def weighting(use_tis: bool, custom_tis_function_path: str | None, tis_clip_low:
     return {"mode": mode, "low": tis_clip_low, "high": tis_clip}
 
 
-def topk_correction(train_head_log_probs: torch.Tensor, sampler_head_log_probs: torch.Tensor, *,
-                    mode: str = "none", low: float | None = None, high: float | None = None,
-                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def topk_correction(
+    train_head_log_probs: torch.Tensor,
+    sampler_head_log_probs: torch.Tensor,
+    *,
+    mode: str = "none",
+    low: float | None = None,
+    high: float | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Head correction with the modelled tail, per token.
 
     Both inputs are [tokens, k] log-probs normalised over the whole vocabulary, at the sampler's head
@@ -55,9 +60,15 @@ def topk_correction(train_head_log_probs: torch.Tensor, sampler_head_log_probs: 
     return (residual * train_head_log_probs).sum(-1), q_mass, p_mass
 
 
-def support_correction(train_support_log_probs: torch.Tensor, sampler_support_log_probs: torch.Tensor,
-                       offsets: torch.Tensor, *, mode: str = "none", low: float | None = None,
-                       high: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def support_correction(
+    train_support_log_probs: torch.Tensor,
+    sampler_support_log_probs: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    mode: str = "none",
+    low: float | None = None,
+    high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact correction on a recorded top-p support (ragged rows).
 
     Token ``t``'s support is entries ``offsets[t]:offsets[t + 1]`` of the flat inputs; both are
@@ -78,7 +89,13 @@ def support_correction(train_support_log_probs: torch.Tensor, sampler_support_lo
     return correction, q_mass, p_mass
 
 
-def sampled_importance_weight(log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, *, mode: str = "none",
-                              low: float | None = None, high: float | None = None) -> torch.Tensor:
+def sampled_importance_weight(
+    log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    *,
+    mode: str = "none",
+    low: float | None = None,
+    high: float | None = None,
+) -> torch.Tensor:
     """The weight of the sampled token under the same rule (the ``sc_importance_weight`` metric)."""
     return importance_weights(torch.exp(log_probs.detach() - rollout_log_probs), mode, low, high)

@@ -21,7 +21,8 @@ averaged like the loss.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,8 +32,9 @@ _VANILLA = ("vime.rl.tis.vanilla_tis_function", "vime.backends.megatron_utils.lo
 _ICEPOP = ("vime.rl.tis.icepop_function", "vime.backends.megatron_utils.loss.icepop_function")
 
 
-def importance_weights(ratio: torch.Tensor, mode: str, low: float | None = None,
-                       high: float | None = None) -> torch.Tensor:
+def importance_weights(
+    ratio: torch.Tensor, mode: str, low: float | None = None, high: float | None = None
+) -> torch.Tensor:
     """Weights of importance ratios: 'none' -> 1, 'tis' -> clip(ratio, low, high),
     'mis' (masked, IcePop) -> ratio inside [low, high], 0 outside."""
     if mode == "none":
@@ -44,8 +46,14 @@ def importance_weights(ratio: torch.Tensor, mode: str, low: float | None = None,
     raise ValueError(f"unknown importance-weight mode {mode!r}")
 
 
-def _weighted(args, mode: str, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],
-              rollout_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor]):
+def _weighted(
+    args,
+    mode: str,
+    pg_loss: torch.Tensor,
+    train_log_probs: list[torch.Tensor],
+    rollout_log_probs: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+):
     ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).detach()
     weights = importance_weights(ratio, mode, args.tis_clip_low, args.tis_clip)
     metrics = {"tis": ratio, "tis_clipfrac": (weights != ratio).to(ratio.dtype), "tis_abs": (ratio - 1).abs()}

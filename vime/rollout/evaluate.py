@@ -37,10 +37,20 @@ class EvalDataSource:
 
     def group(self, record) -> list[Sample]:
         tokens = render_prompt(self.tokenizer, record.prompt, apply_chat_template=self.apply_chat_template)
-        return [Sample(group_index=record.index, index=i, prompt_index=record.index, prompt=record.prompt,
-                       label=record.label, tokens=list(tokens), metadata=dict(record.metadata), source=record.source,
-                       session_id=f"eval-{self.name}-{record.index}-{i}")
-                for i in range(self.n_samples)]
+        return [
+            Sample(
+                group_index=record.index,
+                index=i,
+                prompt_index=record.index,
+                prompt=record.prompt,
+                label=record.label,
+                tokens=list(tokens),
+                metadata=dict(record.metadata),
+                source=record.source,
+                session_id=f"eval-{self.name}-{record.index}-{i}",
+            )
+            for i in range(self.n_samples)
+        ]
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         """The next ``num_samples`` prompts of the set (fewer at its end, none after it)."""
@@ -55,9 +65,11 @@ class EvalDataSource:
 
 def summarize(samples: list[Sample]) -> dict[str, float]:
     """Mean reward and response length, and the mean reward of each source (``reward/<source>``)."""
-    result = {"reward": statistics.fmean(float(s.reward) for s in samples),
-              "response_length": statistics.fmean(s.response_length for s in samples),
-              "samples": float(len(samples))}
+    result = {
+        "reward": statistics.fmean(float(s.reward) for s in samples),
+        "response_length": statistics.fmean(s.response_length for s in samples),
+        "samples": float(len(samples)),
+    }
     by_source: dict[str, list[float]] = {}
     for sample in samples:
         by_source.setdefault(sample.source_name, []).append(float(sample.reward))
@@ -81,36 +93,59 @@ def interpret_eval_output(output: Any, name: str, path: str) -> dict[str, float]
         return {**summarize(output), **metrics}
     if isinstance(output, dict):
         entry = output.get(name, output)
-        if isinstance(entry, dict) and isinstance(entry.get("samples"), list) and entry["samples"] and all(
-                isinstance(s, Sample) and s.reward is not None for s in entry["samples"]):
+        if (
+            isinstance(entry, dict)
+            and isinstance(entry.get("samples"), list)
+            and entry["samples"]
+            and all(isinstance(s, Sample) and s.reward is not None for s in entry["samples"])
+        ):
             return {**summarize(entry["samples"]), **metrics}
         rewards = entry.get("rewards") if isinstance(entry, dict) else None
         if isinstance(rewards, list) and rewards:
             lengths = entry.get("response_lengths") or [0]
-            return {"reward": statistics.fmean(float(r) for r in rewards),
-                    "response_length": statistics.fmean(float(n) for n in lengths),
-                    "samples": float(len(rewards)), **metrics}
-    raise TypeError(f"{EVAL_FLAG} {path}: for held-out set {name!r} it returned {type(output).__name__} "
-                    f"{str(output)[:200]!r}; expected RolloutFnEvalOutput(data={{{name!r}: {{'rewards': [...]}}}}) "
-                    "or a list of scored Samples")
+            return {
+                "reward": statistics.fmean(float(r) for r in rewards),
+                "response_length": statistics.fmean(float(n) for n in lengths),
+                "samples": float(len(rewards)),
+                **metrics,
+            }
+    raise TypeError(
+        f"{EVAL_FLAG} {path}: for held-out set {name!r} it returned {type(output).__name__} "
+        f"{str(output)[:200]!r}; expected RolloutFnEvalOutput(data={{{name!r}: {{'rewards': [...]}}}}) "
+        "or a list of scored Samples"
+    )
 
 
-async def evaluate_dataset(dataset: PromptSource, *, tokenizer, router_url: str, reward: RewardFn, args,
-                           params: SamplingParams, n_samples: int, apply_chat_template: bool,
-                           timeout: float, concurrency: int = 64, name: str = "eval", rollout_id: int = 0,
-                           eval_function_path: str | None = None) -> dict[str, float]:
+async def evaluate_dataset(
+    dataset: PromptSource,
+    *,
+    tokenizer,
+    router_url: str,
+    reward: RewardFn,
+    args,
+    params: SamplingParams,
+    n_samples: int,
+    apply_chat_template: bool,
+    timeout: float,
+    concurrency: int = 64,
+    name: str = "eval",
+    rollout_id: int = 0,
+    eval_function_path: str | None = None,
+) -> dict[str, float]:
     if eval_function_path:
         from vime.runtime.plugins import call_maybe_async, load_hook
 
         function = load_hook(EVAL_FLAG, eval_function_path)
-        source = EvalDataSource(name, dataset, tokenizer=tokenizer, n_samples=n_samples,
-                                apply_chat_template=apply_chat_template)
+        source = EvalDataSource(
+            name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template
+        )
         output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
         return interpret_eval_output(output, name, eval_function_path)
 
     limit = asyncio.Semaphore(concurrency)
-    source = EvalDataSource(name, dataset, tokenizer=tokenizer, n_samples=n_samples,
-                            apply_chat_template=apply_chat_template)
+    source = EvalDataSource(
+        name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template
+    )
 
     async def one(session, sample: Sample) -> Sample:
         async with limit:
@@ -120,6 +155,7 @@ async def evaluate_dataset(dataset: PromptSource, *, tokenizer, router_url: str,
         return sample
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        samples = await asyncio.gather(*(one(session, sample) for group in source.get_samples(len(dataset))
-                                         for sample in group))
+        samples = await asyncio.gather(
+            *(one(session, sample) for group in source.get_samples(len(dataset)) for sample in group)
+        )
     return summarize(samples)

@@ -14,19 +14,20 @@ import dataclasses
 import math
 from typing import Any
 
+from vime.errors import UserError
 from vime.sample import Sample
 
 FLAG = "--dynamic-sampling-filter-path"
 
 
-class FilterError(TypeError):
+class FilterError(UserError, TypeError):
     """A filter returned something vime cannot interpret."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DynamicFilterOutput:
     keep: bool
-    reason: str | None = None     # why a group was dropped; counted per reason in the worker's stats
+    reason: str | None = None  # why a group was dropped; counted per reason in the worker's stats
 
 
 def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
@@ -47,8 +48,13 @@ def interpret(result: Any, path: str) -> DynamicFilterOutput:
         return DynamicFilterOutput(keep, None if keep else (getattr(result, "reason", None) or "filtered"))
     if isinstance(result, bool) or type(result).__name__ == "bool_":  # numpy/torch booleans too
         return DynamicFilterOutput(bool(result), None if result else "filtered")
-    if hasattr(result, "item") and getattr(result, "dtype", None) is not None and str(result.dtype) in (
-            "bool", "torch.bool"):
+    if (
+        hasattr(result, "item")
+        and getattr(result, "dtype", None) is not None
+        and str(result.dtype) in ("bool", "torch.bool")
+    ):
         return DynamicFilterOutput(bool(result.item()), None if result.item() else "filtered")
-    raise FilterError(f"{FLAG} {path}: returned {result!r} ({type(result).__name__}); expected "
-                      "DynamicFilterOutput(keep=..., reason=...) or a bool")
+    raise FilterError(
+        f"{FLAG} {path}: returned {result!r} ({type(result).__name__}); expected "
+        "DynamicFilterOutput(keep=..., reason=...) or a bool"
+    )

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from vime.errors import MemberDied
 from vime.rollout import routing
 from vime.sample import Sample, SamplerRows, Status
 
@@ -43,7 +44,7 @@ VLLM_LOGPROB_FLOOR = -9999.0
 SAMPLE_FAULT_STATUSES = frozenset({400, 413, 422})
 
 
-class GenerateError(RuntimeError):
+class GenerateError(MemberDied, RuntimeError):
     """A POST to a vLLM engine or router that got no usable answer; ``status`` is the HTTP status, None
     when none came (connection refused or dropped, timeout).
 
@@ -55,8 +56,9 @@ class GenerateError(RuntimeError):
     def __init__(self, message: str, *, status: int | None = None, engine_fault: bool | None = None):
         super().__init__(message)
         self.status = status
-        self.engine_fault = (status is None or status not in SAMPLE_FAULT_STATUSES) if engine_fault is None \
-            else engine_fault
+        self.engine_fault = (
+            (status is None or status not in SAMPLE_FAULT_STATUSES) if engine_fault is None else engine_fault
+        )
 
     def __reduce__(self):  # crosses Ray actor boundaries with its fields
         return _rebuild_generate_error, (type(self), str(self), self.status, self.engine_fault)
@@ -108,13 +110,22 @@ class SamplingParams:
 
     def for_vllm(self, remaining: int) -> dict[str, Any]:
         capture = self.score_centering
-        return {"max_tokens": remaining, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "logprobs": capture.logprobs if capture else 0}
+        return {
+            "max_tokens": remaining,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "logprobs": capture.logprobs if capture else 0,
+        }
 
     def as_dict(self) -> dict[str, Any]:
         """The form custom generate functions receive (the reference framework's key names)."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +136,8 @@ class Completion:
     log_probs: list[float] | None
     versions: list[int]
     finish_reason: str
-    sampler: SamplerRows | None = None   # score centering: the sampler's heads / supports
-    routed_experts: str | None = None    # R3: vLLM's encoded experts per token (vime.rollout.routing)
+    sampler: SamplerRows | None = None  # score centering: the sampler's heads / supports
+    routed_experts: str | None = None  # R3: vLLM's encoded experts per token (vime.rollout.routing)
 
     @property
     def status(self) -> Status:
@@ -155,33 +166,49 @@ def router_url(args) -> str:
     return f"http://{args.vllm_router_ip}:{args.vllm_router_port}"
 
 
-async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any], *, timeout: float,
-                    headers: dict[str, str] | None = None, timeout_flag: str | None = None) -> Any:
+async def post_json(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+    timeout_flag: str | None = None,
+) -> Any:
     """POST ``body`` to an engine endpoint and return its JSON answer; raises :class:`GenerateError`
     naming the URL (and ``timeout_flag``, the flag that set ``timeout``, when it timed out)."""
     try:
-        async with http.post(url, json=body, headers=headers,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        async with http.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status != 200:
-                raise GenerateError(f"POST {url} answered {response.status}: {(await response.text())[:300]}",
-                                    status=response.status)
+                raise GenerateError(
+                    f"POST {url} answered {response.status}: {(await response.text())[:300]}", status=response.status
+                )
             return await response.json()
     except TimeoutError:
-        raise GenerateError(f"POST {url} timed out after {timeout:.0f}s"
-                            + (f" ({timeout_flag})" if timeout_flag else "")) from None
+        raise GenerateError(
+            f"POST {url} timed out after {timeout:.0f}s" + (f" ({timeout_flag})" if timeout_flag else "")
+        ) from None
     except aiohttp.ClientError as error:
         raise GenerateError(f"POST {url} failed: {error}") from None
 
 
-async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: list[int],
-                        sampling_params: dict[str, Any], *, session_id: str | None, timeout: float,
-                        capture: ScoreCenteringCapture | None = None) -> Completion:
+async def post_generate(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    token_ids: list[int],
+    sampling_params: dict[str, Any],
+    *,
+    session_id: str | None,
+    timeout: float,
+    capture: ScoreCenteringCapture | None = None,
+) -> Completion:
     """POST one generate request (``sampling_params`` in vLLM's names) with the session header;
     ``capture`` reads the sampler's heads / supports from the answer (the request must ask for them)."""
     url = base_url.rstrip("/") + GENERATE_PATH
     body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
-    output = await post_json(http, url, body, timeout=timeout, headers=session_headers(session_id),
-                             timeout_flag="--rollout-request-timeout")
+    output = await post_json(
+        http, url, body, timeout=timeout, headers=session_headers(session_id), timeout_flag="--rollout-request-timeout"
+    )
     choice = output["choices"][0]
     ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []
@@ -189,11 +216,20 @@ async def post_generate(http: aiohttp.ClientSession, base_url: str, token_ids: l
     sampler = None
     if capture is not None:
         if log_probs is None:
-            raise GenerateError(f"POST {url}: score centering asked for log-probs, the engine returned "
-                                f"{len(content)} entries for {len(ids)} tokens", engine_fault=False)
+            raise GenerateError(
+                f"POST {url}: score centering asked for log-probs, the engine returned "
+                f"{len(content)} entries for {len(ids)} tokens",
+                engine_fault=False,
+            )
         sampler = sampler_rows(content, capture)
-    return Completion(ids, log_probs, token_versions(choice.get("weight_versions"), len(ids)),
-                      choice.get("finish_reason") or "stop", sampler, choice.get(routing.RESPONSE_FIELD))
+    return Completion(
+        ids,
+        log_probs,
+        token_versions(choice.get("weight_versions"), len(ids)),
+        choice.get("finish_reason") or "stop",
+        sampler,
+        choice.get(routing.RESPONSE_FIELD),
+    )
 
 
 def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) -> SamplerRows:
@@ -208,24 +244,31 @@ def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) 
             if entry["token_id"] not in ids[keep]:
                 # The top-p mask always keeps the token it sampled; a sampled token outside the
                 # finite support means the engine's log-probs are not the sampler's.
-                raise GenerateError(f"score centering: token {entry['token_id']} at response position "
-                                    f"{position} lies outside the top-p support the engine returned; the engines "
-                                    "must run with --vllm-logprobs-mode processed_logprobs", engine_fault=False)
+                raise GenerateError(
+                    f"score centering: token {entry['token_id']} at response position "
+                    f"{position} lies outside the top-p support the engine returned; the engines "
+                    "must run with --vllm-logprobs-mode processed_logprobs",
+                    engine_fault=False,
+                )
             ids, log_probs = ids[keep], log_probs[keep]
         else:
             if len(candidates) < capture.top_k:
-                raise GenerateError(f"score centering: the engine returned {len(candidates)} top log-probs per "
-                                    f"token, --score-centering-top-k needs {capture.top_k}; start the engines "
-                                    f"with --vllm-max-logprobs >= {capture.top_k + 1}", engine_fault=False)
+                raise GenerateError(
+                    f"score centering: the engine returned {len(candidates)} top log-probs per "
+                    f"token, --score-centering-top-k needs {capture.top_k}; start the engines "
+                    f"with --vllm-max-logprobs >= {capture.top_k + 1}",
+                    engine_fault=False,
+                )
             # Stable, so that ties keep the engine's order.
-            head = np.argsort(-log_probs, kind="stable")[:capture.top_k]
+            head = np.argsort(-log_probs, kind="stable")[: capture.top_k]
             ids, log_probs = ids[head], log_probs[head]
         ids_rows.append(ids)
         log_prob_rows.append(log_probs)
     if not capture.support:
         shape = (len(content), capture.top_k)
-        return SamplerRows(np.asarray(ids_rows, np.int32).reshape(shape),
-                           np.asarray(log_prob_rows, np.float32).reshape(shape))
+        return SamplerRows(
+            np.asarray(ids_rows, np.int32).reshape(shape), np.asarray(log_prob_rows, np.float32).reshape(shape)
+        )
     offsets = np.zeros(len(content) + 1, np.int64)
     np.cumsum([len(row) for row in ids_rows], out=offsets[1:])
     flat_ids = np.concatenate(ids_rows).astype(np.int32) if ids_rows else np.zeros(0, np.int32)
@@ -233,8 +276,9 @@ def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) 
     return SamplerRows(flat_ids, flat_log_probs, offsets)
 
 
-async def generate(session: aiohttp.ClientSession, base_url: str, sample: Sample, params: SamplingParams,
-                   *, timeout: float) -> Sample:
+async def generate(
+    session: aiohttp.ClientSession, base_url: str, sample: Sample, params: SamplingParams, *, timeout: float
+) -> Sample:
     remaining = params.max_new_tokens - sample.response_length
     if remaining <= 0:
         sample.status = Status.TRUNCATED
@@ -242,10 +286,18 @@ async def generate(session: aiohttp.ClientSession, base_url: str, sample: Sample
     request = params.for_vllm(remaining)
     if params.routing_replay:
         request.update(routing.routing_request(sample))
-    completion = await post_generate(session, base_url, sample.tokens, request,
-                                     session_id=sample.session_id, timeout=timeout, capture=params.score_centering)
-    sample.append_response_tokens(completion.token_ids, completion.log_probs, completion.versions,
-                                  sampler=completion.sampler)
+    completion = await post_generate(
+        session,
+        base_url,
+        sample.tokens,
+        request,
+        session_id=sample.session_id,
+        timeout=timeout,
+        capture=params.score_centering,
+    )
+    sample.append_response_tokens(
+        completion.token_ids, completion.log_probs, completion.versions, sampler=completion.sampler
+    )
     if params.routing_replay:
         _record_routes(sample, completion, request)
     sample.status = completion.status
@@ -254,8 +306,7 @@ async def generate(session: aiohttp.ClientSession, base_url: str, sample: Sample
 
 def _record_routes(sample: Sample, completion: Completion, request: dict[str, Any]) -> None:
     try:
-        routing.record_routed_experts(sample, completion.routed_experts,
-                                      prompt_start=request[routing.REQUEST_FIELD])
+        routing.record_routed_experts(sample, completion.routed_experts, prompt_start=request[routing.REQUEST_FIELD])
     except ValueError as error:
         raise GenerateError(f"--use-rollout-routing-replay: {error}", engine_fault=False) from None
 
@@ -269,14 +320,24 @@ def _vllm_params(sampling_params: dict[str, Any], max_new_tokens: int) -> dict[s
 
 # vLLM sampling fields that change the sampler's distribution beyond temperature and top-p, with their
 # neutral values: score centering compares that distribution with the trainer's, which has none of them.
-_NEUTRAL_SAMPLING = {"top_k": (-1, 0, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
-                     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
-                     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-                     "guided_choice": (None,), "guided_grammar": (None,), "logit_bias": (None, {})}
+_NEUTRAL_SAMPLING = {
+    "top_k": (-1, 0, None),
+    "min_p": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "logit_bias": (None, {}),
+}
 
 
-def score_centering_request(args, sampling_params: dict[str, Any]) -> tuple[dict[str, Any],
-                                                                            ScoreCenteringCapture | None]:
+def score_centering_request(
+    args, sampling_params: dict[str, Any]
+) -> tuple[dict[str, Any], ScoreCenteringCapture | None]:
     """For custom generate functions: ``sampling_params`` (vLLM's names) with the log-probs score
     centering needs, and the capture to give :func:`post_generate`; unchanged and None when
     ``args.use_score_centering`` is off.
@@ -291,21 +352,34 @@ def score_centering_request(args, sampling_params: dict[str, Any]) -> tuple[dict
     for key, attribute in (("temperature", "rollout_temperature"), ("top_p", "rollout_top_p")):
         run_value = float(getattr(args, attribute, 1.0))
         if params.get(key) is not None and float(params[key]) != run_value:
-            raise GenerateError(f"score centering: a request with {key} {params[key]} differs from "
-                                f"--{attribute.replace('_', '-')} {run_value}; per-request sampling changes are "
-                                "unsupported", engine_fault=False)
+            raise GenerateError(
+                f"score centering: a request with {key} {params[key]} differs from "
+                f"--{attribute.replace('_', '-')} {run_value}; per-request sampling changes are "
+                "unsupported",
+                engine_fault=False,
+            )
         params[key] = run_value
     for key, neutral in _NEUTRAL_SAMPLING.items():
         if params.get(key) not in neutral:
-            raise GenerateError(f"score centering: the request sets {key}={params[key]!r}; the trainer cannot "
-                                f"score that distribution (see --use-score-centering)", engine_fault=False)
+            raise GenerateError(
+                f"score centering: the request sets {key}={params[key]!r}; the trainer cannot "
+                f"score that distribution (see --use-score-centering)",
+                engine_fault=False,
+            )
     capture = score_centering_capture(int(args.score_centering_top_k), params["top_p"])
     params["logprobs"] = capture.logprobs
     return params, capture
 
 
-async def generate_turn(args, sample: Sample, sampling_params: dict[str, Any], *, max_new_tokens: int | None = None,
-                        url: str | None = None, timeout: float | None = None) -> Completion:
+async def generate_turn(
+    args,
+    sample: Sample,
+    sampling_params: dict[str, Any],
+    *,
+    max_new_tokens: int | None = None,
+    url: str | None = None,
+    timeout: float | None = None,
+) -> Completion:
     """Generate one more turn of ``sample`` (prompt + everything so far) and append it.
 
     For custom generate functions: the request goes to the run's router (or ``url``) with the
@@ -320,8 +394,15 @@ async def generate_turn(args, sample: Sample, sampling_params: dict[str, Any], *
     if replay:
         request.update(routing.routing_request(sample))
     async with aiohttp.ClientSession() as http:
-        completion = await post_generate(http, url or router_url(args), sample.tokens, request,
-                                         session_id=sample.session_id, timeout=timeout, capture=capture)
+        completion = await post_generate(
+            http,
+            url or router_url(args),
+            sample.tokens,
+            request,
+            session_id=sample.session_id,
+            timeout=timeout,
+            capture=capture,
+        )
     log_probs = completion.log_probs
     if log_probs is None and sample.rollout_log_probs is not None:
         raise GenerateError("the engine returned no log-probs for a sample that has them", engine_fault=False)

@@ -6,7 +6,8 @@ import asyncio
 import inspect
 import re
 from collections import Counter
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from vime.runtime.plugins import load_function
 from vime.sample import Sample

@@ -42,8 +42,9 @@ def decode_routed_experts(encoded: str) -> np.ndarray:
     except (ValueError, OSError, TypeError) as error:
         raise ValueError(f"{RESPONSE_FIELD}: not base64 .npy bytes ({error})") from None
     if array.ndim != 3 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{RESPONSE_FIELD}: expected an integer array [tokens - 1, layers, topk], got "
-                         f"{array.dtype} {array.shape}")
+        raise ValueError(
+            f"{RESPONSE_FIELD}: expected an integer array [tokens - 1, layers, topk], got {array.dtype} {array.shape}"
+        )
     return array
 
 
@@ -71,8 +72,10 @@ def record_routed_experts(sample: Sample, encoded: str | None, *, prompt_start: 
     if prompt_start:
         earlier = sample.rollout_routed_experts
         if earlier is None or len(earlier) < prompt_start:
-            raise ValueError(f"{REQUEST_FIELD}={prompt_start}, but the sample has "
-                             f"{0 if earlier is None else len(earlier)} recorded rows")
+            raise ValueError(
+                f"{REQUEST_FIELD}={prompt_start}, but the sample has "
+                f"{0 if earlier is None else len(earlier)} recorded rows"
+            )
         earlier = np.asarray(earlier)[:prompt_start]
         if earlier.shape[1:] != rows.shape[1:]:
             raise ValueError(f"routed experts of shape {rows.shape[1:]} after rows of shape {earlier.shape[1:]}")

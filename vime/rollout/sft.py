@@ -31,6 +31,6 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False) -> Rollout
         for sample in group:
             tokens, response_length, loss_mask = sft_tokens(tokenizer, sample.prompt)
             sample.tokens, sample.response_length, sample.loss_mask = tokens, response_length, loss_mask
-            sample.response = tokenizer.decode(tokens[len(tokens) - response_length:])
+            sample.response = tokenizer.decode(tokens[len(tokens) - response_length :])
             sample.reward, sample.status = 0.0, Status.COMPLETED
     return RolloutFnTrainOutput(samples=groups)

@@ -33,9 +33,9 @@ from typing import Any
 
 import aiohttp
 
+from vime.errors import UserError
 from vime.rollout.generate import GENERATE_PATH, GenerateError, post_json
 from vime.sample import Sample
-
 
 # A teacher restarting or overloaded answers 5xx or not at all: two more tries, 1 s then 2 s apart, so that a
 # group waits at most 3 x --rollout-request-timeout + 3 s before it fails (and goes back to the queue).
@@ -43,7 +43,7 @@ TEACHER_ATTEMPTS = 3
 TEACHER_RETRY_DELAY = 1.0
 
 
-class TeacherError(RuntimeError):
+class TeacherError(UserError, RuntimeError):
     """The teacher could not score a sequence (``transient``: a retry may succeed)."""
 
     def __init__(self, message: str, *, transient: bool = False):
@@ -64,14 +64,18 @@ def teacher_base_url(args: Any) -> str:
             return get_model_url(args, model, path="")
         except (RuntimeError, ValueError) as error:
             raise TeacherError(f"--opd-teacher-model {model}: {error}") from None
-    raise TeacherError("--use-opd needs a teacher to score the samples: give --opd-teacher-url or "
-                       "--opd-teacher-model, or attach sample.teacher_log_probs in the reward or rollout function")
+    raise TeacherError(
+        "--use-opd needs a teacher to score the samples: give --opd-teacher-url or "
+        "--opd-teacher-model, or attach sample.teacher_log_probs in the reward or rollout function"
+    )
 
 
 def score_request(token_ids: list[int]) -> dict[str, Any]:
     """The body asking for the log-prob of every token of ``token_ids`` after the first."""
-    return {"token_ids": [int(t) for t in token_ids],
-            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}}
+    return {
+        "token_ids": [int(t) for t in token_ids],
+        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+    }
 
 
 def _logprob_of(entry: Any, token: int) -> float | None:
@@ -88,22 +92,26 @@ def parse_prompt_logprobs(prompt_logprobs: Any, token_ids: list[int]) -> list[fl
     token, None for the first, else {token id: {"logprob": x, "rank": r, ...}} holding the token itself."""
     if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) != len(token_ids):
         size = len(prompt_logprobs) if isinstance(prompt_logprobs, list) else type(prompt_logprobs).__name__
-        raise TeacherError(f"the teacher returned prompt_logprobs of {size} entries for {len(token_ids)} tokens "
-                           "(does it serve /inference/v1/generate with prompt_logprobs?)")
+        raise TeacherError(
+            f"the teacher returned prompt_logprobs of {size} entries for {len(token_ids)} tokens "
+            "(does it serve /inference/v1/generate with prompt_logprobs?)"
+        )
     scores = []
     for position in range(1, len(token_ids)):
         value = _logprob_of(prompt_logprobs[position], int(token_ids[position]))
         if value is None:
-            raise TeacherError(f"the teacher's prompt_logprobs have no entry for token {token_ids[position]} at "
-                               f"position {position}")
+            raise TeacherError(
+                f"the teacher's prompt_logprobs have no entry for token {token_ids[position]} at position {position}"
+            )
         if math.isnan(value):
             raise TeacherError(f"the teacher returned a NaN log-prob at position {position}")
         scores.append(max(value, -1e4))  # -inf (a token the teacher cannot produce) as vLLM clamps it
     return scores
 
 
-async def score_tokens(http: aiohttp.ClientSession, base_url: str, token_ids: list[int], *,
-                       timeout: float) -> list[float]:
+async def score_tokens(
+    http: aiohttp.ClientSession, base_url: str, token_ids: list[int], *, timeout: float
+) -> list[float]:
     """The teacher's log-prob of each token of ``token_ids`` after the first (len(token_ids) - 1 values)."""
     url = base_url.rstrip("/") + GENERATE_PATH
     try:
@@ -113,40 +121,54 @@ async def score_tokens(http: aiohttp.ClientSession, base_url: str, token_ids: li
     return parse_prompt_logprobs(output.get("prompt_logprobs") if isinstance(output, dict) else None, token_ids)
 
 
-async def teacher_log_probs(http: aiohttp.ClientSession, base_url: str, sample: Sample, *, timeout: float,
-                            attempts: int = TEACHER_ATTEMPTS) -> list[float]:
+async def teacher_log_probs(
+    http: aiohttp.ClientSession, base_url: str, sample: Sample, *, timeout: float, attempts: int = TEACHER_ATTEMPTS
+) -> list[float]:
     """The teacher's log-prob of each response token of ``sample`` (``response_length`` values), retrying a
     teacher that did not answer; the error names the teacher's URL and the sample."""
     if sample.response_length == 0:
         return []
     if sample.prompt_length < 1:
-        raise TeacherError(f"sample {sample.index} of group {sample.group_index} has no prompt token: the first "
-                           "response token cannot be scored")
+        raise TeacherError(
+            f"sample {sample.index} of group {sample.group_index} has no prompt token: the first "
+            "response token cannot be scored"
+        )
     attempt = 1
     while True:
         try:
             scores = await score_tokens(http, base_url, sample.tokens, timeout=timeout)
-            return scores[sample.prompt_length - 1:]
+            return scores[sample.prompt_length - 1 :]
         except TeacherError as error:
             if not error.transient or attempt >= attempts:
                 tries = f" after {attempt} attempts" if attempt > 1 else ""
-                raise TeacherError(f"the OPD teacher at {base_url} could not score sample {sample.index} of group "
-                                   f"{sample.group_index}{tries}: {error}", transient=error.transient) from None
+                raise TeacherError(
+                    f"the OPD teacher at {base_url} could not score sample {sample.index} of group "
+                    f"{sample.group_index}{tries}: {error}",
+                    transient=error.transient,
+                ) from None
         await asyncio.sleep(TEACHER_RETRY_DELAY * 2 ** (attempt - 1))
         attempt += 1
 
 
-async def attach_teacher_log_probs(args: Any, samples: list[Sample], *, url: str | None = None,
-                                   timeout: float | None = None, http: aiohttp.ClientSession | None = None,
-                                   attempts: int = TEACHER_ATTEMPTS) -> None:
+async def attach_teacher_log_probs(
+    args: Any,
+    samples: list[Sample],
+    *,
+    url: str | None = None,
+    timeout: float | None = None,
+    http: aiohttp.ClientSession | None = None,
+    attempts: int = TEACHER_ATTEMPTS,
+) -> None:
     """Set ``teacher_log_probs`` on each of ``samples`` (scored concurrently) from the run's teacher; none
     is set unless all are scored. ``http``: a session to reuse (the rollout worker's), else one of its own."""
     base_url = url or teacher_base_url(args)
     timeout = timeout if timeout is not None else float(getattr(args, "rollout_request_timeout", 120.0))
 
     async def score_all(session: aiohttp.ClientSession) -> list[list[float]]:
-        tasks = [asyncio.ensure_future(teacher_log_probs(session, base_url, s, timeout=timeout, attempts=attempts))
-                 for s in samples]
+        tasks = [
+            asyncio.ensure_future(teacher_log_probs(session, base_url, s, timeout=timeout, attempts=attempts))
+            for s in samples
+        ]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:

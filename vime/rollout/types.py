@@ -10,7 +10,7 @@ from vime.sample import Sample
 
 @dataclasses.dataclass
 class RolloutFnTrainOutput:
-    samples: list[list[Sample]]          # finished groups, each --n-samples-per-prompt samples
+    samples: list[list[Sample]]  # finished groups, each --n-samples-per-prompt samples
     metrics: dict[str, Any] | None = None
 
 

@@ -36,9 +36,9 @@ class Incarnation(msgspec.Struct, frozen=True):
 
     token: str
     pid: int
-    pid_start: float           # psutil create_time of the driver: with the pid, names one process
+    pid_start: float  # psutil create_time of the driver: with the pid, names one process
     host: str
-    started: float             # wall-clock time of the record, for messages
+    started: float  # wall-clock time of the record, for messages
     run_dir: str
     reaper_pid: int | None = None
     version: int = 1
@@ -85,8 +85,15 @@ def _rewrite(fd: int, records: list[Incarnation]) -> None:
 
 
 def this_process(token: str, run_dir: str, reaper_pid: int | None) -> Incarnation:
-    return Incarnation(token=token, pid=os.getpid(), pid_start=process_start_time(os.getpid()),
-                       host=socket.gethostname(), started=time.time(), run_dir=run_dir, reaper_pid=reaper_pid)
+    return Incarnation(
+        token=token,
+        pid=os.getpid(),
+        pid_start=process_start_time(os.getpid()),
+        host=socket.gethostname(),
+        started=time.time(),
+        run_dir=run_dir,
+        reaper_pid=reaper_pid,
+    )
 
 
 def sweep_dead(data_dir: str, say: Callable[[str], None], *, keep_token: str | None = None) -> dict[str, list[str]]:
@@ -98,8 +105,7 @@ def sweep_dead(data_dir: str, say: Callable[[str], None], *, keep_token: str | N
     host = socket.gethostname()
     stopped: dict[str, list[str]] = {}
     with _locked(data_dir) as (fd, records):
-        dead = [r for r in records if r.host == host and r.token != keep_token
-                and not owner_alive(r.pid, r.pid_start)]
+        dead = [r for r in records if r.host == host and r.token != keep_token and not owner_alive(r.pid, r.pid_start)]
         # One scan of the process table tells which dead incarnations left anything.
         leftovers = processes_with_tokens([r.token for r in dead]) if dead else {}
         kept_dead = set()
@@ -111,8 +117,10 @@ def sweep_dead(data_dir: str, say: Callable[[str], None], *, keep_token: str | N
             still = sweep_run_processes(record.token, timeout=30)
             stopped[record.token] = described
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started))
-            say(f"stopped {len(found)} process(es) left by an earlier run (token {record.token[:12]}, driver pid "
-                f"{record.pid}, started {when}, run dir {record.run_dir}): {'; '.join(described)}")
+            say(
+                f"stopped {len(found)} process(es) left by an earlier run (token {record.token[:12]}, driver pid "
+                f"{record.pid}, started {when}, run dir {record.run_dir}): {'; '.join(described)}"
+            )
             if still:
                 kept_dead.add(record.token)
                 say(f"these processes of that earlier run could not be stopped: {'; '.join(still)}")

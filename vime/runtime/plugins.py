@@ -15,10 +15,13 @@ import importlib.util
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from vime.errors import UserError
 
 
-class PluginError(ValueError):
+class PluginError(UserError, ValueError):
     """A user function could not be loaded; the message names the flag, the path and the reason."""
 
 
@@ -26,10 +29,10 @@ class PluginError(ValueError):
 class Hook:
     """How vime calls one kind of user hook."""
 
-    call: str                          # the call as the error messages show it
-    positional: int                    # positional arguments vime passes
-    keywords: tuple[str, ...] = ()     # keyword arguments vime passes (by name)
-    is_class: bool = False             # instantiated with the arguments (a data source)
+    call: str  # the call as the error messages show it
+    positional: int  # positional arguments vime passes
+    keywords: tuple[str, ...] = ()  # keyword arguments vime passes (by name)
+    is_class: bool = False  # instantiated with the arguments (a data source)
     must_be_async: bool = False
 
 
@@ -38,8 +41,9 @@ HOOKS: dict[str, Hook] = {
     "--custom-generate-function-path": Hook("await generate(args, sample, sampling_params)", 3),
     "--custom-rm-path": Hook("rm(args, sample)", 2),
     "--dynamic-sampling-filter-path": Hook("filter(args, samples)", 2),
-    "--eval-function-path": Hook("generate_rollout(args, rollout_id, data_source, evaluation=True)", 3,
-                                 ("evaluation",)),
+    "--eval-function-path": Hook(
+        "generate_rollout(args, rollout_id, data_source, evaluation=True)", 3, ("evaluation",)
+    ),
     "--data-source-path": Hook("DataSource(args)", 1, is_class=True),
 }
 
@@ -60,8 +64,7 @@ def _import_module(path: str, flag: str) -> tuple[Any, str]:
             spec.loader.exec_module(module)
         except BaseException as error:  # SystemExit from a script body as well
             sys.modules.pop(name, None)
-            raise PluginError(f"{flag} {path}: importing {file!r} failed: {type(error).__name__}: {error}") \
-                from error
+            raise PluginError(f"{flag} {path}: importing {file!r} failed: {type(error).__name__}: {error}") from error
         return module, attr
     module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
@@ -76,8 +79,9 @@ def _import_module(path: str, flag: str) -> tuple[Any, str]:
             raise PluginError(f"{flag} {path}: module {module_name!r} not found") from None
         raise PluginError(f"{flag} {path}: importing module {module_name!r} failed: {error}") from None
     except BaseException as error:
-        raise PluginError(f"{flag} {path}: importing module {module_name!r} failed: "
-                          f"{type(error).__name__}: {error}") from error
+        raise PluginError(
+            f"{flag} {path}: importing module {module_name!r} failed: {type(error).__name__}: {error}"
+        ) from error
 
 
 def load_object(path: str, flag: str) -> Any:
@@ -107,12 +111,14 @@ def check_call(function: Any, flag: str, path: str, hook: Hook) -> None:
     try:
         signature.bind(*range(hook.positional), **{name: None for name in hook.keywords})
     except TypeError as error:
-        raise PluginError(f"{flag} {path}: its parameters {signature} do not accept vime's call {hook.call} "
-                          f"({error})") from None
+        raise PluginError(
+            f"{flag} {path}: its parameters {signature} do not accept vime's call {hook.call} ({error})"
+        ) from None
 
 
 def _is_async(function: Any) -> bool:
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    # An instance whose __call__ is async: that method is what is asked about (B004's callable() cannot say).
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))  # noqa: B004
 
 
 def load_hook(flag: str, path: str) -> Any:
@@ -136,8 +142,9 @@ def load_function(path: str, flag: str, *, min_params: int = 0) -> Callable[...,
         return function
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < min_params and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise PluginError(f"{flag} {path}: it takes {len(positional)} positional parameter(s), vime passes "
-                          f"{min_params}")
+        raise PluginError(
+            f"{flag} {path}: it takes {len(positional)} positional parameter(s), vime passes {min_params}"
+        )
     return function
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import socket
 
+from vime.errors import UserError
 
-class PortInUseError(RuntimeError):
+
+class PortInUseError(UserError, RuntimeError):
     """A server was asked to start on a port that something else already holds."""
 
     def __init__(self, host: str, port: int, what: str = "server"):

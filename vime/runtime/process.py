@@ -113,10 +113,14 @@ class ManagedProcess:
             if self._popen is not None:
                 raise RuntimeError(f"{self.name} already started (pid {self._popen.pid})")
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **self.extra_env, RUN_TOKEN_ENV: self.run_token,
-                   # setproctitle (vLLM's EngineCore/Worker, vllm-router) otherwise overwrites the memory
-                   # /proc/PID/environ reads, hiding the run token from kill_processes_with_token.
-                   "SPT_NOENV": "1"}
+            env = {
+                **os.environ,
+                **self.extra_env,
+                RUN_TOKEN_ENV: self.run_token,
+                # setproctitle (vLLM's EngineCore/Worker, vllm-router) otherwise overwrites the memory
+                # /proc/PID/environ reads, hiding the run token from kill_processes_with_token.
+                "SPT_NOENV": "1",
+            }
             parent_pid = self.owner_pid = os.getpid()
             # The child keeps its own copy of the log descriptor; ours is closed right after spawning.
             with open(self.log_path, "ab", buffering=0) as log:
@@ -215,8 +219,9 @@ def kill_processes_with_token(token: str, exclude_pids: Iterable[int] = ()) -> l
     return [p.pid for p in victims]
 
 
-def sweep_run_processes(token: str, exclude_pids: Iterable[int] = (), *, settle: float = 1.0,
-                        timeout: float = 30.0) -> list[str]:
+def sweep_run_processes(
+    token: str, exclude_pids: Iterable[int] = (), *, settle: float = 1.0, timeout: float = 30.0
+) -> list[str]:
     """Kill every process carrying the run token until sweeps find none for ``settle`` seconds.
 
     One sweep is not enough: a process killed while it was spawning a child (vLLM's EngineCore starting
@@ -262,7 +267,7 @@ def processes_with_tokens(tokens: Iterable[str], exclude_pids: Iterable[int] = (
 
 
 def describe_process(proc: psutil.Process) -> str:
-    """"pid (command)" for messages that say what was stopped."""
+    """The process as "pid (command)", for messages that say what was stopped."""
     return _describe(proc)
 
 

@@ -43,8 +43,8 @@ POLL_SECONDS = 0.5  # how often the driver's pid is checked while the pipe stays
 
 class OwnerState(enum.Enum):
     RUNNING = "running"
-    FINISHED_CLEANLY = "finished cleanly"   # it said so: its own teardown ran
-    GONE = "gone"                           # died (or closed the pipe) without saying so
+    FINISHED_CLEANLY = "finished cleanly"  # it said so: its own teardown ran
+    GONE = "gone"  # died (or closed the pipe) without saying so
 
 
 def process_start_time(pid: int) -> float:
@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     state = watch_owner(sys.stdin.fileno(), args.owner_pid, args.owner_start)
     if state is OwnerState.FINISHED_CLEANLY:
         return 0
-    _say(f"the driver (pid {args.owner_pid}) is gone without its teardown: stopping the processes of run "
-         f"token {args.token[:12]}")
+    _say(
+        f"the driver (pid {args.owner_pid}) is gone without its teardown: stopping the processes of run "
+        f"token {args.token[:12]}"
+    )
     started = time.monotonic()
     left = sweep_run_processes(args.token, timeout=args.sweep_timeout)
     seconds = time.monotonic() - started
@@ -133,11 +135,24 @@ class Reaper:
         me = os.getpid()
         with open(log_path, "ab", buffering=0) as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "vime.runtime.reaper", "--token", token, "--owner-pid", str(me),
-                 "--owner-start", repr(process_start_time(me))],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "vime.runtime.reaper",
+                    "--token",
+                    token,
+                    "--owner-pid",
+                    str(me),
+                    "--owner-start",
+                    repr(process_start_time(me)),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,  # out of the driver's process group: a group kill leaves it
-                close_fds=True)
+                close_fds=True,
+            )
         return cls(popen, token)
 
     def finished_cleanly(self, timeout: float = 10.0) -> None:

@@ -31,32 +31,49 @@ from collections.abc import Callable, Iterator
 import msgspec
 import numpy as np
 
+from vime.errors import InternalError
+
 MAGIC = b"VIMEDLT1"
 SUFFIX = ".vdelta"
-BLOCK = 16 << 20        # bytes of one frame before compression (a multiple of every element size)
-ZLIB_LEVEL = 1          # float32 model after an AdamW step: 53% of the full size; level 6: 51% in ~1.8x the time
+BLOCK = 16 << 20  # bytes of one frame before compression (a multiple of every element size)
+ZLIB_LEVEL = 1  # float32 model after an AdamW step: 53% of the full size; level 6: 51% in ~1.8x the time
 
 # safetensors dtype -> element size in bytes (unknown dtypes fall back to 1: no regrouping)
-ELEMENT_SIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+ELEMENT_SIZE = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
-class DeltaError(ValueError):
+class DeltaError(InternalError, ValueError):
     """A delta container that cannot be decoded (truncated, wrong parent, unknown codec)."""
 
 
 class Chunk(msgspec.Struct, array_like=True, frozen=True):
-    name: str          # tensor name, "__header__" or "__file__"
-    offset: int        # where the chunk's bytes start in the new file
-    length: int        # bytes of the new file it covers
-    itemsize: int      # element size the bytes were regrouped by (1: not regrouped)
+    name: str  # tensor name, "__header__" or "__file__"
+    offset: int  # where the chunk's bytes start in the new file
+    length: int  # bytes of the new file it covers
+    itemsize: int  # element size the bytes were regrouped by (1: not regrouped)
     frames: list[int]  # compressed size of each frame, in order
 
 
 class FileDelta(msgspec.Struct, frozen=True):
-    kind: str          # xor | raw
-    codec: str         # zlib
-    size: int          # bytes of the new (reconstructed) file
+    kind: str  # xor | raw
+    codec: str  # zlib
+    size: int  # bytes of the new (reconstructed) file
     chunks: list[Chunk]
 
 
@@ -86,9 +103,11 @@ def safetensors_layout(path: str) -> tuple[bytes, list[tuple[str, int, int, int]
     except ValueError as error:
         raise DeltaError(f"{path}: unreadable safetensors header ({error})") from None
     base = 8 + length
-    tensors = [(name, base + info["data_offsets"][0], base + info["data_offsets"][1],
-                ELEMENT_SIZE.get(info.get("dtype"), 1))
-               for name, info in entries.items() if name != "__metadata__"]
+    tensors = [
+        (name, base + info["data_offsets"][0], base + info["data_offsets"][1], ELEMENT_SIZE.get(info.get("dtype"), 1))
+        for name, info in entries.items()
+        if name != "__metadata__"
+    ]
     return prefix + header, sorted(tensors, key=lambda t: t[1])
 
 
@@ -157,9 +176,9 @@ def encode_file(parent: str | None, new: str, out: str, *, codec: str = "zlib") 
         for name, offset, length, itemsize in spans:
             frames = []
             for start, count in _blocks(length):
-                block = new_bytes[offset + start:offset + start + count]
+                block = new_bytes[offset + start : offset + start + count]
                 if parent_bytes is not None:
-                    block = np.bitwise_xor(block, parent_bytes[offset + start:offset + start + count])
+                    block = np.bitwise_xor(block, parent_bytes[offset + start : offset + start + count])
                 frame = compress(_shuffle(np.asarray(block), itemsize).tobytes())
                 payload.write(frame)
                 frames.append(len(frame))
@@ -181,7 +200,7 @@ def read_header(path: str) -> tuple[FileDelta, int]:
         prefix = f.read(len(MAGIC) + 8)
         if len(prefix) != len(MAGIC) + 8 or not prefix.startswith(MAGIC):
             raise DeltaError(f"{path}: not a vime delta (bad magic)")
-        (length,) = struct.unpack("<Q", prefix[len(MAGIC):])
+        (length,) = struct.unpack("<Q", prefix[len(MAGIC) :])
         try:
             header = msgspec.json.decode(f.read(length), type=FileDelta)
         except msgspec.DecodeError as error:
@@ -200,8 +219,10 @@ def decode_file(parent: str | None, delta: str, out: str) -> FileDelta:
         if parent is None or not os.path.exists(parent):
             raise DeltaError(f"{delta}: an xor delta needs the parent file, which is missing")
         if os.path.getsize(parent) != header.size:
-            raise DeltaError(f"{delta}: parent {parent} has {os.path.getsize(parent)} bytes, "
-                             f"the delta was made against {header.size}")
+            raise DeltaError(
+                f"{delta}: parent {parent} has {os.path.getsize(parent)} bytes, "
+                f"the delta was made against {header.size}"
+            )
         parent_bytes = _map(parent)
     elif header.kind != "raw":
         raise DeltaError(f"{delta}: unknown delta kind {header.kind!r}")
@@ -225,7 +246,7 @@ def decode_file(parent: str | None, delta: str, out: str) -> FileDelta:
                 block = _unshuffle(np.frombuffer(data, dtype=np.uint8), chunk.itemsize)
                 if parent_bytes is not None:
                     at = chunk.offset + start
-                    block = np.bitwise_xor(block, parent_bytes[at:at + count])
+                    block = np.bitwise_xor(block, parent_bytes[at : at + count])
                 target.write(block.tobytes())
             written += chunk.length
     if written != header.size:
@@ -239,8 +260,12 @@ def encode_folder(parent_dir: str, new_dir: str, out_dir: str, *, codec: str = "
     result = {}
     for name in sorted(os.listdir(new_dir)):
         parent = os.path.join(parent_dir, name)
-        result[name] = encode_file(parent if os.path.exists(parent) else None, os.path.join(new_dir, name),
-                                   os.path.join(out_dir, name + SUFFIX), codec=codec)
+        result[name] = encode_file(
+            parent if os.path.exists(parent) else None,
+            os.path.join(new_dir, name),
+            os.path.join(out_dir, name + SUFFIX),
+            codec=codec,
+        )
     return result
 
 
@@ -249,5 +274,8 @@ def decode_folder(parent_dir: str, delta_dir: str, out_dir: str, names: list[str
     os.makedirs(out_dir, exist_ok=True)
     for name in names:
         parent = os.path.join(parent_dir, name)
-        decode_file(parent if os.path.exists(parent) else None, os.path.join(delta_dir, name + SUFFIX),
-                    os.path.join(out_dir, name))
+        decode_file(
+            parent if os.path.exists(parent) else None,
+            os.path.join(delta_dir, name + SUFFIX),
+            os.path.join(out_dir, name),
+        )

@@ -19,12 +19,13 @@ import re
 import shutil
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
-from vime.weights import delta as codec
+from vime.errors import MemberDied
 from vime.runtime.durable import fsync_path
+from vime.weights import delta as codec
 
 MANIFEST = "manifest.json"
 PATTERN = re.compile(r"^weight_v(\d{6})$")
@@ -34,13 +35,13 @@ SCHEMA = 2  # 2 added delta versions (full_files, parent_files, codec); 1 was fu
 class WeightManifest(msgspec.Struct, frozen=True):
     schema: int
     version: int
-    mode: str                      # full | delta
-    parent: int | None             # the version a delta applies to
-    files: dict[str, str]          # file name in this folder -> sha256
+    mode: str  # full | delta
+    parent: int | None  # the version a delta applies to
+    files: dict[str, str]  # file name in this folder -> sha256
     created: float
-    full_files: dict[str, str] = {}    # delta: file of the rebuilt full version -> sha256
+    full_files: dict[str, str] = {}  # delta: file of the rebuilt full version -> sha256
     parent_files: dict[str, str] = {}  # delta: file of the parent's full version -> sha256
-    codec: str | None = None           # delta: compression of the containers
+    codec: str | None = None  # delta: compression of the containers
 
     @property
     def full_checksums(self) -> dict[str, str]:
@@ -48,8 +49,10 @@ class WeightManifest(msgspec.Struct, frozen=True):
         return self.files if self.mode == "full" else self.full_files
 
 
-class WeightError(RuntimeError):
-    pass
+class WeightError(MemberDied, RuntimeError):
+    """A published weight version that an engine cannot take (a manifest or a checksum that does not match, a
+    broken delta chain) or a weight group that did not finish in time: the engine fleet restarts the engine,
+    which loads the version again."""
 
 
 def version_dir(root: str, version: int) -> str:
@@ -98,8 +101,12 @@ def _staging(root: str, version: int) -> str:
 
 
 def _same_publication(existing: WeightManifest, new: WeightManifest) -> bool:
-    return (existing.mode == new.mode and existing.parent == new.parent
-            and existing.full_checksums == new.full_checksums and existing.parent_files == new.parent_files)
+    return (
+        existing.mode == new.mode
+        and existing.parent == new.parent
+        and existing.full_checksums == new.full_checksums
+        and existing.parent_files == new.parent_files
+    )
 
 
 def _commit(root: str, version: int, staging: str, manifest: WeightManifest) -> str:
@@ -130,8 +137,7 @@ def _commit(root: str, version: int, staging: str, manifest: WeightManifest) -> 
     return final
 
 
-def publish_full(root: str, version: int, write: Callable[[str], None], *,
-                 files: dict[str, str] | None = None) -> str:
+def publish_full(root: str, version: int, write: Callable[[str], None], *, files: dict[str, str] | None = None) -> str:
     """Write a full version with ``write(folder)``; returns the final folder.
 
     ``files`` are the checksums of what ``write`` produces when the caller knows them already.
@@ -140,17 +146,26 @@ def publish_full(root: str, version: int, write: Callable[[str], None], *,
     try:
         write(staging)
         files = checksums(staging) if files is None else dict(files)
-        manifest = WeightManifest(schema=SCHEMA, version=version, mode="full", parent=None, files=files,
-                                  created=time.time())
+        manifest = WeightManifest(
+            schema=SCHEMA, version=version, mode="full", parent=None, files=files, created=time.time()
+        )
         return _commit(root, version, staging, manifest)
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def publish_delta(root: str, version: int, *, parent: int, parent_dir: str, new_dir: str,
-                  parent_files: dict[str, str] | None = None, new_files: dict[str, str] | None = None,
-                  codec_name: str = "zlib") -> str:
+def publish_delta(
+    root: str,
+    version: int,
+    *,
+    parent: int,
+    parent_dir: str,
+    new_dir: str,
+    parent_files: dict[str, str] | None = None,
+    new_files: dict[str, str] | None = None,
+    codec_name: str = "zlib",
+) -> str:
     """Publish version ``version`` as a delta of the full folder ``new_dir`` against the full
     folder ``parent_dir`` (version ``parent``); returns the final folder."""
     if parent >= version:
@@ -159,10 +174,16 @@ def publish_delta(root: str, version: int, *, parent: int, parent_dir: str, new_
     try:
         codec.encode_folder(parent_dir, new_dir, staging, codec=codec_name)
         manifest = WeightManifest(
-            schema=SCHEMA, version=version, mode="delta", parent=parent, files=checksums(staging),
-            created=time.time(), full_files=dict(new_files) if new_files is not None else checksums(new_dir),
+            schema=SCHEMA,
+            version=version,
+            mode="delta",
+            parent=parent,
+            files=checksums(staging),
+            created=time.time(),
+            full_files=dict(new_files) if new_files is not None else checksums(new_dir),
             parent_files=dict(parent_files) if parent_files is not None else checksums(parent_dir),
-            codec=codec_name)
+            codec=codec_name,
+        )
         return _commit(root, version, staging, manifest)
     finally:
         if os.path.exists(staging):
@@ -192,8 +213,9 @@ def verify(folder: str) -> WeightManifest:
     return manifest
 
 
-def apply_delta(parent_dir: str, delta_dir: str, out_dir: str, *,
-                parent_files: dict[str, str] | None = None) -> WeightManifest:
+def apply_delta(
+    parent_dir: str, delta_dir: str, out_dir: str, *, parent_files: dict[str, str] | None = None
+) -> WeightManifest:
     """Rebuild the full version of the delta ``delta_dir`` from the full folder ``parent_dir``
     into ``out_dir`` (which must not exist), checking every checksum on the way.
 
@@ -204,8 +226,10 @@ def apply_delta(parent_dir: str, delta_dir: str, out_dir: str, *,
     if manifest.mode != "delta":
         raise WeightError(f"{delta_dir}: not a delta (mode {manifest.mode!r})")
     if parent_files is not None and parent_files != manifest.parent_files:
-        raise WeightError(f"{delta_dir}: made against other weights of version {manifest.parent} than the "
-                          f"ones in {parent_dir} (parent checksums differ); refused")
+        raise WeightError(
+            f"{delta_dir}: made against other weights of version {manifest.parent} than the "
+            f"ones in {parent_dir} (parent checksums differ); refused"
+        )
     staging = f"{out_dir}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         try:
@@ -214,8 +238,10 @@ def apply_delta(parent_dir: str, delta_dir: str, out_dir: str, *,
             raise WeightError(f"{delta_dir}: {error}") from None
         for name, expected in manifest.full_files.items():
             if sha256_file(os.path.join(staging, name)) != expected:
-                raise WeightError(f"{delta_dir}: rebuilt {name} of version {manifest.version} does not match its "
-                                  f"checksum (parent {parent_dir} is not the bytes the delta was made against)")
+                raise WeightError(
+                    f"{delta_dir}: rebuilt {name} of version {manifest.version} does not match its "
+                    f"checksum (parent {parent_dir} is not the bytes the delta was made against)"
+                )
         os.rename(staging, out_dir)
     finally:
         if os.path.exists(staging):
@@ -249,8 +275,7 @@ def reconstruct(root: str, version: int, out_dir: str) -> WeightManifest:
         manifest = first
         for step in needed[1:]:
             following = os.path.join(work, f"v{step}")
-            manifest = apply_delta(current, version_dir(root, step), following,
-                                   parent_files=manifest.full_checksums)
+            manifest = apply_delta(current, version_dir(root, step), following, parent_files=manifest.full_checksums)
             shutil.rmtree(current)
             current = following
         os.rename(current, out_dir)

@@ -45,9 +45,11 @@ class LocalWeights:
         if manifest.mode == "delta":
             if manifest.parent != self.version:
                 held = "no version" if self.version is None else f"version {self.version}"
-                raise WeightError(f"{published}: a delta from version {manifest.parent} to version "
-                                  f"{manifest.version}, but this engine holds {held}; refused (out of order: "
-                                  "the engine needs a full version first)")
+                raise WeightError(
+                    f"{published}: a delta from version {manifest.parent} to version "
+                    f"{manifest.version}, but this engine holds {held}; refused (out of order: "
+                    "the engine needs a full version first)"
+                )
             disk.apply_delta(self.path, published, target, parent_files=self.files)
         else:
             staging = target + ".tmp"

@@ -32,7 +32,7 @@ FLAG = "--update-weight-transport"
 
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
     name: str
-    dtype: str          # torch dtype name without "torch.", e.g. "bfloat16"
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: list[int]
 
 
@@ -135,8 +135,9 @@ class NcclWeightSender:
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"{FLAG} nccl: the trainer process sees no CUDA device")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.device is None else \
-            torch.device(self.device)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.device is None else torch.device(self.device)
+        )
         self.communicator = init_group(master_address, master_port, 0, world_size, self.device)
         self.world_size = world_size
 
@@ -165,8 +166,10 @@ class NcclWeightSender:
 
 def check_tensor(meta: TensorMeta, name: str, tensor) -> None:
     if (name, dtype_name(tensor.dtype), [int(n) for n in tensor.shape]) != (meta.name, meta.dtype, meta.shape):
-        raise ValueError(f"tensor {name} ({dtype_name(tensor.dtype)}, {list(tensor.shape)}) differs from the "
-                         f"metadata the engines received: {meta.name} ({meta.dtype}, {meta.shape})")
+        raise ValueError(
+            f"tensor {name} ({dtype_name(tensor.dtype)}, {list(tensor.shape)}) differs from the "
+            f"metadata the engines received: {meta.name} ({meta.dtype}, {meta.shape})"
+        )
 
 
 class NcclWeightReceiver:
@@ -176,8 +179,7 @@ class NcclWeightReceiver:
     the worker's own.
     """
 
-    def vime_join_weight_group(self, master_address: str, master_port: int, rank_offset: int,
-                               world_size: int) -> None:
+    def vime_join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         from vllm.distributed.parallel_state import get_world_group
 
         rank = get_world_group().rank + int(rank_offset)

@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
@@ -30,10 +30,10 @@ class Publication(msgspec.Struct, frozen=True):
 
     version: int
     path: str
-    mode: str                 # full | delta
+    mode: str  # full | delta
     parent: int | None
-    published_bytes: int      # bytes written to the weight directory
-    full_bytes: int           # bytes of the full version it stands for
+    published_bytes: int  # bytes written to the weight directory
+    full_bytes: int  # bytes of the full version it stands for
     seconds: float
 
 
@@ -52,8 +52,15 @@ class WeightPublisher:
         self.held: _Held | None = None
         self.deltas_since_full = 0
 
-    def publish(self, version: int, write: Callable[[str], None], *, mode: str = "full", full_interval: int = 10,
-                force_full: bool = False) -> Publication:
+    def publish(
+        self,
+        version: int,
+        write: Callable[[str], None],
+        *,
+        mode: str = "full",
+        full_interval: int = 10,
+        force_full: bool = False,
+    ) -> Publication:
         """Publish ``version`` (``write(folder)`` writes its full files) and prune old versions."""
         if mode not in ("full", "delta"):
             raise ValueError(f"mode must be 'full' or 'delta', not {mode!r}")
@@ -64,15 +71,17 @@ class WeightPublisher:
             self._drop_held()
             path = disk.publish_full(self.root, version, write)
             size = disk.folder_bytes(path, list(disk.read_manifest(path).files))
-            publication = Publication(version=version, path=path, mode="full", parent=None, published_bytes=size,
-                                      full_bytes=size, seconds=0.0)
+            publication = Publication(
+                version=version, path=path, mode="full", parent=None, published_bytes=size, full_bytes=size, seconds=0.0
+            )
         else:
             publication = self._publish_with_parent(version, write, full_interval, force_full)
         disk.prune(self.root, set(range(version - self.keep, version + 1)))
         return msgspec.structs.replace(publication, seconds=time.perf_counter() - started)
 
-    def _publish_with_parent(self, version: int, write: Callable[[str], None], full_interval: int,
-                             force_full: bool) -> Publication:
+    def _publish_with_parent(
+        self, version: int, write: Callable[[str], None], full_interval: int, force_full: bool
+    ) -> Publication:
         os.makedirs(self.scratch, exist_ok=True)
         new = os.path.join(self.scratch, f".full_v{version:06d}.tmp-{uuid.uuid4().hex[:8]}")
         try:
@@ -80,15 +89,25 @@ class WeightPublisher:
             files = disk.checksums(new)
             full_bytes = disk.folder_bytes(new)
             held = self.held
-            as_delta = (not force_full and held is not None and held.version == version - 1
-                        and self.deltas_since_full < full_interval - 1)
+            as_delta = (
+                not force_full
+                and held is not None
+                and held.version == version - 1
+                and self.deltas_since_full < full_interval - 1
+            )
             if as_delta:
-                path = disk.publish_delta(self.root, version, parent=held.version, parent_dir=held.path,
-                                          new_dir=new, parent_files=held.files, new_files=files)
+                path = disk.publish_delta(
+                    self.root,
+                    version,
+                    parent=held.version,
+                    parent_dir=held.path,
+                    new_dir=new,
+                    parent_files=held.files,
+                    new_files=files,
+                )
                 self.deltas_since_full += 1
             else:
-                path = disk.publish_full(self.root, version, lambda folder: disk.link_files(new, folder),
-                                         files=files)
+                path = disk.publish_full(self.root, version, lambda folder: disk.link_files(new, folder), files=files)
                 self.deltas_since_full = 0
             manifest = disk.read_manifest(path)
             kept = os.path.join(self.scratch, f"full_v{version:06d}")
@@ -98,9 +117,15 @@ class WeightPublisher:
         finally:
             if os.path.exists(new):
                 shutil.rmtree(new, ignore_errors=True)
-        return Publication(version=version, path=path, mode=manifest.mode, parent=manifest.parent,
-                           published_bytes=disk.folder_bytes(path, list(manifest.files)), full_bytes=full_bytes,
-                           seconds=0.0)
+        return Publication(
+            version=version,
+            path=path,
+            mode=manifest.mode,
+            parent=manifest.parent,
+            published_bytes=disk.folder_bytes(path, list(manifest.files)),
+            full_bytes=full_bytes,
+            seconds=0.0,
+        )
 
     def _drop_held(self) -> None:
         if self.held is not None:
