@@ -45,6 +45,13 @@ def never_started(data_dir: str, writer: str) -> bool:
     return os.path.isfile(journal) and os.path.getsize(journal) == 0
 
 
+def never_registered(data_dir: str, writer: str) -> bool:
+    """Whether ``writer`` has no directory at all: straw creates it at the writer's first publication, so a
+    producer killed after leasing but before publishing anything leaves none (and straw answers any
+    question about it with UnsafeRecovery: "No registered writer gate")."""
+    return not os.path.isdir(os.path.join(data_dir, "control", "writers", writer[:2], writer))
+
+
 def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
     attempts: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for event in view.of_type("Leased"):

@@ -58,7 +58,7 @@ from typing import Any
 
 import msgspec
 
-from vime.queue.gc import group_submission_id, never_started, writer_of
+from vime.queue.gc import group_submission_id, never_registered, never_started, writer_of
 from vime.queue.journal_view import JournalView
 from vime.queue.tasks import AcceptedGroup, regenerated_id
 from vime.recovery.lineage import Lineage
@@ -326,8 +326,10 @@ def compute(
     for event in view.of_type("Leased"):
         for lease in event["leases"]:
             key, writer = (lease["task_id"], lease["attempt_id"]), writer_of(lease["worker_id"])
-            if key in completed or writer is None or never_started(data_dir, writer):
-                continue  # a writer killed while its journal was created published nothing (and has no receipts)
+            if key in completed or writer is None:
+                continue
+            if never_registered(data_dir, writer) or never_started(data_dir, writer):
+                continue  # a writer killed before its first publication, or while creating its journal: nothing
             if stages.get(key[0]) == "leased" and current[key[0]] == key[1]:
                 continue  # the attempt is still on: a group it published may yet be accepted
             try:

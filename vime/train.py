@@ -25,17 +25,15 @@ import time
 import uuid
 from typing import Any
 
+from vime import preflight
 from vime.config import ConfigError, TrainSettings, parse_train_args
-from vime.config.vllm import check_against_vllm, check_topology_against_vllm
-from vime.data.source import DataKeys, PromptDataset, open_prompt_source
+from vime.data.source import DataKeys
 from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
 from vime.recovery.lineage import Lineage
 from vime.rollout.generate import SamplingParams
-from vime.rollout.rewards import resolve_reward
 from vime.runtime import interrupts
-from vime.runtime.plugins import absolute_plugin_path, load_hook
 from vime.weights.policy import flush_for_sync
 
 POLL_SECONDS = 0.05
@@ -111,102 +109,13 @@ class TrainingRun:
         )
 
     def _check_inputs(self) -> None:
-        s = self.s
-        keys = DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key)
-        # -- user hooks: absolute paths (workers may run elsewhere); each is loaded and its signature
-        #    checked here, so that a bad path fails before any process starts (vime/runtime/plugins.py) --
-        for section, flag in (
-            (s.rollout, "--custom-rm-path"),
-            (s.rollout, "--custom-generate-function-path"),
-            (s.rollout, "--rollout-function-path"),
-            (s.rollout, "--dynamic-sampling-filter-path"),
-            (s.eval, "--eval-function-path"),
-            (s.data, "--data-source-path"),
-        ):
-            name = flag[2:].replace("-", "_")
-            setattr(section, name, absolute_plugin_path(getattr(section, name)))
-            if getattr(section, name):
-                load_hook(flag, getattr(section, name))
-        self.dataset = open_prompt_source(
-            s.data.prompt_data, keys, data_source_path=s.data.data_source_path, args=s.args
-        )
-        self.eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
-        # --
-        self.reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
-        self._report_megatron_lm_flags()
-        self._plan_engines()
-        check_against_vllm(s.vllm.vllm_args)
-        check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
-        if s.queue.rollout_data_transport == "straw":
-            from vime.queue.fence import QueueFence
-
-            QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
-            self._check_queue_identity()
-        self.resume = None  # (folder, CheckpointState) when resuming
-        if s.checkpoint.load:
-            if ckpt.latest_step(s.checkpoint.load) is None and s.checkpoint.ckpt_step is None:
-                # As the reference framework does: a --load without a checkpoint starts afresh.
-                self.log.say(f"--load {s.checkpoint.load} holds no checkpoint yet: starting from --hf-checkpoint")
-            else:
-                self.resume = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
-                ckpt.check_run_options(self.resume[1].run_options, self._run_options())
-                if s.queue.rollout_data_transport != "straw":
-                    raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
-        from transformers import AutoConfig, AutoTokenizer
-
-        s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint), s.train.train_backend)
-        self.tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+        """Everything that can be checked before a process starts (vime/preflight.py), and what it loaded."""
+        inputs = preflight.check_inputs(self.s, self.log.say)
+        self.dataset, self.eval_sets, self.reward = inputs.dataset, inputs.eval_sets, inputs.reward
+        self.plan, self.trained_model = inputs.plan, inputs.trained_model
+        self.resume, self.tokenizer = inputs.resume, inputs.tokenizer  # resume: (folder, CheckpointState) or None
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
-
-    def _report_megatron_lm_flags(self) -> None:
-        """Say what the Megatron-LM flags passed through do (vime/config/megatron_lm.py): a flag vime's trainer does
-        not read reaches user code only, which a user should not have to guess."""
-        passthrough = self.s.megatron_lm
-        if not passthrough.values:
-            return
-        from vime.config.megatron_lm import transformer_overrides
-
-        model = transformer_overrides(passthrough) if self.s.train.train_backend == "megatron" else {}
-        if model:
-            self.log.say(
-                "Megatron-LM flags set the model's TransformerConfig: "
-                + ", ".join(passthrough.flags[name] for name in model)
-            )
-        rest = [flag for name, flag in passthrough.flags.items() if name not in model]
-        if rest:
-            self.log.say(
-                "Megatron-LM flags that vime's trainer does not read (user code sees them in args): " + ", ".join(rest)
-            )
-
-    def _plan_engines(self) -> None:
-        """What to start, from the resolved topology (vime/config/vllm_config.py): the trained
-        model and, with --vllm-config, the others. None with --rollout-external-engine-addrs."""
-        from vime.config.vllm_config import build_launch_plan, trained_model_name
-
-        deployment = getattr(self.s.args, "vllm_deployment", None)
-        self.plan, self.trained_model = None, None
-        if deployment is None:
-            return
-        self.trained_model = trained_model_name(deployment)
-        flag = {"vllm-config": "--vllm-config", "prefill-num-servers": "--prefill-num-servers"}.get(deployment.origin)
-        pd = any(group.worker_type in ("prefill", "decode") for model in deployment.models for group in model.groups)
-        if pd and self.s.vllm.vllm_router_ip:
-            raise ConfigError(
-                "--vllm-router-ip",
-                "vime starts the prefill/decode engines of this topology, and a PD "
-                "router learns its engines from its command line: leave --vllm-router-ip out (vime "
-                "starts the router), or start the engines yourself and attach them with "
-                "--rollout-external-engine-addrs",
-            )
-        self.plan = build_launch_plan(deployment, router_args=self.s.router_args)
-        teacher = self.s.algorithm.opd_teacher_model
-        if teacher and teacher not in {model.name for model in deployment.models}:
-            raise ConfigError(
-                "--opd-teacher-model",
-                f"{teacher!r} is not a model of "
-                f"{flag or '--vllm-config'}; models: {', '.join(m.name for m in deployment.models)}",
-            )
 
     @property
     def store_options(self):
@@ -399,40 +308,6 @@ class TrainingRun:
             health["rollout_last_engine_error"] = next((s.last_engine_error for s in stats if s.last_engine_error), "")
         self.engine_errors_seen = errors
         return health
-
-    def _check_queue_identity(self) -> None:
-        """An existing queue keeps the identity it was created with (straw refuses to recover it
-        otherwise): say which flag differs instead."""
-        path = os.path.join(self.s.rollout_data_dir, "run.json")
-        if not os.path.exists(path):
-            return
-        with open(path) as f:
-            identity = json.load(f)
-        q = self.s.queue
-        for flag, created, now in (
-            ("--rollout-queue-run-id", identity.get("run_id"), q.rollout_queue_run_id),
-            ("--rollout-queue-lease-seconds", identity.get("lease_seconds"), q.rollout_queue_lease_seconds),
-            ("--rollout-storage-profile", identity.get("profile"), q.rollout_storage_profile),
-        ):
-            if created is not None and created != now:
-                raise ConfigError(
-                    flag,
-                    f"the queue in {self.s.rollout_data_dir} was created with {created!r}, "
-                    f"this run has {now!r}; keep it, or use another --rollout-data-dir",
-                )
-
-    def _run_options(self) -> dict[str, Any]:
-        s = self.s
-        return {
-            "prompt_data": s.data.prompt_data,
-            "n_samples_per_prompt": s.rollout.n_samples_per_prompt,
-            "rollout_queue_run_id": s.queue.rollout_queue_run_id,
-            "seed": s.run.seed,
-            "rollout_batch_size": s.rollout.rollout_batch_size,
-            "input_key": s.data.input_key,
-            "label_key": s.data.label_key,
-            "rollout_shuffle": s.data.rollout_shuffle,
-        }
 
     def _restore(self) -> tuple[int, int]:
         """(first rollout id, weight version) — from the checkpoint when resuming."""
@@ -885,7 +760,7 @@ class TrainingRun:
             step=step,
             weight_version=version,
             consumer_cursor=self.cursor,
-            run_options=self._run_options(),
+            run_options=preflight.run_options(self.s),
             step_cursors=list(self.step_cursors),
             skipped=list(self.skipped),
             lineage=self.lineage,

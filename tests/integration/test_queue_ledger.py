@@ -220,6 +220,19 @@ def test_a_writer_killed_while_its_journal_was_created_published_nothing(run):
     assert (groups(books)["generated"], groups(books)["released_orphan"]) == (1, 0)
 
 
+def test_a_worker_killed_before_its_first_publication_published_nothing(run):
+    """straw creates a writer's directory at its first publication: a producer killed after leasing and before
+    publishing anything (seen in the random-kill fault test) has none, and straw refuses to be asked about it."""
+    run.accept()
+    run.worker = "worker@" + "0" * 32  # a writer id that never published
+    run.lease()
+    run.close()
+    Controller(run.spec).shutdown()  # a new controller revokes the dead run's leases
+    books = ledger(run.data_dir)
+    assert books["closes"], books
+    assert (groups(books)["generated"], groups(books)["released_orphan"]) == (1, 0)
+
+
 def checkpoint(save: str, *, cursor: int, step_cursors: list[int], skipped: list[int]) -> None:
     state = CheckpointState(
         schema=1,

@@ -44,15 +44,16 @@ LAYERS = [
         ],
     ),
     ("workers", ["vime.workers"]),
-    # The drivers: `vime train`, its debug-replay mode (which trains with the run's own trainer worker),
-    # the user's tools and the command line.
-    ("entry points", ["vime.replay", "vime.train", "vime.tools", "vime.cli"]),
+    # The drivers: `vime train`, its pre-flight checks, its debug-replay mode (which trains with the run's own
+    # trainer worker), the user's tools and the command line.
+    ("entry points", ["vime.preflight", "vime.replay", "vime.train", "vime.tools", "vime.cli"]),
 ]
 SIDEWAYS = {
     ("vime.rollout", "vime.data"),  # rollout functions read the prompt data
     ("vime.rl", "vime.rollout"),  # R3's engine flags (rl/algorithm_checks.py)
     ("vime.backends", "vime.rl"),  # the objective and the batch live in rl/; backends own the model
     ("vime.recovery", "vime.queue"),  # debug archives hold the queue's encoded groups
+    ("vime.train", "vime.preflight"),  # the checks before any process starts
     ("vime.train", "vime.replay"),  # --save/--load-debug-rollout-data
     ("vime.cli", "vime.train"),
     ("vime.cli", "vime.tools"),

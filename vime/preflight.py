@@ -1,0 +1,184 @@
+"""Before any process starts: everything `vime train` can check from its flags, files and hooks.
+
+A bad path, a hook with the wrong signature, a flag vLLM does not know, a queue that a live run holds or
+that was created with other flags, a checkpoint of another run: each fails here, naming the flag, before
+Ray, the router or an engine has started (nothing is left to clean up). What the checks load on the way
+(the datasets, the reward, the launch plan, the checkpoint to resume, the tokenizer) is what the run
+uses: :class:`Inputs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vime.config import ConfigError, TrainSettings
+from vime.config.vllm import check_against_vllm, check_topology_against_vllm
+from vime.data.source import DataKeys, PromptDataset, open_prompt_source
+from vime.recovery import checkpoint as ckpt
+from vime.rollout.rewards import resolve_reward
+from vime.runtime.plugins import absolute_plugin_path, load_hook
+
+# The user hooks: each is made an absolute path (workers may run elsewhere), loaded and its signature
+# checked (vime/runtime/plugins.py).
+HOOK_FLAGS = (
+    ("rollout", "--custom-rm-path"),
+    ("rollout", "--custom-generate-function-path"),
+    ("rollout", "--rollout-function-path"),
+    ("rollout", "--dynamic-sampling-filter-path"),
+    ("eval", "--eval-function-path"),
+    ("data", "--data-source-path"),
+)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What the checks loaded, for the run to use."""
+
+    dataset: Any  # the prompt source (vime.data.source)
+    eval_sets: list[tuple[str, PromptDataset]]
+    reward: Any
+    plan: Any  # vime.config.vllm_config's launch plan of --vllm-config, or None
+    trained_model: str | None  # the plan's weight-synced model
+    resume: tuple[str, ckpt.CheckpointState] | None  # (folder, state) when resuming
+    tokenizer: Any
+
+
+def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
+    """Every check of the run's inputs, in the order a user fixes them; raises ConfigError (and the other
+    UserErrors of the loaders) naming the flag."""
+    keys = DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key)
+    for section_name, flag in HOOK_FLAGS:
+        section, name = getattr(s, section_name), flag[2:].replace("-", "_")
+        setattr(section, name, absolute_plugin_path(getattr(section, name)))
+        if getattr(section, name):
+            load_hook(flag, getattr(section, name))
+    dataset = open_prompt_source(s.data.prompt_data, keys, data_source_path=s.data.data_source_path, args=s.args)
+    eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
+    reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
+    report_megatron_lm_flags(s, say)
+    plan, trained_model = plan_engines(s)
+    check_against_vllm(s.vllm.vllm_args)
+    check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
+    if s.queue.rollout_data_transport == "straw":
+        from vime.queue.fence import QueueFence
+
+        QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
+        check_queue_identity(s)
+    resume = checkpoint_to_resume(s, say)
+    from transformers import AutoConfig, AutoTokenizer
+
+    s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint), s.train.train_backend)
+    tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+    return Inputs(
+        dataset=dataset,
+        eval_sets=eval_sets,
+        reward=reward,
+        plan=plan,
+        trained_model=trained_model,
+        resume=resume,
+        tokenizer=tokenizer,
+    )
+
+
+def checkpoint_to_resume(s: TrainSettings, say: Callable[[str], None]) -> tuple[str, ckpt.CheckpointState] | None:
+    """The checkpoint --load (--ckpt-step) resumes, checked against this run's options; None: start afresh."""
+    if not s.checkpoint.load:
+        return None
+    if ckpt.latest_step(s.checkpoint.load) is None and s.checkpoint.ckpt_step is None:
+        # As the reference framework does: a --load without a checkpoint starts afresh.
+        say(f"--load {s.checkpoint.load} holds no checkpoint yet: starting from --hf-checkpoint")
+        return None
+    resume = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
+    ckpt.check_run_options(resume[1].run_options, run_options(s))
+    if s.queue.rollout_data_transport != "straw":
+        raise ConfigError("--load", "resuming needs the durable queue (--rollout-data-transport straw)")
+    return resume
+
+
+def run_options(s: TrainSettings) -> dict[str, Any]:
+    """The options a checkpoint records and a resumed run must keep (vime/recovery/checkpoint.py)."""
+    return {
+        "prompt_data": s.data.prompt_data,
+        "n_samples_per_prompt": s.rollout.n_samples_per_prompt,
+        "rollout_queue_run_id": s.queue.rollout_queue_run_id,
+        "seed": s.run.seed,
+        "rollout_batch_size": s.rollout.rollout_batch_size,
+        "input_key": s.data.input_key,
+        "label_key": s.data.label_key,
+        "rollout_shuffle": s.data.rollout_shuffle,
+    }
+
+
+def report_megatron_lm_flags(s: TrainSettings, say: Callable[[str], None]) -> None:
+    """Say what the Megatron-LM flags passed through do (vime/config/megatron_lm.py): a flag vime's trainer does
+    not read reaches user code only, which a user should not have to guess."""
+    passthrough = s.megatron_lm
+    if not passthrough.values:
+        return
+    from vime.config.megatron_lm import transformer_overrides
+
+    model = transformer_overrides(passthrough) if s.train.train_backend == "megatron" else {}
+    if model:
+        say(
+            "Megatron-LM flags set the model's TransformerConfig: "
+            + ", ".join(passthrough.flags[name] for name in model)
+        )
+    rest = [flag for name, flag in passthrough.flags.items() if name not in model]
+    if rest:
+        say("Megatron-LM flags that vime's trainer does not read (user code sees them in args): " + ", ".join(rest))
+
+
+def plan_engines(s: TrainSettings) -> tuple[Any, str | None]:
+    """What to start, from the resolved topology (vime/config/vllm_config.py): (the launch plan, the trained
+    model's name); (None, None) without --vllm-config (and with --rollout-external-engine-addrs)."""
+    from vime.config.vllm_config import build_launch_plan, trained_model_name
+
+    deployment = getattr(s.args, "vllm_deployment", None)
+    if deployment is None:
+        return None, None
+    trained_model = trained_model_name(deployment)
+    flag = {"vllm-config": "--vllm-config", "prefill-num-servers": "--prefill-num-servers"}.get(deployment.origin)
+    pd = any(group.worker_type in ("prefill", "decode") for model in deployment.models for group in model.groups)
+    if pd and s.vllm.vllm_router_ip:
+        raise ConfigError(
+            "--vllm-router-ip",
+            "vime starts the prefill/decode engines of this topology, and a PD "
+            "router learns its engines from its command line: leave --vllm-router-ip out (vime "
+            "starts the router), or start the engines yourself and attach them with "
+            "--rollout-external-engine-addrs",
+        )
+    plan = build_launch_plan(deployment, router_args=s.router_args)
+    teacher = s.algorithm.opd_teacher_model
+    if teacher and teacher not in {model.name for model in deployment.models}:
+        raise ConfigError(
+            "--opd-teacher-model",
+            f"{teacher!r} is not a model of "
+            f"{flag or '--vllm-config'}; models: {', '.join(m.name for m in deployment.models)}",
+        )
+    return plan, trained_model
+
+
+def check_queue_identity(s: TrainSettings) -> None:
+    """An existing queue keeps the identity it was created with (straw refuses to recover it otherwise):
+    say which flag differs instead."""
+    path = os.path.join(s.rollout_data_dir, "run.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        identity = json.load(f)
+    q = s.queue
+    for flag, created, now in (
+        ("--rollout-queue-run-id", identity.get("run_id"), q.rollout_queue_run_id),
+        ("--rollout-queue-lease-seconds", identity.get("lease_seconds"), q.rollout_queue_lease_seconds),
+        ("--rollout-storage-profile", identity.get("profile"), q.rollout_storage_profile),
+    ):
+        if created is not None and created != now:
+            raise ConfigError(
+                flag,
+                f"the queue in {s.rollout_data_dir} was created with {created!r}, "
+                f"this run has {now!r}; keep it, or use another --rollout-data-dir",
+            )
