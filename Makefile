@@ -28,16 +28,8 @@ lint: setup
 	$(RUFF) check .
 	$(RUFF) format --check .
 
-# Two pytest processes side by side. The end-to-end, fault and integration tests mostly wait (engines, Ray and
-# runs starting, polls), so the suite alone kept the CPU busy 26% of its 37 minutes; the unit tests (no Ray, no
-# engine) run beside them at a lower priority (nice), on the cores the others leave idle, and their report
-# follows. Exit status: non-zero when either failed.
-UNIT_LOG := $(VENV)/unit-tests.log
 test: setup lint
-	@nice -n 10 $(PY) -m pytest -q -p no:cacheprovider --durations=10 tests/unit > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(PY) -m pytest -q --durations=30 tests/e2e tests/faults tests/integration; rest=$$?; \
-	wait $$unit; units=$$?; echo "--- tests/unit (run beside the others; log $(UNIT_LOG)) ---"; cat $(UNIT_LOG); \
-	test $$rest -eq 0 -a $$units -eq 0
+	$(PY) -m pytest -q --durations=30 tests
 
 test-fast: setup lint
 	$(PY) -m pytest -q tests -m "not e2e"
