@@ -184,9 +184,34 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
 CTRL_C_HONOURED_S = 120  # measured: 4-8 s from the Ctrl-C to the exit (/tmp experiments, 2 cores, loaded)
 
 
-def interrupt_once(args: list[str], run_dir: str) -> None:
-    """Start the run, Ctrl-C it after a step that ends with groups being generated, and check that
-    it stops with code 130 leaving no process behind."""
+def engine_requests_running(engine_url: str) -> float:
+    """vLLM's own gauge of the requests it is generating (GET /metrics)."""
+    import requests
+
+    text = requests.get(f"{engine_url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")
+    )
+
+
+def freeze_requests_in_flight(engine_url: str, seen: list[str]) -> None:
+    """Wait until the engine is generating, then freeze its requests where they are (pause, mode keep):
+    the Ctrl-C that follows finds them in flight, whatever the timing, and the run's own abort at its
+    teardown ends them with their prefixes (and resumes the engine)."""
+    import requests
+
+    deadline = time.monotonic() + 120
+    while engine_requests_running(engine_url) == 0:
+        assert time.monotonic() < deadline, "the engine generated nothing for 120s:\n" + "".join(seen)[-3000:]
+        time.sleep(0.05)
+    requests.post(f"{engine_url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
+
+
+def interrupt_once(args: list[str], run_dir: str, engine_url: str) -> None:
+    """Start the run, Ctrl-C it after two steps while the engine holds requests in flight, and check
+    that it stops with code 130 leaving no process behind."""
+    import requests
+
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen, rest = [], ""
     try:
@@ -196,11 +221,11 @@ def interrupt_once(args: list[str], run_dir: str) -> None:
             seen.append(line)
             if line.startswith("step "):
                 steps += 1
-                last = [json.loads(r) for r in open(os.path.join(run_dir, "metrics.jsonl")) if '"train"' in r][-1]
-                if steps >= 2 and last["queue_leased"] > 0:
+                if steps >= 2:
                     break
             assert time.monotonic() < deadline, "".join(seen)
         assert steps >= 2, "".join(seen)
+        freeze_requests_in_flight(engine_url, seen)
         proc.send_signal(signal.SIGINT)
         try:  # one Ctrl-C, honoured within a bound (a slow step of the teardown is said in the output)
             rest, _ = proc.communicate(timeout=CTRL_C_HONOURED_S)
@@ -213,6 +238,9 @@ def interrupt_once(args: list[str], run_dir: str) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+        # The shared engine serves the next tests: never leave it paused (the run's teardown resumes it
+        # already; this covers a run that failed before its teardown).
+        requests.post(f"{engine_url}/resume", timeout=30)
     assert proc.returncode == 130, "".join(seen) + rest
     assert "interrupted" in rest
     assert_nothing_left(run_dir)
@@ -220,10 +248,10 @@ def interrupt_once(args: list[str], run_dir: str) -> None:
 
 def test_ctrl_c_stops_everything_and_the_run_resumes_with_its_prefixes(tmp_path, tiny_model_dir, vllm_engine):
     with attached(vllm_engine) as engine_flags:
-        ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags)
+        ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags, vllm_engine.url)
 
 
-def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
+def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str], engine_url: str) -> None:
     """Up to four runs on the shared engine (the process checks cover what the run started; a run that
     starts its own engine stops it the same way: test_main_job_end_to_end, test_kill_resume.py)."""
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
@@ -246,12 +274,12 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None
         *engine_flags,
     )
     args[args.index("--rollout-max-response-len") + 1] = "40"
-    # Whether a request is still generating at the instant of Ctrl-C depends on timing (the tiny
-    # model often ends a response early): interrupt, resume, interrupt again, at most three times,
-    # until an interruption caught requests in flight. Each round checks the Ctrl-C contract.
+    # The engine's requests are frozen in flight before each Ctrl-C; a weight update of the run at that
+    # very instant resumes them (they may then end before the abort): interrupt, resume, interrupt again,
+    # at most three times, until an interruption caught requests in flight. Each round checks the contract.
     interrupted = []
     for _ in range(3):
-        interrupt_once(args, run_dir)
+        interrupt_once(args, run_dir, engine_url)
         interrupted = [
             (task, group) for task, group in continuation_prefixes(run_dir) if any(s.response_length for s in group)
         ]
