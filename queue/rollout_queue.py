@@ -126,7 +126,9 @@ class StrawRolloutQueue:
         return PromptTask.from_metadata(task_id, spec["metadata"])
 
     def has_task(self, task_id: str) -> bool:
-        return task_id in self.coordinator.tasks
+        # A point lookup: the coordinator's ``tasks`` attribute serializes its whole state on every read
+        # (milliseconds per thousand tasks), and the controller asks once per accepted group it looks at.
+        return self.coordinator.task_status(task_id) is not None
 
     def regenerate(self, task: PromptTask, request_id: str) -> None:
         """Submit a prompt again without moving the dataset cursor (idempotent per request id)."""
