@@ -35,8 +35,8 @@ from vime.runtime.process import kill_processes_with_token
 pytestmark = pytest.mark.e2e
 # Prompts (4 per step; a step >= 1.5 s): enough steps for each test's events to happen mid-run. The node-join
 # run does not depend on it for the node's start (it is held open until then), only for the new worker's
-# share of the groups after it: ~110 prompts are left then.
-NODE_PROMPTS, FAULT_PROMPTS = 128, 64
+# share of the groups after it (two of them, generated within seconds): ~45 prompts, 11 steps, are left then.
+NODE_PROMPTS, FAULT_PROMPTS = 64, 64
 # Seconds added to the start of the node's engine (0 in CI): the test must pass with 120.
 NODE_ENGINE_DELAY = float(os.environ.get("VIME_TEST_NODE_ENGINE_DELAY", "0"))
 FAST_HEALTH = ("--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "3")
