@@ -199,3 +199,27 @@ def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(t
     with pytest.raises((CorruptData, UnsafeRecovery)):
         controller.reap_writers([])
     controller.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["straw", "object-store"])
+def test_has_task_knows_submitted_and_regenerated_tasks_only(tmp_path, transport):
+    """The controller asks once per accepted group it looks at whether that group's prompt was
+    submitted again (take_groups): a point lookup, true only for a task the queue holds."""
+    from vime.queue.memory_queue import MemoryRolloutQueue
+    from vime.queue.rollout_queue import StrawRolloutQueue
+    from vime.queue.tasks import PromptTask
+
+    if transport == "straw":
+        queue = StrawRolloutQueue.open(StoreOptions(str(tmp_path / "queue"), "run"), owner="test", lease_seconds=60)
+    else:
+        queue = MemoryRolloutQueue(lease_seconds=60)
+    tasks = [PromptTask(f"task-{i}", i, 0, i) for i in range(3)]
+    queue.submit(tasks, {"epoch": 0, "offset": 3, "next_group_index": 3})
+    assert all(queue.has_task(t.task_id) for t in tasks)
+    assert not queue.has_task("task-3") and not queue.has_task("")
+    again = tasks[1].regenerated(7)
+    assert not queue.has_task(again.task_id)
+    queue.regenerate(again, request_id="regenerate-7")
+    assert queue.has_task(again.task_id)
+    if transport == "straw":
+        queue.close()
