@@ -148,6 +148,7 @@ class TrainingRun:
         self.serving.start(registry_namespace=self.ray_namespace)
         import ray
 
+        from vime.workers.cluster import trainer_cpus, trainer_gpus_per_rank
         from vime.workers.controller import Controller, ControllerSpec
         from vime.workers.trainer_group import TrainerGroup
         from vime.workers.trainer_worker import TrainerWorkerSpec
@@ -175,7 +176,7 @@ class TrainingRun:
         self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1, name=Controller.ACTOR_NAME)(
             Controller
         ).remote(controller_spec)
-        threads, affinity = self._trainer_cpus()
+        threads, affinity = trainer_cpus(s.cluster, s.train)
         trainer_spec = TrainerWorkerSpec.from_settings(
             s,
             transport=s.queue.rollout_data_transport,
@@ -190,7 +191,9 @@ class TrainingRun:
             + f"{threads} thread(s)"
             + (" each)" if ranks > 1 else ")")
         )
-        self.trainer = TrainerGroup.start(trainer_spec, ranks, gpus_per_rank=self._trainer_gpus_per_rank(), timeout=600)
+        self.trainer = TrainerGroup.start(
+            trainer_spec, ranks, gpus_per_rank=trainer_gpus_per_rank(s.cluster, s.train), timeout=600
+        )
         # The first rollout worker's process starts (imports, tokenizer, hooks) while the trainer does; it
         # opens its queue writer and generates only after recovery (_start_rollout_workers).
         from vime.workers.rollout_group import RolloutGroup
@@ -202,67 +205,19 @@ class TrainingRun:
             f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, {ready[0]['consumed']} trained"
         )
 
-    def _trainer_cpus(self) -> tuple[int, list[int] | None]:
-        """(torch threads, cores) for the trainer on a CPU-only single node.
-
-        vLLM's CPU engine binds its compute threads to the first cores (one per engine by default);
-        the trainer gets the cores after them, one thread each. Attached to a Ray cluster, or with
-        --train-threads, vime leaves placement alone.
-        """
-        s = self.s
-        if s.train.train_threads or s.cluster.ray_address:
-            return s.train.train_threads or 1, None
-        cores = sorted(os.sched_getaffinity(0))
-        spare = cores[s.cluster.num_engines * s.cluster.rollout_num_gpus_per_engine :]
-        if not spare:
-            return 1, None
-        # Ranks share the spare cores (each rank's threads compete with the others' otherwise).
-        return max(1, len(spare) // s.cluster.num_trainers), spare
-
-    def _trainer_gpus_per_rank(self) -> float:
-        """One GPU per rank when several Megatron ranks train on GPUs (Ray then shows each its own);
-        a single rank keeps today's placement (it uses the node's first GPU, beside the engines)."""
-        import ray
-
-        s = self.s
-        if s.cluster.num_trainers == 1 or s.train.train_backend != "megatron":
-            return 0
-        return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-
     def _start_ray(self) -> None:
-        import ray
+        from vime.workers.cluster import start_ray
 
-        os.environ["VIME_RUN_TOKEN"] = self.token  # every process started below inherits it
-        # Ray's workers retitle themselves ("ray::TrainerWorker.train_rollout") with setproctitle's code,
-        # which would otherwise overwrite the memory /proc/PID/environ reads, hiding the token from the
-        # sweeps (the teardown's, the reaper's: vime/runtime/reaper.py).
-        os.environ["SPT_NOENV"] = "1"
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if self.s.cluster.ray_address:
-            self.log.say(f"attaching to the Ray cluster at {self.s.cluster.ray_address}")
-            ray.init(
-                address=self.s.cluster.ray_address,
-                log_to_driver=self.s.run.log_level == "debug",
-                namespace=self.ray_namespace,
-            )
-        else:
-            self.log.say("starting Ray (in-process)")
-            # address="local": always a cluster of our own, never one someone else started here.
-            ray.init(
-                address="local",
-                num_cpus=os.cpu_count() or 2,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=self.s.run.log_level == "debug",
-                configure_logging=False,
-                namespace=self.ray_namespace,
-            )
+        gcs_address = start_ray(
+            self.s.cluster,
+            token=self.token,
+            namespace=self.ray_namespace,
+            debug_logs=self.s.run.log_level == "debug",
+            say=self.log.say,
+        )
         self.ray_started = True
         # `vime engines --run RUN_DIR` attaches to this Ray cluster and namespace (docs/elastic.md).
-        self._update_run_json(ray_address=ray.get_runtime_context().gcs_address, ray_namespace=self.ray_namespace)
+        self._update_run_json(ray_address=gcs_address, ray_namespace=self.ray_namespace)
 
     def _update_run_json(self, **fields) -> None:
         path = os.path.join(self.run_dir, "run.json")
@@ -608,51 +563,14 @@ class TrainingRun:
         """The trainer died during ``step`` (or failed inside it, not by the user's fault): restore it in place
         from the lineage's latest checkpoint while generation goes on (workers/trainer_restart.py), or stop the
         run when --trainer-restart-budget is spent. Returns the rollout id to go on from."""
-        from vime.workers.trainer_group import TrainerDied
-        from vime.workers.trainer_restart import RestartCause, restart_cause
-
-        restarter = self.restarter
-        cause = restart_cause(error)
-        started = time.monotonic()
-        while True:
-            if restarter.spent:
-                raise self._trainer_lost(error, step, cause)
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            self.log.say(
-                f"the trainer {cause.value} during step {step} ({first_line}); restarting it in place "
-                f"({restarter.used + 1}/{restarter.budget} of --trainer-restart-budget) while generation "
-                "goes on"
-            )
-            try:
-                restored = restarter.restore(self.last_saved_step)
-                version = self._serve_restored(restored, colocation)
-                break
-            except TrainerDied as again:  # it died again while being restored: that is one more restart
-                error, cause = again, RestartCause.DIED
+        restored = self.restarter.recover(
+            error,
+            step,
+            saved_step=self.last_saved_step,
+            serve=lambda restored: self._serve_restored(restored, colocation),
+            log=self.log,
+        )
         self.step = restored.step
-        seconds = time.monotonic() - started
-        self.log.write(
-            {
-                "kind": "trainer_restart",
-                "step": step,
-                "cause": cause.value,
-                "error": str(error)[:2000],
-                "restored_step": restored.step,
-                "checkpoint": restored.folder,
-                "weight_version": version,
-                "lost_versions": [restored.weight_version + 1, version - 1],
-                "seconds": round(seconds, 3),
-                "restarts": restarter.used,
-                "budget": restarter.budget,
-            }
-        )
-        self.log.say(
-            f"trainer restored in {seconds:.1f}s from "
-            + (restored.folder or "the initial weights (no checkpoint yet)")
-            + f": step {restored.step}, serving as weight version {version} (versions "
-            f"{restored.weight_version + 1}..{version - 1} are lost; groups carrying them are generated "
-            "again)"
-        )
         return restored.step
 
     def _serve_restored(self, restored, colocation) -> int:
@@ -686,24 +604,6 @@ class TrainingRun:
         self._publish(version, sync_number=1)  # flushes: requests in flight run on weights that are lost
         colocation.after_weight_update()
         return version
-
-    def _trainer_lost(self, error: Exception, step: int, cause) -> Exception:
-        """The error that stops the run when the trainer cannot be restored (any more)."""
-        from vime.workers.trainer_restart import RestartCause
-
-        s, budget = self.s, self.restarter.budget
-        if cause is RestartCause.INTERNAL_ERROR:
-            return error.__cause__ or error  # an internal error: reported as before
-        where = f"resume with --load {s.checkpoint.save}" if s.checkpoint.save else "run again"
-        spent = (
-            f" It was restarted in place {budget} time(s): --trainer-restart-budget {budget} is spent."
-            if budget
-            else ""
-        )
-        return RunError(
-            f"the trainer process died during step {step}; its state since the last checkpoint is "
-            f"lost; {where} (no accepted sample is lost).{spent} Cause: {error}"
-        )
 
     # ================================================================== evaluation and the end
     def _evaluate(self, version: int, *, step: int, label: str) -> dict[str, float]:

@@ -7,8 +7,10 @@ trainer with an error that is not the user's to fix, the driver asks :class:`Tra
 rank would wait for it in their next collective) and loads the latest checkpoint this lineage saved, or
 the checkpoint the run was resumed from, or nothing (the initial weights). The controller, the queue,
 the router, the engines and the rollout workers are left alone. What the driver does with the
-result (rewinding its consumer cursor, publishing the restored weights under a new version) is in
-``vime/train.py``; which versions are lost from then on is ``vime.recovery.lineage``.
+result (rewinding its consumer cursor, publishing the restored weights under a new version) is the
+``serve`` callback the driver gives :meth:`TrainerRestarter.recover` (``vime/train.py``); which versions
+are lost from then on is ``vime.recovery.lineage``. When the budget is spent, :class:`TrainerLost` stops
+the run.
 
 A user error raised by a step (a ``vime.errors.UserError``: a hook, a corrupt group) is not restarted: it
 would fail again.
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from vime.errors import MemberDied
+from vime.errors import MemberDied, UserError
 from vime.recovery import checkpoint as ckpt
 from vime.workers.trainer_group import TrainerDied, TrainerGroup
 
@@ -31,6 +36,18 @@ class RestartCause(enum.Enum):
 
 class TrainerStepFailed(MemberDied, RuntimeError):
     """A training step raised, inside the trainer, an error that is not the user's to fix."""
+
+
+class TrainerLost(UserError, RuntimeError):
+    """The trainer died and cannot be restored in place (any more): the run stops, saying how to resume."""
+
+
+class RunRecord(Protocol):
+    """Where the restarts are said and recorded (vime.metrics.MetricsLog)."""
+
+    def say(self, message: str) -> None: ...
+
+    def write(self, record: dict[str, Any]) -> None: ...
 
 
 def restart_cause(error: BaseException) -> RestartCause | None:
@@ -93,4 +110,72 @@ class TrainerRestarter:
             step_cursors=list(state.step_cursors),
             skipped=list(state.skipped),
             folder=folder,
+        )
+
+    def recover(
+        self,
+        error: Exception,
+        step: int,
+        *,
+        saved_step: int | None,
+        serve: Callable[[Restored], int],
+        log: RunRecord,
+    ) -> Restored:
+        """The trainer died during ``step`` (or failed inside it, not by the user's fault): restore it in
+        place and hand it to ``serve`` (which rewinds the driver to it and publishes its weights, returning
+        the version they are served as), restarting again if it dies meanwhile; each restart is said and
+        recorded. Raises the error that stops the run once the budget is spent."""
+        cause = restart_cause(error)
+        started = time.monotonic()
+        while True:
+            if self.spent:
+                raise self._lost(error, step, cause)
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            log.say(
+                f"the trainer {cause.value} during step {step} ({first_line}); restarting it in place "
+                f"({self.used + 1}/{self.budget} of --trainer-restart-budget) while generation goes on"
+            )
+            try:
+                restored = self.restore(saved_step)
+                version = serve(restored)
+                break
+            except TrainerDied as again:  # it died again while being restored: that is one more restart
+                error, cause = again, RestartCause.DIED
+        seconds = time.monotonic() - started
+        log.write(
+            {
+                "kind": "trainer_restart",
+                "step": step,
+                "cause": cause.value,
+                "error": str(error)[:2000],
+                "restored_step": restored.step,
+                "checkpoint": restored.folder,
+                "weight_version": version,
+                "lost_versions": [restored.weight_version + 1, version - 1],
+                "seconds": round(seconds, 3),
+                "restarts": self.used,
+                "budget": self.budget,
+            }
+        )
+        log.say(
+            f"trainer restored in {seconds:.1f}s from "
+            + (restored.folder or "the initial weights (no checkpoint yet)")
+            + f": step {restored.step}, serving as weight version {version} (versions "
+            f"{restored.weight_version + 1}..{version - 1} are lost; groups carrying them are generated again)"
+        )
+        return restored
+
+    def _lost(self, error: Exception, step: int, cause: RestartCause | None) -> Exception:
+        """The error that stops the run when the trainer cannot be restored (any more)."""
+        if cause is RestartCause.INTERNAL_ERROR:
+            return error.__cause__ or error  # an internal error: reported as before
+        where = f"resume with --load {self.save_dir}" if self.save_dir else "run again"
+        spent = (
+            f" It was restarted in place {self.budget} time(s): --trainer-restart-budget {self.budget} is spent."
+            if self.budget
+            else ""
+        )
+        return TrainerLost(
+            f"the trainer process died during step {step}; its state since the last checkpoint is "
+            f"lost; {where} (no accepted sample is lost).{spent} Cause: {error}"
         )

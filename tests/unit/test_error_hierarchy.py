@@ -91,7 +91,7 @@ def test_what_the_driver_stops_on_and_what_a_group_heals():
     from vime.train import RunError
     from vime.workers.engine_manager import EnginesLost
     from vime.workers.trainer_group import TrainerDied
-    from vime.workers.trainer_restart import TrainerStepFailed
+    from vime.workers.trainer_restart import TrainerLost, TrainerStepFailed
     from vime.workers.trainer_worker import CorruptGroup
 
     for cls in (
@@ -100,6 +100,7 @@ def test_what_the_driver_stops_on_and_what_a_group_heals():
         DataError,
         PluginError,
         RunError,
+        TrainerLost,
         EngineError,
         PortInUseError,
         QueueBusy,
