@@ -232,7 +232,7 @@ class TrainingRun:
         """Membership changes (health, restarts, `vime engines`, nodes that join or leave, a dead router:
         workers/serving.py); a new node's rollout worker starts once its first engine serves the current
         weights."""
-        from vime.workers.engine_manager import EnginesLost
+        from vime.workers.engine_members import EnginesLost
 
         if self.serving is None:
             return

@@ -29,9 +29,6 @@ When no engine serves or is on its way any more although the run had some, :meth
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import os
 import re
 import time
 from collections.abc import Callable
@@ -41,133 +38,24 @@ from vime.config.framework import ElasticConfig
 from vime.engines.external import engine_url
 from vime.engines.http import EngineError
 from vime.engines.router import RouterClient
-from vime.errors import MemberDied
+from vime.workers.engine_members import (
+    QUARANTINE_FIRST_PROBE_SECONDS,
+    QUARANTINE_MAX_PROBE_SECONDS,
+    EnginesLost,
+    EngineState,
+    EngineTemplate,
+    EngineVariant,
+    Member,
+    NodeEvent,
+)
 from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
-from vime.workers.engines import EngineActor, EngineGroup, EngineSpec
+from vime.workers.engines import EngineActor, EngineGroup
 from vime.workers.health import HealthMonitor
 
 NODE_POLL_SECONDS = 2.0
 REQUEST_POLL_SECONDS = 0.5
 SNAPSHOT_SECONDS = 1.0
 JOIN_SLACK_SECONDS = 120.0  # on top of --engine-startup-timeout: scheduling the actor, loading weights
-# A quarantined engine is probed after this many seconds, then after twice as long each time, up to the maximum.
-QUARANTINE_FIRST_PROBE_SECONDS = 1.0
-QUARANTINE_MAX_PROBE_SECONDS = 60.0
-
-
-class EngineState(str, enum.Enum):
-    """Where one engine of the run stands (a str, so that `vime engines list --json` shows the name)."""
-
-    STARTING = "starting"  # its process starts / it is checked, loads the current version, is probed
-    SERVING = "serving"  # registered with the router, gets every weight update
-    SYNCING = "syncing"  # nccl: started, waits for the next broadcast before it is registered
-    RESTARTING = "restarting"  # vime's own, died or failed its probes: a new process is on its way
-    QUARANTINED = "quarantined"  # external, failed its probes: out of the router, probed with back-off
-    DRAINING = "draining"  # `vime engines remove`: unregistered, its requests are being aborted
-    REMOVED = "removed"  # removed on request
-    LOST = "lost"  # dropped for good (its node left, budget used up, a refused attach)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class EnginesLost(MemberDied, RuntimeError):
-    """Every engine of the run is gone and none is starting: generation cannot go on."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineVariant:
-    """What one engine of a server group changes from the template (``--vllm-config`` overrides)."""
-
-    vllm_args: dict
-    tensor_parallel_size: int
-    worker_type: str = "regular"
-
-
-@dataclasses.dataclass(kw_only=True)
-class EngineTemplate:
-    """What every engine vime starts has in common (the per-engine spec adds index, host, log)."""
-
-    model: str
-    vllm_args: dict
-    tensor_parallel_size: int
-    run_token: str
-    log_dir: str
-    startup_timeout: float
-    http_timeout: float
-    weight_dir: str
-    weight_transport: str = "disk"
-    sleep_mode: bool = False  # --offload-rollout: engines sleep while the trainer trains
-    name_prefix: str = ""
-    """Prepended to engine names and log files: the model's name when a run serves several
-    (``--vllm-config``), so that ``ref-engine-0.log`` and ``engine-0.log`` do not collide."""
-
-    def spec(
-        self,
-        index: int,
-        *,
-        host: str = "127.0.0.1",
-        external_url: str | None = None,
-        startup_timeout: float | None = None,
-        variant: EngineVariant | None = None,
-    ) -> EngineSpec:
-        vllm_args = variant.vllm_args if variant else self.vllm_args
-        worker_type = variant.worker_type if variant else "regular"
-        return EngineSpec(
-            index=index,
-            model=self.model,
-            vllm_args=dict(vllm_args),
-            worker_type=worker_type,
-            keep_port=worker_type != "regular",
-            tensor_parallel_size=variant.tensor_parallel_size if variant else self.tensor_parallel_size,
-            run_token=self.run_token,
-            log_path=os.path.join(self.log_dir, f"{self.name_prefix}engine-{index}.log"),
-            startup_timeout=startup_timeout or self.startup_timeout,
-            http_timeout=self.http_timeout,
-            host=host,
-            external_url=external_url,
-            sleep_mode=self.sleep_mode,
-        )
-
-
-@dataclasses.dataclass
-class Member:
-    index: int
-    origin: str  # start | node | external (--rollout-external-engine-addrs) | added (vime engines add)
-    actor: Any
-    spec: EngineSpec
-    node_id: str | None = None  # where its actor runs
-    url: str | None = None
-    gpus: int = 1
-    worker_type: str = "regular"
-    state: EngineState = EngineState.STARTING
-    version: int = 0
-    restarts: int = 0
-    pending: Any = None  # ObjectRef of the join / restart / catch-up / drain in progress
-    pending_what: str = ""
-    pending_since: float = 0.0
-    deadline: float = 0.0
-    request: str | None = None  # the `vime engines` request waiting for this member
-    since: float = dataclasses.field(default_factory=time.monotonic)
-    last_error: str = ""
-    prefix: str = ""  # EngineTemplate.name_prefix
-    next_probe: float = 0.0  # quarantined: when the next probe is due
-    probe_backoff: float = QUARANTINE_FIRST_PROBE_SECONDS
-
-    @property
-    def name(self) -> str:
-        return f"{self.prefix}engine-{self.index}"
-
-    @property
-    def owned(self) -> bool:
-        return self.spec.external_url is None
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeEvent:
-    kind: str  # ready: a new node's first engine serves (start its rollout worker) | lost
-    node_id: str
-    host: str | None = None
 
 
 class EngineManager:

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from vime.config.framework import ElasticConfig
 from vime.config.vllm_config import EngineLaunch, ModelLaunch
 from vime.engines.router import RouterClient, RouterProcess, start_router
-from vime.workers.engine_manager import EngineManager, EnginesLost, EngineTemplate, EngineVariant
+from vime.workers.engine_manager import EngineManager
+from vime.workers.engine_members import EnginesLost, EngineTemplate, EngineVariant
 from vime.workers.router_supervisor import RouterSupervisor
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from vime.engines.router import RouterClient, RouterError, RouterProcess
-from vime.workers.engine_manager import EnginesLost
+from vime.workers.engine_members import EnginesLost
 
 
 class RouterState(enum.Enum):

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vime.config import TrainSettings
-from vime.workers.engine_manager import EngineManager, EngineTemplate, NodeEvent
+from vime.workers.engine_manager import EngineManager
+from vime.workers.engine_members import EngineTemplate, NodeEvent
 from vime.workers.model_servers import (
     FrozenModel,
     engine_variants,

@@ -285,6 +285,7 @@ class TrainerWorker:
         self.backend.reload()
 
     def save_checkpoint(self, path: str) -> None:
+        fault_point("trainer.mid_save")  # tests: a slow checkpoint write, for kills to land in
         self.backend.save_training_state(path)
 
     def load_checkpoint(self, path: str) -> None:

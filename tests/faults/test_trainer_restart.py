@@ -3,9 +3,15 @@ the rollout worker, the controller and the queue go on; the invariants are read 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import re
+import signal
+import time
 
+import psutil
 import pytest
 
 from tests.faults.conftest import check_invariants
@@ -74,3 +80,66 @@ def test_a_spent_restart_budget_stops_the_run_naming_the_flag(job):
     code, log = job.run()
     assert code == 0, log[-3000:]
     check_invariants(job)
+
+
+def trainer_rank_pids(job) -> list[int]:
+    """The running trainer ranks of the job (Ray retitles each "ray::TrainerWorker..."), found by its token."""
+    from vime.runtime.process import processes_with_tokens
+
+    with open(os.path.join(job.run_dir, "run.json")) as f:
+        token = json.load(f)["run_token"]
+    found = []
+    for proc in processes_with_tokens([token]).get(token, []):
+        with contextlib.suppress(psutil.Error):
+            if "TrainerWorker" in " ".join(proc.cmdline()):
+                found.append(proc.pid)
+    return found
+
+
+def test_a_trainer_killed_ten_times_at_random_instants_heals_itself_every_time(job):
+    """SIGKILL of the trainer's process from outside, ten times in one run, each at a random instant while
+    it trains or writes a checkpoint (both made slow enough to be hit: VIME_FAULT_DELAYS): the run finishes
+    by itself, with the rest of the job untouched, and trains every prompt exactly once in the surviving
+    lineage. Each kill waits for the previous restore and one trained step after it, so it lands in a
+    trainer that works."""
+    rng = random.Random(int(os.environ.get("VIME_FAULT_SEED", "11")))
+    kills_wanted = 10
+    proc = job.start(
+        "--trainer-restart-budget",
+        str(kills_wanted),
+        env={"VIME_FAULT_DELAYS": "trainer.mid_step=0.3,trainer.mid_save=0.3"},
+    )
+    killed = []
+    try:
+        for kill in range(kills_wanted):
+            deadline = time.monotonic() + 240
+            while True:  # the trainer of the previous restore works: it trained a step since
+                log = job.last_log()
+                restored = log.count("trainer restored in")
+                tail = log[log.rindex("trainer restored in") :] if restored else log
+                if restored == kill and re.search(r"^step +\d+/", tail, re.MULTILINE):
+                    break
+                assert proc.poll() is None, f"the run ended after {kill} kill(s):\n{log[-3000:]}"
+                assert time.monotonic() < deadline, f"no trained step after restore {kill}:\n{log[-3000:]}"
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 0.8))
+            ranks = trainer_rank_pids(job)
+            assert len(ranks) == 1, (ranks, job.last_log()[-2000:])
+            os.kill(ranks[0], signal.SIGKILL)
+            killed.append(ranks[0])
+        proc.wait(timeout=600)
+    finally:
+        job.kill(proc)
+    log = job.last_log()
+    assert proc.returncode == 0, log[-3000:]
+    assert len(set(killed)) == kills_wanted  # a fresh process every time
+    events = records(job, "trainer_restart")
+    assert len(events) == kills_wanted and all(e["cause"] == "died" for e in events), events
+    assert [e["restarts"] for e in events] == list(range(1, kills_wanted + 1))
+    # Versions only increase across the restores, and no restore came from a later step than it could.
+    versions = [e["weight_version"] for e in events]
+    assert versions == sorted(set(versions)), versions
+    assert all(e["restored_step"] < e["step"] for e in events), events
+    # The rest of the job was left alone: one Ray, one rollout worker from start to end.
+    assert log.count("starting Ray") == 1 and "rollout worker 0 died" not in log
+    check_invariants(job)  # every prompt trained exactly once in the surviving lineage; the ledger closes

@@ -17,7 +17,8 @@ import pytest
 from vime.config.framework import ElasticConfig
 from vime.engines.http import EngineError
 from vime.weights import disk
-from vime.workers.engine_manager import EngineManager, EnginesLost, EngineTemplate
+from vime.workers.engine_manager import EngineManager
+from vime.workers.engine_members import EnginesLost, EngineTemplate
 from vime.workers.engine_registry import EngineRegistry
 from vime.workers.engines import EngineActor
 

@@ -89,7 +89,7 @@ def test_what_the_driver_stops_on_and_what_a_group_heals():
     from vime.runtime.plugins import PluginError
     from vime.runtime.ports import PortInUseError
     from vime.train import RunError
-    from vime.workers.engine_manager import EnginesLost
+    from vime.workers.engine_members import EnginesLost
     from vime.workers.trainer_group import TrainerDied
     from vime.workers.trainer_restart import TrainerLost, TrainerStepFailed
     from vime.workers.trainer_worker import CorruptGroup

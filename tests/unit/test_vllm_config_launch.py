@@ -392,7 +392,7 @@ def test_a_pd_router_lists_every_prefill_and_decode_engine_on_its_command_line()
 
 def test_engine_variants_carry_the_role_and_restarts_keep_a_pd_engines_port(monkeypatch, tmp_path):
     from vime.workers import engines
-    from vime.workers.engine_manager import EngineTemplate
+    from vime.workers.engine_members import EngineTemplate
     from vime.workers.model_servers import engine_variants
 
     plan = plan_for({"vllm": [model("actor", group("prefill", 1), group("decode", 1))]}, gpus=2)
