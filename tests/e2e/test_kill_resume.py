@@ -99,12 +99,13 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     assert all(g["n_samples"] == 4 for g in trained)
 
 
-def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains(tmp_path, tiny_model_dir):
+def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains(tmp_path, tiny_model_dir, vllm_engine):
     """The OOM killer's kill: SIGKILL of the driver process alone, on a run that started its own engine.
     The parent-death signal stops only the driver's direct children; vLLM's EngineCore and Worker, Ray's
     workers and the rest must be stopped by the run's reaper (vime/runtime/reaper.py) within a bounded
     time, with this test sweeping nothing itself. The next run on the same queue then finds nothing left
-    and trains."""
+    and trains (on the shared engine: what is checked of it is the queue and the checkpoint it resumes,
+    and an engine start of its own would cost ~30 s)."""
     prompts = tmp_path / "prompts.jsonl"
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
@@ -147,7 +148,8 @@ def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains
     assert_nothing_left(run_dir, within=30)
     print(f"nothing of the killed run left after {time.monotonic() - killed:.1f}s")
 
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+    with attached(vllm_engine) as engine_flags:
+        result = subprocess.run([*args, *engine_flags], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resuming from" in result.stdout
     assert "left by an earlier run" not in result.stdout  # the reaper had stopped everything
