@@ -132,12 +132,19 @@ class TrainingRun:
         )
 
     def _start_processes(self) -> None:
-        s = self.s
+        """Ray, then the controller and the trainer, whose processes start (imports, the queue's recovery, the
+        model's load: ~5 s) while the engines do; on GPUs the engines start first, alone: vLLM measures the
+        device's free memory as it starts, which a trainer loading beside it would change."""
+        import ray
+
         self._start_ray()
+        beside_the_engines = ray.cluster_resources().get("GPU", 0) == 0
+        if beside_the_engines:
+            self._start_controller_and_trainer()
         from vime.workers.serving import ModelServing
 
         self.serving = ModelServing(
-            s,
+            self.s,
             plan=self.plan,
             trained_model=self.trained_model,
             run_dir=self.run_dir,
@@ -145,7 +152,29 @@ class TrainingRun:
             say=self.log.say,
             record=self.log.write,
         )
-        self.serving.start(registry_namespace=self.ray_namespace)
+        # The first rollout worker's process starts (imports, tokenizer, hooks) as soon as it knows the router,
+        # while the engines and the trainer start; it opens its queue writer and generates only after recovery
+        # (_start_rollout_workers).
+        self.serving.start(
+            registry_namespace=self.ray_namespace, on_router=self._prepare_rollout if beside_the_engines else None
+        )
+        if not beside_the_engines:
+            self._start_controller_and_trainer()
+            self._prepare_rollout()
+        ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
+        self.log.say(
+            f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, {ready[0]['consumed']} trained"
+        )
+
+    def _prepare_rollout(self) -> None:
+        from vime.workers.rollout_group import RolloutGroup
+
+        self.rollout = RolloutGroup(self._create_worker, self.controller, say=self.log.say, record=self.log.write)
+        self.rollout.prepare()  # worker 0's actor: its process imports and loads while the rest starts
+
+    def _start_controller_and_trainer(self) -> None:
+        """Create the controller and the trainer's ranks; their readiness is waited for by the caller (several
+        trainer ranks form their process group here, which waits for each rank's start)."""
         import ray
 
         from vime.workers.cluster import trainer_cpus, trainer_gpus_per_rank
@@ -153,6 +182,7 @@ class TrainingRun:
         from vime.workers.trainer_group import TrainerGroup
         from vime.workers.trainer_worker import TrainerWorkerSpec
 
+        s = self.s
         self.log.say(
             f"opening the {s.queue.rollout_data_transport} queue"
             + (f" in {s.rollout_data_dir}" if s.queue.rollout_data_transport == "straw" else "")
@@ -193,16 +223,6 @@ class TrainingRun:
         )
         self.trainer = TrainerGroup.start(
             trainer_spec, ranks, gpus_per_rank=trainer_gpus_per_rank(s.cluster, s.train), timeout=600
-        )
-        # The first rollout worker's process starts (imports, tokenizer, hooks) while the trainer does; it
-        # opens its queue writer and generates only after recovery (_start_rollout_workers).
-        from vime.workers.rollout_group import RolloutGroup
-
-        self.rollout = RolloutGroup(self._create_worker, self.controller, say=self.log.say, record=self.log.write)
-        self.rollout.prepare()  # worker 0's process imports and loads while the trainer starts
-        ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
-        self.log.say(
-            f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, {ready[0]['consumed']} trained"
         )
 
     def _start_ray(self) -> None:

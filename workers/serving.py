@@ -71,17 +71,20 @@ class ModelServing:
         self.frozen_models: list[FrozenModel] = []
 
     # ------------------------------------------------------------------ start
-    def start(self, registry_namespace: str) -> None:
+    def start(self, registry_namespace: str, on_router: Callable[[], None] | None = None) -> None:
         """Every model's router and engines in the order their roles need (workers/model_servers.py): the
         trained model's (vime's own, or --rollout-external-engine-addrs) with the engine registry `vime
         engines` talks to (in ``registry_namespace``) and the health monitor, and the other models of
         --vllm-config, whose engines start at the same time. Then the models' endpoints are published to
-        ``args`` for user code (get_model_url, prime_encoder)."""
+        ``args`` for user code (get_model_url, prime_encoder). ``on_router`` is called as soon as the trained
+        model's router address is known (:attr:`router_url`), usually before its engines serve."""
         s = self.s
         launch = self.plan.model(self.trained_model) if self.plan else None
         pd = launch is not None and launch.router.pd_disaggregation
         if not pd:  # regular engines register with their router once they serve: it starts first
             self._start_router(launch.router.router_args if launch else s.router_args)
+            if on_router is not None:
+                on_router()
         template = self._engine_template()
         self._make_engine_manager(template, launch, pd=pd)
         started = time.monotonic()
@@ -93,6 +96,8 @@ class ModelServing:
         if pd:  # a PD router learns its engines from its command line: they serve by now
             self._start_router(pd_router_args(launch, self.engine_manager))
             self.engine_manager.router = self.router_client
+            if on_router is not None:
+                on_router()
         if self.router is not None:
             self.router_supervisor = supervise_router(
                 self.router,

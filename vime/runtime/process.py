@@ -225,20 +225,24 @@ def sweep_run_processes(
     """Kill every process carrying the run token until sweeps find none for ``settle`` seconds.
 
     One sweep is not enough: a process killed while it was spawning a child (vLLM's EngineCore starting
-    its Worker) leaves that child to appear after the sweep. Returns "pid (command)" for each process of
-    the run still alive after ``timeout`` seconds (empty: none is left), so that a caller says that
-    every process was stopped only when it is true."""
+    its Worker) leaves that child to appear after the sweep. When the sweeps never found a process to kill
+    (an orderly teardown stopped everything), two empty sweeps in a row are enough: a process of the run
+    only ever comes from another one, and none was alive to start it. Returns "pid (command)" for each
+    process of the run still alive after ``timeout`` seconds (empty: none is left), so that a caller says
+    that every process was stopped only when it is true."""
     excluded = {os.getpid(), *exclude_pids}
     deadline = time.monotonic() + timeout
     quiet_since: float | None = None
+    killed_any = False
     while True:
         killed = kill_processes_with_token(token, exclude_pids=excluded)
+        killed_any = killed_any or bool(killed)
         now = time.monotonic()
         if killed:
             quiet_since = None
         elif quiet_since is None:
             quiet_since = now
-        elif now - quiet_since >= settle:
+        elif not killed_any or now - quiet_since >= settle:
             return []
         if now >= deadline:
             return [_describe(p) for p in _with_token(token, excluded) if _running(p)]
