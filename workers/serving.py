@@ -76,13 +76,17 @@ class ModelServing:
         trained model's (vime's own, or --rollout-external-engine-addrs) with the engine registry `vime
         engines` talks to (in ``registry_namespace``) and the health monitor, and the other models of
         --vllm-config, whose engines start at the same time. Then the models' endpoints are published to
-        ``args`` for user code (get_model_url, prime_encoder). ``on_router`` is called as soon as the trained
-        model's router address is known (:attr:`router_url`), usually before its engines serve."""
+        ``args`` for user code (get_model_url, prime_encoder). ``on_router`` is called once ``args`` holds every
+        endpoint: for a run of one model, as soon as its router is up, before its engines serve; with
+        --vllm-config, at the end."""
         s = self.s
         launch = self.plan.model(self.trained_model) if self.plan else None
         pd = launch is not None and launch.router.pd_disaggregation
         if not pd:  # regular engines register with their router once they serve: it starts first
             self._start_router(launch.router.router_args if launch else s.router_args)
+        early = self.plan is None  # one model: its router is the only endpoint, and it is known now
+        if early:
+            self._publish_model_endpoints({})
             if on_router is not None:
                 on_router()
         template = self._engine_template()
@@ -96,8 +100,6 @@ class ModelServing:
         if pd:  # a PD router learns its engines from its command line: they serve by now
             self._start_router(pd_router_args(launch, self.engine_manager))
             self.engine_manager.router = self.router_client
-            if on_router is not None:
-                on_router()
         if self.router is not None:
             self.router_supervisor = supervise_router(
                 self.router,
@@ -123,6 +125,8 @@ class ModelServing:
                 f"{model.router.url}"
             )
         self._publish_model_endpoints(encoders)
+        if not early and on_router is not None:
+            on_router()
 
     def _start_router(self, router_args: dict) -> None:
         """The trained model's router (vime's own, or --vllm-router-ip); every other model of
