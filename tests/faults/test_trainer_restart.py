@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from tests.faults.conftest import check_invariants
+from tests.faults.conftest import check_invariants, job_processes
 
 pytestmark = pytest.mark.integration
 
@@ -82,14 +82,11 @@ def test_a_spent_restart_budget_stops_the_run_naming_the_flag(job):
     check_invariants(job)
 
 
-def trainer_rank_pids(job) -> list[int]:
-    """The running trainer ranks of the job (Ray retitles each "ray::TrainerWorker..."), found by its token."""
-    from vime.runtime.process import processes_with_tokens
-
-    with open(os.path.join(job.run_dir, "run.json")) as f:
-        token = json.load(f)["run_token"]
+def trainer_rank_pids(job, driver_pid: int) -> list[int]:
+    """The running trainer ranks of the job (Ray retitles each "ray::TrainerWorker...")."""
+    _, processes = job_processes(job.data_dir, job.run_dir, driver_pid)
     found = []
-    for proc in processes_with_tokens([token]).get(token, []):
+    for proc in processes:
         with contextlib.suppress(psutil.Error):
             if "TrainerWorker" in " ".join(proc.cmdline()):
                 found.append(proc.pid)
@@ -125,7 +122,7 @@ def test_a_trainer_killed_ten_times_at_random_instants_heals_itself_every_time(j
                 assert time.monotonic() < deadline, f"no trained step after restore {kill}:\n{log[-3000:]}"
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 0.8))
-            ranks = trainer_rank_pids(job)
+            ranks = trainer_rank_pids(job, proc.pid)
             assert len(ranks) == 1, (ranks, job.last_log()[-2000:])
             os.kill(ranks[0], signal.SIGKILL)
             killed.append(ranks[0])
