@@ -28,8 +28,11 @@ lint: setup
 	$(RUFF) check .
 	$(RUFF) format --check .
 
+# Two pytest workers, a test file each at a time (its module-scoped fixtures stay in one process): most
+# end-to-end tests wait on engines, Ray and the router rather than compute, so two run side by side on
+# two cores in about half the wall time (docs/testing.md).
 test: setup lint
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 test-fast: setup lint
 	$(PY) -m pytest -q tests -m "not e2e"
