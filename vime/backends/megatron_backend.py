@@ -12,7 +12,9 @@ as the torch backend, on a megatron-core GPTModel built from the Megatron flags 
   reduced over the tensor-parallel and pipeline groups (each replicated parameter counted once), as are the
   norm gradients tensor parallelism leaves partial; pipeline stages pass hidden states and their gradients
   (``megatron_pipeline``); context-parallel ranks gather each other's keys and values (``megatron_context``);
-- a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA);
+- a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA); with ``--bf16`` the
+  model computes in bf16 and AdamW steps float32 masters (vime/backends/precision.py, as the torch backend's
+  replicated models), from which checkpoints are written and weights published in the engines' dtype;
 - initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
   ``--hf-checkpoint``; the KL reference model from the same;
 - checkpoints in ``--ckpt-format`` inside vime's ``iter_XXXXXXX/`` folders; engines receive
@@ -43,6 +45,7 @@ from vime.backends import megatron_critic
 from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
+from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
@@ -213,8 +216,13 @@ class MegatronBackend(RolloutTraining):
         if algo.needs_reference_model:
             self.ref_gpt = self._build_and_load(megatron.ref_load or spec.hf_checkpoint)
             self.ref_gpt.eval().requires_grad_(False)
+            if spec.bf16:  # frozen: no masters needed (buffers keep their dtype, as the trained model's do)
+                for p in self.ref_gpt.parameters():
+                    p.data = p.data.to(torch.bfloat16)
             self.ref_model = self._language_model(self.ref_gpt, megatron.model.vocab_size)
         self.objective = make_objective(spec)
+        # --bf16: weights reach the engines from the float32 masters, cast to the engines' dtype.
+        self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -332,6 +340,7 @@ class MegatronBackend(RolloutTraining):
             initialize=False,
             moe=m.moe,
             overrides=m.config_overrides,
+            bf16=self.spec.bf16,
         )
         if role.load is not None:
             megatron_critic.load_initial(self.critic_gpt, role.load, m.model, field=role.field("load"), yaml=yaml)
@@ -359,6 +368,7 @@ class MegatronBackend(RolloutTraining):
             initialize=False,
             moe=m.moe,
             overrides=m.config_overrides,
+            bf16=self.spec.bf16,
         )
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
@@ -522,14 +532,19 @@ class MegatronBackend(RolloutTraining):
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
     def _param_ids(self, keep) -> set[int]:
-        """ids of the actor's and critic's parameters for which ``keep(name, param)`` holds."""
-        return {
-            id(p)
-            for gpt in (self.gpt, self.critic_gpt)
-            if gpt is not None
-            for name, p in gpt.named_parameters()
-            if keep(name, p)
-        }
+        """ids of the actor's and critic's parameters for which ``keep(name, param)`` holds, and with --bf16
+        of their float32 masters (what the optimizer steps, and so what the gradient reductions receive)."""
+        ids = set()
+        for role, gpt in ((self.actor, self.gpt), (self.critic, self.critic_gpt)):
+            if gpt is None:
+                continue
+            master_of = dict(zip(map(id, role.masters.model_params), role.masters.params)) if role.masters else {}
+            for name, p in gpt.named_parameters():
+                if keep(name, p):
+                    ids.add(id(p))
+                    if id(p) in master_of:
+                        ids.add(id(master_of[id(p)]))
+        return ids
 
     def _routed_expert_param_ids(self) -> set[int]:
         """ids of the routed experts' parameters."""
@@ -618,14 +633,16 @@ class MegatronBackend(RolloutTraining):
             or ps.get_expert_tensor_and_model_parallel_world_size() > 1
             or self.pipeline is not None
         ):
-            gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
+            with self.actor.weights_as(self.export_dtype):
+                gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""
         from vime.backends.megatron_convert import iter_mcore_to_hf
         from vime.backends.megatron_model import gather_canonical
 
-        canonical = gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
+        with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
+            canonical = gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
         return list(iter_mcore_to_hf(canonical, self.megatron.model))
 
     def save_weights(self, path: str) -> None:
@@ -633,7 +650,8 @@ class MegatronBackend(RolloutTraining):
         from vime.backends.megatron_convert import mcore_to_hf, write_hf_safetensors
         from vime.backends.megatron_model import gather_canonical
 
-        canonical = gather_canonical(self.gpt, self.megatron.model)
+        with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
+            canonical = gather_canonical(self.gpt, self.megatron.model)
         if not self._writes_files():
             return
         write_hf_safetensors(mcore_to_hf(canonical, self.megatron.model), path)
@@ -665,15 +683,16 @@ class MegatronBackend(RolloutTraining):
         (vime's iter_XXXXXXX/ folder)."""
         from vime.backends import megatron_checkpoint as mc
 
-        mc.save(
-            path,
-            self.gpt,
-            self.optimizer,
-            fmt=self.megatron.ckpt_format,
-            iteration=self.rollouts_trained,
-            args=self.checkpoint_args(),
-            extra={"optimizer_steps": self.actor.optimizer_steps},
-        )
+        with self.actor.weights_as():  # --bf16: the float32 masters, which the optimizer's state belongs to
+            mc.save(
+                path,
+                self.gpt,
+                self.optimizer,
+                fmt=self.megatron.ckpt_format,
+                iteration=self.rollouts_trained,
+                args=self.checkpoint_args(),
+                extra={"optimizer_steps": self.actor.optimizer_steps},
+            )
         if self.critic is not None:
             self._save_critic(os.path.join(path, megatron_critic.CHECKPOINT_DIR))
             if self.critic_save:
@@ -688,16 +707,21 @@ class MegatronBackend(RolloutTraining):
         )
 
     def _save_critic(self, folder: str) -> None:
-        megatron_critic.save(folder, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
+        with self.critic.weights_as():
+            megatron_critic.save(folder, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
 
     def _export_critic(self) -> None:
-        megatron_critic.export(self.critic_save, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
+        with self.critic.weights_as():
+            megatron_critic.export(
+                self.critic_save, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint()
+            )
 
     def load_training_state(self, path: str) -> None:
         from vime.backends import megatron_checkpoint as mc
 
         folder = mc.resolve_step_folder(path)
-        common = mc.load(folder, self.gpt, self.optimizer, restore_rng=True)
+        with self.actor.weights_as():  # --bf16: into the float32 masters; the bf16 model is refreshed from them
+            common = mc.load(folder, self.gpt, self.optimizer, restore_rng=True)
         self.rollouts_trained = int(common.get("iteration") or 0)
         self.actor.restore_steps(self._saved_steps(common))
         if self.critic is not None:
@@ -707,7 +731,9 @@ class MegatronBackend(RolloutTraining):
                     f"{folder} holds no critic state (it was saved by a run without "
                     "--advantage-estimator ppo); a PPO run cannot resume from it"
                 )
-            self.critic.restore_steps(self._saved_steps(mc.load(critic, self.critic_gpt, self.critic.optimizer)))
+            with self.critic.weights_as():
+                common = mc.load(critic, self.critic_gpt, self.critic.optimizer)
+            self.critic.restore_steps(self._saved_steps(common))
 
     @staticmethod
     def _saved_steps(common: dict) -> int | None:

@@ -207,7 +207,7 @@ VIME_TRANSFORMER_FIELDS = frozenset(
         "fp16",
         "bf16",
         "fp8",
-        "fp4",  # vime trains in float32
+        "fp4",  # vime trains in float32, or in bf16 with --bf16 (transformer_config sets it)
     }
 )
 
@@ -223,9 +223,13 @@ def transformer_config(
     moe: MoeOptions | None = None,
     use_te: bool = False,
     overrides: dict | None = None,
+    bf16: bool = False,
 ):
     """The model's TransformerConfig; ``overrides`` (Megatron-LM flags passed through) set fields vime leaves at
-    megatron-core's defaults."""
+    megatron-core's defaults. ``bf16`` (--bf16): the layers compute in bfloat16 (softmax upcast as
+    megatron-core does for bf16 inputs) and pipeline stages exchange bf16 activations; the parameters are still
+    created in float32, so that the loaded weights are exact when the trainer takes its float32 masters from
+    them and casts the model (vime/backends/precision.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = dict(
@@ -253,7 +257,8 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=initialize,
         bias_activation_fusion=False,
@@ -640,7 +645,7 @@ class MegatronLM(torch.nn.Module):
                 raise ValueError(f"routes for {len(routes)} rows, the batch has {input_ids.shape[0]}")
         self._routes = routes
         if self.pipeline is not None and not self.pipeline.first:
-            self.gpt.set_input_tensor(self.pipeline.receive_input(self.gpt.config.params_dtype, dev))
+            self.gpt.set_input_tensor(self.pipeline.receive_input(self.gpt.config.pipeline_dtype, dev))
         batch, length = input_ids.shape
         if self.packing == "thd":
             output = self._forward_thd(input_ids, attention_mask)

@@ -1,4 +1,5 @@
-"""``--bf16`` for the torch backend's replicated (unsharded) models: bf16 model, float32 master weights.
+"""``--bf16`` for replicated (unsharded) models, the torch backend's and the Megatron backend's: bf16 model,
+float32 master weights.
 
 The module's parameters are cast to bfloat16, so forward and backward run in bf16 (its buffers, e.g. the
 rotary frequencies, keep their dtype, as HF's own bf16 loading leaves them). A float32 copy of every
@@ -74,6 +75,12 @@ def master_weights(module: torch.nn.Module, bf16: bool) -> MasterWeights | None:
     return MasterWeights(module)
 
 
+def _copy_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+    """The public attributes a framework keeps on a parameter, onto another tensor (private ones, such as
+    torch's hooks, stay where they are)."""
+    target.__dict__.update({key: value for key, value in vars(source).items() if not key.startswith("_")})
+
+
 class MasterWeights:
     """Float32 master copies of ``module``'s parameters; the module itself becomes bf16."""
 
@@ -89,6 +96,11 @@ class MasterWeights:
             torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
             for p in self.model_params
         ]
+        # The attributes a framework keeps on its parameters (megatron-core's tensor_model_parallel,
+        # partition_dim, sequence_parallel, shared, ...) describe the masters too: the gradient reductions and
+        # the norm read them from what the optimizer steps. Private ones (torch's hooks) stay where they are.
+        for p, master in zip(self.model_params, self.params):
+            _copy_attributes(p, master)
         # Every place a parameter sits (a tied one sits in two modules): (module, attribute, index in params).
         index = {id(p): i for i, p in enumerate(self.model_params)}
         self._slots = [
@@ -129,11 +141,7 @@ class MasterWeights:
         parameters under their names), in another dtype cast copies. HF's ``save_pretrained`` then writes that
         dtype and names it in config.json. On exit the module holds its bf16 parameters again, refreshed from
         the masters."""
-        installed = (
-            self.params
-            if dtype == torch.float32
-            else [torch.nn.Parameter(master.detach().to(dtype), requires_grad=False) for master in self.params]
-        )
+        installed = self.params if dtype == torch.float32 else [self._cast(master, dtype) for master in self.params]
         for sub, leaf, i in self._slots:
             sub._parameters[leaf] = installed[i]
         try:
@@ -142,6 +150,12 @@ class MasterWeights:
             for sub, leaf, i in self._slots:
                 sub._parameters[leaf] = self.model_params[i]
             self.refresh()
+
+    @staticmethod
+    def _cast(master: torch.nn.Parameter, dtype: torch.dtype) -> torch.nn.Parameter:
+        cast = torch.nn.Parameter(master.detach().to(dtype), requires_grad=False)
+        _copy_attributes(master, cast)  # e.g. megatron-core's gather of tensor-parallel shards reads them
+        return cast
 
     def named_tensors(self, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         """(name, master cast to ``dtype``) per parameter, a tied one once: what the engines receive."""

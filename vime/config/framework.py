@@ -464,8 +464,8 @@ class TrainConfig:
     )
     use_distributed_optimizer: bool = option(
         False,
-        "Shard the optimizer state (and, on the torch backend, the parameters and gradients: FSDP2) across the "
-        "trainer's data-parallel ranks (docs/real-models.md).",
+        "Shard the parameters, gradients and optimizer state across the trainer's data-parallel ranks (torch "
+        "backend: FSDP2; the Megatron backend refuses it so far) (docs/real-models.md).",
     )
     log_probs_chunk_size: int | None = option(
         None,
@@ -491,8 +491,7 @@ class TrainConfig:
             require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
             # CUDA: vime.config.check_local_cuda (this machine's, unless the trainer runs on a Ray cluster's).
         if self.train_backend == "megatron":
-            # Megatron's mixed-precision and distributed optimizers are not wired in yet (docs/real-models.md).
-            require(not self.bf16, "--bf16", "the Megatron backend trains in float32 so far; use --train-backend torch")
+            # megatron-core's distributed optimizer hard-codes CUDA and is not wired in yet (docs/real-models.md).
             require(
                 not self.use_distributed_optimizer,
                 "--use-distributed-optimizer",
