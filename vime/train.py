@@ -15,7 +15,6 @@ engine, and commits the step:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import json
@@ -32,7 +31,7 @@ from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
 from vime.recovery.lineage import Lineage
-from vime.rollout.generate import SamplingParams
+from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
 from vime.weights.policy import flush_for_sync
 
@@ -111,9 +110,9 @@ class TrainingRun:
     def _check_inputs(self) -> None:
         """Everything that can be checked before a process starts (vime/preflight.py), and what it loaded."""
         inputs = preflight.check_inputs(self.s, self.log.say)
-        self.dataset, self.eval_sets, self.reward = inputs.dataset, inputs.eval_sets, inputs.reward
+        self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
         self.plan, self.trained_model = inputs.plan, inputs.trained_model
-        self.resume, self.tokenizer = inputs.resume, inputs.tokenizer  # resume: (folder, CheckpointState) or None
+        self.resume = inputs.resume  # (folder, CheckpointState) or None
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
 
@@ -322,61 +321,18 @@ class TrainingRun:
             )
 
     # ================================================================== rollout and training
-    def _rollout_spec(self, index: int):
-        from vime.workers.rollout_worker import RolloutWorkerSpec
-
-        s = self.s
-        return RolloutWorkerSpec(
-            worker_id=f"rollout-{index}-{uuid.uuid4().hex[:6]}",
-            router_url=self.serving.router_url,
-            hf_checkpoint=s.train.hf_checkpoint,
-            transport=s.queue.rollout_data_transport,
-            store=self.store_options,
-            n_samples_per_prompt=s.rollout.n_samples_per_prompt,
-            sampling=self._sampling(),
-            max_concurrent_groups=s.rollout.max_concurrent_groups,
-            partial_rollout=s.rollout.partial_rollout,
-            apply_chat_template=s.data.apply_chat_template,
-            rm_type=s.rollout.rm_type,
-            custom_rm_path=s.rollout.custom_rm_path,
-            custom_generate_function_path=s.rollout.custom_generate_function_path,
-            rollout_function_path=s.rollout.rollout_function_path,
-            dynamic_sampling_filter_path=s.rollout.dynamic_sampling_filter_path,
-            request_timeout=s.rollout.rollout_request_timeout,
-            lease_seconds=s.queue.rollout_queue_lease_seconds,
-            args=s.args,
-        )
-
-    def _sampling(self) -> SamplingParams:
-        r, a = self.s.rollout, self.s.algorithm
-        # Score centering: the rollout records the sampler's heads or top-p supports (never at evaluation).
-        return SamplingParams(
-            max_new_tokens=r.rollout_max_response_len,
-            temperature=r.rollout_temperature,
-            top_p=r.rollout_top_p,
-            top_k=r.rollout_top_k,
-            score_centering_top_k=a.score_centering_top_k if a.use_score_centering else 0,
-            routing_replay=self.s.megatron.use_rollout_routing_replay,
-        )
-
     def _start_rollout_workers(self) -> None:
         self.rollout.start()
         self.log.say(f"{len(self.rollout.actors)} rollout worker(s) generating")
 
     def _create_worker(self, index: int, node_id: str | None = None):
         """Rollout worker ``index``'s actor (anywhere, or on ``node_id``), its queue not opened yet."""
-        import ray
+        from vime.workers.rollout_worker import RolloutWorkerSpec, create_rollout_actor
 
-        from vime.workers.rollout_worker import RolloutWorker
-
-        options = {}
-        if node_id is not None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        return (
-            ray.remote(num_cpus=0)(RolloutWorker).options(**options).remote(self._rollout_spec(index), self.controller)
+        spec = RolloutWorkerSpec.from_settings(
+            self.s, index=index, router_url=self.serving.router_url, store=self.store_options
         )
+        return create_rollout_actor(spec, self.controller, node_id)
 
     def _check_workers(self) -> None:
         """Dead rollout workers are replaced, those of a node that left are dropped
@@ -627,50 +583,8 @@ class TrainingRun:
 
     # ================================================================== evaluation and the end
     def _evaluate(self, version: int, *, step: int, label: str) -> dict[str, float]:
-        from vime.rollout.evaluate import evaluate_dataset
-
-        s = self.s
-        results = {}
-        params = SamplingParams(
-            max_new_tokens=s.eval.eval_max_response_len or s.rollout.rollout_max_response_len,
-            temperature=s.eval.eval_temperature,
-            top_p=1.0 if s.eval.eval_temperature == 0 else s.rollout.rollout_top_p,
-            top_k=-1,
-        )
-        for name, dataset in self.eval_sets:
-            started = time.monotonic()
-            result = asyncio.run(
-                evaluate_dataset(
-                    dataset,
-                    tokenizer=self.tokenizer,
-                    router_url=self.serving.router_url,
-                    reward=self.reward,
-                    args=s.args,
-                    params=params,
-                    n_samples=s.eval.n_samples_per_eval_prompt,
-                    apply_chat_template=s.data.apply_chat_template,
-                    timeout=s.rollout.rollout_request_timeout,
-                    name=name,
-                    rollout_id=step,
-                    eval_function_path=s.eval.eval_function_path,
-                )
-            )
-            results[name] = result["reward"]
-            self.log.write(
-                {
-                    "kind": "eval",
-                    "step": step,
-                    "weight_version": version,
-                    "dataset": name,
-                    "eval_reward": result["reward"],
-                    "eval_response_length": result["response_length"],
-                }
-            )
-            self.log.say(
-                f"held-out reward on {name!r} {label} (weight version {version}): {result['reward']:.3f} "
-                f"({int(result['samples'])} samples, {time.monotonic() - started:.1f}s)"
-            )
-        return results
+        """Held-out reward of every --eval-prompt-data set (vime.rollout.evaluate.HeldOutEvaluation)."""
+        return self.evaluation.run(self.serving.router_url, version=version, step=step, label=label)
 
     def _save(self, step: int, version: int) -> None:
         import ray

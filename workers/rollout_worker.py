@@ -21,6 +21,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+import uuid
 
 import aiohttp
 
@@ -68,6 +69,53 @@ class RolloutWorkerSpec:
     lease_seconds: float
     args: argparse.Namespace  # handed to user hooks, as the reference framework does
     dynamic_sampling_filter_path: str | None = None
+
+    @classmethod
+    def from_settings(cls, s, *, index: int, router_url: str, store: StoreOptions) -> RolloutWorkerSpec:
+        """Rollout worker ``index`` of a ``vime train`` run (its id is new at every start: a replacement never
+        takes over a dead worker's leases or writer)."""
+        r, a = s.rollout, s.algorithm
+        sampling = SamplingParams(
+            max_new_tokens=r.rollout_max_response_len,
+            temperature=r.rollout_temperature,
+            top_p=r.rollout_top_p,
+            top_k=r.rollout_top_k,
+            # Score centering: the rollout records the sampler's heads or top-p supports (never at evaluation).
+            score_centering_top_k=a.score_centering_top_k if a.use_score_centering else 0,
+            routing_replay=s.megatron.use_rollout_routing_replay,
+        )
+        return cls(
+            worker_id=f"rollout-{index}-{uuid.uuid4().hex[:6]}",
+            router_url=router_url,
+            hf_checkpoint=s.train.hf_checkpoint,
+            transport=s.queue.rollout_data_transport,
+            store=store,
+            n_samples_per_prompt=r.n_samples_per_prompt,
+            sampling=sampling,
+            max_concurrent_groups=r.max_concurrent_groups,
+            partial_rollout=r.partial_rollout,
+            apply_chat_template=s.data.apply_chat_template,
+            rm_type=r.rm_type,
+            custom_rm_path=r.custom_rm_path,
+            custom_generate_function_path=r.custom_generate_function_path,
+            rollout_function_path=r.rollout_function_path,
+            dynamic_sampling_filter_path=r.dynamic_sampling_filter_path,
+            request_timeout=r.rollout_request_timeout,
+            lease_seconds=s.queue.rollout_queue_lease_seconds,
+            args=s.args,
+        )
+
+
+def create_rollout_actor(spec: RolloutWorkerSpec, controller, node_id: str | None = None):
+    """The worker's Ray actor (anywhere, or pinned to ``node_id``), its queue not opened yet."""
+    import ray
+
+    options = {}
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return ray.remote(num_cpus=0)(RolloutWorker).options(**options).remote(spec, controller)
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ that the engine really served them (the versions recorded on sampled tokens).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -362,6 +363,15 @@ def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case)
         assert_nothing_left(run_dir)
 
 
+def run_process_titles(run_dir: str) -> str:
+    """The titles (argv[0]) of the run's processes, one string."""
+    titles = []
+    for proc in processes_with_token(run_token(run_dir)):
+        with contextlib.suppress(psutil.Error):
+            titles.append(" ".join(proc.cmdline()[:1]))
+    return " ".join(titles)
+
+
 def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_dir):
     """Ctrl-C as a terminal sends it: SIGINT to the whole foreground process group (the driver and Ray's
     processes of an in-process cluster), on a run that started its own engine — twice, the second while
@@ -382,8 +392,13 @@ def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_
             if line.startswith("step    2/"):
                 break
             assert time.monotonic() < deadline, "".join(seen)
-        names = " ".join(" ".join(p.cmdline()[:1]) for p in processes_with_token(run_token(run_dir)))
-        assert "EngineCore" in names, names  # the processes a missed sweep would leave behind are there
+        # The processes a missed sweep would leave behind are there. vLLM titles them ("VLLM::EngineCore") once
+        # they have imported; an engine the health checks restarted on a loaded machine is still untitled for
+        # a while, so this waits for the titles rather than reading them once.
+        deadline = time.monotonic() + 120
+        while "EngineCore" not in (names := run_process_titles(run_dir)):
+            assert time.monotonic() < deadline, names
+            time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(1.0)  # the run is stopping its rollout workers and engines now
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from typing import Any
 
 import aiohttp
@@ -159,3 +160,60 @@ async def evaluate_dataset(
             *(one(session, sample) for group in source.get_samples(len(dataset)) for sample in group)
         )
     return summarize(samples)
+
+
+class HeldOutEvaluation:
+    """The run's held-out evaluation: every --eval-prompt-data set generated through the router with the
+    --eval-* sampling settings, each result written to ``metrics.jsonl`` (kind ``eval``) and said in the
+    progress output. ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
+
+    def __init__(self, settings, eval_sets: list[tuple[str, Any]], tokenizer, reward: RewardFn, log):
+        self.s, self.eval_sets, self.tokenizer, self.reward, self.log = settings, eval_sets, tokenizer, reward, log
+
+    def sampling(self) -> SamplingParams:
+        s = self.s
+        return SamplingParams(
+            max_new_tokens=s.eval.eval_max_response_len or s.rollout.rollout_max_response_len,
+            temperature=s.eval.eval_temperature,
+            top_p=1.0 if s.eval.eval_temperature == 0 else s.rollout.rollout_top_p,
+            top_k=-1,
+        )
+
+    def run(self, router_url: str, *, version: int, step: int, label: str) -> dict[str, float]:
+        """The reward of each set (by name) for the weights of ``version``, served behind ``router_url``."""
+        s = self.s
+        results = {}
+        for name, dataset in self.eval_sets:
+            started = time.monotonic()
+            result = asyncio.run(
+                evaluate_dataset(
+                    dataset,
+                    tokenizer=self.tokenizer,
+                    router_url=router_url,
+                    reward=self.reward,
+                    args=s.args,
+                    params=self.sampling(),
+                    n_samples=s.eval.n_samples_per_eval_prompt,
+                    apply_chat_template=s.data.apply_chat_template,
+                    timeout=s.rollout.rollout_request_timeout,
+                    name=name,
+                    rollout_id=step,
+                    eval_function_path=s.eval.eval_function_path,
+                )
+            )
+            results[name] = result["reward"]
+            self.log.write(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "weight_version": version,
+                    "dataset": name,
+                    "eval_reward": result["reward"],
+                    "eval_response_length": result["response_length"],
+                }
+            )
+            self.log.say(
+                f"held-out reward on {name!r} {label} (weight version {version}): {result['reward']:.3f} "
+                f"({int(result['samples'])} samples, {time.monotonic() - started:.1f}s)"
+            )
+        return results
