@@ -48,6 +48,9 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
             id="engine_faults",
         ),
         pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
+        pytest.param(
+            "recovery/run.py", "== bench/recovery --smoke: the command lines of 3 runs checked", 1, id="recovery"
+        ),
     ],
 )
 def test_bench_smoke_without_engine(script, result_line, count):
