@@ -1,10 +1,10 @@
 """Before any process starts: everything `vime train` can check from its flags, files and hooks.
 
 A bad path, a hook with the wrong signature, a flag vLLM does not know, a queue that a live run holds or
-that was created with other flags, a checkpoint of another run: each fails here, naming the flag, before
-Ray, the router or an engine has started (nothing is left to clean up). What the checks load on the way
-(the datasets, the reward, the launch plan, the checkpoint to resume, the tokenizer) is what the run
-uses: :class:`Inputs`.
+that was created with other flags, a checkpoint of another run, a directory the run cannot write (read-only,
+not creatable, full): each fails here, naming the flag, before Ray, the router or an engine has started
+(nothing is left to clean up). What the checks load on the way (the datasets, the reward, the launch plan,
+the checkpoint to resume, the tokenizer) is what the run uses: :class:`Inputs`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Any
 from vime.config import ConfigError, TrainSettings
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
 from vime.data.source import DataKeys, PromptDataset, open_prompt_source
+from vime.errors import UserError
 from vime.recovery import checkpoint as ckpt
+from vime.recovery.disk_space import why_unwritable
 from vime.rollout.rewards import resolve_reward
 from vime.runtime.plugins import absolute_plugin_path, load_hook
 
@@ -32,6 +34,10 @@ HOOK_FLAGS = (
     ("eval", "--eval-function-path"),
     ("data", "--data-source-path"),
 )
+
+
+class DirectoriesUnusable(UserError, OSError):
+    """Directories the run would write that it cannot: one line each, naming the flag, the path and why."""
 
 
 @dataclasses.dataclass
@@ -82,6 +88,46 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         resume=resume,
         tokenizer=tokenizer,
     )
+
+
+def written_directories(s: TrainSettings) -> list[tuple[str, str]]:
+    """(flag, local path) of every directory the run writes; a debug replay writes only its --run-dir."""
+    if s.debug.load_debug_rollout_data:
+        return [("--run-dir", s.run_dir)]
+    found = [
+        ("--save", s.checkpoint.save),
+        ("--rollout-data-dir", s.rollout_data_dir),  # the queue, and the record of incarnations with any transport
+        ("--run-dir", s.run_dir),
+        ("--update-weight-disk-dir", s.weight_dir),
+    ]
+    template = s.debug.save_debug_rollout_data
+    if template:  # the folder above the first path component that holds '{rollout_id}'
+        found.append(("--save-debug-rollout-data", os.path.dirname(os.path.abspath(template).split("{")[0])))
+    roles = s.algorithm.role_config()
+    critic_save = roles.role("critic").save
+    if critic_save:
+        found.append((f"--megatron-config-path {roles.source} (the critic's save)", os.path.abspath(critic_save)))
+    return [(flag, path) for flag, path in found if path and "://" not in path]
+
+
+def check_written_directories(s: TrainSettings) -> None:
+    """Each directory the run writes exists or can be created, takes a file (tried: vime/recovery/disk_space.py)
+    and has space left. Called by `vime train` right after its flags are parsed, before the run creates its
+    directories or starts its reaper. Raises DirectoriesUnusable: one line per unusable path, naming its flags."""
+    flags_of: dict[str, list[str]] = {}
+    for flag, path in written_directories(s):
+        flags_of.setdefault(os.path.abspath(path), []).append(flag)
+    failures = [
+        f"{' and '.join(flags)} {path}: {cause}"
+        for path, flags in flags_of.items()
+        if (cause := why_unwritable(path)) is not None
+    ]
+    if len(failures) == 1:
+        raise DirectoriesUnusable(failures[0])
+    if failures:
+        raise DirectoriesUnusable(
+            f"{len(failures)} directories the run writes are unusable:\n  " + "\n  ".join(failures)
+        )
 
 
 def checkpoint_to_resume(s: TrainSettings, say: Callable[[str], None]) -> tuple[str, ckpt.CheckpointState] | None:

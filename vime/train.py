@@ -30,6 +30,7 @@ from vime.data.source import DataKeys
 from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
+from vime.recovery.disk_space import FreeSpaceWatch
 from vime.recovery.lineage import Lineage
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
@@ -451,6 +452,7 @@ class TrainingRun:
         colocation = self._colocated_memory()
         colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
         self.restarter = self._trainer_restarter()
+        disk = FreeSpaceWatch.from_settings(s, say=self.log.say)  # free space and --min-free-disk-gb
         rollout_id = self.step = start_step
         while rollout_id < s.train.num_rollout:
             interrupts.raise_if_interrupted()
@@ -488,6 +490,7 @@ class TrainingRun:
                 "groups_regenerated": len(taken.skipped),
                 "queue_failed": stats.failed,
                 **self._engine_health(),
+                **disk.sample(),
             }
             self.log.write(record)
             self.log.progress(record, s.train.num_rollout)
@@ -686,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"vime train: error: {error}", file=sys.stderr)
         return 2
+    try:
+        preflight.check_written_directories(settings)  # before the run creates its directories
+    except UserError as error:
+        print(f"vime train: error: {error}", file=sys.stderr)
+        return 1
     interrupts.install()  # Ctrl-C and SIGTERM: the same orderly stop, whatever an import installed
     run = TrainingRun(settings)
     try:

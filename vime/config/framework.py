@@ -793,10 +793,19 @@ class RunConfig:
     engine_startup_timeout: float = option(300.0, "Seconds to wait for one engine to become healthy.")
     http_timeout: float = option(60.0, "Seconds before a control call to an engine or the router fails.")
     log_level: str = option("info", "Log level.", choices=["debug", "info", "warning", "error"])
+    min_free_disk_gb: float = option(
+        5.0,
+        "Free space (GB) below which the run warns, once each time it falls below, about the volume of "
+        "--rollout-data-dir, --save or --update-weight-disk-dir: with the bytes the run fills there per step and "
+        "what would help (online GC, --save-interval, --keep-weight-versions, a bigger volume). Every train "
+        "record carries their free space (disk_free_gb/queue, /checkpoint, /weights); 0: no warning. "
+        "vime-specific.",
+    )
 
     def validate(self) -> None:
         require(self.engine_startup_timeout > 0, "--engine-startup-timeout", "must be > 0")
         require(self.http_timeout > 0, "--http-timeout", "must be > 0")
+        require(self.min_free_disk_gb >= 0, "--min-free-disk-gb", "must be >= 0 (0 turns the warning off)")
 
 
 @dataclasses.dataclass(kw_only=True)
