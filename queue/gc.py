@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-from straw.errors import UnsafeRecovery, WriterBusy
+from straw.errors import StorageUnavailable, UnsafeRecovery, WriterBusy
 
 from vime.queue.journal_view import JournalView
 
@@ -38,11 +38,16 @@ def writer_ids(data_dir: str) -> list[str]:
 
 
 def never_started(data_dir: str, writer: str) -> bool:
-    """Whether ``writer`` died between creating its journal and writing the journal's first transaction
-    (its identity): an empty journal, so it published nothing. straw refuses to recover such a writer
-    (UnsafeRecovery: "Journal run/configuration identity mismatch"); there is nothing to recover."""
-    journal = os.path.join(data_dir, "control", "writers", writer[:2], writer, "operations", "control", "journal.log")
-    return os.path.isfile(journal) and os.path.getsize(journal) == 0
+    """Whether ``writer`` died while straw was creating it, before its journal held its first transaction (its
+    identity), so that it published nothing: its gate and control folder exist, and the journal is either not
+    created yet (straw answers StorageUnavailable, "No such file or directory") or empty (UnsafeRecovery:
+    "Journal run/configuration identity mismatch"). There is nothing to recover. Both were seen after a
+    SIGKILL of the whole job at a random instant."""
+    control = os.path.join(data_dir, "control", "writers", writer[:2], writer, "operations", "control")
+    journal = os.path.join(control, "journal.log")
+    if not os.path.isdir(control):
+        return False
+    return not os.path.lexists(journal) or (os.path.isfile(journal) and os.path.getsize(journal) == 0)
 
 
 def never_registered(data_dir: str, writer: str) -> bool:
@@ -79,7 +84,7 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
             store.retire_writer(writer, policy="recover")
         except WriterBusy:
             continue
-        except UnsafeRecovery:
+        except (UnsafeRecovery, StorageUnavailable):
             if not never_started(data_dir, writer):
                 raise
             unstarted += 1  # killed while it was being created (seen after a SIGKILL of the whole job)

@@ -173,10 +173,11 @@ def test_stale_groups_are_skipped_and_their_prompts_regenerated_once(tmp_path, p
 
 
 def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(tmp_path, prompts):
-    """A SIGKILL of the whole job can land between a producer creating its straw journal and writing the
-    journal's first transaction (seen in the random-kill fault test): straw then refuses to recover it
-    (UnsafeRecovery). It published nothing, so reaping skips it; a dead writer that did publish is
-    still retired, and any other unrecoverable writer still stops the reaping."""
+    """A SIGKILL of the whole job can land while a producer's straw writer is being created, before its journal
+    holds its first transaction (seen in the random-kill fault test, twice: no journal file yet, and an empty
+    one): straw then refuses to recover it (StorageUnavailable, UnsafeRecovery). It published nothing, so
+    reaping skips it; a dead writer that did publish is still retired, and any other unrecoverable writer still
+    stops the reaping."""
     import os
 
     from straw.errors import CorruptData, UnsafeRecovery
@@ -191,9 +192,12 @@ def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(t
     journal = os.path.join(
         data_dir, "control", "writers", unstarted_id[:2], unstarted_id, "operations", "control", "journal.log"
     )
-    open(journal, "w").close()  # what the kill left: the journal created, nothing in it
+    os.remove(journal)  # what a kill can leave: the control folder made, the journal not created yet
     report = controller.reap_writers([])
     assert report["writers_never_started"] == 1 and report["writers_retired"] >= 1
+    open(journal, "w").close()  # or the journal created, nothing in it
+    report = controller.reap_writers([])
+    assert report["writers_never_started"] == 1
     with open(journal, "wb") as f:
         f.write(b"not a journal")  # not the empty journal of a kill: refused, not hidden
     with pytest.raises((CorruptData, UnsafeRecovery)):
