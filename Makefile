@@ -30,12 +30,12 @@ lint: setup
 
 # Two pytest workers, a test file each at a time (its module-scoped fixtures stay in one process): most
 # end-to-end tests wait on engines, Ray and the router rather than compute, so two run side by side on
-# two cores in about half the wall time (docs/testing.md).
+# two cores in less wall time than one after the other (README, Tests).
 test: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 test-fast: setup lint
-	$(PY) -m pytest -q tests -m "not e2e"
+	$(PY) -m pytest -q -n 2 --dist loadfile tests -m "not e2e"
 
 clean:
 	rm -rf $(VENV) outputs
