@@ -179,9 +179,10 @@ def report_megatron_lm_flags(s: TrainSettings, say: Callable[[str], None]) -> No
 
 
 def plan_engines(s: TrainSettings) -> tuple[Any, str | None]:
-    """What to start, from the resolved topology (vime/config/vllm_config.py): (the launch plan, the trained
+    """What to start, from the resolved topology (vime/config/vllm_launch.py): (the launch plan, the trained
     model's name); (None, None) without --vllm-config (and with --rollout-external-engine-addrs)."""
-    from vime.config.vllm_config import build_launch_plan, trained_model_name
+    from vime.config.vllm_deployment import trained_model_name
+    from vime.config.vllm_launch import build_launch_plan
 
     deployment = getattr(s.args, "vllm_deployment", None)
     if deployment is None:

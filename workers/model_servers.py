@@ -1,7 +1,7 @@
 """Starting a model of the engine topology (``--vllm-config``): its engines in order, and its router.
 
 Every model gets its own vllm-router. The order follows the roles of its engines (the launch plan of
-vime/config/vllm_config.py):
+vime/config/vllm_launch.py):
 
 - **encoders** (EPD) start first and are waited for: the language engines read the embeddings they
   produce. They are never registered with a router; their URLs become
@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 
 from vime.config.framework import ElasticConfig
-from vime.config.vllm_config import EngineLaunch, ModelLaunch
+from vime.config.vllm_launch import EngineLaunch, ModelLaunch
 from vime.engines.router import RouterClient, RouterProcess, start_router
 from vime.workers.engine_manager import EngineManager
 from vime.workers.engine_members import EnginesLost, EngineTemplate, EngineVariant

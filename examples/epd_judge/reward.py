@@ -26,7 +26,7 @@ import time
 
 import aiohttp
 
-from vime.config.vllm_config import get_model_url, prime_encoder
+from vime.rollout.vllm_rollout import get_model_url, prime_encoder
 
 _DIGIT_SHIFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "digit_shift", "reward.py")
 _spec = importlib.util.spec_from_file_location("digit_shift_reward", _DIGIT_SHIFT)

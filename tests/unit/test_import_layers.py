@@ -50,6 +50,7 @@ LAYERS = [
 ]
 SIDEWAYS = {
     ("vime.rollout", "vime.data"),  # rollout functions read the prompt data
+    ("vime.rollout", "vime.engines"),  # an engine that fails a rollout request raises engines.http.EngineError
     ("vime.rl", "vime.rollout"),  # R3's engine flags (rl/algorithm_checks.py)
     ("vime.backends", "vime.rl"),  # the objective and the batch live in rl/; backends own the model
     ("vime.recovery", "vime.queue"),  # debug archives hold the queue's encoded groups
@@ -72,7 +73,6 @@ KNOWN_EXCEPTIONS = {
     ("vime/config/megatron.py", "vime.backends.megatron_hooks"),
     ("vime/config/megatron_lm.py", "vime.backends.megatron_model"),
     ("vime/config/router.py", "vime.engines.router"),
-    ("vime/config/vllm_config.py", "vime.engines.http"),
     ("vime/rl/algorithm_checks.py", "vime.backends.megatron_checkpoint"),
 }
 # Optional extras (vllm: cpu/gpu, megatron-core: gpu/dev): imported only inside the functions that need

@@ -11,17 +11,10 @@ import pytest
 
 from tests.train_args import minimal_train_argv as cli
 from vime.config import ConfigError, parse_train_args
-from vime.config.vllm_config import (
-    GlobalFlags,
-    build_launch_plan,
-    check_overrides_against_vllm,
-    default_deployment,
-    get_model_url,
-    load_vllm_config,
-    media_parts,
-    prime_encoder,
-    resolve,
-)
+from vime.config.vllm_config import load_vllm_config
+from vime.config.vllm_deployment import GlobalFlags, check_overrides_against_vllm, default_deployment, resolve
+from vime.config.vllm_launch import build_launch_plan
+from vime.rollout.model_routes import get_model_url, media_parts, prime_encoder
 
 
 @pytest.fixture

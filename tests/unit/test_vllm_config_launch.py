@@ -6,7 +6,9 @@ import json
 import pytest
 
 from vime.config import ConfigError
-from vime.config.vllm_config import GlobalFlags, build_launch_plan, parse_vllm_config, resolve
+from vime.config.vllm_config import parse_vllm_config
+from vime.config.vllm_deployment import GlobalFlags, resolve
+from vime.config.vllm_launch import build_launch_plan
 from vime.engines.vllm_server import build_vllm_command
 
 EC_PATH = "/dev/shm/vime-ec-test"
@@ -319,7 +321,7 @@ def deployment_for(doc, gpus):
 
 
 def test_the_trained_model_is_the_one_weight_synced_model():
-    from vime.config.vllm_config import trained_model_name
+    from vime.config.vllm_deployment import trained_model_name
 
     doc = {
         "vllm": [

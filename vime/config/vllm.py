@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-from vime.config import vllm_config
+from vime.config import vllm_config, vllm_deployment
 from vime.config.base import ConfigError, add_section_arguments, option, section_from_args
 
 if TYPE_CHECKING:
@@ -119,10 +119,10 @@ def add_help(parser: argparse.ArgumentParser) -> None:
     add_section_arguments(parser, EngineTopologyConfig, "Engine topology")
 
 
-def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
+def resolve_topology(settings: TrainSettings) -> vllm_deployment.Deployment | None:
     """Check the topology flags and resolve the engines vime will start, at start-up.
 
-    Returns the :class:`~vime.config.vllm_config.Deployment` (also stored as
+    Returns the :class:`~vime.config.vllm_deployment.Deployment` (also stored as
     ``args.vllm_deployment`` for the driver), or None with --rollout-external-engine-addrs (those
     engines' topology is read from them at run time).
     """
@@ -130,7 +130,7 @@ def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
     topology.validate()
     deployment = None
     if not topology.rollout_external_engine_addrs:
-        flags = vllm_config.GlobalFlags(
+        flags = vllm_deployment.GlobalFlags(
             hf_checkpoint=settings.train.hf_checkpoint,
             rollout_num_gpus=settings.cluster.rollout_gpus,
             rollout_num_gpus_per_engine=settings.cluster.rollout_num_gpus_per_engine,
@@ -138,9 +138,9 @@ def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
             gpus_per_node=settings.cluster.num_gpus_per_node,
         )
         if topology.vllm_config:
-            deployment = vllm_config.resolve(vllm_config.load_vllm_config(topology.vllm_config), flags)
+            deployment = vllm_deployment.resolve(vllm_config.load_vllm_config(topology.vllm_config), flags)
         else:
-            deployment = vllm_config.default_deployment(flags, prefill_num_servers=topology.prefill_num_servers)
+            deployment = vllm_deployment.default_deployment(flags, prefill_num_servers=topology.prefill_num_servers)
         if settings.vllm.vllm_router_ip and len(deployment.models) > 1:
             raise ConfigError(
                 "--vllm-router-ip",
@@ -151,10 +151,10 @@ def resolve_topology(settings: TrainSettings) -> vllm_config.Deployment | None:
     return deployment
 
 
-def check_topology_against_vllm(deployment: vllm_config.Deployment | None) -> None:
+def check_topology_against_vllm(deployment: vllm_deployment.Deployment | None) -> None:
     """Refuse --vllm-config overrides the installed vLLM does not know (next to check_against_vllm)."""
     if deployment is not None:
-        vllm_config.check_overrides_against_vllm(deployment, _vllm_flag_table())
+        vllm_deployment.check_overrides_against_vllm(deployment, _vllm_flag_table())
 
 
 def _vllm_flag_table() -> dict[str, bool]:

@@ -58,7 +58,7 @@ def teacher_base_url(args: Any) -> str:
         return url.rstrip("/") if "://" in url else "http://" + url.rstrip("/")
     model = getattr(args, "opd_teacher_model", None)
     if model:
-        from vime.config.vllm_config import get_model_url
+        from vime.rollout.model_routes import get_model_url
 
         try:
             return get_model_url(args, model, path="")
