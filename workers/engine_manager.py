@@ -29,7 +29,6 @@ When no engine serves or is on its way any more although the run had some, :meth
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +47,10 @@ from vime.workers.engine_members import (
     Member,
     NodeEvent,
 )
+from vime.workers.engine_nodes import NodeWatch
 from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
 from vime.workers.engines import EngineActor, EngineGroup
+from vime.workers.failure_reasons import actor_alive, error_reason, progress_reason
 from vime.workers.health import HealthMonitor
 
 NODE_POLL_SECONDS = 2.0
@@ -92,8 +93,7 @@ class EngineManager:
         )
         self.registry = None
         self.version = 0
-        self.nodes_handled: set[str] = set()
-        self.nodes_lost: set[str] = set()
+        self.node_watch = NodeWatch(config.rollout_elastic_resource, template.tensor_parallel_size)
         self.events: list[NodeEvent] = []
         self.notes: list[str] = []  # engine faults since the driver last asked (take_notes)
         self._next_index = 0
@@ -193,7 +193,7 @@ class EngineManager:
         """Whether ``node_id`` (None: the driver's choice) is still in the cluster, asked now."""
         if node_id is None:
             return True
-        if node_id in self.nodes_lost:
+        if node_id in self.node_watch.lost:
             return False
         import ray
 
@@ -299,7 +299,7 @@ class EngineManager:
                 try:
                     result = ray.get(ref)
                 except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
-                    self._failed(m, what, _reason(error))
+                    self._failed(m, what, error_reason(error))
                     continue
                 if what == "drain":
                     self._drained(m, result)
@@ -337,7 +337,7 @@ class EngineManager:
                     m.actor.catch_up.remote(self.template.weight_dir, self.version), timeout=self.group.call_timeout
                 )
             except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
-                self._failed(m, "catch-up", _reason(error))
+                self._failed(m, "catch-up", error_reason(error))
                 return
             m.version = info["version"]
             if m.version != self.version:
@@ -484,7 +484,7 @@ class EngineManager:
             "passes (probed with back-off)"
         )
         self.record({"kind": "engine", "event": "quarantined", "engine": m.name, "url": m.url, "reason": reason})
-        self._note(f"{m.name} quarantined: {_short(reason)}")
+        self._note(f"{m.name} quarantined: {progress_reason(reason)}")
 
     def _probe_quarantined(self, now: float) -> None:
         for m in self.members:
@@ -519,12 +519,12 @@ class EngineManager:
             return
         m.restarts += 1
         m.state, m.since = EngineState.RESTARTING, time.monotonic()
-        self._note(f"{m.name} restarting: {_short(reason)}")
+        self._note(f"{m.name} restarting: {progress_reason(reason)}")
         self.say(
             f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
             f"{self.version}"
         )
-        if _actor_alive(m.actor):
+        if actor_alive(m.actor):
             self._pend(
                 m,
                 m.actor.restart.remote(self.template.weight_dir, self._join_version),
@@ -545,7 +545,7 @@ class EngineManager:
         m.state, m.last_error = EngineState.LOST, reason
         self.say(f"{m.name} ({m.url or m.spec.external_url}) dropped: {reason}")
         if not m.request:  # a refused `vime engines add` never served: its answer says why
-            self._note(f"{m.name} dropped: {_short(reason)}")
+            self._note(f"{m.name} dropped: {progress_reason(reason)}")
         self.record({"kind": "engine", "event": "lost", "engine": m.name, "url": m.url, "reason": reason})
         if m.request:
             self._finish(m, False, reason)
@@ -564,7 +564,7 @@ class EngineManager:
         """A weight update or pause failed on one engine (EngineGroup has taken it out already)."""
         member = self._serving(url)
         if member is not None:
-            self._lose(member, f"a call failed: {_reason(error)}")
+            self._lose(member, f"a call failed: {error_reason(error)}")
 
     def _unregister_quietly(self, url: str | None) -> None:
         member = next((m for m in self.members if m.url == url), None)
@@ -599,13 +599,13 @@ class EngineManager:
         try:
             requests = ray.get(self.registry.take.remote(), timeout=10)
         except Exception as error:  # noqa: BLE001 - the registry is not vital to the run
-            self.say(f"engine registry unreachable: {_reason(error)}")
+            self.say(f"engine registry unreachable: {error_reason(error)}")
             return
         for request in requests:
             try:
                 {"add": self._request_add, "remove": self._request_remove}[request["op"]](request)
             except Exception as error:  # noqa: BLE001 - a bad request fails alone, never the run
-                message = str(error) if isinstance(error, ValueError) else _reason(error)
+                message = str(error) if isinstance(error, ValueError) else error_reason(error)
                 self.registry.finish.remote(request["id"], False, message)
 
     def _request_add(self, request: dict) -> None:
@@ -680,15 +680,13 @@ class EngineManager:
     def _watch_nodes(self) -> None:
         import ray
 
-        resource = self.config.rollout_elastic_resource
         try:
             nodes = ray.nodes()
         except Exception as error:  # noqa: BLE001 - try again at the next poll
-            self.say(f"listing Ray nodes failed: {_reason(error)}")
+            self.say(f"listing Ray nodes failed: {error_reason(error)}")
             return
-        alive = {n["NodeID"] for n in nodes if n.get("Alive")}
-        for node_id in sorted(self.nodes_handled - alive - self.nodes_lost):
-            self.nodes_lost.add(node_id)
+        left, joined = self.node_watch.scan(nodes, hosting=(m.node_id for m in self.members))
+        for node_id in left:
             self.say(f"node {node_id[:12]} left the Ray cluster")
             for m in self.members:
                 if m.node_id == node_id and m.state in (
@@ -704,26 +702,13 @@ class EngineManager:
                     else:
                         self._give_up(m, f"its node {node_id[:12]} left the cluster")
             self.events.append(NodeEvent("lost", node_id))
-        for node in nodes:
-            amount = (node.get("Resources") or {}).get(resource, 0)
-            node_id = node["NodeID"]
-            if not node.get("Alive") or amount <= 0 or node_id in self.nodes_handled:
-                continue
-            self.nodes_handled.add(node_id)
-            if any(m.node_id == node_id for m in self.members):
-                continue  # it already hosts an engine of this run (e.g. one started at launch)
-            count = max(1, int(amount) // self.template.tensor_parallel_size)
-            host = node.get("NodeManagerAddress") or "127.0.0.1"
+        for node in joined:
             self.say(
-                f"node {node_id[:12]} at {host} joined with {resource}={amount:g}: starting {count} engine(s) "
-                f"there at weight version {self.version}"
+                f"node {node.node_id[:12]} at {node.host} joined with {self.node_watch.resource}={node.amount:g}: "
+                f"starting {node.engines} engine(s) there at weight version {self.version}"
             )
-            for _ in range(count):
-                self._spawn("node", node_id=node_id, host=host)
-
-    def mark_nodes_handled(self, node_ids) -> None:
-        """Nodes that must not get engines of their own (e.g. the driver's, already served)."""
-        self.nodes_handled.update(n for n in node_ids if n)
+            for _ in range(node.engines):
+                self._spawn("node", node_id=node.node_id, host=node.host)
 
     # ================================================================== `vime engines list`
     def snapshot(self) -> dict:
@@ -731,27 +716,9 @@ class EngineManager:
         served = dict(zip(self.group.urls, self.group.versions))
         engines = []
         for m in self.members:
-            h = health.get(m.url or "", {})
             if m.state == EngineState.SERVING and m.url in served:
                 m.version = served[m.url]
-            engines.append(
-                {
-                    "name": m.name,
-                    "url": m.url or m.spec.external_url,
-                    "origin": m.origin,
-                    "owned": m.owned,
-                    "node_id": m.node_id,
-                    "state": m.state.value,
-                    "weight_version": m.version,
-                    "restarts": m.restarts,
-                    "gpus": m.gpus,
-                    "worker_type": m.worker_type,
-                    "healthy": h.get("healthy"),
-                    "failed_checks": h.get("failures", 0),
-                    "seconds_since_ok": h.get("seconds_since_ok"),
-                    "last_error": m.last_error,
-                }
-            )
+            engines.append(m.describe(health.get(m.url or "", {})))
         return {"weight_version": self.version, "engines": engines}
 
     def _publish_snapshot(self, force: bool = False) -> None:
@@ -760,35 +727,3 @@ class EngineManager:
             return
         self._last["snapshot"] = now
         self.registry.publish.remote(self.snapshot())  # fire and forget: the registry never blocks
-
-
-def _actor_alive(actor) -> bool:
-    """Whether a Ray actor still lives (a dead one answers nothing, ever)."""
-    import ray
-
-    try:
-        ray.get(actor.__ray_ready__.remote(), timeout=10)
-        return True
-    except Exception:  # noqa: BLE001 - dead, or unreachable: treated alike
-        return False
-
-
-# Words that say nothing on the progress line (the full reason is in the [vime] line and metrics.jsonl).
-_NOT_ON_THE_LINE = ("failed its health checks: ", "a call failed: ", "generation probe: ", "POST /inference/v1/")
-
-
-def _short(reason: str, limit: int = 110) -> str:
-    """A reason shortened to fit the progress line: 'generate answered 403; the server refuses ...'."""
-    reason = re.sub(r"\bengine https?://\S+: ", "", " ".join(reason.split()))  # the engine is named already
-    for words in _NOT_ON_THE_LINE:
-        reason = reason.replace(words, "")
-    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
-
-
-def _reason(error: BaseException) -> str:
-    """The original error of a Ray-wrapped one, in one line."""
-    cause = error
-    while isinstance(getattr(cause, "cause", None), BaseException) and cause.cause is not cause:
-        cause = cause.cause
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}" if not isinstance(cause, EngineError) else str(cause)

@@ -129,6 +129,25 @@ class Member:
     def owned(self) -> bool:
         return self.spec.external_url is None
 
+    def describe(self, health: dict) -> dict:
+        """Its row of `vime engines list` (``health``: the health monitor's status of its URL)."""
+        return {
+            "name": self.name,
+            "url": self.url or self.spec.external_url,
+            "origin": self.origin,
+            "owned": self.owned,
+            "node_id": self.node_id,
+            "state": self.state.value,
+            "weight_version": self.version,
+            "restarts": self.restarts,
+            "gpus": self.gpus,
+            "worker_type": self.worker_type,
+            "healthy": health.get("healthy"),
+            "failed_checks": health.get("failures", 0),
+            "seconds_since_ok": health.get("seconds_since_ok"),
+            "last_error": self.last_error,
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeEvent:

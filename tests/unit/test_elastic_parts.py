@@ -421,3 +421,40 @@ def test_a_late_engine_catches_up_to_a_delta_version_it_never_held(tmp_path):
     assert late.client.loaded[-1] == "unused" and late.client.label == "0"
     engine.stop()
     late.stop()
+
+
+def test_node_watch_reports_each_join_and_each_departure_once():
+    from vime.workers.engine_nodes import NodeWatch
+
+    def node(node_id, alive=True, rollout=0.0, host="10.0.0.2"):
+        return {"NodeID": node_id, "Alive": alive, "Resources": {"rollout": rollout}, "NodeManagerAddress": host}
+
+    watch = NodeWatch("rollout", tensor_parallel_size=2)
+    # The driver's node hosts an engine already; a node without the resource never gets engines.
+    left, joined = watch.scan([node("driver", rollout=2), node("plain")], hosting=["driver"])
+    assert (left, joined) == ([], [])
+    left, joined = watch.scan([node("driver", rollout=2), node("new", rollout=5)], hosting=["driver"])
+    assert left == [] and [(j.node_id, j.host, j.amount, j.engines) for j in joined] == [("new", "10.0.0.2", 5, 2)]
+    # A single slot still gets one engine, however large the engines are.
+    left, joined = watch.scan([node("driver", rollout=2), node("new", rollout=5), node("small", rollout=1)], [])
+    assert left == [] and [j.engines for j in joined] == [1]
+    # Seen again: nothing new. Gone: reported once, then never again.
+    assert watch.scan([node("driver", rollout=2), node("new", rollout=5), node("small", rollout=1)], []) == ([], [])
+    left, _ = watch.scan([node("driver", rollout=2), node("new", alive=False, rollout=5)], hosting=["driver"])
+    assert left == ["new", "small"]
+    assert watch.scan([node("driver", rollout=2)], hosting=["driver"]) == ([], [])
+    assert watch.lost == {"new", "small"}
+
+
+def test_failure_reasons_name_the_root_cause_and_fit_the_progress_line():
+    from vime.workers.failure_reasons import error_reason, progress_reason
+
+    class Wrapped(Exception):  # how Ray wraps an actor's error: the original is its .cause
+        def __init__(self, cause):
+            super().__init__("ray wrapper text")
+            self.cause = cause
+
+    assert error_reason(Wrapped(ValueError("line one\nthe last line"))) == "ValueError: the last line"
+    assert error_reason(Wrapped(EngineError("http://e:1", "generate answered 403"))).endswith("generate answered 403")
+    short = progress_reason("engine http://e:1: failed its health checks: " + "x" * 300)
+    assert short.startswith("xxx") and len(short) == 110 and short.endswith("...")
