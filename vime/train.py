@@ -606,6 +606,28 @@ class TrainingRun:
         ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """--save-retain-last / --save-retain-interval, once the step's checkpoint and commit are durable
+        (recovery/retention.py says what is never deleted). A deletion that fails is said; the run goes on."""
+        from vime.recovery.retention import RetentionPolicy, prune_checkpoints
+
+        c = self.s.checkpoint
+        policy = RetentionPolicy(keep_last=c.save_retain_last, retain_interval=c.save_retain_interval)
+        if not policy.enabled:
+            return
+        try:
+            # the commit just made: the queue's committed cursor is the driver's
+            pruning = prune_checkpoints(c.save, policy, committed_cursor=self.cursor)
+        except OSError as error:
+            self.log.say(f"could not delete an old checkpoint in --save {c.save}: {error}; the run goes on")
+            return
+        if pruning.deleted:
+            steps = ", ".join(map(str, pruning.deleted))
+            self.log.say(f"deleted checkpoint step(s) {steps} in {c.save} (--save-retain-last/--save-retain-interval)")
+        if pruning.skipped:
+            self.log.say(f"old checkpoints kept for now: {pruning.skipped}")
 
     def _stop_rollout_workers(self) -> None:
         if self.rollout is None or not self.rollout.actors:
