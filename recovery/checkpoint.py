@@ -54,11 +54,16 @@ def iteration_dir(root: str, step: int) -> str:
 
 def _atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full volume: the old file stays, no torn one beside it
+            os.unlink(tmp)
+        raise
     fsync_path(os.path.dirname(path))
 
 
