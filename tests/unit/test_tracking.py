@@ -107,6 +107,17 @@ def test_one_row_per_step_reserved_before_it_is_written_and_never_backwards():
     assert rows.not_relogged == {0, 1}
 
 
+def test_a_resumed_process_writes_nothing_at_or_below_the_reserved_step():
+    out = _Recorded()
+    rows = StepRows(5, out.emit, out.reserve)  # tracking.json of the run resumed said 5
+    rows.annotate({"recovery/resumed_from_step": 3.0})
+    for step in (3, 4, 5, 6):  # the checkpoint's evaluation, two retrained steps, a new one
+        rows.add({"kind": "train", "step": step, "loss": float(step)})
+        rows.end_step(step)
+    assert out.rows == [(6, {"recovery/resumed_from_step": 3.0, "train/loss": 6.0})]
+    assert out.reserved == [6] and rows.not_relogged == {3, 4, 5}
+
+
 # ------------------------------------------------------------------ real trackers, read back
 def _tracked(tmp_path, *extra, tensorboard=True):
     model = tmp_path / "model"
