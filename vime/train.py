@@ -651,7 +651,6 @@ class TrainingRun:
         return self.evaluation.run(self.serving.router_url, version=version, step=step, label=label)
 
     def _save(self, step: int, version: int) -> None:
-
         state = ckpt.CheckpointState(
             schema=1,
             step=step,
