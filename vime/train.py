@@ -93,7 +93,6 @@ class TrainingRun:
             start_step, version = self._restore()
             self._reap_dead_producers()
             self.before = self._evaluate(version, step=start_step, label="before training")
-            self.log.end_step(start_step)
             self._start_rollout_workers()
             version = self._train(start_step, version)
             self._finish(version)
@@ -118,17 +117,8 @@ class TrainingRun:
         self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
         self.plan, self.trained_model = inputs.plan, inputs.trained_model
         self.resume = inputs.resume  # (folder, CheckpointState) or None
-        self._start_tracking(resumed_from=self.resume[1].step if self.resume else None)
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
-
-    def _start_tracking(self, *, resumed_from: int | None) -> None:
-        """wandb and TensorBoard (--use-wandb, --use-tensorboard): every record of metrics.jsonl, one step axis."""
-        from vime.tracking import RunTracker
-
-        tracker = RunTracker.start(self.s, resumed_from=resumed_from, say=self.log.say)
-        if tracker is not None:
-            self.log.attach(tracker)
 
     @property
     def store_options(self):
@@ -451,8 +441,7 @@ class TrainingRun:
             ),
         ):
             report = self.weight_sync.sync(version, flush=flush)
-        # The step whose weights these are: the one being trained (a restore's publication repeats a step).
-        self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})
+        self.log.write({"kind": "weight_sync", **report})
         # --
         self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
@@ -541,7 +530,6 @@ class TrainingRun:
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
                 self._evaluate(version, step=step, label=f"step {step}")
-            self.log.end_step(step)  # the trackers get the step's row now (vime/tracking.py)
         return self.version
 
     def _train_step(self, rollout_id: int, taken, colocation, *, sync_number: int) -> dict[str, Any]:
