@@ -19,7 +19,7 @@ class MetricsLog:
         self.tracker = None  # vime.tracking.RunTracker with --use-wandb / --use-tensorboard
 
     def attach(self, tracker) -> None:
-        """From now on every record also goes to the experiment trackers (vime/tracking.py)."""
+        """From now on every record also goes to ``tracker`` (vime.tracking.RunTracker; None: no tracker)."""
         self.tracker = tracker
 
     def write(self, record: dict[str, Any]) -> None:
@@ -27,11 +27,6 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         if self.tracker is not None:
             self.tracker.write(record)
-
-    def end_step(self, step: int) -> None:
-        """Every record of ``step`` is written: the trackers get its row now."""
-        if self.tracker is not None:
-            self.tracker.end_step(step)
 
     def progress(self, m: dict[str, Any], num_rollout: int) -> None:
         line = (

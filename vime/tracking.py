@@ -2,8 +2,9 @@
 
 One step axis for everything: the rollout/training step. A step's records (its train record, the
 evaluation at that step, the weight synchronisation, engine, worker and recovery events around it)
-become one row, written once to each tracker when the step ends (:meth:`RunTracker.end_step`) or the
-next step's first record arrives. Records without a step of their own join the step being written.
+become one row, written once to each tracker when the step ends (its train record, or
+:meth:`RunTracker.end_step`) or the next step's first record arrives; what comes later at that step (the
+evaluation after it) joins the row under its own names. Records without a step of their own join the step being written.
 
 Resume (docs/metrics.md, "Experiment tracking"): a row is *reserved* in ``tracking.json`` (next to the
 checkpoints) before it is written, so a step is never written twice, even when the process dies right
@@ -172,14 +173,24 @@ class StepRows:
 
 
 class WandbSink:
-    """A wandb run (online or offline) whose own step is vime's step."""
+    """A wandb run (online or offline) whose own step is vime's step, on a wandb service of this process's own.
 
-    def __init__(self, tracking, state: TrackingState, *, resumed: bool, config: dict[str, Any]):
+    wandb logs through a service process (wandb-core). A process whose environment names one
+    (``WANDB_SERVICE``, which wandb sets in every process that started one, for its children) attaches to it
+    instead of starting its own: a `vime train` started by a process that used wandb (a notebook, a script,
+    a test runner) would log through that process's service, which outlives a killed run and still holds its
+    run id, so that the resumed run is refused ("run ID ... is in use"). The sink therefore always starts its
+    own service, carrying the run token (vime/runtime/process.py): it is stopped with the run, by the
+    teardown (``wandb.teardown``), or by the reaper after a SIGKILL, and wandb-core also exits by itself when
+    its parent dies."""
+
+    def __init__(self, tracking, state: TrackingState, *, run_token: str, resumed: bool, config: dict[str, Any]):
         import wandb
+        import wandb.env
+
+        from vime.runtime.process import environment_carries_run_token
 
         mode = tracking.resolved_wandb_mode
-        if mode == "online" and tracking.wandb_key:
-            wandb.login(key=tracking.wandb_key, host=tracking.wandb_host, verify=False)
         settings = wandb.Settings(
             mode=mode,
             console="off",  # the progress lines are in metrics.jsonl and the logs already
@@ -189,18 +200,29 @@ class WandbSink:
             **({"base_url": tracking.wandb_host} if tracking.wandb_host else {}),
         )
         os.makedirs(tracking.wandb_dir, exist_ok=True)
-        self.run = wandb.init(
-            id=state.wandb_run_id,
-            project=tracking.wandb_project,
-            entity=tracking.wandb_team,
-            group=state.wandb_group,
-            name=state.wandb_name,
-            dir=tracking.wandb_dir,
-            config=config,
-            resume="allow" if resumed else None,
-            settings=settings,
-            reinit="create_new",
-        )
+        # wandb.env.SERVICE names that variable (wandb 0.19 to 0.31); wandb.setup() is the public way to start the
+        # service before a run (a login or an init would attach to an inherited one) and names the new one there.
+        os.environ.pop(wandb.env.SERVICE, None)
+        with environment_carries_run_token(run_token):
+            wandb.setup(settings=settings)
+        try:
+            if mode == "online" and tracking.wandb_key:
+                wandb.login(key=tracking.wandb_key, host=tracking.wandb_host, verify=False)
+            self.run = wandb.init(
+                id=state.wandb_run_id,
+                project=tracking.wandb_project,
+                entity=tracking.wandb_team,
+                group=state.wandb_group,
+                name=state.wandb_name,
+                dir=tracking.wandb_dir,
+                config=config,
+                resume="allow" if resumed else None,
+                settings=settings,
+                reinit="create_new",
+            )
+        except BaseException:
+            wandb.teardown()  # the service started above stops with the failed start
+            raise
 
     def log(self, row: dict[str, float], step: int) -> None:
         # Not committed: values added later at the same step (StepRows) join the row; wandb writes it when
@@ -208,7 +230,12 @@ class WandbSink:
         self.run.log(row, step=step)
 
     def close(self) -> None:
-        self.run.finish()
+        import wandb
+
+        try:
+            self.run.finish()
+        finally:
+            wandb.teardown()  # this process's service: it stops now, not at the interpreter's exit
 
 
 class TensorBoardSink:
@@ -265,8 +292,9 @@ class RunTracker:
             )
 
     @classmethod
-    def start(cls, settings, *, resumed_from: int | None, say=print) -> RunTracker | None:
-        """The trackers the flags ask for (None: none). ``resumed_from``: the checkpoint step a --load resumes."""
+    def start(cls, settings, *, run_token: str, resumed_from: int | None, say=print) -> RunTracker | None:
+        """The trackers the flags ask for (None: none). ``resumed_from``: the checkpoint step a --load resumes;
+        ``run_token``: carried by the processes a tracker starts (wandb's service), so that they stop with the run."""
         tracking = settings.tracking
         if tracking.use_wandb and not tracking.wandb_enabled:
             say("--wandb-mode disabled: nothing is sent to wandb")
@@ -288,7 +316,11 @@ class RunTracker:
             if tracking.wandb_enabled:
                 flag = "--use-wandb"
                 resumed = resumed_from is not None or bool(tracking.wandb_run_id)
-                sinks.append(WandbSink(tracking, state, resumed=resumed, config=_public_config(settings.args)))
+                sinks.append(
+                    WandbSink(
+                        tracking, state, run_token=run_token, resumed=resumed, config=_public_config(settings.args)
+                    )
+                )
         except Exception as error:  # whatever stops a tracker's start is said as one line naming the flag
             for sink in sinks:
                 sink.close()
@@ -307,6 +339,8 @@ class RunTracker:
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.rows.add(record)
+            if record.get("kind") == "train":  # the step's row goes out now; its evaluation joins it late
+                self.rows.end_step(record["step"])
 
     def end_step(self, step: int) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from vime.recovery.disk_space import FreeSpaceWatch
 from vime.recovery.lineage import Lineage
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
+from vime.tracking import RunTracker
 from vime.weights.policy import flush_for_sync
 
 POLL_SECONDS = 0.05
@@ -90,7 +91,6 @@ class TrainingRun:
             start_step, version = self._restore()
             self._reap_dead_producers()
             self.before = self._evaluate(version, step=start_step, label="before training")
-            self.log.end_step(start_step)
             self._start_rollout_workers()
             version = self._train(start_step, version)
             self._finish(version)
@@ -115,17 +115,10 @@ class TrainingRun:
         self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
         self.plan, self.trained_model = inputs.plan, inputs.trained_model
         self.resume = inputs.resume  # (folder, CheckpointState) or None
-        self._start_tracking(resumed_from=self.resume[1].step if self.resume else None)
+        resumed_from = self.resume[1].step if self.resume else None  # wandb, TensorBoard: vime/tracking.py
+        self.log.attach(RunTracker.start(self.s, run_token=self.token, resumed_from=resumed_from, say=self.log.say))
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
-
-    def _start_tracking(self, *, resumed_from: int | None) -> None:
-        """wandb and TensorBoard (--use-wandb, --use-tensorboard): every record of metrics.jsonl, one step axis."""
-        from vime.tracking import RunTracker
-
-        tracker = RunTracker.start(self.s, resumed_from=resumed_from, say=self.log.say)
-        if tracker is not None:
-            self.log.attach(tracker)
 
     @property
     def store_options(self):
@@ -417,8 +410,7 @@ class TrainingRun:
         flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
         with self.serving.engine_manager.updating() if self.serving.engine_manager else contextlib.nullcontext():
             report = self.weight_sync.sync(version, flush=flush)
-        # The step whose weights these are: the one being trained (a restore's publication repeats a step).
-        self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})
+        self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})  # the step being trained
         # --
         self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
@@ -507,7 +499,6 @@ class TrainingRun:
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
                 self._evaluate(version, step=step, label=f"step {step}")
-            self.log.end_step(step)  # the trackers get the step's row now (vime/tracking.py)
         return self.version
 
     def _train_step(self, rollout_id: int, taken, colocation, *, sync_number: int) -> dict[str, Any]:
@@ -645,8 +636,6 @@ class TrainingRun:
     def _teardown(self) -> None:
         """Stop every process this run started, whatever state it is in: each group in reverse start order,
         then Ray, then a sweep by the run token of whatever is left (vLLM's EngineCore and Worker too)."""
-        import contextlib
-
         from vime.runtime.process import sweep_run_processes
 
         with interrupts.teardown():  # from now on a Ctrl-C hurries the clean-up instead of cutting it short
@@ -672,8 +661,6 @@ class TrainingRun:
 
     def _stop_in_order(self) -> None:
         """The orderly steps of the teardown; a Ctrl-C meanwhile skips the rest (StopNow)."""
-        import contextlib
-
         steps = [
             ("the rollout workers", self._stop_rollout_workers),
             ("an unlaunched rollout worker", lambda: self.rollout and self.rollout.kill_unlaunched()),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import REPO
@@ -24,8 +25,34 @@ NUM_PROMPTS = 16
 
 
 def test_main_job_killed_and_resumed_trains_every_prompt_once(tmp_path, tiny_model_dir, vllm_engine):
-    with attached(vllm_engine) as engine_flags:
-        _kill_and_resume(tmp_path, tiny_model_dir, engine_flags)
+    import wandb
+
+    # This process starts a wandb service, as the unit tests of tracking did on a CI worker before this test
+    # once: both runs inherit WANDB_SERVICE naming it. A run that logged through it left its run id held there
+    # after the kill, and the resumed run was refused ("run ID ... is in use"): each run must use its own.
+    wandb.setup(wandb.Settings(mode="offline"))
+    try:
+        assert os.environ.get("WANDB_SERVICE")
+        with attached(vllm_engine) as engine_flags:
+            _kill_and_resume(tmp_path, tiny_model_dir, engine_flags)
+    finally:
+        wandb.teardown()
+
+
+def _wandb_services_of(pid: int) -> list[psutil.Process]:
+    """The running wandb services (wandb-core) that process ``pid`` started: wandb passes them its pid (--pid)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        args = proc.info["cmdline"] or []
+        if proc.info["name"] == "wandb-core" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            if "--pid" in args[:-1] and args[args.index("--pid") + 1] == str(pid):
+                found.append(proc)
+    return found
+
+
+def _driver_pid(run_dir: str) -> int:
+    with open(os.path.join(run_dir, "run.json")) as f:
+        return json.load(f)["pid"]
 
 
 def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
@@ -72,11 +99,17 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
                 break
             assert time.monotonic() < deadline, "".join(seen)
         assert any(line.startswith("step    2/") for line in seen), "".join(seen)
+        # The run's own wandb service, in a session of its own (out of the process group killed below): it
+        # carries the run token, so that the reaper stops it.
+        services = _wandb_services_of(_driver_pid(run_dir))
+        assert len(services) == 1 and services[0].environ().get("VIME_RUN_TOKEN") == run_token(run_dir), services
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a lost machine
         proc.wait(timeout=30)
-    # What left the process group (Ray's workers, the router) is stopped by the run's reaper, not here.
+    # What left the process group (Ray's workers, the router, wandb's service) is stopped by the run's reaper,
+    # not here.
     assert_nothing_left(run_dir, within=30)
+    assert not _wandb_services_of(_driver_pid(run_dir))  # none of the killed run's is left
 
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,7 +11,10 @@ import pytest
 from tests.tracking_readers import assert_one_monotone_axis, tensorboard_scalars, wandb_history
 from tests.train_args import minimal_train_argv
 from vime.config import ConfigError, parse_train_args
+from vime.runtime.process import RUN_TOKEN_ENV, processes_with_tokens
 from vime.tracking import STATE_FILE, RunTracker, StepRows, read_state, row_of
+
+TOKEN = "tracking-unit-test"
 
 
 def _settings(config_dir, tmp_path, *extra):
@@ -161,7 +164,7 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_tensorboard_axis(tmp_pat
     dies in step 8 and is restored in place to step 6. Both trackers show steps 0..9 once each, in order."""
     settings = _tracked(tmp_path)
     said = []
-    first = RunTracker.start(settings, resumed_from=None, say=said.append)
+    first = RunTracker.start(settings, run_token=TOKEN, resumed_from=None, say=said.append)
     first.write({"kind": "eval", "step": 0, "dataset": "held", "eval_reward": 0.0})
     first.end_step(0)
     _train_steps(first, range(1, 6), loss_base=10.0)
@@ -171,7 +174,7 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_tensorboard_axis(tmp_pat
         state.reserved_step == 5 and state.wandb_group.startswith("digits_") and state.wandb_name == state.wandb_group
     )
 
-    second = RunTracker.start(_tracked(tmp_path), resumed_from=3, say=said.append)
+    second = RunTracker.start(_tracked(tmp_path), run_token=TOKEN, resumed_from=3, say=said.append)
     assert "steps up to 5 are already there" in said[-1]
     second.write({"kind": "engine", "event": "serving", "weight_version": 3})
     second.write({"kind": "eval", "step": 3, "dataset": "held", "eval_reward": 0.9})  # before training: step 3 again
@@ -202,7 +205,7 @@ def test_a_resumed_run_continues_the_same_wandb_run_and_tensorboard_axis(tmp_pat
 
 
 def test_the_api_key_stays_out_of_the_run_files_and_disabled_mode_starts_nothing(tmp_path):
-    tracker = RunTracker.start(_tracked(tmp_path), resumed_from=None, say=lambda _: None)
+    tracker = RunTracker.start(_tracked(tmp_path), run_token=TOKEN, resumed_from=None, say=lambda _: None)
     _train_steps(tracker, [1], loss_base=0.0)
     tracker.close()
     for folder, _, files in os.walk(tmp_path / "run" / "wandb"):
@@ -211,6 +214,25 @@ def test_the_api_key_stays_out_of_the_run_files_and_disabled_mode_starts_nothing
                 assert b"not-a-real-key" not in f.read(), name
     said = []
     s = _tracked(tmp_path / "other", "--wandb-mode", "disabled", tensorboard=False)
-    assert RunTracker.start(s, resumed_from=None, say=said.append) is None
+    assert RunTracker.start(s, run_token=TOKEN, resumed_from=None, say=said.append) is None
     assert said == ["--wandb-mode disabled: nothing is sent to wandb"]
     assert not os.path.exists(tmp_path / "other" / "save" / STATE_FILE)
+
+
+def test_wandb_logs_through_a_service_of_its_own_that_carries_the_run_token(tmp_path, monkeypatch):
+    """A `vime train` started by a process that used wandb inherits WANDB_SERVICE, naming that process's service
+    (one that may outlive a killed run and still hold its run id: "run ID ... is in use" on resume). Here it
+    names a service that is gone: attaching to it would fail the start. The run's own service carries the run
+    token (the reaper's sweep finds it) and stops when the tracker closes."""
+    monkeypatch.setenv("WANDB_SERVICE", f"3-{os.getpid()}-unix-{tmp_path / 'gone.sock'}")
+    token = f"{TOKEN}-{os.getpid()}"
+    tracker = RunTracker.start(_tracked(tmp_path, tensorboard=False), run_token=token, resumed_from=None, say=print)
+    try:
+        service = processes_with_tokens([token]).get(token, [])
+        assert [p.name() for p in service] == ["wandb-core"], service
+        assert os.environ.get(RUN_TOKEN_ENV) != token  # only the service's environment carries it
+        _train_steps(tracker, [1], loss_base=0.0)
+    finally:
+        tracker.close()
+    assert not service[0].is_running() or service[0].status() == "zombie"
+    assert [step for _, step, _ in wandb_history(str(tmp_path / "run"))] == [1]

@@ -20,6 +20,7 @@ the token; every child therefore gets ``SPT_NOENV=1``, which makes setproctitle 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -27,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -183,6 +184,28 @@ class ManagedProcess:
             _wait_gone(descendants, timeout=5)
             _LIVE.discard(self)
             return code
+
+
+@contextlib.contextmanager
+def environment_carries_run_token(token: str) -> Iterator[None]:
+    """While inside: processes that a library starts from this process's own environment (wandb's service,
+    wandb-core) carry the run token, so that the teardown's sweep and the reaper stop them like the run's
+    other processes. The driver's environment does not carry its own token (it is made in the driver), and
+    such a library does not go through ManagedProcess: without this its processes escape both, and one that
+    starts its own session (wandb-core does) outlives even a kill of the driver's process group.
+
+    It changes os.environ for the whole process: use it only around the start of such a library, at
+    start-up, before the threads that start the run's other processes."""
+    saved = {name: os.environ.get(name) for name in (RUN_TOKEN_ENV, "SPT_NOENV")}
+    os.environ[RUN_TOKEN_ENV], os.environ["SPT_NOENV"] = token, "1"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def read_log_tail(path: str | os.PathLike[str], n_lines: int = 40, max_bytes: int = 256 * 1024) -> str:
