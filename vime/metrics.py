@@ -50,10 +50,14 @@ class MetricsLog:
         print(f"[vime] {message}", file=self.stream, flush=True)
 
     def close(self) -> None:
+        """The trackers, then metrics.jsonl. A tracker that fails to close is said, not raised: the run's
+        teardown goes on (its processes still have to stop), and metrics.jsonl has every record."""
         try:
             if self.tracker is not None:
                 self.tracker, tracker = None, self.tracker
                 tracker.close()
+        except Exception as error:  # noqa: BLE001 - said: whatever the library raises (wandb: its connection)
+            self.say(f"the experiment trackers did not close cleanly: {type(error).__name__}: {error}")
         finally:
             self._file.close()
 

@@ -191,6 +191,8 @@ class WandbSink:
         from vime.runtime.process import environment_carries_run_token
 
         mode = tracking.resolved_wandb_mode
+        # x_disable_stats and x_transaction_log_flush_interval are wandb's x_ (experimental) settings, with no
+        # public equivalent as of wandb 0.31; each is documented in wandb/sdk/wandb_settings.py there.
         settings = wandb.Settings(
             mode=mode,
             console="off",  # the progress lines are in metrics.jsonl and the logs already

@@ -644,6 +644,7 @@ class TrainingRun:
             except interrupts.StopNow:
                 self.log.say("interrupted again: stopping every process of the run at once")
             interrupts.hurry()  # from here on a Ctrl-C is only noted: nothing may cut the rest short
+            self.log.close()  # before the sweep, which would kill wandb's service (it carries the token) unflushed
             if self.ray_started:
                 import ray
 
@@ -657,7 +658,6 @@ class TrainingRun:
             if self.guard is not None:
                 with contextlib.suppress(Exception):  # the record stays: the next start on this queue sweeps it
                     self.guard.close(everything_stopped=not self.leftover)
-            self.log.close()
 
     def _stop_in_order(self) -> None:
         """The orderly steps of the teardown; a Ctrl-C meanwhile skips the rest (StopNow)."""

@@ -190,9 +190,10 @@ class ManagedProcess:
 def environment_carries_run_token(token: str) -> Iterator[None]:
     """While inside: processes that a library starts from this process's own environment (wandb's service,
     wandb-core) carry the run token, so that the teardown's sweep and the reaper stop them like the run's
-    other processes. The driver's environment does not carry its own token (it is made in the driver), and
-    such a library does not go through ManagedProcess: without this its processes escape both, and one that
-    starts its own session (wandb-core does) outlives even a kill of the driver's process group.
+    other processes. The driver's environment carries its own token only from Ray's start on
+    (workers/cluster.start_ray), and such a library does not go through ManagedProcess: without this a
+    process it starts before then escapes both, and one in a session of its own (wandb-core) outlives even
+    a kill of the driver's process group.
 
     It changes os.environ for the whole process: use it only around the start of such a library, at
     start-up, before the threads that start the run's other processes."""
