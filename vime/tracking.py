@@ -4,7 +4,8 @@ One step axis for everything: the rollout/training step. A step's records (its t
 evaluation at that step, the weight synchronisation, engine, worker and recovery events around it)
 become one row, written once to each tracker when the step ends (its train record, or
 :meth:`RunTracker.end_step`) or the next step's first record arrives; what comes later at that step (the
-evaluation after it) joins the row under its own names. Records without a step of their own join the step being written.
+evaluation after it) joins the row under its own names. Records without a step of their own join the step
+being written.
 
 Resume (docs/metrics.md, "Experiment tracking"): a row is *reserved* in ``tracking.json`` (next to the
 checkpoints) before it is written, so a step is never written twice, even when the process dies right
@@ -202,7 +203,7 @@ class WandbSink:
             **({"base_url": tracking.wandb_host} if tracking.wandb_host else {}),
         )
         os.makedirs(tracking.wandb_dir, exist_ok=True)
-        # wandb.env.SERVICE names that variable (wandb 0.19 to 0.31); wandb.setup() is the public way to start the
+        # wandb.env.SERVICE names that variable (checked with wandb 0.31); wandb.setup() is the public way to start the
         # service before a run (a login or an init would attach to an inherited one) and names the new one there.
         os.environ.pop(wandb.env.SERVICE, None)
         with environment_carries_run_token(run_token):
