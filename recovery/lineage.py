@@ -48,3 +48,15 @@ class Lineage(msgspec.Struct, frozen=True):
     def staleness(self, policy_version: int, token_version: int) -> int:
         """Steps of the surviving lineage between the weights that generated a token and the policy."""
         return self.step_of(policy_version) - self.step_of(token_version)
+
+
+def resumed(lineage: Lineage, *, step: int, restored_version: int, newest_given_out: int) -> tuple[Lineage, int]:
+    """(lineage, version) for weights restored from the checkpoint of ``step`` (published then as
+    ``restored_version``) by a run resumed with --load, when the run before gave out versions up to
+    ``newest_given_out``. Anything newer than the checkpoint belongs to weights that died with that run:
+    the restored weights get a version above all of them, and the ones in between are lost, exactly as
+    for a trainer restored in place. Nothing newer: the checkpoint's version, the lineage unchanged."""
+    if newest_given_out <= restored_version:
+        return lineage, restored_version
+    version = newest_given_out + 1
+    return lineage.restored(step=step, restored_version=restored_version, new_version=version), version

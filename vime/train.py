@@ -31,7 +31,7 @@ from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
 from vime.recovery.disk_space import FreeSpaceWatch
-from vime.recovery.lineage import Lineage
+from vime.recovery.lineage import Lineage, resumed
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
 from vime.tracking import RunTracker
@@ -309,9 +309,34 @@ class TrainingRun:
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
         self.skipped = list(state.skipped)
-        self.lineage = state.lineage
-        self._publish(state.weight_version, sync_number=1)
-        return state.step, state.weight_version
+        version = self._resumed_version(state)
+        self._publish(version, sync_number=1)
+        return state.step, version
+
+    def _resumed_version(self, state) -> int:
+        """The version to publish the checkpoint's weights under (sets the lineage): versions the run before
+        gave out after its checkpoint are never given out again, so that a number names one set of weights
+        in staleness, metrics and `vime queue inspect` (recovery/lineage.py)."""
+        import ray
+
+        from vime.weights.disk import published_versions
+
+        newest = max(
+            ray.get(self.controller.newest_token_version.remote(state.consumer_cursor)),
+            *published_versions(self.s.weight_dir),
+            *(r.version for r in state.lineage.restores),
+            state.weight_version,
+        )
+        self.lineage, version = resumed(
+            state.lineage, step=state.step, restored_version=state.weight_version, newest_given_out=newest
+        )
+        if version != state.weight_version:
+            self.log.say(
+                f"the run before gave out weight versions {state.weight_version + 1}-{newest} after this "
+                f"checkpoint; those weights are lost (groups with their tokens run their prompts again), and "
+                f"the checkpoint's weights are published as version {version}"
+            )
+        return version
 
     def _reap_dead_producers(self) -> None:
         """Publications left unaccepted by producers of an earlier (dead) incarnation."""

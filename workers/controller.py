@@ -383,6 +383,21 @@ class Controller:
             report = self.queue.collect_garbage()
             self.reclaimed_bytes += report.get("reclaimed_bytes", 0)
 
+    def newest_token_version(self, cursor: int) -> int:
+        """The newest weight version a token of any accepted group from ``cursor`` on came from (-1: none,
+        or none readable). On --load: the versions the run before published after its checkpoint, which
+        the resumed run must not give out again (recovery/lineage.py)."""
+        newest, position = -1, cursor
+        while position < self.accepted:
+            page, _ = self.queue.accepted(position, min(256, self.accepted - position))
+            if not page:
+                break
+            for group in page:
+                versions = self._token_versions(group)  # unreadable: the trainer stops the run naming it
+                newest = max(newest, *(versions or ()))
+            position = page[-1].position + 1
+        return newest
+
     def history_available(self, cursor: int) -> bool:
         return self.queue.history_available(cursor)
 

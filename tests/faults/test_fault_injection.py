@@ -92,9 +92,20 @@ def test_whole_job_killed_while_writing_a_checkpoint(job):
 
     assert ckpt.latest_step(job.save) == 4  # the third save (step 6) never became visible
     assert not os.path.exists(ckpt.iteration_dir(job.save, 6))
+    killed_run = _train_records(job)
+    given_out = max(r["weight_version"] for r in killed_run)  # the policy of its last step, published after 5
+    assert given_out > 4, killed_run  # it had trained (and published) past the checkpoint
     code, log = job.run()
     assert code == 0, log[-3000:]
-    check_invariants(job)
+    # Versions are never given out twice: the killed run's after the checkpoint are lost (their groups' prompts
+    # run again), and the checkpoint's weights are published above them (recovery/lineage.resumed).
+    resumed = _train_records(job)[len(killed_run) :]
+    assert "the run before gave out weight versions 5-" in log, log[-3000:]
+    assert resumed[0]["step"] == 5 and resumed[0]["weight_version"] > given_out, (given_out, resumed[:2])
+    restore = check_invariants(job)["state"].lineage.restores[-1]
+    assert restore.lost_after == 4 and restore.step == 4 and restore.version > given_out - 1, restore
+    lost = range(restore.lost_after + 1, restore.version)
+    assert not any(str(v) in r["tokens_per_version"] for r in resumed for v in lost), "a lost version was trained"
 
 
 def test_second_run_on_a_live_queue_is_refused(job):
@@ -240,3 +251,9 @@ def test_groups_older_than_max_staleness_are_never_trained(job):
     assert report["counts"]["rejected"] == len(facts["state"].skipped)
     records = [json.loads(line) for line in open(os.path.join(job.run_dir, "metrics.jsonl"))]
     assert sum(r.get("groups_regenerated", 0) for r in records) == len(facts["state"].skipped)
+
+
+def _train_records(job) -> list[dict]:
+    """The `train` records of metrics.jsonl, of every run on the job's --run-dir so far, in order."""
+    with open(os.path.join(job.run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["kind"] == "train"]

@@ -13,7 +13,7 @@ from vime.data.source import DataKeys
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, load_state, save_checkpoint
-from vime.recovery.lineage import Lineage
+from vime.recovery.lineage import Lineage, resumed
 from vime.sample import Sample, Status
 from vime.workers.controller import Controller, ControllerSpec
 
@@ -133,6 +133,22 @@ def test_groups_carrying_lost_versions_are_regenerated_and_the_others_trained(tm
     # rollouts of 2 groups, less the 4 accepted groups that will still be trained (not the 2 regenerated).
     assert c.queue.counts().get("leased", 0) == 0
     assert c._admissible() == (4 + 1 + 1) * 2 - 4
+
+
+def test_a_resumed_run_never_gives_out_a_version_the_run_before_did(tmp_path, controller):
+    # The killed run checkpointed step 4 (version 4), then trained on and published 5 and 6: groups accepted after
+    # the checkpoint's cursor (1) carry them. The newest version on the queue from the cursor on is 6.
+    c = controller()
+    c.sync(4, 0, 0)  # the policy the resumed run starts from (admission lets enough prompts out for five groups)
+    accept(tmp_path, c, [(3, 4), (4, 4), (4, 5), (5, 6), (6,)])
+    assert c.newest_token_version(1) == 6 and c.newest_token_version(4) == 6 and c.newest_token_version(5) == -1
+    lineage, version = resumed(Lineage(), step=4, restored_version=4, newest_given_out=6)
+    assert version == 7 and [v for v in range(9) if lineage.lost(v)] == [5, 6] and lineage.step_of(7) == 4
+    taken = c.take_groups(1, 4, version, 0, lineage=lineage, allow_partial=True)
+    assert taken.skipped == [2, 3, 4] and [g.position for g in taken.groups] == [1]  # 1 carries only version 4
+    # Nothing newer than the checkpoint was given out: its own version, the lineage unchanged.
+    assert resumed(lineage, step=4, restored_version=4, newest_given_out=4) == (lineage, 4)
+    assert resumed(Lineage(), step=0, restored_version=0, newest_given_out=-1) == (Lineage(), 0)
 
 
 def test_a_group_regenerated_in_a_lost_lineage_is_never_trained_in_the_surviving_one(tmp_path, controller):
