@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -30,6 +31,7 @@ from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
+from vime.recovery.disk_full import disk_full_cause
 from vime.recovery.faults import fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate
@@ -131,6 +133,9 @@ class RolloutWorkerStats:
     last_error: str = ""
     engine_errors: int = 0  # requests an engine failed (no attempt spent: the group went back)
     last_engine_error: str = ""
+    # the queue's volume was full for a publish or an acceptance (recovery/disk_full.py): "" or what failed;
+    # the driver stops the run with it
+    disk_full: str = ""
 
 
 class RolloutWorker:
@@ -356,13 +361,29 @@ class RolloutWorker:
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
             raise
-        except InfrastructureFault as error:  # not the sample's fault: back to the queue, no attempt spent
+        except Exception as error:  # noqa: BLE001 - sorted out by _group_failed
+            await self._group_failed(assignment, error)
+
+    async def _group_failed(self, assignment, error: Exception) -> None:
+        """What a group's failure costs: nothing for a full queue volume (the run stops: the driver reads
+        ``stats.disk_full``) nor for an infrastructure fault (back to the queue); an attempt of its task for
+        the sample's own fault (a reward, a hook, a response)."""
+        lease = assignment.lease
+        if disk_full_cause(error) is not None:
+            self.stats.disk_full = f"{error}"
+            logger.error("group %s not published, the queue's volume is full: %s", assignment.task.task_id, error)
+            # Back to the queue if its journal still takes that; otherwise the lease expires and the resumed
+            # run generates the group again.
+            with contextlib.suppress(Exception):
+                await self.controller.return_partial.remote(lease, assignment.task, None)
+            await asyncio.sleep(ENGINE_RETRY_SECONDS)
+        elif isinstance(error, InfrastructureFault):  # not the sample's fault: back to the queue, no attempt spent
             self.stats.engine_errors += 1
             self.stats.last_engine_error = f"{error}"
             logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
             await self.controller.return_partial.remote(lease, assignment.task, None)
-            await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop on a full disk
-        except Exception as error:  # noqa: BLE001 - the sample's fault (reward, hook, response): spends one of its attempts
+            await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop
+        else:
             self.stats.errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)

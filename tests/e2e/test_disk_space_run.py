@@ -78,3 +78,83 @@ def test_low_disk_space_is_said_once_and_the_free_space_recorded(tmp_path, tiny_
         assert record["disk_free_gb/weights"] > float(threshold)
         assert "disk_bytes_per_step/queue" in record and "disk_free_gb/checkpoint" not in record  # no --save
     assert train[-1]["disk_bytes_per_step/queue"] > 0  # the queue's groups and journal, on a volume of its own
+
+
+def test_a_queue_volume_that_fills_mid_run_stops_it_clearly_and_load_resumes_once_space_is_freed(
+    tmp_path, tiny_model_dir, vllm_engine
+):
+    """Issue 23, point 3: the queue's volume fills after the first trained step (a ballast file takes what is
+    left). The run stops with one line naming --rollout-data-dir and the operation, no traceback; once the
+    ballast is gone, --load finishes the epoch and `vime queue inspect --json` shows every prompt trained once."""
+    import json
+    import sys
+    import time
+
+    from tests.e2e.test_kill_resume import NUM_PROMPTS
+    from tests.e2e.test_main_job import EXAMPLE
+    from tests.unit.test_disk_full import fill
+
+    prompts = tmp_path / "prompts.jsonl"
+    with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
+        prompts.write_text("".join(f.readlines()[:NUM_PROMPTS]))
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    with mounted_tmpfs(str(tmp_path / "queue_volume"), size="64m") as volume:
+        queue = os.path.join(volume, "rollout_data")
+        with attached(vllm_engine) as engine_flags:
+            args = vime_args(
+                tiny_model_dir,
+                run_dir,
+                *("--num-rollout", "1000", "--num-epoch", "1", "--no-save-hf", *engine_flags),
+                *("--save", save, "--save-interval", "1", "--load", save, "--min-free-disk-gb", "0"),
+            )
+            args[args.index("--rollout-data-dir") + 1] = queue
+            args[args.index("--prompt-data") + 1] = str(prompts)
+            args[args.index("--rollout-batch-size") + 1] = "4"
+            stderr = open(tmp_path / "stderr.txt", "w+")  # a file: a pipe nobody reads while waiting could fill
+            proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            ballast = None
+            try:
+                deadline = time.monotonic() + 400
+                for line in proc.stdout:  # the progress line of the first step: then the volume fills
+                    if line.startswith("step    1/"):
+                        ballast = fill(volume)
+                        break
+                    assert time.monotonic() < deadline
+                out, _ = proc.communicate(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                stderr.close()
+            err = (tmp_path / "stderr.txt").read_text()
+            assert ballast is not None, "the run never trained its first step"
+            assert proc.returncode == 1, out[-3000:] + err[-3000:]
+            said = err.strip().splitlines()[-1]
+            assert said.startswith(f"vime train: error: the volume of --rollout-data-dir {queue} is full: "), err
+            assert f"resume with --load {save}" in said and "Traceback" not in err, err
+            assert_nothing_left(run_dir)
+            os.unlink(ballast)  # space is freed
+            result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "resuming from" in result.stdout
+        report = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vime.cli",
+                "queue",
+                "inspect",
+                "--rollout-data-dir",
+                queue,
+                "--save",
+                save,
+                "--json",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert report.returncode == 0, report.stderr
+    trained = json.loads(report.stdout)["trained_groups"]
+    assert sorted(g["prompt_index"] for g in trained) == list(range(NUM_PROMPTS))  # none lost, none twice
+    assert trained[-1]["step"] == NUM_PROMPTS // 4
