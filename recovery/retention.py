@@ -25,10 +25,15 @@ import dataclasses
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from vime.recovery import checkpoint as ckpt
 from vime.recovery.faults import fault_point
 from vime.runtime.durable import fsync_path
+
+if TYPE_CHECKING:
+    from vime.config.framework import CheckpointConfig
 
 DELETING = ".deleting-"
 
@@ -124,3 +129,22 @@ def prune_checkpoints(root: str, policy: RetentionPolicy, *, committed_cursor: i
         for step in doomed:
             delete_checkpoint(root, step)
         return Pruning(deleted=doomed, leftovers_removed=len(leftovers))
+
+
+def apply_retention(config: CheckpointConfig, *, committed_cursor: int, say: Callable[[str], None]) -> None:
+    """The driver's pruning after each save: --save-retain-last / --save-retain-interval, once the step's
+    checkpoint and its queue commit are durable. A deletion that fails is said; the run goes on (what is kept
+    is only more than asked)."""
+    policy = RetentionPolicy(keep_last=config.save_retain_last, retain_interval=config.save_retain_interval)
+    if not policy.enabled:
+        return
+    try:
+        pruning = prune_checkpoints(config.save, policy, committed_cursor=committed_cursor)
+    except OSError as error:
+        say(f"could not delete an old checkpoint in --save {config.save}: {error}; the run goes on")
+        return
+    if pruning.deleted:
+        steps = ", ".join(map(str, pruning.deleted))
+        say(f"deleted checkpoint step(s) {steps} in {config.save} (--save-retain-last/--save-retain-interval)")
+    if pruning.skipped:
+        say(f"old checkpoints kept for now: {pruning.skipped}")

@@ -30,15 +30,15 @@ from vime.data.source import DataKeys
 from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
-from vime.recovery.disk_full import disk_full, disk_full_cause, resume_hint, stop_when_full
+from vime.recovery.disk_full import RunVolumes
 from vime.recovery.disk_space import FreeSpaceWatch
 from vime.recovery.lineage import Lineage
+from vime.recovery.retention import apply_retention
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
 from vime.weights.policy import flush_for_sync
 
 POLL_SECONDS = 0.05
-QUEUE_FULL_CHECK_SECONDS = 1.0  # how often a driver waiting for groups asks the workers whether the queue is full
 TEARDOWN_SLOW_S = 5.0  # a step of the teardown slower than this is said in the progress output
 
 
@@ -71,7 +71,7 @@ class TrainingRun:
         self.guard = None  # vime.runtime.incarnations.RunGuard: the reaper and the record
         self.ray_started = False
         self.last_saved_step: int | None = None
-        self.queue_full_checked = 0.0  # time.monotonic() of the last look at the workers' disk_full
+        self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
         self.cursor = 0  # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []  # the cursor after each step of this lineage
@@ -94,7 +94,8 @@ class TrainingRun:
             self._reap_dead_producers()
             self.before = self._evaluate(version, step=start_step, label="before training")
             self._start_rollout_workers()
-            version = self._train(start_step, version)
+            with self.volumes.queue.stop_when_full("a call on the queue's coordinator"):  # straw's journal
+                version = self._train(start_step, version)
             self._finish(version)
             return 0
         finally:
@@ -371,7 +372,6 @@ class TrainingRun:
             if taken.groups:
                 return taken
             self._check_workers()
-            self._stop_if_the_queue_is_full()
             stats = ray.get(self.controller.stats.remote())
             if stats.end_of_data:
                 # The prompts are exhausted: the last step trains whatever was accepted.
@@ -399,28 +399,6 @@ class TrainingRun:
                 )
             time.sleep(POLL_SECONDS)
 
-    def _stop_if_the_queue_is_full(self) -> None:
-        """A rollout worker found the queue's volume full (a straw publish or an acceptance failed): stop the
-        run, saying so, instead of waiting for groups that cannot be written."""
-        import ray
-
-        if time.monotonic() - self.queue_full_checked < QUEUE_FULL_CHECK_SECONDS:
-            return
-        self.queue_full_checked = time.monotonic()
-        try:
-            stats = self.rollout.stats(timeout=10) if self.rollout is not None and self.rollout.actors else []
-        except (ray.exceptions.RayError, TimeoutError):  # a dead worker: _check_workers deals with it
-            return
-        full = next((s.disk_full for s in stats if s.disk_full), "")
-        if full:
-            raise disk_full(
-                "a rollout worker's straw publish or acceptance of a group",
-                "--rollout-data-dir",
-                self.s.rollout_data_dir,
-                disk_full_cause(RuntimeError(full)) or full,
-                resume_hint(self.s.checkpoint.save),
-            )
-
     def _publish(self, version: int, *, sync_number: int) -> float:
         import ray
 
@@ -433,12 +411,7 @@ class TrainingRun:
         flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
         with (
             self.serving.engine_manager.updating() if self.serving.engine_manager else contextlib.nullcontext(),
-            stop_when_full(
-                f"the publication of weight version {version}",
-                "--update-weight-disk-dir",
-                self.s.weight_dir,
-                self.s.checkpoint.save,
-            ),
+            self.volumes.weights.stop_when_full(f"the publication of weight version {version}"),
         ):
             report = self.weight_sync.sync(version, flush=flush)
         self.log.write({"kind": "weight_sync", **report})
@@ -550,12 +523,7 @@ class TrainingRun:
         if s.debug.save_debug_rollout_data:  # debug replay: archive the batch just trained (vime/replay.py)
             from vime.replay import save_trained_batch
 
-            with stop_when_full(
-                f"the debug archive of rollout {rollout_id}",
-                "--save-debug-rollout-data",
-                s.debug.save_debug_rollout_data,
-                s.checkpoint.save,
-            ):
+            with self.volumes.debug_archive.stop_when_full(f"the debug archive of rollout {rollout_id}"):
                 save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
         self.cursor = taken.next_cursor
         self.skipped.extend(taken.skipped)
@@ -572,9 +540,7 @@ class TrainingRun:
         """Mark the groups trained by ``step`` in the queue (the consumer cursor), durably."""
         import ray
 
-        with stop_when_full(
-            f"the queue's commit of step {step}", "--rollout-data-dir", self.s.rollout_data_dir, self.s.checkpoint.save
-        ):
+        with self.volumes.queue.stop_when_full(f"the queue's commit of step {step}"):
             ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
 
     def _trainer_restarter(self):
@@ -649,34 +615,13 @@ class TrainingRun:
             skipped=list(self.skipped),
             lineage=self.lineage,
         )
-        save = self.s.checkpoint.save
-        with stop_when_full(f"the checkpoint write of step {step}", "--save", save, save):
-            folder = ckpt.save_checkpoint(save, state, self.trainer.save_checkpoint)
+        with self.volumes.checkpoint.stop_when_full(f"the checkpoint write of step {step}"):
+            folder = ckpt.save_checkpoint(self.s.checkpoint.save, state, self.trainer.save_checkpoint)
         self._commit(step)
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
-        self._apply_retention()
-
-    def _apply_retention(self) -> None:
-        """--save-retain-last / --save-retain-interval, once the step's checkpoint and commit are durable
-        (recovery/retention.py says what is never deleted). A deletion that fails is said; the run goes on."""
-        from vime.recovery.retention import RetentionPolicy, prune_checkpoints
-
-        c = self.s.checkpoint
-        policy = RetentionPolicy(keep_last=c.save_retain_last, retain_interval=c.save_retain_interval)
-        if not policy.enabled:
-            return
-        try:
-            # the commit just made: the queue's committed cursor is the driver's
-            pruning = prune_checkpoints(c.save, policy, committed_cursor=self.cursor)
-        except OSError as error:
-            self.log.say(f"could not delete an old checkpoint in --save {c.save}: {error}; the run goes on")
-            return
-        if pruning.deleted:
-            steps = ", ".join(map(str, pruning.deleted))
-            self.log.say(f"deleted checkpoint step(s) {steps} in {c.save} (--save-retain-last/--save-retain-interval)")
-        if pruning.skipped:
-            self.log.say(f"old checkpoints kept for now: {pruning.skipped}")
+        # the commit just made: the queue's committed cursor is the driver's
+        apply_retention(self.s.checkpoint, committed_cursor=self.cursor, say=self.log.say)
 
     def _stop_rollout_workers(self) -> None:
         if self.rollout is None or not self.rollout.actors:

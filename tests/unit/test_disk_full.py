@@ -1,7 +1,8 @@
 """A volume that fills up under one real component (recovery/disk_full.py): a checkpoint write, a weight
-publication, straw publishes and acceptances of the controller's queue. Each on a real small tmpfs the test
-mounts (tests/tmpfs.py): the error is recognised and said naming the flag, the directory and the operation,
-and what was committed before is intact and usable once space is freed."""
+publication, straw publishes and acceptances of the controller's queue, and straw's coordinator once its
+journal append failed. Each on a real small tmpfs the test mounts (tests/tmpfs.py): the error is recognised and
+said naming the flag, the directory and the operation, and what was committed before is intact and usable once
+space is freed; the same straw errors on a volume with room keep their own message."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import json
 import os
 
 import pytest
-from straw.errors import QuotaExceeded
+from straw.errors import IndeterminateCommit, QuotaExceeded, UnsafeRecovery
 
 from tests.tmpfs import mounted_tmpfs
 from vime.recovery import checkpoint as ckpt
-from vime.recovery.disk_full import DiskFull, disk_full_cause, stop_when_full
+from vime.recovery.disk_full import DiskFull, WrittenVolume, disk_full_cause, straw_failure_after_a_write
 from vime.weights import disk as weights
 
 MiB = 1024**2
@@ -63,18 +64,36 @@ def test_a_full_volume_is_recognised_through_wrappers_and_nothing_else_is():
 
 def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass():
     with pytest.raises(DiskFull) as error:
-        with stop_when_full("the checkpoint write of step 4", "--save", "/data/save", "/data/save"):
+        with WrittenVolume("--save", "/data/save", "/data/save").stop_when_full("the checkpoint write of step 4"):
             raise OSError(errno.ENOSPC, "No space left on device")
     message = str(error.value)
     assert message.startswith("the volume of --save /data/save is full: the checkpoint write of step 4 failed")
     assert "(No space left on device)" in message and "resume with --load /data/save" in message
     assert isinstance(error.value.__cause__, OSError)
     with pytest.raises(PermissionError):
-        with stop_when_full("x", "--save", "/data/save", None):
+        with WrittenVolume("--save", "/data/save", None).stop_when_full("x"):
             raise PermissionError(errno.EACCES, "Permission denied")
     with pytest.raises(DiskFull, match="without --save there is no checkpoint"):
-        with stop_when_full("x", "--rollout-data-dir", "/q", None):
+        with WrittenVolume.queue("/q", 64, save=None).stop_when_full("x"):  # straw's: the queue's, space or not
             raise QuotaExceeded("No space left on device (os error 28)")
+
+
+def test_straw_errors_after_a_failed_write_mean_a_full_queue_only_on_a_volume_without_room(tmp_path):
+    """On a volume with room (tmp_path's), an UnsafeRecovery, an IndeterminateCommit or a plain ENOSPC of some
+    other volume is not the queue's full volume: the error keeps its own message (the driver's stop around its
+    whole loop must not blame the queue for them). What a wrapper that kept only the text says is still read."""
+    text_only = RuntimeError("ray::Controller.stats() ... straw.errors.UnsafeRecovery: Coordinator unavailable; stop")
+    assert straw_failure_after_a_write(text_only) == "UnsafeRecovery: Coordinator unavailable; stop"
+    wrapped = RuntimeError("publishing group g1 to the queue failed: IndeterminateCommit: Journal write/sync outcome")
+    assert straw_failure_after_a_write(wrapped) == "IndeterminateCommit: Journal write/sync outcome"
+    assert straw_failure_after_a_write(ValueError("UnsafeRecovery happened")) is None  # no straw error named
+    roomy = WrittenVolume.queue(str(tmp_path / "queue"), 64, save=None)
+    for other in (text_only, wrapped, UnsafeRecovery("Coordinator unavailable"), OSError(errno.ENOSPC, "elsewhere")):
+        assert roomy.full_cause(other) is None, other
+        with pytest.raises(type(other)):
+            with roomy.stop_when_full("a call on the queue's coordinator"):
+                raise other
+    assert roomy.full_cause(QuotaExceeded("Disk quota exceeded (os error 122)")) == "Disk quota exceeded"
 
 
 # ----------------------------------------------------------------------------- a checkpoint write
@@ -101,7 +120,7 @@ def test_a_checkpoint_write_on_a_full_volume_leaves_the_last_one_loadable(tmp_pa
 
         later = ckpt.CheckpointState(schema=1, step=4, weight_version=4, consumer_cursor=8, run_options={})
         with pytest.raises(DiskFull) as error:
-            with stop_when_full("the checkpoint write of step 4", "--save", root, root):
+            with WrittenVolume("--save", root, root).stop_when_full("the checkpoint write of step 4"):
                 ckpt.save_checkpoint(root, later, too_big)
         assert f"--save {root} is full: the checkpoint write of step 4 failed" in str(error.value)
         # nothing half-written is visible or left behind: the staging folder and the state file's temporary
@@ -130,7 +149,9 @@ def test_a_weight_publication_on_a_full_volume_leaves_every_published_version_ve
 
         weights.publish_full(root, 1, shard(256 * 1024))
         with pytest.raises(DiskFull, match=r"--update-weight-disk-dir .* the publication of weight version 2 failed"):
-            with stop_when_full("the publication of weight version 2", "--update-weight-disk-dir", root, None):
+            with WrittenVolume("--update-weight-disk-dir", root, None).stop_when_full(
+                "the publication of weight version 2"
+            ):
                 weights.publish_full(root, 2, shard(4 * MiB))
         assert weights.published_versions(root) == [1] and os.listdir(root) == ["weight_v000001"]
         assert weights.verify(weights.version_dir(root, 1)).version == 1  # its checksums still match
@@ -201,7 +222,7 @@ def test_straw_publishes_and_acceptances_on_a_full_queue_volume_lose_nothing_com
                 break
             accepted.append((position, a.task.task_id))
         assert full is not None, "the volume never filled"
-        assert disk_full_cause(full) is not None, repr(full)
+        assert WrittenVolume.queue(store.data_dir, store.segment_mib, None).full_cause(full) is not None, repr(full)
         assert accepted, "the volume filled before any group was accepted: the test proves nothing"
         with contextlib.suppress(Exception):
             transport.close()
@@ -217,6 +238,72 @@ def test_straw_publishes_and_acceptances_on_a_full_queue_volume_lose_nothing_com
             for group in groups:
                 assert [s.tokens[-1] for s in reader.read(group.ref)] == [19_999, 19_999]
             reader.close()
+        finally:
+            controller.shutdown()
+
+
+def test_straws_coordinator_after_its_journal_filled_the_volume_is_said_full_until_space_is_back(tmp_path):
+    """The failure the e2e run met on a clean clone: an acceptance whose journal append finds the volume full
+    raises IndeterminateCommit, and from then on straw's coordinator answers every call (the driver's stats())
+    with UnsafeRecovery "Coordinator unavailable". Both are the queue's full volume while it has no room; once
+    space is back the coordinator still refuses (it must be recovered), and that UnsafeRecovery keeps its own
+    message. A restarted controller recovers the journal and goes on."""
+    from vime.queue.transport import StrawTransport
+    from vime.sample import Sample, Status
+    from vime.workers.controller import Controller
+
+    with mounted_tmpfs(str(tmp_path / "vol"), size="8m") as volume:
+        spec = controller_spec(tmp_path, os.path.join(volume, "queue"))
+        queue = WrittenVolume.queue(spec.store.data_dir, spec.store.segment_mib, "/ckpt")
+        controller = Controller(spec)
+        transport = StrawTransport(spec.store)
+        a = controller.lease("w@" + transport.writer_id, 1)[0].assignment
+        samples = [
+            Sample(
+                group_index=a.task.group_index,
+                index=i,
+                prompt_index=a.task.prompt_index,
+                tokens=[1, 2],
+                response_length=1,
+                reward=1.0,
+                status=Status.COMPLETED,
+                weight_versions=[0],
+            )
+            for i in range(2)
+        ]
+        ref = transport.publish(samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id="s0")
+        ballast = fill(volume)
+        write_until_full(ballast + "-rest")  # not a byte left: the acceptance's journal append fails
+        with pytest.raises(IndeterminateCommit) as append:
+            controller.complete(a.lease, "s0", ref, 2, 1, 0)
+        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as refused:
+            controller.stats()
+        for error, said in (
+            (append.value, "IndeterminateCommit: Journal write/sync outcome unknown"),
+            (refused.value, "UnsafeRecovery: Coordinator unavailable"),
+        ):
+            full = queue.full_error("a call on the queue's coordinator", error)
+            assert isinstance(full, DiskFull), error
+            assert str(full).startswith(
+                f"the volume of --rollout-data-dir {spec.store.data_dir} is full: a call on the queue's coordinator "
+                f"failed ({said}"
+            ), str(full)
+            assert "B free there)" in str(full) and str(full).endswith(
+                "resume with --load /ckpt (nothing accepted is lost, nothing is trained twice)"
+            )
+        os.unlink(ballast)
+        os.unlink(ballast + "-rest")  # space is back; the coordinator still refuses until it is recovered
+        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as later:
+            with queue.stop_when_full("a call on the queue's coordinator"):
+                controller.stats()
+        assert queue.full_cause(later.value) is None
+        with contextlib.suppress(Exception):
+            transport.close()
+        with contextlib.suppress(Exception):
+            controller.shutdown()
+        controller = Controller(spec)  # what --load does: a new owner recovers the journal
+        try:
+            assert controller.stats().accepted in (0, 1)  # the append's outcome was unknown: either is whole
         finally:
             controller.shutdown()
 
