@@ -420,25 +420,6 @@ class TrainingRun:
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
         return time.monotonic() - started
 
-    def _colocated_memory(self):
-        """The engines' and the trainer's turns with the GPUs' memory (--colocate; workers/colocation.py)."""
-        from vime.workers.colocation import ColocatedMemory, OffloadPlan
-
-        plan = OffloadPlan.from_settings(self.s)
-        if plan.active:
-            self.log.say(
-                f"colocated memory: the engines sleep (level {plan.sleep_level}) while the trainer trains, "
-                f"the trainer offloads while they generate"
-                if plan.sleep_level and plan.offload_train
-                else f"colocated memory: sleeping engines {bool(plan.sleep_level)}, offloaded trainer "
-                f"{plan.offload_train}"
-            )
-        manager = self.serving.engine_manager
-        self.colocation = ColocatedMemory(
-            plan, trainer=self.trainer, engines=self.serving.engines, health=manager.updating if manager else None
-        )
-        return self.colocation
-
     def _train(self, start_step: int, version: int) -> int:
         import ray
 
@@ -456,7 +437,9 @@ class TrainingRun:
             f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
             f"{s.rollout.n_samples_per_prompt} sample(s)"
         )
-        colocation = self._colocated_memory()
+        from vime.workers.colocation import ColocatedMemory
+
+        colocation = self.colocation = ColocatedMemory.for_run(s, self.serving, self.trainer, say=self.log.say)
         colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
         self.restarter = self._trainer_restarter()
         disk = FreeSpaceWatch.from_settings(s, say=self.log.say)  # free space and --min-free-disk-gb
