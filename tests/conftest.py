@@ -10,6 +10,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# wandb never tries the network in tests: offline, whatever the machine's environment says.
+os.environ["WANDB_MODE"] = "offline"
+os.environ.pop("WANDB_API_KEY", None)
+os.environ.setdefault("WANDB_SILENT", "true")
 
 
 @pytest.fixture

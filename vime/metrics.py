@@ -16,10 +16,17 @@ class MetricsLog:
         self._file = open(self.path, "a", buffering=1)
         self.stream = stream
         self.started = time.time()
+        self.tracker = None  # vime.tracking.RunTracker with --use-wandb / --use-tensorboard
+
+    def attach(self, tracker) -> None:
+        """From now on every record also goes to ``tracker`` (vime.tracking.RunTracker; None: no tracker)."""
+        self.tracker = tracker
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time() - self.started, 3), **record}
         self._file.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.write(record)
 
     def progress(self, m: dict[str, Any], num_rollout: int) -> None:
         line = (
@@ -43,7 +50,16 @@ class MetricsLog:
         print(f"[vime] {message}", file=self.stream, flush=True)
 
     def close(self) -> None:
-        self._file.close()
+        """The trackers, then metrics.jsonl. A tracker that fails to close is said, not raised: the run's
+        teardown goes on (its processes still have to stop), and metrics.jsonl has every record."""
+        try:
+            if self.tracker is not None:
+                self.tracker, tracker = None, self.tracker
+                tracker.close()
+        except Exception as error:  # noqa: BLE001 - said: whatever the library raises (wandb: its connection)
+            self.say(f"the experiment trackers did not close cleanly: {type(error).__name__}: {error}")
+        finally:
+            self._file.close()
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

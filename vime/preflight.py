@@ -107,6 +107,11 @@ def written_directories(s: TrainSettings) -> list[tuple[str, str]]:
     critic_save = roles.role("critic").save
     if critic_save:
         found.append((f"--megatron-config-path {roles.source} (the critic's save)", os.path.abspath(critic_save)))
+    tracking = s.tracking
+    if tracking.wandb_enabled:
+        found.append(("--wandb-dir", tracking.wandb_dir))
+    if tracking.use_tensorboard:
+        found.append(("--use-tensorboard (its event folder)", tracking.tensorboard_dir(s.run_dir)))
     return [(flag, path) for flag, path in found if path and "://" not in path]
 
 

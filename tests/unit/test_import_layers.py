@@ -41,6 +41,7 @@ LAYERS = [
             "vime.rl",
             "vime.backends",
             "vime.recovery",
+            "vime.tracking",  # wandb and TensorBoard behind one step axis
         ],
     ),
     ("workers", ["vime.workers"]),

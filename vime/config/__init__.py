@@ -31,6 +31,7 @@ from vime.config.framework import (
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.passthrough import split_prefixed
+from vime.config.tracking import TrackingConfig
 from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
 __all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]
@@ -48,6 +49,7 @@ SECTIONS = [
     ("run", RunConfig, "Run"),
     ("debug", DebugConfig, "Debug replay"),
     ("elastic", ElasticConfig, "Engine health and elastic rollout"),
+    ("tracking", TrackingConfig, "Experiment tracking (wandb, TensorBoard)"),
 ]
 
 
@@ -67,6 +69,7 @@ class TrainSettings:
     run: RunConfig
     debug: DebugConfig
     elastic: ElasticConfig
+    tracking: TrackingConfig
     vllm: vllm_args.VllmConfig
     router_args: dict
     megatron: MegatronConfig
@@ -387,7 +390,10 @@ def finalize(settings: TrainSettings) -> None:
     if weights.update_weight_disk_dir is None:
         weights.update_weight_disk_dir = os.path.join(run.run_dir, "weights")
     weights.update_weight_disk_dir = os.path.abspath(weights.update_weight_disk_dir)
+    tracking = settings.tracking
+    tracking.wandb_dir = os.path.abspath(tracking.wandb_dir or run.run_dir)
     args = settings.args
     args.run_dir, args.rollout_data_dir = run.run_dir, queue.rollout_data_dir
+    args.wandb_dir = tracking.wandb_dir
     args.update_weight_disk_dir = weights.update_weight_disk_dir
     args.global_batch_size = settings.global_batch_size

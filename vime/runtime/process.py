@@ -20,6 +20,7 @@ the token; every child therefore gets ``SPT_NOENV=1``, which makes setproctitle 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -27,7 +28,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -183,6 +184,29 @@ class ManagedProcess:
             _wait_gone(descendants, timeout=5)
             _LIVE.discard(self)
             return code
+
+
+@contextlib.contextmanager
+def environment_carries_run_token(token: str) -> Iterator[None]:
+    """While inside: processes that a library starts from this process's own environment (wandb's service,
+    wandb-core) carry the run token, so that the teardown's sweep and the reaper stop them like the run's
+    other processes. The driver's environment carries its own token only from Ray's start on
+    (workers/cluster.start_ray), and such a library does not go through ManagedProcess: without this a
+    process it starts before then escapes both, and one in a session of its own (wandb-core) outlives even
+    a kill of the driver's process group.
+
+    It changes os.environ for the whole process: use it only around the start of such a library, at
+    start-up, before the threads that start the run's other processes."""
+    saved = {name: os.environ.get(name) for name in (RUN_TOKEN_ENV, "SPT_NOENV")}
+    os.environ[RUN_TOKEN_ENV], os.environ["SPT_NOENV"] = token, "1"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def read_log_tail(path: str | os.PathLike[str], n_lines: int = 40, max_bytes: int = 256 * 1024) -> str:
