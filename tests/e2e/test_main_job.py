@@ -23,7 +23,8 @@ from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from vime.runtime.process import kill_processes_with_token
 
-pytestmark = pytest.mark.e2e
+# spread: each test starts its own job; several take minutes (tests/conftest.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.spread]
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 
 

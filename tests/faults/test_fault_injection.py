@@ -15,7 +15,8 @@ import pytest
 from tests.conftest import REPO
 from tests.faults.conftest import NUM_PROMPTS, check_invariants
 
-pytestmark = pytest.mark.integration
+# spread: each test starts its own job; several take minutes (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.spread]
 
 
 def test_clean_run_trains_every_prompt_once(job):

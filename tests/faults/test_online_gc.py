@@ -9,7 +9,8 @@ import pytest
 
 from tests.faults.conftest import NUM_PROMPTS
 
-pytestmark = pytest.mark.integration
+# spread: each test starts its own job; several take minutes (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.spread]
 
 
 def pack_bytes(data_dir: str) -> int:

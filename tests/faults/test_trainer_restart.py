@@ -16,7 +16,8 @@ import pytest
 
 from tests.faults.conftest import check_invariants, job_processes
 
-pytestmark = pytest.mark.integration
+# spread: each test starts its own job; several take minutes (tests/conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.spread]
 
 TWO_RANKS = ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "1"]
 

@@ -104,8 +104,10 @@ def test_reaper_stops_every_process_of_a_killed_driver(tmp_path: Path, token: st
     assert _wait_for(lambda: not _left(token), 10), _left(token)
     seconds = time.monotonic() - killed
     assert seconds < 10, seconds
+    # Gone, not only token-less: while the kernel tears a killed process down it reads an empty /proc
+    # environ before it is a zombie, so the scan above can miss it for a moment (seen on a loaded machine).
     for name in ("tree", "grandchild", "escaped"):
-        assert _gone(pids[name]), name
+        assert _wait_for(lambda: _gone(pids[name]), 10), name  # noqa: B023 - called at once, in this iteration
     assert _wait_for(lambda: _gone(reaper.pid), 10), "the reaper outlived its sweep"
     log = (tmp_path / "reaper.log").read_text()
     assert f"the driver (pid {driver.pid}) is gone without its teardown" in log
