@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from vime.config.framework import ClusterConfig, TrainConfig
+from vime.config.framework import ClusterConfig
+from vime.config.training import TrainConfig
 
 
 def start_ray(

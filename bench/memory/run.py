@@ -172,7 +172,7 @@ def rank_main(request: dict) -> dict:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank, world_size=world)
     from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-    from vime.config.framework import AlgorithmConfig
+    from vime.config.algorithm import AlgorithmConfig
 
     samples = make_samples(request["samples"], request["tokens"], request["vocab"], seed=0)
     baseline = resident_bytes()

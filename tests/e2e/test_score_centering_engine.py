@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.engines.vllm_server import update_engine_weights
 from vime.rollout.generate import SamplingParams, append_observation, generate, generate_turn
 from vime.sample import Sample

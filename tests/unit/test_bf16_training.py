@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.unit.test_rl_torch_backend import GROUP, make_samples
 from vime.backends.precision import engine_dtype
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.runtime.ports import free_port
 
 

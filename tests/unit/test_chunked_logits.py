@@ -8,7 +8,7 @@ import torch
 from tests.unit.test_rl_torch_backend import GROUP, make_samples
 from vime.backends.chunked_logits import chunked_forward, chunked_token_log_probs
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 
 TEMPERATURE = 0.7
 

@@ -22,7 +22,7 @@ from vime.backends.micro_batches import (
 )
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config import ConfigError, parse_train_args
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.runtime.ports import free_port
 from vime.sample import Sample
 

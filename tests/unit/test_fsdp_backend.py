@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.runtime.ports import free_port
 from vime.sample import Sample
 

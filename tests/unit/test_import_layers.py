@@ -67,7 +67,7 @@ KNOWN_EXCEPTIONS = {
     ("vime/config/__init__.py", "vime.rl.algorithm_checks"),
     ("vime/config/__init__.py", "vime.backends.lr_schedule"),
     ("vime/config/__init__.py", "vime.weights.nccl"),
-    ("vime/config/framework.py", "vime.rl.algorithm_checks"),
+    ("vime/config/algorithm.py", "vime.rl.algorithm_checks"),
     ("vime/config/framework.py", "vime.weights.nccl"),
     ("vime/config/framework.py", "vime.recovery.debug_archive"),
     ("vime/config/megatron.py", "vime.backends.megatron_args"),

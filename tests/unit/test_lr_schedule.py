@@ -17,8 +17,9 @@ from vime.backends.lr_schedule import (
 )
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config import ConfigError, parse_train_args
-from vime.config.framework import AlgorithmConfig, TrainConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.config.roles import CHOICE_KEYS, parse_role_config
+from vime.config.training import TrainConfig
 
 # ----------------------------------------------------------------------------- the formulas
 # lr 1, min-lr 0.1, 2 warmup steps from 0, decay over 10 steps (8 after the warmup).

@@ -20,7 +20,7 @@ from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.backends.megatron_args import model_args_from_hf  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec  # noqa: E402
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec  # noqa: E402
-from vime.config.framework import AlgorithmConfig  # noqa: E402
+from vime.config.algorithm import AlgorithmConfig  # noqa: E402
 from vime.sample import Sample  # noqa: E402
 
 GROUP = 4

@@ -86,7 +86,7 @@ def test_the_objective_is_the_loss_of_a_forward_with_no_model():
 
     import torch
 
-    from vime.config.framework import AlgorithmConfig
+    from vime.config.algorithm import AlgorithmConfig
     from vime.rl.batch import Forward, pack
     from vime.rl.objective import RLObjective
     from vime.sample import Sample

@@ -413,7 +413,8 @@ def test_both_backends_accept_opd_at_start_up():
     """The Megatron backend trains OPD with the torch backend's loss (tests/unit/test_megatron_backend.py)."""
     from types import SimpleNamespace
 
-    from vime.config.framework import AlgorithmConfig, RolloutConfig
+    from vime.config.algorithm import AlgorithmConfig
+    from vime.config.framework import RolloutConfig
     from vime.rl.algorithm_checks import check_algorithm_with_run
 
     for train_backend in ("megatron", "torch"):

@@ -395,7 +395,7 @@ def supported_samples(model, *, seed=0, shift=0.0):
 
 def sc_backend(path, **algorithm):
     from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-    from vime.config.framework import AlgorithmConfig
+    from vime.config.algorithm import AlgorithmConfig
 
     algo = AlgorithmConfig(use_score_centering=True, calculate_per_token_loss=True, **algorithm)
     algo.validate()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.sample import Sample
 
 GROUP = 4

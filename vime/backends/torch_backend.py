@@ -29,8 +29,8 @@ from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
 from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError
-from vime.config.framework import AlgorithmConfig
 from vime.config.roles import FLAG as ROLES_FLAG, RoleOverrides
 
 # The batch and the forward's result live with the objective (vime/rl/); imported here under their old

@@ -13,9 +13,9 @@ import datetime
 import os
 
 from vime.config import router as router_args, vllm as vllm_args
+from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
 from vime.config.framework import (
-    AlgorithmConfig,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
@@ -25,13 +25,13 @@ from vime.config.framework import (
     QueueConfig,
     RolloutConfig,
     RunConfig,
-    TrainConfig,
     WeightSyncConfig,
 )
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.passthrough import split_prefixed
 from vime.config.tracking import TrackingConfig
+from vime.config.training import TrainConfig
 from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
 __all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]

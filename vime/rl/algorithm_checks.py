@@ -17,14 +17,14 @@ from vime.config.base import ConfigError, require
 
 if TYPE_CHECKING:
     from vime.config import TrainSettings
-    from vime.config.framework import AlgorithmConfig
+    from vime.config.algorithm import AlgorithmConfig
 
 # Estimators that fold the --kl-coef penalty into the rewards.
 KL_SHAPED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
 
 def check_algorithm_flags(algo: AlgorithmConfig) -> None:
-    from vime.config.framework import ADVANTAGE_ESTIMATORS
+    from vime.config.algorithm import ADVANTAGE_ESTIMATORS
 
     estimator = algo.advantage_estimator
     require(

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import torch
 
-from vime.config.framework import AlgorithmConfig
+from vime.config.algorithm import AlgorithmConfig
 from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, whiten_ragged
 from vime.rl.batch import Forward, PackedBatch, masked_mean, replay_support
 from vime.rl.kl import approx_kl
