@@ -4,15 +4,19 @@
 ``vime_state.json``: the queue state that belongs to the same step (consumer cursor, dataset
 cursor, weight version) and the run-defining options. The folder is written under a temporary
 name and renamed when complete; ``latest_checkpointed_iteration.txt`` is then replaced atomically.
-A checkpoint is complete or invisible, never half-written.
+A checkpoint is complete or invisible, never half-written. A write holds ``.checkpoint.lock`` (an
+flock) in the folder, so that retention (recovery/retention.py) never deletes while one is in progress.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -24,6 +28,8 @@ from vime.runtime.durable import fsync_path
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "vime_state.json"
+LOCK = ".checkpoint.lock"
+LOCK_TIMEOUT_S = 120.0  # a write waits this long for a deletion in another process to finish
 
 
 class CheckpointError(UserError, ValueError):
@@ -48,16 +54,52 @@ def iteration_dir(root: str, step: int) -> str:
 
 def _atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full volume: the old file stays, no torn one beside it
+            os.unlink(tmp)
+        raise
     fsync_path(os.path.dirname(path))
+
+
+@contextlib.contextmanager
+def checkpoint_lock(root: str, *, wait_s: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+    """Hold the folder's checkpoint lock (an flock: released by the kernel when its holder dies, even by a
+    SIGKILL). Yields whether it was taken; ``wait_s`` 0: at once or not at all."""
+    fd = os.open(os.path.join(root, LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def save_checkpoint(root: str, state: CheckpointState, write_trainer_state: Callable[[str], None]) -> str:
     os.makedirs(root, exist_ok=True)
+    with checkpoint_lock(root) as locked:
+        if not locked:
+            raise CheckpointError(
+                f"--save {root}: {LOCK} is held by another process for over {LOCK_TIMEOUT_S:g}s "
+                "(is another run writing or deleting checkpoints there?)"
+            )
+        return _write_checkpoint(root, state, write_trainer_state)
+
+
+def _write_checkpoint(root: str, state: CheckpointState, write_trainer_state: Callable[[str], None]) -> str:
     final = iteration_dir(root, state.step)
     staging = os.path.join(root, f".iter_{state.step:07d}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -91,7 +133,26 @@ def load_state(root: str, step: int | None = None) -> tuple[str, CheckpointState
         with open(os.path.join(folder, STATE), "rb") as f:
             return folder, msgspec.json.decode(f.read(), type=CheckpointState)
     except FileNotFoundError:
-        raise CheckpointError(f"--load {root}: step {step} has no complete checkpoint ({folder})") from None
+        steps = complete_steps(root)
+        there = f"complete checkpoints there: {', '.join(map(str, steps))}" if steps else "no complete checkpoint there"
+        raise CheckpointError(f"--load {root}: step {step} has no complete checkpoint ({folder}; {there})") from None
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints in ``root`` (an ``iter_NNNNNNN/`` folder with its state file), oldest
+    first. A folder being written or deleted has another (hidden) name, so it is never among them."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit() and os.path.isfile(os.path.join(root, name, STATE)):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def read_state(root: str, step: int) -> CheckpointState:
+    with open(os.path.join(iteration_dir(root, step), STATE), "rb") as f:
+        return msgspec.json.decode(f.read(), type=CheckpointState)
 
 
 def check_run_options(saved: dict[str, Any], current: dict[str, Any]) -> None:

@@ -230,13 +230,19 @@ def watched_directories(s: TrainSettings) -> list[WatchedDirectory]:
         directories.append(WatchedDirectory("queue", "--rollout-data-dir", s.rollout_data_dir, (advice,)))
     save = s.checkpoint.save
     if save and "://" not in save:
-        interval = s.checkpoint.save_interval
-        advice = (
-            f"a larger --save-interval (now {interval}; every iter_*/ folder is kept, older ones can be deleted "
-            "by hand)"
-            if interval
-            else "deleting older iter_*/ folders by hand"
-        )
+        c = s.checkpoint
+        interval = c.save_interval
+        if c.save_retain_last is not None or c.save_retain_interval is not None:
+            kept = f"--save-retain-last {c.save_retain_last or 1}" + (
+                f" and every multiple of --save-retain-interval {c.save_retain_interval}"
+                if c.save_retain_interval
+                else ""
+            )
+            advice = f"a larger --save-interval (now {interval}) or keeping fewer checkpoints (now {kept})"
+        elif interval:
+            advice = f"a larger --save-interval (now {interval}) or --save-retain-last K (now every iter_*/ is kept)"
+        else:
+            advice = "--save-retain-last K (now every iter_*/ folder is kept)"
         directories.append(WatchedDirectory("checkpoint", "--save", save, (advice,)))
     if s.weights.update_weight_transport == "disk":
         keep = s.weights.keep_weight_versions

@@ -30,8 +30,10 @@ from vime.data.source import DataKeys
 from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
+from vime.recovery.disk_full import RunVolumes
 from vime.recovery.disk_space import FreeSpaceWatch
 from vime.recovery.lineage import Lineage, resumed
+from vime.recovery.retention import apply_retention
 from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
 from vime.tracking import RunTracker
@@ -70,6 +72,7 @@ class TrainingRun:
         self.guard = None  # vime.runtime.incarnations.RunGuard: the reaper and the record
         self.ray_started = False
         self.last_saved_step: int | None = None
+        self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
         self.cursor = 0  # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []  # the cursor after each step of this lineage
@@ -92,7 +95,8 @@ class TrainingRun:
             self._reap_dead_producers()
             self.before = self._evaluate(version, step=start_step, label="before training")
             self._start_rollout_workers()
-            version = self._train(start_step, version)
+            with self.volumes.queue.stop_when_full("a call on the queue's coordinator"):  # straw's journal
+                version = self._train(start_step, version)
             self._finish(version)
             return 0
         finally:
@@ -433,32 +437,16 @@ class TrainingRun:
 
             self.weight_sync = WeightSync(self.trainer, self.serving.engines, self.s.weights)
         flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
-        with self.serving.engine_manager.updating() if self.serving.engine_manager else contextlib.nullcontext():
+        with (
+            self.serving.engine_manager.updating() if self.serving.engine_manager else contextlib.nullcontext(),
+            self.volumes.weights.stop_when_full(f"the publication of weight version {version}"),
+        ):
             report = self.weight_sync.sync(version, flush=flush)
         self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})  # the step being trained
         # --
         self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
         return time.monotonic() - started
-
-    def _colocated_memory(self):
-        """The engines' and the trainer's turns with the GPUs' memory (--colocate; workers/colocation.py)."""
-        from vime.workers.colocation import ColocatedMemory, OffloadPlan
-
-        plan = OffloadPlan.from_settings(self.s)
-        if plan.active:
-            self.log.say(
-                f"colocated memory: the engines sleep (level {plan.sleep_level}) while the trainer trains, "
-                f"the trainer offloads while they generate"
-                if plan.sleep_level and plan.offload_train
-                else f"colocated memory: sleeping engines {bool(plan.sleep_level)}, offloaded trainer "
-                f"{plan.offload_train}"
-            )
-        manager = self.serving.engine_manager
-        self.colocation = ColocatedMemory(
-            plan, trainer=self.trainer, engines=self.serving.engines, health=manager.updating if manager else None
-        )
-        return self.colocation
 
     def _train(self, start_step: int, version: int) -> int:
         import ray
@@ -477,7 +465,9 @@ class TrainingRun:
             f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
             f"{s.rollout.n_samples_per_prompt} sample(s)"
         )
-        colocation = self._colocated_memory()
+        from vime.workers.colocation import ColocatedMemory
+
+        colocation = self.colocation = ColocatedMemory.for_run(s, self.serving, self.trainer, say=self.log.say)
         colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
         self.restarter = self._trainer_restarter()
         disk = FreeSpaceWatch.from_settings(s, say=self.log.say)  # free space and --min-free-disk-gb
@@ -544,7 +534,8 @@ class TrainingRun:
         if s.debug.save_debug_rollout_data:  # debug replay: archive the batch just trained (vime/replay.py)
             from vime.replay import save_trained_batch
 
-            save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
+            with self.volumes.debug_archive.stop_when_full(f"the debug archive of rollout {rollout_id}"):
+                save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
         self.cursor = taken.next_cursor
         self.skipped.extend(taken.skipped)
         self.step_cursors.append(self.cursor)
@@ -553,8 +544,15 @@ class TrainingRun:
         if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
             self._save(step, self.version)
         elif not s.checkpoint.save:
-            ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
+            self._commit(step)
         return metrics
+
+    def _commit(self, step: int) -> None:
+        """Mark the groups trained by ``step`` in the queue (the consumer cursor), durably."""
+        import ray
+
+        with self.volumes.queue.stop_when_full(f"the queue's commit of step {step}"):
+            ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
 
     def _trainer_restarter(self):
         from vime.workers.trainer_restart import TrainerRestarter
@@ -618,8 +616,6 @@ class TrainingRun:
         return self.evaluation.run(self.serving.router_url, version=version, step=step, label=label)
 
     def _save(self, step: int, version: int) -> None:
-        import ray
-
         state = ckpt.CheckpointState(
             schema=1,
             step=step,
@@ -630,10 +626,13 @@ class TrainingRun:
             skipped=list(self.skipped),
             lineage=self.lineage,
         )
-        folder = ckpt.save_checkpoint(self.s.checkpoint.save, state, self.trainer.save_checkpoint)
-        ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
+        with self.volumes.checkpoint.stop_when_full(f"the checkpoint write of step {step}"):
+            folder = ckpt.save_checkpoint(self.s.checkpoint.save, state, self.trainer.save_checkpoint)
+        self._commit(step)
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
+        # the commit just made: the queue's committed cursor is the driver's
+        apply_retention(self.s.checkpoint, committed_cursor=self.cursor, say=self.log.say)
 
     def _stop_rollout_workers(self) -> None:
         if self.rollout is None or not self.rollout.actors:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,6 +44,22 @@ class ColocatedMemory:
         self.plan, self.trainer, self.engines, self.health = plan, trainer, engines, health
         self.timeout = timeout
         self._asleep: contextlib.ExitStack | None = None
+
+    @classmethod
+    def for_run(cls, s, serving, trainer, *, say: Callable[[str], None]) -> ColocatedMemory:
+        """The engines' and the trainer's turns of a ``vime train`` run (``serving``: its ModelServing); says
+        what they are when there are any."""
+        plan = OffloadPlan.from_settings(s)
+        if plan.active:
+            say(
+                f"colocated memory: the engines sleep (level {plan.sleep_level}) while the trainer trains, "
+                f"the trainer offloads while they generate"
+                if plan.sleep_level and plan.offload_train
+                else f"colocated memory: sleeping engines {bool(plan.sleep_level)}, offloaded trainer "
+                f"{plan.offload_train}"
+            )
+        manager = serving.engine_manager
+        return cls(plan, trainer=trainer, engines=serving.engines, health=manager.updating if manager else None)
 
     def before_training(self) -> None:
         """The rollout is complete: the engines sleep, the trainer takes its memory back."""

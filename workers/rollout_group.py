@@ -7,7 +7,8 @@ A run has one rollout worker to begin with and one more for every node that join
   queue), a new worker starts in its place (on the same node, if it had one), and the dead worker's
   publications the trainer never accepted are released — up to ``max_restarts`` replacements per run;
 - a worker whose node left the cluster is **dropped** (its leases are fenced too);
-- a worker whose code returned or raised stops the run: that is a bug, not a fault to heal.
+- a worker whose code returned or raised stops the run, with the worker's error: a bug, not a fault to
+  heal, or the queue's volume found full (recovery/disk_full.py's DiskFull, which says how to resume).
 
 :meth:`RolloutGroup.stop` ends generation at the end of a run (or at Ctrl-C): every worker is told to
 stop, the engines abort the requests in flight (their groups go back to the queue as continuations),

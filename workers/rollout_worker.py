@@ -30,6 +30,7 @@ from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
+from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate
@@ -69,6 +70,8 @@ class RolloutWorkerSpec:
     lease_seconds: float
     args: argparse.Namespace  # handed to user hooks, as the reference framework does
     dynamic_sampling_filter_path: str | None = None
+    # The queue's directory, said by its flag when it fills (recovery/disk_full.py); None: not checked.
+    queue_volume: WrittenVolume | None = None
 
     @classmethod
     def from_settings(cls, s, *, index: int, router_url: str, store: StoreOptions) -> RolloutWorkerSpec:
@@ -103,6 +106,7 @@ class RolloutWorkerSpec:
             request_timeout=r.rollout_request_timeout,
             lease_seconds=s.queue.rollout_queue_lease_seconds,
             args=s.args,
+            queue_volume=RunVolumes.from_settings(s).queue,
         )
 
 
@@ -158,6 +162,9 @@ class RolloutWorker:
         # --use-opd lives in the algorithm section, which the spec does not carry: read it where hooks do.
         self.use_opd = bool(getattr(spec.args, "use_opd", False))
         self.stats = RolloutWorkerStats()
+        # The queue's volume filled (a straw publish or acceptance failed): the worker stops generating and its
+        # run() ends with this error, which stops the run (the driver polls run(): workers/rollout_group.py).
+        self.queue_full: DiskFull | None = None
         self.active: dict[str, tuple[asyncio.Task, object]] = {}
         self._stopping = asyncio.Event()
 
@@ -197,6 +204,8 @@ class RolloutWorker:
             finally:
                 await self._drain_active()
                 heartbeat.cancel()
+        if self.queue_full is not None:
+            raise self.queue_full
         return self.stats
 
     async def stop(self) -> None:
@@ -254,10 +263,16 @@ class RolloutWorker:
                         "data_source.get_samples (unknown group_index)"
                     )
                 returned.add(group[0].group_index)
-                await self._finish_group(item, group)
+                try:
+                    await self._finish_group(item, group)
+                except Exception as error:
+                    if not self._stop_if_the_queue_is_full(error):
+                        raise  # an error of the user's rollout function's group ends the worker, as always
+                    returned.discard(group[0].group_index)  # not accepted: back with the rest
+                    break
             for group_index, item in source.leased.items():
                 if group_index not in returned:
-                    await self.controller.return_partial.remote(item.assignment.lease, item.assignment.task, None)
+                    await self._give_back(item.assignment)
             rollout_id += 1
 
     # ------------------------------------------------------------------ one group
@@ -356,13 +371,47 @@ class RolloutWorker:
         except asyncio.CancelledError:
             await self.controller.return_partial.remote(lease, assignment.task, None)
             raise
-        except InfrastructureFault as error:  # not the sample's fault: back to the queue, no attempt spent
+        except Exception as error:  # noqa: BLE001 - sorted out by _group_failed
+            await self._group_failed(assignment, error)
+
+    def _stop_if_the_queue_is_full(self, error: Exception) -> bool:
+        """Whether ``error`` says that the queue's volume is full; if so the worker stops generating, and its
+        run() ends with the stop (no attempt of the group's prompt is spent)."""
+        full = (
+            self.spec.queue_volume.full_error("a rollout worker's straw publish or acceptance of a group", error)
+            if self.spec.queue_volume
+            else None
+        )
+        if full is None:
+            return False
+        logger.error("%s", full)
+        self.queue_full = self.queue_full or full
+        self._stopping.set()
+        return True
+
+    async def _give_back(self, assignment) -> None:
+        """The group goes back to the queue, untouched. Once the queue's volume is full its journal may refuse
+        that (and every other call): the lease then expires, and the resumed run generates the group again."""
+        try:
+            await self.controller.return_partial.remote(assignment.lease, assignment.task, None)
+        except Exception:
+            if self.queue_full is None:
+                raise
+
+    async def _group_failed(self, assignment, error: Exception) -> None:
+        """What a group's failure costs: nothing for a full queue volume (the worker stops, and the run with
+        it) nor for an infrastructure fault (back to the queue); an attempt of its task for the sample's own
+        fault (a reward, a hook, a response)."""
+        lease = assignment.lease
+        if self._stop_if_the_queue_is_full(error):
+            await self._give_back(assignment)
+        elif isinstance(error, InfrastructureFault):  # not the sample's fault: back to the queue, no attempt spent
             self.stats.engine_errors += 1
             self.stats.last_engine_error = f"{error}"
             logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
             await self.controller.return_partial.remote(lease, assignment.task, None)
-            await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop on a full disk
-        except Exception as error:  # noqa: BLE001 - the sample's fault (reward, hook, response): spends one of its attempts
+            await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop
+        else:
             self.stats.errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)

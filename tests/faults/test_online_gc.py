@@ -22,9 +22,13 @@ def test_online_gc_bounds_disk_use_and_keeps_the_resumable_state(job):
     from vime.queue.journal_view import JournalView
     from vime.recovery import checkpoint as ckpt
 
-    common = ("--rollout-queue-segment-mib", "0.02")
+    # with retention beside it (recovery/retention.py): the last two checkpoints and every 4th step stay
+    common = ("--rollout-queue-segment-mib", "0.02", "--save-retain-last", "2", "--save-retain-interval", "4")
     code, log = job.run(*common, "--rollout-queue-online-gc", epochs=4)
     assert code == 0, log[-3000:]
+    last = 4 * NUM_PROMPTS // 2  # steps of 2 prompts, a checkpoint every 2nd step
+    assert ckpt.complete_steps(job.save) == [*range(4, last - 3, 4), last - 2, last], os.listdir(job.save)
+    assert "deleted checkpoint step(s) 2 in" in log
     with_gc = pack_bytes(job.data_dir)
     _, state = ckpt.load_state(job.save)
     accepted = JournalView.read(job.data_dir).accepted()
@@ -37,7 +41,7 @@ def test_online_gc_bounds_disk_use_and_keeps_the_resumable_state(job):
     code, log = job.run(*common, "--rollout-queue-online-gc", epochs=4)
     assert code == 0 and "resuming from" in log, log[-3000:]
     # ... an older one, whose groups were reclaimed, is refused with a clear error
-    code, log = job.run(*common, "--rollout-queue-online-gc", "--ckpt-step", "2", epochs=4)
+    code, log = job.run(*common, "--rollout-queue-online-gc", "--ckpt-step", "4", epochs=4)
     assert code == 1
     assert "were reclaimed by --rollout-queue-online-gc" in log
 

@@ -241,7 +241,10 @@ def test_the_watched_directories_and_their_advice_follow_the_flags(tmp_path, con
         ("--update-weight-disk-dir", "/tmp/vime-test-run/weights"),
     ]
     assert by_name["queue"].advice[0].startswith("--rollout-queue-online-gc")
-    assert by_name["checkpoint"].advice[0].startswith("a larger --save-interval (now 5;")
+    assert (
+        by_name["checkpoint"].advice[0]
+        == "a larger --save-interval (now 5) or --save-retain-last K (now every iter_*/ is kept)"
+    )
     assert by_name["weights"].advice == ("a smaller --keep-weight-versions (now 2)",)
     s = parse_train_args(
         minimal_train_argv(config_dir, "--rollout-queue-online-gc", "--rollout-data-transport", "straw")

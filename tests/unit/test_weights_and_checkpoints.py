@@ -66,7 +66,7 @@ def test_checkpoint_is_complete_or_invisible(tmp_path):
     assert ckpt.latest_step(root) == 2
     folder, loaded = ckpt.load_state(root)
     assert folder.endswith("iter_0000002") and loaded.consumer_cursor == 8
-    assert sorted(os.listdir(root)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [".checkpoint.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.load_state(root, 4)
 

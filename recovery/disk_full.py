@@ -1,0 +1,174 @@
+"""A volume that fills up while the run goes on (issue 23, point 3; docs/queue-and-recovery.md "Disk space").
+
+Each durable write of the run (a straw publish or an acceptance commit on the queue, a checkpoint, a weight
+version, a debug archive) is made so that a failure leaves nothing half-written visible: a checkpoint and a
+weight version are written under a hidden staging name and renamed when complete, the queue's journal is
+straw's. What this module adds is the recognition of a full volume among the errors such a write raises,
+and the one error the run then stops with: which flag and directory, which operation, that what was
+committed is intact, and how to resume.
+
+A full volume shows as an ``OSError`` ENOSPC or EDQUOT, or straw's ``QuotaExceeded``, either wrapped by Ray
+(whose wrapper of a remote error sometimes keeps only its text). On the queue, straw says it differently
+once one of its journal appends failed for want of space: that append raises ``IndeterminateCommit``
+("Journal write/sync outcome unknown"), and from then on the coordinator answers every call with
+``UnsafeRecovery`` ("Coordinator unavailable; stop owner and recover"), a writer's gate or close with
+``UnsafeRecovery`` / ``IndeterminateCommit`` too (all seen on a real tmpfs, tests/unit/test_disk_full.py).
+Those errors also come from failures that have nothing to do with space (a second owner of the queue, a
+torn journal), so they count as a full volume only when the queue's volume has less than
+:attr:`WrittenVolume.headroom` free when they arrive; otherwise they keep their own message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from vime.errors import UserError
+from vime.recovery.disk_space import NEARLY_FULL_BYTES, free_bytes, readable_bytes
+
+if TYPE_CHECKING:
+    from vime.config import TrainSettings
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How a full volume reads once only the text of the error is left (a Ray wrapper, straw's Rust errors).
+DISK_FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+# straw's errors (straw.errors) that a failed write on a full queue volume leaves behind, by name: a wrapper
+# that kept only the text still names them ("straw.errors.UnsafeRecovery: ...", "... failed: IndeterminateCommit:").
+STRAW_AFTER_A_FAILED_WRITE = ("IndeterminateCommit", "UnsafeRecovery", "StorageUnavailable")
+_STRAW_NAMED = re.compile(rf"\b({'|'.join(STRAW_AFTER_A_FAILED_WRITE)}): ([^\n]*)")
+MiB = 1 << 20
+
+
+class DiskFull(UserError, RuntimeError):
+    """A write of the run failed because its volume is full: the run stops, saying where and how to resume.
+    A one-argument exception: Ray and pickle rebuild it from its message."""
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error`` and what it wraps: a Ray task error keeps the remote exception in ``cause``."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        ray_cause = getattr(error, "cause", None)
+        error = ray_cause if isinstance(ray_cause, BaseException) else (error.__cause__ or error.__context__)
+
+
+def disk_full_cause(error: BaseException | None) -> str | None:
+    """The full volume's own error text, when ``error`` (or what it wraps) is one; None otherwise (and for a
+    :class:`DiskFull`, which already said it with its directory: not to be wrapped again)."""
+    for link in _chain(error):
+        if isinstance(link, DiskFull):
+            return None
+        if isinstance(link, OSError) and link.errno in DISK_FULL_ERRNOS:
+            return os.strerror(link.errno)
+        if type(link).__name__ == "QuotaExceeded" or any(text in str(link) for text in DISK_FULL_TEXTS):
+            return next((text for text in DISK_FULL_TEXTS if text in str(link)), str(link).splitlines()[0])
+    return None
+
+
+def straw_failure_after_a_write(error: BaseException | None) -> str | None:
+    """``"<straw error>: <its message>"`` when ``error`` (or what it wraps) is one of the straw errors a failed
+    write leaves behind (:data:`STRAW_AFTER_A_FAILED_WRITE`); None otherwise."""
+    for link in _chain(error):
+        if isinstance(link, DiskFull):
+            return None
+        if type(link).__module__.startswith("straw") and type(link).__name__ in STRAW_AFTER_A_FAILED_WRITE:
+            return f"{type(link).__name__}: {str(link).splitlines()[0] if str(link) else ''}"
+        named = _STRAW_NAMED.search(str(link))
+        if named:
+            return f"{named.group(1)}: {named.group(2).strip()}"
+    return None
+
+
+def _said_by_straw(error: BaseException, name: str) -> bool:
+    """Whether straw's error ``name`` is ``error`` or what it wraps, as an object or in the text a wrapper kept."""
+    return any(type(link).__name__ == name or f"{name}: " in str(link) for link in _chain(error))
+
+
+def resume_hint(save: str | None) -> str:
+    if save:
+        return f"resume with --load {save} (nothing accepted is lost, nothing is trained twice)"
+    return "start the run again (without --save there is no checkpoint to resume from)"
+
+
+@dataclasses.dataclass(frozen=True)
+class WrittenVolume:
+    """A directory the run writes, with the flag that names it, and what a stop there says about resuming."""
+
+    flag: str
+    path: str
+    save: str | None  # --save: where a resume loads from
+    # Only for the queue (straw's directory): below this many bytes free, straw's errors after a failed write
+    # (STRAW_AFTER_A_FAILED_WRITE) mean a full volume. None: not straw's.
+    headroom: int | None = None
+
+    @classmethod
+    def queue(cls, data_dir: str, segment_mib: float, save: str | None) -> WrittenVolume:
+        # The write that failed may have been as large as a pack (--rollout-queue-segment-mib), and straw removes
+        # its partial bytes again: a volume with less than that free could not take it.
+        return cls("--rollout-data-dir", data_dir, save, headroom=max(NEARLY_FULL_BYTES, int(segment_mib * MiB)))
+
+    def full_cause(self, error: BaseException) -> str | None:
+        """Why ``error`` means that this volume is full (the text the stop says), or None."""
+        cause = disk_full_cause(error)
+        if self.headroom is None or (cause is not None and _said_by_straw(error, "QuotaExceeded")):
+            return cause  # straw writes nowhere else than the queue: its QuotaExceeded (ENOSPC, EDQUOT) is this one's
+        # Anything else counts only while the queue's volume has no room: the driver's stop around its whole loop
+        # must not blame the queue for another volume's ENOSPC, nor for an UnsafeRecovery of another cause.
+        said = cause or straw_failure_after_a_write(error)
+        if said is None:
+            return None
+        try:
+            free = free_bytes(self.path)
+        except OSError:
+            return None  # no answer from the volume: not known to be full, the error keeps its own message
+        return f"{said}; {readable_bytes(free)} free there" if free < self.headroom else None
+
+    def full(self, operation: str, cause: str) -> DiskFull:
+        return DiskFull(
+            f"the volume of {self.flag} {self.path} is full: {operation} failed ({cause}). What the run committed "
+            f"before is intact; free space there (or move {self.flag} to a bigger volume), then "
+            f"{resume_hint(self.save)}"
+        )
+
+    def full_error(self, operation: str, error: BaseException) -> DiskFull | None:
+        """The stop to raise instead of ``error``, when ``error`` means that this volume is full."""
+        cause = self.full_cause(error)
+        return None if cause is None else self.full(operation, cause)
+
+    @contextlib.contextmanager
+    def stop_when_full(self, operation: str) -> Iterator[None]:
+        """Turn a full volume during ``operation`` into :class:`DiskFull`; any other error passes unchanged."""
+        try:
+            yield
+        except Exception as error:
+            full = self.full_error(operation, error)
+            if full is None:
+                raise
+            raise full from error
+
+
+@dataclasses.dataclass(frozen=True)
+class RunVolumes:
+    """The volumes a ``vime train`` run writes while it goes on, each said by its own flag when it fills."""
+
+    queue: WrittenVolume
+    checkpoint: WrittenVolume
+    weights: WrittenVolume
+    debug_archive: WrittenVolume
+
+    @classmethod
+    def from_settings(cls, s: TrainSettings) -> RunVolumes:
+        save = s.checkpoint.save
+        return cls(
+            queue=WrittenVolume.queue(s.rollout_data_dir, s.queue.rollout_queue_segment_mib, save),
+            checkpoint=WrittenVolume("--save", save or "", save),
+            weights=WrittenVolume("--update-weight-disk-dir", s.weight_dir, save),
+            debug_archive=WrittenVolume("--save-debug-rollout-data", s.debug.save_debug_rollout_data or "", save),
+        )

@@ -1,0 +1,333 @@
+"""A volume that fills up under one real component (recovery/disk_full.py): a checkpoint write, a weight
+publication, straw publishes and acceptances of the controller's queue, and straw's coordinator once its
+journal append failed. Each on a real small tmpfs the test mounts (tests/tmpfs.py): the error is recognised and
+said naming the flag, the directory and the operation, and what was committed before is intact and usable once
+space is freed; the same straw errors on a volume with room keep their own message."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+
+import pytest
+from straw.errors import IndeterminateCommit, QuotaExceeded, UnsafeRecovery
+
+from tests.tmpfs import mounted_tmpfs
+from vime.recovery import checkpoint as ckpt
+from vime.recovery.disk_full import DiskFull, WrittenVolume, disk_full_cause, straw_failure_after_a_write
+from vime.weights import disk as weights
+
+MiB = 1024**2
+
+
+def fill(path: str, leave: int = 0) -> str:
+    """Write a ballast file into ``path`` until its volume has at most ``leave`` bytes free; returns it."""
+    ballast = os.path.join(path, "ballast")
+    with open(ballast, "wb") as f:
+        chunk = b"\0" * 64 * 1024
+        try:
+            while os.statvfs(path).f_bavail * os.statvfs(path).f_frsize > leave + len(chunk):
+                f.write(chunk)
+                f.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+    return ballast
+
+
+def write_until_full(path: str) -> None:
+    """A writer that fills its volume to the last byte and says nothing of it (a trainer's shard that fit)."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):  # unbuffered: nothing left to flush
+        while True:
+            f.write(b"\1" * 512)
+
+
+# ----------------------------------------------------------------------------- recognising a full volume
+def test_a_full_volume_is_recognised_through_wrappers_and_nothing_else_is():
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    assert disk_full_cause(enospc) == "No space left on device"
+    assert disk_full_cause(OSError(errno.EDQUOT, "Disk quota exceeded")) == "Disk quota exceeded"
+    try:
+        try:
+            raise enospc
+        except OSError as inner:
+            raise RuntimeError("publishing group t-1 to the queue failed") from inner
+    except RuntimeError as outer:
+        assert disk_full_cause(outer) == "No space left on device"
+    assert disk_full_cause(QuotaExceeded("No space left on device (os error 28)")) == "No space left on device"
+    # what is left of a remote error once only its text travelled
+    assert disk_full_cause(RuntimeError("ray: ... straw.errors.QuotaExceeded: os error 28")) == "os error 28"
+    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("bad"), None):
+        assert disk_full_cause(other) is None
+
+
+def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass():
+    with pytest.raises(DiskFull) as error:
+        with WrittenVolume("--save", "/data/save", "/data/save").stop_when_full("the checkpoint write of step 4"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(error.value)
+    assert message.startswith("the volume of --save /data/save is full: the checkpoint write of step 4 failed")
+    assert "(No space left on device)" in message and "resume with --load /data/save" in message
+    assert isinstance(error.value.__cause__, OSError)
+    with pytest.raises(PermissionError):
+        with WrittenVolume("--save", "/data/save", None).stop_when_full("x"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    with pytest.raises(DiskFull, match="without --save there is no checkpoint"):
+        with WrittenVolume.queue("/q", 64, save=None).stop_when_full("x"):  # straw's: the queue's, space or not
+            raise QuotaExceeded("No space left on device (os error 28)")
+
+
+def test_straw_errors_after_a_failed_write_mean_a_full_queue_only_on_a_volume_without_room(tmp_path):
+    """On a volume with room (tmp_path's), an UnsafeRecovery, an IndeterminateCommit or a plain ENOSPC of some
+    other volume is not the queue's full volume: the error keeps its own message (the driver's stop around its
+    whole loop must not blame the queue for them). What a wrapper that kept only the text says is still read."""
+    text_only = RuntimeError("ray::Controller.stats() ... straw.errors.UnsafeRecovery: Coordinator unavailable; stop")
+    assert straw_failure_after_a_write(text_only) == "UnsafeRecovery: Coordinator unavailable; stop"
+    wrapped = RuntimeError("publishing group g1 to the queue failed: IndeterminateCommit: Journal write/sync outcome")
+    assert straw_failure_after_a_write(wrapped) == "IndeterminateCommit: Journal write/sync outcome"
+    assert straw_failure_after_a_write(ValueError("UnsafeRecovery happened")) is None  # no straw error named
+    roomy = WrittenVolume.queue(str(tmp_path / "queue"), 64, save=None)
+    for other in (text_only, wrapped, UnsafeRecovery("Coordinator unavailable"), OSError(errno.ENOSPC, "elsewhere")):
+        assert roomy.full_cause(other) is None, other
+        with pytest.raises(type(other)):
+            with roomy.stop_when_full("a call on the queue's coordinator"):
+                raise other
+    assert roomy.full_cause(QuotaExceeded("Disk quota exceeded (os error 122)")) == "Disk quota exceeded"
+
+
+# ----------------------------------------------------------------------------- a checkpoint write
+def small_state(folder: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.bin"), "wb") as f:
+        f.write(os.urandom(64 * 1024))
+
+
+@pytest.mark.parametrize("where", ["trainer state", "state file"])
+def test_a_checkpoint_write_on_a_full_volume_leaves_the_last_one_loadable(tmp_path, where):
+    with mounted_tmpfs(str(tmp_path / "vol"), size="2m") as volume:
+        root = os.path.join(volume, "save")
+        state = ckpt.CheckpointState(schema=1, step=2, weight_version=2, consumer_cursor=4, run_options={})
+        ckpt.save_checkpoint(root, state, small_state)
+
+        def too_big(folder):
+            os.makedirs(folder)
+            if where == "trainer state":  # the trainer's own write hits the full volume
+                with open(os.path.join(folder, "model.bin"), "wb") as f:
+                    f.write(os.urandom(4 * MiB))
+            else:  # the trainer's shards fit to the last byte: the state file does not
+                write_until_full(os.path.join(folder, "model.bin"))
+
+        later = ckpt.CheckpointState(schema=1, step=4, weight_version=4, consumer_cursor=8, run_options={})
+        with pytest.raises(DiskFull) as error:
+            with WrittenVolume("--save", root, root).stop_when_full("the checkpoint write of step 4"):
+                ckpt.save_checkpoint(root, later, too_big)
+        assert f"--save {root} is full: the checkpoint write of step 4 failed" in str(error.value)
+        # nothing half-written is visible or left behind: the staging folder and the state file's temporary
+        # copy are gone (their space is free again), the latest checkpoint is the one before
+        assert sorted(os.listdir(root)) == [ckpt.LOCK, "iter_0000002", ckpt.LATEST]
+        assert ckpt.complete_steps(root) == [2]
+        folder, loaded = ckpt.load_state(root)
+        assert loaded.step == 2 and os.path.getsize(os.path.join(folder, "model.bin")) == 64 * 1024
+        # once space is there again, the same step saves
+        ckpt.save_checkpoint(root, later, small_state)
+        assert ckpt.load_state(root)[1].step == 4
+
+
+# ----------------------------------------------------------------------------- a weight publication
+def test_a_weight_publication_on_a_full_volume_leaves_every_published_version_verifying(tmp_path):
+    with mounted_tmpfs(str(tmp_path / "vol"), size="2m") as volume:
+        root = os.path.join(volume, "weights")
+
+        def shard(size):
+            def write(folder):
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+                    f.write(os.urandom(size))
+
+            return write
+
+        weights.publish_full(root, 1, shard(256 * 1024))
+        with pytest.raises(DiskFull, match=r"--update-weight-disk-dir .* the publication of weight version 2 failed"):
+            with WrittenVolume("--update-weight-disk-dir", root, None).stop_when_full(
+                "the publication of weight version 2"
+            ):
+                weights.publish_full(root, 2, shard(4 * MiB))
+        assert weights.published_versions(root) == [1] and os.listdir(root) == ["weight_v000001"]
+        assert weights.verify(weights.version_dir(root, 1)).version == 1  # its checksums still match
+        weights.publish_full(root, 2, shard(256 * 1024))  # space is back (the staging folder was removed)
+        assert weights.verify(weights.version_dir(root, 2)).version == 2
+
+
+# ----------------------------------------------------------------------------- the queue
+def controller_spec(tmp_path, data_dir: str):
+    from vime.data.source import DataKeys
+    from vime.queue.rollout_queue import StoreOptions
+    from vime.workers.controller import ControllerSpec
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(64)))
+    return ControllerSpec(
+        transport="straw",
+        store=StoreOptions(data_dir, "run", 0.25),
+        lease_seconds=60,
+        prompt_data=str(prompts),
+        keys=DataKeys("prompt", "label"),
+        seed=0,
+        shuffle=False,
+        num_epoch=1,
+        groups_per_rollout=4,
+        max_staleness=100,
+    )
+
+
+def test_straw_publishes_and_acceptances_on_a_full_queue_volume_lose_nothing_committed(tmp_path):
+    from vime.queue.transport import StrawTransport
+    from vime.sample import Sample, Status
+    from vime.workers.controller import Controller
+
+    with mounted_tmpfs(str(tmp_path / "vol"), size="8m") as volume:
+        spec = controller_spec(tmp_path, os.path.join(volume, "queue"))
+        store = spec.store
+        controller = Controller(spec)
+        transport = StrawTransport(store)
+        ballast = fill(volume, leave=1 * MiB)
+        accepted, full = [], None
+        for _ in range(64):
+            leased = controller.lease("w@" + transport.writer_id, 1)
+            if not leased:
+                break
+            a = leased[0].assignment
+            samples = [
+                Sample(
+                    group_index=a.task.group_index,
+                    index=i,
+                    prompt_index=a.task.prompt_index,
+                    tokens=list(range(20_000)),
+                    response_length=1,
+                    reward=1.0,
+                    status=Status.COMPLETED,
+                    weight_versions=[0],
+                )
+                for i in range(2)
+            ]
+            sid = f"{a.lease.task_id}-{a.lease.attempt_id}"
+            try:
+                ref = transport.publish(
+                    samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=sid
+                )
+                position = controller.complete(a.lease, sid, ref, 2, 1, 0)
+            except Exception as error:  # noqa: BLE001 - the volume filled: which call hit it is straw's business
+                full = error
+                break
+            accepted.append((position, a.task.task_id))
+        assert full is not None, "the volume never filled"
+        assert WrittenVolume.queue(store.data_dir, store.segment_mib, None).full_cause(full) is not None, repr(full)
+        assert accepted, "the volume filled before any group was accepted: the test proves nothing"
+        with contextlib.suppress(Exception):
+            transport.close()
+        with contextlib.suppress(Exception):
+            controller.shutdown()
+        os.unlink(ballast)  # space is freed
+        # a restarted controller recovers the journal: every group accepted before is there and reads whole
+        controller = Controller(spec)
+        try:
+            groups, _ = controller.queue.accepted(0, 1000)
+            assert [(g.position, g.task_id) for g in groups][: len(accepted)] == accepted
+            reader = StrawTransport(store)
+            for group in groups:
+                assert [s.tokens[-1] for s in reader.read(group.ref)] == [19_999, 19_999]
+            reader.close()
+        finally:
+            controller.shutdown()
+
+
+def test_straws_coordinator_after_its_journal_filled_the_volume_is_said_full_until_space_is_back(tmp_path):
+    """The failure the e2e run met on a clean clone: an acceptance whose journal append finds the volume full
+    raises IndeterminateCommit, and from then on straw's coordinator answers every call (the driver's stats())
+    with UnsafeRecovery "Coordinator unavailable". Both are the queue's full volume while it has no room; once
+    space is back the coordinator still refuses (it must be recovered), and that UnsafeRecovery keeps its own
+    message. A restarted controller recovers the journal and goes on."""
+    from vime.queue.transport import StrawTransport
+    from vime.sample import Sample, Status
+    from vime.workers.controller import Controller
+
+    with mounted_tmpfs(str(tmp_path / "vol"), size="8m") as volume:
+        spec = controller_spec(tmp_path, os.path.join(volume, "queue"))
+        queue = WrittenVolume.queue(spec.store.data_dir, spec.store.segment_mib, "/ckpt")
+        controller = Controller(spec)
+        transport = StrawTransport(spec.store)
+        a = controller.lease("w@" + transport.writer_id, 1)[0].assignment
+        samples = [
+            Sample(
+                group_index=a.task.group_index,
+                index=i,
+                prompt_index=a.task.prompt_index,
+                tokens=[1, 2],
+                response_length=1,
+                reward=1.0,
+                status=Status.COMPLETED,
+                weight_versions=[0],
+            )
+            for i in range(2)
+        ]
+        ref = transport.publish(samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id="s0")
+        ballast = fill(volume)
+        write_until_full(ballast + "-rest")  # not a byte left: the acceptance's journal append fails
+        with pytest.raises(IndeterminateCommit) as append:
+            controller.complete(a.lease, "s0", ref, 2, 1, 0)
+        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as refused:
+            controller.stats()
+        for error, said in (
+            (append.value, "IndeterminateCommit: Journal write/sync outcome unknown"),
+            (refused.value, "UnsafeRecovery: Coordinator unavailable"),
+        ):
+            full = queue.full_error("a call on the queue's coordinator", error)
+            assert isinstance(full, DiskFull), error
+            assert str(full).startswith(
+                f"the volume of --rollout-data-dir {spec.store.data_dir} is full: a call on the queue's coordinator "
+                f"failed ({said}"
+            ), str(full)
+            assert "B free there)" in str(full) and str(full).endswith(
+                "resume with --load /ckpt (nothing accepted is lost, nothing is trained twice)"
+            )
+        os.unlink(ballast)
+        os.unlink(ballast + "-rest")  # space is back; the coordinator still refuses until it is recovered
+        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as later:
+            with queue.stop_when_full("a call on the queue's coordinator"):
+                controller.stats()
+        assert queue.full_cause(later.value) is None
+        with contextlib.suppress(Exception):
+            transport.close()
+        with contextlib.suppress(Exception):
+            controller.shutdown()
+        controller = Controller(spec)  # what --load does: a new owner recovers the journal
+        try:
+            assert controller.stats().accepted in (0, 1)  # the append's outcome was unknown: either is whole
+        finally:
+            controller.shutdown()
+
+
+def test_a_writer_created_on_a_full_queue_volume_is_skipped_by_the_reaping_of_dead_producers(tmp_path):
+    """A rollout worker that opens its straw writer on a full volume leaves an empty gate file and nothing else:
+    it published nothing, and the reaping at the resumed run's start must not stop on it (seen in the e2e run)."""
+    from vime.queue.gc import never_started
+    from vime.workers.controller import Controller
+
+    with mounted_tmpfs(str(tmp_path / "vol"), size="8m") as volume:
+        spec = controller_spec(tmp_path, os.path.join(volume, "queue"))
+        controller = Controller(spec)
+        try:
+            ballast = fill(volume)
+            write_until_full(ballast + "-rest")
+            store = spec.store.open()
+            with pytest.raises(QuotaExceeded):
+                store.publish([], submission_id="on-a-full-volume")
+            dead = store.writer_id
+            os.unlink(ballast)
+            os.unlink(ballast + "-rest")
+            assert never_started(spec.store.data_dir, dead)
+            report = controller.reap_writers([])  # what a resumed run does first
+        finally:
+            controller.shutdown()
+        assert report["writers_never_started"] == 1 and report["writers_retired"] == 0
