@@ -16,17 +16,6 @@ os.environ.pop("WANDB_API_KEY", None)
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Scheduling under `make test` (pytest-xdist, --dist loadgroup): a test file's tests run one after
-    another in one worker, so that its module-scoped fixtures (a trainer, a router, an engine) are set up
-    once; a file marked `spread` lets its tests go to different workers, side by side. Such a file's tests
-    each start their own job and share no module fixture, and several of them take minutes, which on one
-    worker would make the suite's tail (README, Tests)."""
-    for item in items:
-        if item.get_closest_marker("spread") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-
-
 @pytest.fixture
 def config_dir(tmp_path):
     """An HF model folder with only a config.json (vocabulary 12): enough for flag checks."""

@@ -32,8 +32,7 @@ from tests.conftest import REPO
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vime_args
 from vime.runtime.process import kill_processes_with_token
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.e2e, pytest.mark.spread]
+pytestmark = pytest.mark.e2e
 # Prompts (4 per step; a step >= 1.5 s): enough steps for each test's events to happen mid-run. The node-join
 # run does not depend on it for the node's start (it is held open until then), only for the new worker's
 # share of the groups after it (two of them, generated within seconds): ~45 prompts, 11 steps, are left then.

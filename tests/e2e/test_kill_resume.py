@@ -20,8 +20,7 @@ from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, processes_with_token, run_token, vime_args
 from tests.tracking_readers import assert_one_monotone_axis, tensorboard_scalars, wandb_history
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.e2e, pytest.mark.spread]
+pytestmark = pytest.mark.e2e
 NUM_PROMPTS = 16
 
 

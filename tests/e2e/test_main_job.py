@@ -23,8 +23,7 @@ from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from vime.runtime.process import kill_processes_with_token
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.e2e, pytest.mark.spread]
+pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 
 

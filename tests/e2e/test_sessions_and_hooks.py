@@ -28,8 +28,7 @@ from tests.conftest import REPO
 from tests.e2e.conftest import TEST_VLLM_ARGS
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, read_accepted_groups
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.e2e, pytest.mark.spread]
+pytestmark = pytest.mark.e2e
 TOOL = os.path.join(REPO, "examples", "multi_turn_tool")
 TWO_MODEL = os.path.join(REPO, "examples", "two_model_ref")
 

@@ -15,8 +15,7 @@ import pytest
 from tests.conftest import REPO
 from tests.faults.conftest import NUM_PROMPTS, check_invariants
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.integration, pytest.mark.spread]
+pytestmark = pytest.mark.integration
 
 
 def test_clean_run_trains_every_prompt_once(job):

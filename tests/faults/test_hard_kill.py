@@ -18,8 +18,7 @@ from tests.faults.conftest import check_invariants, job_processes
 from vime.runtime import incarnations
 from vime.runtime.process import RUN_TOKEN_ENV, processes_with_tokens
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.integration, pytest.mark.spread]
+pytestmark = pytest.mark.integration
 
 
 def _last_step(log: str) -> int:

@@ -9,8 +9,7 @@ import pytest
 
 from tests.faults.conftest import NUM_PROMPTS
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.integration, pytest.mark.spread]
+pytestmark = pytest.mark.integration
 
 
 def pack_bytes(data_dir: str) -> int:

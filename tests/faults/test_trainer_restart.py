@@ -16,8 +16,7 @@ import pytest
 
 from tests.faults.conftest import check_invariants, job_processes
 
-# spread: each test starts its own job; several take minutes (tests/conftest.py).
-pytestmark = [pytest.mark.integration, pytest.mark.spread]
+pytestmark = pytest.mark.integration
 
 TWO_RANKS = ["--actor-num-gpus-per-node", "2", "--micro-batch-size", "1"]
 
