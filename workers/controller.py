@@ -393,8 +393,8 @@ class Controller:
             if not page:
                 break
             for group in page:
-                versions = self._token_versions(group)  # unreadable: the trainer stops the run naming it
-                newest = max(newest, *(versions or ()))
+                versions = self._token_versions(group)  # None, unreadable: the trainer stops the run naming it
+                newest = max([newest, *(versions or ())])
             position = page[-1].position + 1
         return newest
 
