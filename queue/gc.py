@@ -42,19 +42,18 @@ def never_started(data_dir: str, writer: str) -> bool:
     identity), so that it published nothing: its gate and control folder exist, and the journal is either not
     created yet (straw answers StorageUnavailable, "No such file or directory") or empty (UnsafeRecovery:
     "Journal run/configuration identity mismatch"). There is nothing to recover. Both were seen after a
-    SIGKILL of the whole job at a random instant. A writer created on a full volume gets further only to an
-    empty gate file (its identity could not be written; straw: "Writer gate identity is missing, incomplete
-    or mismatched") and no control folder: it published nothing either (tests/unit/test_disk_full.py)."""
+    SIGKILL of the whole job at a random instant. Earlier still, the kill leaves the writer's folder with
+    nothing in it (straw: "No registered writer gate"; seen in the same test). A writer created on a full
+    volume gets further only to an empty gate file (its identity could not be written; straw: "Writer gate
+    identity is missing, incomplete or mismatched") and no control folder: it published nothing either
+    (tests/unit/test_disk_full.py)."""
     root = os.path.join(data_dir, "control", "writers", writer[:2], writer)
     control = os.path.join(root, "operations", "control")
     journal = os.path.join(control, "journal.log")
     if not os.path.isdir(control):
         gate = os.path.join(root, "gate")
-        return (
-            os.path.isfile(gate)
-            and os.path.getsize(gate) == 0
-            and not os.path.lexists(os.path.join(root, "operations"))
-        )
+        gate_unwritten = not os.path.lexists(gate) or (os.path.isfile(gate) and os.path.getsize(gate) == 0)
+        return gate_unwritten and not os.path.lexists(os.path.join(root, "operations"))
     return not os.path.lexists(journal) or (os.path.isfile(journal) and os.path.getsize(journal) == 0)
 
 

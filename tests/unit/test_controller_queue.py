@@ -198,6 +198,12 @@ def test_a_writer_killed_while_it_was_created_is_skipped_and_others_are_reaped(t
     open(journal, "w").close()  # or the journal created, nothing in it
     report = controller.reap_writers([])
     assert report["writers_never_started"] == 1
+    # Or earlier still: straw had made the writer's folder and nothing in it (no gate yet).
+    earliest = os.path.join(data_dir, "control", "writers", "00", "00" + "e" * 30)
+    os.makedirs(earliest)
+    report = controller.reap_writers([])
+    assert report["writers_never_started"] == 2
+    os.rmdir(earliest)
     with open(journal, "wb") as f:
         f.write(b"not a journal")  # not the empty journal of a kill: refused, not hidden
     with pytest.raises((CorruptData, UnsafeRecovery)):
