@@ -21,7 +21,7 @@ from vime.data.source import DataKeys, PromptDataset, open_prompt_source
 from vime.errors import UserError
 from vime.recovery import checkpoint as ckpt
 from vime.recovery.disk_space import why_unwritable
-from vime.rollout.rewards import resolve_reward
+from vime.rollout.rewards import RewardOptions, resolve_reward
 from vime.runtime.plugins import absolute_plugin_path, load_hook
 
 # The user hooks: each is made an absolute path (workers may run elsewhere), loaded and its signature
@@ -31,6 +31,7 @@ HOOK_FLAGS = (
     ("rollout", "--custom-generate-function-path"),
     ("rollout", "--rollout-function-path"),
     ("rollout", "--dynamic-sampling-filter-path"),
+    ("algorithm", "--custom-reward-post-process-path"),
     ("eval", "--eval-function-path"),
     ("data", "--data-source-path"),
 )
@@ -64,7 +65,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
             load_hook(flag, getattr(section, name))
     dataset = open_prompt_source(s.data.prompt_data, keys, data_source_path=s.data.data_source_path, args=s.args)
     eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
-    reward = resolve_reward(s.rollout.rm_type, s.rollout.custom_rm_path)  # fails early on a bad path
+    reward = resolve_reward(RewardOptions.from_config(s.rollout))  # fails early on a bad path
     report_megatron_lm_flags(s, say)
     plan, trained_model = plan_engines(s)
     check_against_vllm(s.vllm.vllm_args)

@@ -85,6 +85,11 @@ class Sample:
     def response_tokens(self) -> list[int]:
         return self.tokens[self.prompt_length :]
 
+    def get_reward_value(self, args=None) -> float | None:
+        """The sample's scalar reward (the reference framework's accessor; vime has picked a dict reward's
+        --reward-key entry when it scored the sample)."""
+        return self.reward
+
     @property
     def source_name(self) -> str:
         """``sample.source``, then ``metadata["source_name"]``, else ``"unknown"`` (the seeds' rule)."""

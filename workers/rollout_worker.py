@@ -34,7 +34,7 @@ from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate
-from vime.rollout.rewards import resolve_reward, score_group
+from vime.rollout.rewards import RewardOptions, resolve_reward
 from vime.rollout.teacher import attach_teacher_log_probs
 from vime.rollout.types import RolloutFnTrainOutput
 from vime.runtime.plugins import call_maybe_async, load_hook
@@ -62,8 +62,7 @@ class RolloutWorkerSpec:
     max_concurrent_groups: int
     partial_rollout: bool
     apply_chat_template: bool
-    rm_type: str | None
-    custom_rm_path: str | None
+    reward: RewardOptions
     custom_generate_function_path: str | None
     rollout_function_path: str | None
     request_timeout: float
@@ -98,8 +97,7 @@ class RolloutWorkerSpec:
             max_concurrent_groups=r.max_concurrent_groups,
             partial_rollout=r.partial_rollout,
             apply_chat_template=s.data.apply_chat_template,
-            rm_type=r.rm_type,
-            custom_rm_path=r.custom_rm_path,
+            reward=RewardOptions.from_config(r),
             custom_generate_function_path=r.custom_generate_function_path,
             rollout_function_path=r.rollout_function_path,
             dynamic_sampling_filter_path=r.dynamic_sampling_filter_path,
@@ -147,7 +145,7 @@ class RolloutWorker:
         self.writer_id, self.lease_id = None, spec.worker_id
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
-        self.reward = resolve_reward(spec.rm_type, spec.custom_rm_path)
+        self.reward = resolve_reward(spec.reward)
         self.custom_generate = (
             load_hook("--custom-generate-function-path", spec.custom_generate_function_path)
             if spec.custom_generate_function_path
@@ -447,7 +445,7 @@ class RolloutWorker:
                 # weights current when the prompt was leased.
                 sample.weight_versions = [item.version] * sample.response_length
         if any(s.reward is None for s in samples):
-            await score_group(self.reward, self.spec.args, samples)
+            await self.reward.score_group(self.spec.args, samples)
         if self.dynamic_filter is not None:
             verdict = interpret_filter(
                 await call_maybe_async(self.dynamic_filter, self.spec.args, samples),

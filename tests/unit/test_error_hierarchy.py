@@ -27,6 +27,8 @@ NO_ROOT = {
     "vime.runtime.interrupts.StopNow",
     # A retryable HTTP status inside the engine client's tenacity loop; what leaves the loop is an EngineError.
     "vime.engines.http._RetryableStatus",
+    # The same inside the --rm-url client's loop; what leaves it is a RemoteRewardError.
+    "vime.rollout.rm_hub.remote._TryAgain",
 }
 
 

@@ -37,6 +37,14 @@ class AlgorithmConfig:
     disable_grpo_std_normalization: bool = option(
         False, "GRPO/GSPO/CISPO: subtract the group mean only, without dividing by the group std (Dr. GRPO)."
     )
+    custom_reward_post_process_path: str | None = option(
+        None,
+        "Replace the group normalisation of the rewards: post_process(args, samples) -> (raw_rewards, rewards), "
+        "called by the trainer on each step's samples (group by group, --n-samples-per-prompt each); its rewards "
+        "are the advantages of grpo/gspo/cispo as they are (no group mean or std taken), the group baseline of "
+        "reinforce_plus_plus_baseline, and the rewards of reinforce_plus_plus and ppo. args: the algorithm's "
+        "flags, n_samples_per_prompt, rollout_temperature, hf_checkpoint.",
+    )
     gamma: float = option(1.0, "Discount factor of REINFORCE++ returns and PPO's GAE.")
     lambd: float = option(1.0, "GAE lambda (PPO).")
     eps_clip: float = option(0.2, "Lower clip range of the importance ratio: ratios below 1 - eps are clipped.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from vime.config.base import ConfigError, option, require
+from vime.config.rewards import check_reward_flags
 
 CPU_NOTE = " Without GPUs this counts CPU slots."
 
@@ -151,6 +152,15 @@ class DataConfig:
         require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch", "must be >= 1")
 
 
+# --rollout-function-path / --eval-function-path values that name vime's built-in rollout (the reference
+# framework's default and its fully-async rollout, which vime's rollout workers are): they select it, as
+# leaving the flag out does (vime/rollout/fully_async_rollout.py).
+BUILTIN_ROLLOUT_PATHS = (
+    "vime.rollout.fully_async_rollout.generate_rollout_fully_async",
+    "vime.rollout.vllm_rollout.generate_rollout",
+)
+
+
 @dataclasses.dataclass(kw_only=True)
 class RolloutConfig:
     rollout_batch_size: int = option(16, "Prompts per rollout (one training rollout consumes this many groups).")
@@ -162,7 +172,9 @@ class RolloutConfig:
     rollout_function_path: str | None = option(
         None,
         "Replace the default fully-async rollout with generate_rollout(args, rollout_id, data_source, "
-        "evaluation=False), given as 'module.attr' or 'file.py:attr'.",
+        "evaluation=False), given as 'module.attr' or 'file.py:attr'. The reference's names of the built-in "
+        "rollout (vime.rollout.fully_async_rollout.generate_rollout_fully_async, "
+        "vime.rollout.vllm_rollout.generate_rollout) select it; vime.rollout.sft_rollout.generate_rollout is SFT.",
     )
     custom_generate_function_path: str | None = option(
         None,
@@ -175,13 +187,41 @@ class RolloutConfig:
         "filter(args, samples) -> DynamicFilterOutput(keep, reason) | bool, called on every scored group; "
         "a dropped group is never trained: its task ends as 'rejected' in the queue and fresh prompts are "
         "generated instead. Built-in: vime.rollout.filters.check_reward_nonzero_std (drop groups whose rewards "
-        "are all equal).",
+        "are all equal; also by the reference's path vime.rollout.filter_hub.dynamic_sampling_filters).",
     )
     rm_type: str | None = option(
-        None, "Built-in reward: exact_match, f1 or char_accuracy.", choices=["exact_match", "f1", "char_accuracy"]
+        None,
+        "Built-in reward (docs/rewards.md): math (the last \\boxed{} answer, equal by math-verify), deepscaler "
+        "(math, after </think>), dapo (an 'Answer:' line, +1/-1), gpqa (a letter choice), f1, exact_match, "
+        "char_accuracy, random, or remote_rm (POST to --rm-url). The prefix boxed_ (boxed_math, boxed_gpqa, ...) "
+        "grades only the response's last \\boxed{} answer. A sample's metadata['rm_type'] overrides it.",
     )
     custom_rm_path: str | None = option(
-        None, "Reward function (async or sync) rm(args, sample) -> float, 'module.attr' or 'file.py:attr'."
+        None,
+        "Reward function (async or sync) rm(args, sample) -> float (or a dict, see --reward-key); with "
+        "--group-rm rm(args, samples) -> list. 'module.attr' or 'file.py:attr'. Takes precedence over "
+        "--rm-type and metadata['rm_type'].",
+    )
+    reward_key: str | None = option(
+        None,
+        "When a reward returns a dict (a --rm-url server's JSON object, a custom function, dapo), the key "
+        "whose value is the reward. Default for dapo: 'score'.",
+    )
+    group_rm: bool = option(
+        False,
+        "Call --custom-rm-path once per group, rm(args, samples) -> one reward per sample (e.g. rewards "
+        "that rank a prompt's responses against each other). Built-in rewards score each sample either way.",
+    )
+    rm_url: str | None = option(
+        None, "URL of the reward server of --rm-type remote_rm: POST {prompt, response, label} -> a number or a dict."
+    )
+    rm_timeout: float = option(
+        120.0, "Seconds one request to --rm-url may take before it is tried again. vime-specific."
+    )
+    rm_max_attempts: int = option(
+        10,
+        "Tries of one --rm-url request (connection errors, timeouts, HTTP 429 and 5xx are retried with "
+        "back-off; other 4xx fail at once) before the group fails. vime-specific.",
     )
     partial_rollout: bool = option(
         False,
@@ -191,6 +231,10 @@ class RolloutConfig:
     rollout_max_concurrent_groups: int | None = option(
         None, "Groups one rollout worker generates at once (default: --rollout-batch-size). vime-specific."
     )
+
+    def __post_init__(self) -> None:
+        if self.rollout_function_path in BUILTIN_ROLLOUT_PATHS:
+            self.rollout_function_path = None  # the built-in rollout, by its reference name
 
     @property
     def max_concurrent_groups(self) -> int:
@@ -208,6 +252,7 @@ class RolloutConfig:
             "--rm-type",
             "a reward is needed: give --rm-type or --custom-rm-path",
         )
+        check_reward_flags(self)
         require(self.rollout_request_timeout > 0, "--rollout-request-timeout", "must be > 0")
         require(
             self.rollout_max_concurrent_groups is None or self.rollout_max_concurrent_groups >= 1,
@@ -427,6 +472,10 @@ class EvalConfig:
         "-> RolloutFnEvalOutput(data={name: {'rewards': [...]}}), called once per --eval-prompt-data set; "
         "data_source.get_samples(n) hands out that set's prompts.",
     )
+
+    def __post_init__(self) -> None:
+        if self.eval_function_path in BUILTIN_ROLLOUT_PATHS:
+            self.eval_function_path = None  # the built-in evaluation, by the reference's rollout name
 
     @property
     def datasets(self) -> list[tuple[str, str]]:

@@ -78,10 +78,17 @@ def reinforce_plus_plus_returns(
 
 
 def reinforce_plus_plus_baseline_advantages(
-    rewards: torch.Tensor, kl: list[torch.Tensor], loss_masks: list[torch.Tensor], *, group_size: int, kl_coef: float
+    rewards: torch.Tensor,
+    kl: list[torch.Tensor],
+    loss_masks: list[torch.Tensor],
+    *,
+    group_size: int,
+    kl_coef: float,
+    group_baseline: bool = True,
 ) -> list[torch.Tensor]:
-    """REINFORCE++-baseline before whitening: (reward - group mean) - kl_coef * KL_t on every trained token."""
-    centred = grpo_advantages(rewards, group_size, normalize_std=False)
+    """REINFORCE++-baseline before whitening: (reward - group mean) - kl_coef * KL_t on every trained token
+    (``group_baseline=False``: the rewards come centred already, e.g. from --custom-reward-post-process-path)."""
+    centred = grpo_advantages(rewards, group_size, normalize_std=False) if group_baseline else rewards
     return [
         (value - kl_coef * kl_i) * mask.to(kl_i.dtype)
         for value, kl_i, mask in zip(centred, kl, loss_masks, strict=True)
@@ -161,23 +168,27 @@ def compute_advantages(
     normalize_std: bool = True,
     normalize: bool = False,
     values: list[torch.Tensor] | None = None,
+    group_baseline: bool = True,
 ) -> list[torch.Tensor]:
     """Token-level advantages of one rollout for ``--advantage-estimator``.
 
     ``kl`` (per token, policy vs reference) is needed when ``kl_coef`` is not 0; ``values`` (critic) for
     'ppo'. ``normalize`` whitens the result over all trained tokens (--normalize-advantages).
+    ``group_baseline=False``: the rewards were normalised already (--custom-reward-post-process-path), so
+    grpo/gspo/cispo take them as the advantages and reinforce_plus_plus_baseline subtracts no group mean.
     """
     if kl is None:
         if kl_coef:
             raise ValueError("kl_coef needs the per-token KL to the reference model")
         kl = [torch.zeros(m.shape, dtype=rewards.dtype) for m in loss_masks]
     if estimator in ("grpo", "gspo", "cispo"):
-        advantages = broadcast_to_tokens(grpo_advantages(rewards, group_size, normalize_std=normalize_std), loss_masks)
+        per_sample = grpo_advantages(rewards, group_size, normalize_std=normalize_std) if group_baseline else rewards
+        advantages = broadcast_to_tokens(per_sample, loss_masks)
     elif estimator == "reinforce_plus_plus":
         advantages = reinforce_plus_plus_returns(rewards, kl, loss_masks, kl_coef=kl_coef, gamma=gamma)
     elif estimator == "reinforce_plus_plus_baseline":
         advantages = reinforce_plus_plus_baseline_advantages(
-            rewards, kl, loss_masks, group_size=group_size, kl_coef=kl_coef
+            rewards, kl, loss_masks, group_size=group_size, kl_coef=kl_coef, group_baseline=group_baseline
         )
     elif estimator == "ppo":
         if values is None:

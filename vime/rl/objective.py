@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vime.config.algorithm import AlgorithmConfig
+from vime.errors import UserError
 from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, whiten_ragged
 from vime.rl.batch import Forward, PackedBatch, masked_mean, replay_support
 from vime.rl.kl import approx_kl
@@ -42,7 +43,15 @@ from vime.rl.offpolicy import onpolicy_loss_mask
 from vime.rl.opd import opd_advantages
 from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
 from vime.rl.tis import load_tis_function
+from vime.runtime.plugins import load_hook
 from vime.sample import Sample
+
+POST_PROCESS_FLAG = "--custom-reward-post-process-path"
+
+
+class RewardPostProcessError(UserError, ValueError):
+    """--custom-reward-post-process-path returned something other than (raw_rewards, rewards) of the samples."""
+
 
 # Metrics reduced over the rollout's micro-batches (and ranks) by their maximum; the others by their mean.
 MAX_METRICS = frozenset({"train_rollout_logprob_abs_diff_max"})
@@ -63,6 +72,11 @@ class RLObjective:
         self.n_samples_per_prompt = n_samples_per_prompt
         algo = algorithm
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
+        self.reward_post_process = (
+            load_hook(POST_PROCESS_FLAG, algo.custom_reward_post_process_path)
+            if algo.custom_reward_post_process_path
+            else None
+        )
         self.hook_args = argparse.Namespace(
             **dataclasses.asdict(algo),
             n_samples_per_prompt=n_samples_per_prompt,
@@ -153,6 +167,9 @@ class RLObjective:
             # Reward shaping compares the policy that generated the batch (old log-probs) with the reference.
             kl = [row for b, o, r in zip(packed, old, ref) for row in b.rows(approx_kl(o, r, algo.kl_loss_type))]
         rewards = torch.tensor([float(s.reward) for s in samples])
+        group_baseline = True
+        if self.reward_post_process is not None:
+            rewards, group_baseline = self.post_processed_rewards(samples), False
         token_returns = None
         if algo.uses_critic:
             value_rows = [row for b, v in zip(packed, values) for row in b.rows(v)]
@@ -171,6 +188,7 @@ class RLObjective:
                 lambd=algo.lambd,
                 normalize_std=not algo.disable_grpo_std_normalization,
                 normalize=False,
+                group_baseline=group_baseline,
             )
         if algo.use_opd:
             student = [row for b, o in zip(packed, old) for row in b.rows(o)]
@@ -190,6 +208,22 @@ class RLObjective:
             )
             first += len(b.starts)
         return out, out_returns
+
+    def post_processed_rewards(self, samples: list[Sample]) -> torch.Tensor:
+        """The rewards --custom-reward-post-process-path makes of the rollout's: its ``(raw_rewards,
+        rewards)``, one entry per sample each; ``rewards`` feed the advantages."""
+        path = self.algorithm.custom_reward_post_process_path
+        result = self.reward_post_process(self.hook_args, samples)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise RewardPostProcessError(
+                f"{POST_PROCESS_FLAG} {path}: returned {type(result).__name__}; expected (raw_rewards, rewards)"
+            )
+        for name, values in zip(("raw_rewards", "rewards"), result):
+            if len(values) != len(samples):
+                raise RewardPostProcessError(
+                    f"{POST_PROCESS_FLAG} {path}: {name} has {len(values)} entries for {len(samples)} samples"
+                )
+        return torch.tensor([float(value) for value in result[1]])
 
     # ------------------------------------------------------------------ one micro-batch
     def policy_loss(

@@ -18,7 +18,7 @@ import aiohttp
 from vime.data.prompt import render_prompt
 from vime.data.source import PromptSource
 from vime.rollout.generate import SamplingParams, generate
-from vime.rollout.rewards import RewardFn
+from vime.rollout.rewards import Reward
 from vime.rollout.types import RolloutFnEvalOutput
 from vime.sample import Sample
 
@@ -122,7 +122,7 @@ async def evaluate_dataset(
     *,
     tokenizer,
     router_url: str,
-    reward: RewardFn,
+    reward: Reward,
     args,
     params: SamplingParams,
     n_samples: int,
@@ -152,13 +152,14 @@ async def evaluate_dataset(
         async with limit:
             await generate(session, router_url, sample, params, timeout=timeout)
         sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
-        sample.reward = float(await reward(args, sample))
         return sample
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        samples = await asyncio.gather(
-            *(one(session, sample) for group in source.get_samples(len(dataset)) for sample in group)
-        )
+        groups = source.get_samples(len(dataset))
+        await asyncio.gather(*(one(session, sample) for group in groups for sample in group))
+    # Scored by group, as in training (a --group-rm function sees a prompt's responses together).
+    await asyncio.gather(*(reward.score_group(args, group) for group in groups))
+    samples = [sample for group in groups for sample in group]
     return summarize(samples)
 
 
@@ -167,7 +168,7 @@ class HeldOutEvaluation:
     --eval-* sampling settings, each result written to ``metrics.jsonl`` (kind ``eval``) and said in the
     progress output. ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
 
-    def __init__(self, settings, eval_sets: list[tuple[str, Any]], tokenizer, reward: RewardFn, log):
+    def __init__(self, settings, eval_sets: list[tuple[str, Any]], tokenizer, reward: Reward, log):
         self.s, self.eval_sets, self.tokenizer, self.reward, self.log = settings, eval_sets, tokenizer, reward, log
 
     def sampling(self) -> SamplingParams:

@@ -41,6 +41,7 @@ HOOKS: dict[str, Hook] = {
     "--custom-generate-function-path": Hook("await generate(args, sample, sampling_params)", 3),
     "--custom-rm-path": Hook("rm(args, sample)", 2),
     "--dynamic-sampling-filter-path": Hook("filter(args, samples)", 2),
+    "--custom-reward-post-process-path": Hook("post_process(args, samples)", 2),
     "--eval-function-path": Hook(
         "generate_rollout(args, rollout_id, data_source, evaluation=True)", 3, ("evaluation",)
     ),
