@@ -219,6 +219,11 @@ class RLObjective:
                 f"{POST_PROCESS_FLAG} {path}: returned {type(result).__name__}; expected (raw_rewards, rewards)"
             )
         for name, values in zip(("raw_rewards", "rewards"), result):
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+                raise RewardPostProcessError(
+                    f"{POST_PROCESS_FLAG} {path}: {name} is a {type(values).__name__}; expected (raw_rewards, "
+                    "rewards), a list of one value per sample each"
+                )
             if len(values) != len(samples):
                 raise RewardPostProcessError(
                     f"{POST_PROCESS_FLAG} {path}: {name} has {len(values)} entries for {len(samples)} samples"
