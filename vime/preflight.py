@@ -67,6 +67,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
     reward = resolve_reward(RewardOptions.from_config(s.rollout))  # fails early on a bad path
     report_megatron_lm_flags(s, say)
+    report_megatron_perf_flags(s, say)
     plan, trained_model = plan_engines(s)
     check_against_vllm(s.vllm.vllm_args)
     check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
@@ -182,6 +183,14 @@ def report_megatron_lm_flags(s: TrainSettings, say: Callable[[str], None]) -> No
     rest = [flag for name, flag in passthrough.flags.items() if name not in model]
     if rest:
         say("Megatron-LM flags that vime's trainer does not read (user code sees them in args): " + ", ".join(rest))
+
+
+def report_megatron_perf_flags(s: TrainSettings, say: Callable[[str], None]) -> None:
+    """Say once what the kernel, fusion, offload and memory flags given do on this run's backend
+    (vime/config/megatron_perf.py): several ask for what vime's backends do not have, which a user should
+    read at start-up rather than find out from a profile."""
+    for note in s.perf.startup_notes(s.train.train_backend):
+        say(note)
 
 
 def plan_engines(s: TrainSettings) -> tuple[Any, str | None]:

@@ -84,6 +84,8 @@ class TrainerWorkerSpec:
             max_tokens_per_gpu=s.train.max_tokens_per_gpu,
             log_probs_max_tokens_per_gpu=s.train.log_probs_max_tokens_per_gpu,
             balance_data=s.train.balance_data,
+            optimizer=s.train.optimizer,
+            sgd_momentum=s.train.sgd_momentum,
         )
         megatron = None
         if s.train.train_backend == "megatron":

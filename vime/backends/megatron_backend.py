@@ -68,7 +68,8 @@ class MegatronBackendSpec:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     recompute: dict | None = None  # TransformerConfig recompute_* fields
-    config_overrides: dict | None = None  # TransformerConfig fields from Megatron-LM flags (config.megatron_lm)
+    # TransformerConfig fields from Megatron-LM flags (config.megatron_lm) and vime's kernel flags (megatron_perf).
+    config_overrides: dict | None = None
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # MoE training; routing_replay = R3
     init_hook_path: str | None = None
     before_log_prob_hook_path: str | None = None
@@ -110,13 +111,19 @@ class MegatronBackendSpec:
             attention_dropout=m.attention_dropout,
             hidden_dropout=m.hidden_dropout,
             recompute=recompute or None,
-            config_overrides=transformer_overrides(s.megatron_lm) if s.megatron_lm.values else None,
+            # Megatron-LM flags passed through, then vime's own kernel flags (--attention-backend, ...).
+            config_overrides={
+                **(transformer_overrides(s.megatron_lm) if s.megatron_lm.values else {}),
+                **s.perf.transformer_fields(),
+            }
+            or None,
             moe=MoeOptions(
                 load_balancing_type=m.moe_router_load_balancing_type,
                 aux_loss_coeff=m.moe_aux_loss_coeff,
                 token_dispatcher_type=m.moe_token_dispatcher_type,
                 grouped_gemm=m.moe_grouped_gemm,
                 routing_replay=m.use_rollout_routing_replay,
+                router_dtype=s.perf.router_dtype(),
             ),
             init_hook_path=m.custom_megatron_init_path,
             before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,

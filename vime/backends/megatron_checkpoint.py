@@ -125,16 +125,22 @@ def set_rng_state(state: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- optimizer
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's (empty) per-parameter state so that a checkpoint can be loaded into it."""
+    """Create the optimizer's (empty) per-parameter state so that a checkpoint can be loaded into it: AdamW's
+    step and moments, or SGD's momentum buffer (--optimizer sgd; none without momentum)."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if state:
+                continue
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"]:
+                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                continue
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> float:
@@ -378,7 +384,8 @@ def _load_torch_dist(folder: str, model, optimizer, restore_rng: bool, skip: tup
         state = loaded["optimizer"]
         step = torch.tensor(float(vime.get("optimizer_step", 0.0)))
         for param_state in state["state"].values():
-            param_state["step"] = step.clone()
+            if "exp_avg" in param_state:  # AdamW's step count (SGD's state has none)
+                param_state["step"] = step.clone()
         optimizer.load_state_dict(state)
     if restore_rng and common.get("rng_state"):
         set_rng_state(common["rng_state"])

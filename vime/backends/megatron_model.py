@@ -57,6 +57,7 @@ class MoeOptions:
     token_dispatcher_type: str = "allgather"
     grouped_gemm: bool = False  # only with Transformer Engine (TEGroupedMLP)
     routing_replay: bool = False  # R3: routers accept forced top-k indices (megatron_routing)
+    router_dtype: str = "fp32"  # --moe-router-dtype; fp32 by default, as HF's routers compute
 
 
 def te_usable() -> bool:
@@ -141,7 +142,7 @@ def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_score_function="softmax",
         moe_layer_freq=args.moe_layer_pattern(),
-        moe_router_dtype="fp32",  # HF computes the routing softmax in float32 whatever the weights' dtype
+        moe_router_dtype=moe.router_dtype,  # fp32 unless --moe-router-dtype fp64: HF routes in float32
         moe_router_load_balancing_type=moe.load_balancing_type,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_token_dispatcher_type=moe.token_dispatcher_type,

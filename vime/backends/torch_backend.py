@@ -70,6 +70,8 @@ class TorchTrainerSpec:
     max_tokens_per_gpu: int | None = None
     log_probs_max_tokens_per_gpu: int | None = None  # the no-gradient forwards' budget (None: max_tokens_per_gpu)
     balance_data: bool = False  # --balance-data: data-parallel ranks get a step's micro-batches by token count
+    optimizer: str = "adam"  # --optimizer: adam (torch AdamW) or sgd (torch SGD with sgd_momentum)
+    sgd_momentum: float = 0.9  # --sgd-momentum
 
 
 # ---------------------------------------------------------------------- PPO's critic
@@ -260,15 +262,17 @@ def make_role(
 
 
 def _optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch.optim.Optimizer:
-    """AdamW over ``params`` with the command line's settings, overridden by the role's (--megatron-config-path)."""
+    """--optimizer over ``params`` with the command line's settings, overridden by the role's
+    (--megatron-config-path). As Megatron-LM's: adam is Adam with decoupled weight decay (AdamW), sgd is SGD
+    with momentum --sgd-momentum and weight decay as an L2 term."""
+    lr, weight_decay = role.get("lr", spec.lr), role.get("weight_decay", spec.weight_decay)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=spec.sgd_momentum, weight_decay=weight_decay)
+    if spec.optimizer != "adam":
+        raise ValueError(f"--optimizer {spec.optimizer!r}: vime has adam and sgd")
     betas = (role.get("adam_beta1", spec.adam_betas[0]), role.get("adam_beta2", spec.adam_betas[1]))
-    return torch.optim.AdamW(
-        params,
-        lr=role.get("lr", spec.lr),
-        betas=betas,
-        eps=role.get("adam_eps", spec.adam_eps),
-        weight_decay=role.get("weight_decay", spec.weight_decay),
-    )
+    eps = role.get("adam_eps", spec.adam_eps)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def make_objective(spec: TorchTrainerSpec) -> RLObjective:

@@ -29,6 +29,7 @@ from vime.config.framework import (
 )
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
+from vime.config.megatron_perf import FUSION_DESTINATIONS, MegatronPerfConfig
 from vime.config.passthrough import split_prefixed
 from vime.config.tracking import TrackingConfig
 from vime.config.training import TrainConfig
@@ -50,6 +51,7 @@ SECTIONS = [
     ("debug", DebugConfig, "Debug replay"),
     ("elastic", ElasticConfig, "Engine health and elastic rollout"),
     ("tracking", TrackingConfig, "Experiment tracking (wandb, TensorBoard)"),
+    ("perf", MegatronPerfConfig, "Megatron-LM kernels, fusions, precision, optimizer offload and memory"),
 ]
 
 
@@ -70,6 +72,7 @@ class TrainSettings:
     debug: DebugConfig
     elastic: ElasticConfig
     tracking: TrackingConfig
+    perf: MegatronPerfConfig
     vllm: vllm_args.VllmConfig
     router_args: dict
     megatron: MegatronConfig
@@ -397,3 +400,5 @@ def finalize(settings: TrainSettings) -> None:
     args.wandb_dir = tracking.wandb_dir
     args.update_weight_disk_dir = weights.update_weight_disk_dir
     args.global_batch_size = settings.global_batch_size
+    for flag_field, destination in FUSION_DESTINATIONS.items():  # Megatron-LM's names, for hooks reading args
+        setattr(args, destination, not getattr(settings.perf, flag_field))

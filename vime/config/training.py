@@ -85,7 +85,15 @@ class TrainConfig:
     lr_wsd_decay_iters: int | None = option(
         None, "With --lr-decay-style WSD: the last optimizer steps of --lr-decay-iters, which anneal to --min-lr."
     )
-    weight_decay: float = option(0.0, "AdamW weight decay.")
+    optimizer: str = option(
+        "adam",
+        "Optimizer (Megatron-LM's flag): 'adam' is torch's AdamW (decoupled weight decay, as Megatron's adam), "
+        "'sgd' torch's SGD with --sgd-momentum and --weight-decay (L2, as Megatron's sgd); both backends. "
+        "Megatron-LM's 'muon' and 'dist_muon' are not implemented in vime.",
+        choices=["adam", "sgd", "muon", "dist_muon"],
+    )
+    sgd_momentum: float = option(0.9, "Momentum factor of --optimizer sgd (Megatron-LM's flag).")
+    weight_decay: float = option(0.0, "Weight decay: AdamW's decoupled decay, or SGD's L2 term.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
@@ -133,6 +141,12 @@ class TrainConfig:
                 "--use-distributed-optimizer",
                 "the Megatron backend replicates the optimizer so far; use --train-backend torch",
             )
+        require(
+            self.optimizer in ("adam", "sgd"),
+            "--optimizer",
+            f"{self.optimizer!r} (Megatron-LM's Muon) is not implemented in vime; use adam or sgd",
+        )
+        require(self.sgd_momentum >= 0, "--sgd-momentum", f"must be >= 0, got {self.sgd_momentum}")
         require(self.num_rollout >= 1, "--num-rollout", "must be >= 1")
         require(self.lr > 0, "--lr", "must be > 0")
         self._validate_lr_schedule()

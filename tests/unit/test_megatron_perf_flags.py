@@ -1,0 +1,183 @@
+"""The reference scripts' Megatron and optimizer flags (issue 19, point 4), without a Megatron-LM checkout:
+declared with Megatron-LM's / slime's names, types, defaults and choices; ``--optimizer sgd`` trains with SGD;
+the kernel, fusion, offload and memory flags are accepted and said once at start-up (vime/config/megatron_perf.py).
+The Megatron backend's side (SGD, --moe-router-dtype, --attention-backend) is in test_megatron_perf_backend.py."""
+
+import pytest
+import torch
+
+from tests.train_args import minimal_train_argv as base
+from vime.backends.torch_backend import TorchTrainerSpec, _optimizer
+from vime.config import ConfigError, parse_train_args
+from vime.config.algorithm import AlgorithmConfig
+from vime.config.roles import RoleOverrides
+
+# OPTIMIZER_ARGS and MISC_ARGS as the reference's scripts/run-qwen3-4B.sh (and most others) pass them.
+REFERENCE_ARGS = [
+    "--optimizer",
+    "adam",
+    "--lr",
+    "1e-6",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta1",
+    "0.9",
+    "--adam-beta2",
+    "0.98",
+    "--optimizer-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d",
+    "--use-precision-aware-optimizer",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32",
+    "--attention-backend",
+    "flash",
+    "--train-memory-margin-bytes",
+    "3221225472",
+]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_the_reference_scripts_flags_parse(model_dir):
+    s = parse_train_args(base(model_dir, *REFERENCE_ARGS))
+    assert s.train.optimizer == "adam" and s.train.weight_decay == 0.1
+    assert s.perf.optimizer_cpu_offload and s.perf.overlap_cpu_optimizer_d2h_h2d
+    assert s.perf.use_precision_aware_optimizer and s.perf.accumulate_allreduce_grads_in_fp32
+    assert s.perf.attention_softmax_in_fp32 and s.perf.attention_backend == "flash"
+    assert s.perf.train_memory_margin_bytes == 3 * 1024**3
+    assert not s.megatron_lm.values  # vime's own flags, not passed through to a Megatron-LM checkout
+    s = parse_train_args(
+        base(
+            model_dir,
+            "--no-rope-fusion",
+            "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion",
+            "--no-bias-dropout-fusion",
+            "--moe-router-dtype",
+            "fp32",
+            "--megatron-to-hf-mode",
+            "bridge",
+        )
+    )
+    assert s.perf.no_rope_fusion and s.perf.no_bias_dropout_fusion and s.perf.moe_router_dtype == "fp32"
+    assert s.perf.megatron_to_hf_mode == "bridge"
+
+
+def test_defaults_are_the_references(model_dir):
+    s = parse_train_args(base(model_dir))
+    assert (s.train.optimizer, s.train.sgd_momentum) == ("adam", 0.9)  # Megatron-LM's
+    assert s.perf.attention_backend == "auto" and s.perf.moe_router_dtype is None  # megatron-core's
+    assert s.perf.optimizer_offload_fraction == 1.0 and not s.perf.optimizer_cpu_offload
+    assert s.perf.train_memory_margin_bytes == 1024**3 and s.perf.megatron_to_hf_mode == "raw"  # slime's
+    # Megatron-LM's --no-*-fusion flags store False into these destinations of args, True when left out.
+    a = s.args
+    assert a.apply_rope_fusion and a.gradient_accumulation_fusion and a.masked_softmax_fusion and a.bias_dropout_fusion
+    a = parse_train_args(base(model_dir, "--no-rope-fusion", "--no-masked-softmax-fusion")).args
+    assert not a.apply_rope_fusion and not a.masked_softmax_fusion and a.bias_dropout_fusion
+
+
+def test_bad_values_are_refused_naming_the_flag(model_dir, capsys):
+    with pytest.raises(ConfigError, match=r"^--optimizer: 'muon' .* not implemented in vime"):
+        parse_train_args(base(model_dir, "--optimizer", "muon"))
+    with pytest.raises(ConfigError, match="^--optimizer-cpu-offload: must be used with --use-precision-aware"):
+        parse_train_args(base(model_dir, "--optimizer-cpu-offload"))
+    with pytest.raises(ConfigError, match="^--optimizer-offload-fraction: must be in"):
+        offload = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+        parse_train_args(base(model_dir, *offload, "--optimizer-offload-fraction", "2"))
+    with pytest.raises(ConfigError, match="^--train-memory-margin-bytes: must be >= 0"):
+        parse_train_args(base(model_dir, "--train-memory-margin-bytes", "-1"))
+    with pytest.raises(ConfigError, match="^--sgd-momentum: must be >= 0"):
+        parse_train_args(base(model_dir, "--optimizer", "sgd", "--sgd-momentum", "-0.5"))
+    for flag, value in (("--attention-backend", "triton"), ("--moe-router-dtype", "bf16"), ("--optimizer", "lion")):
+        with pytest.raises(SystemExit):
+            parse_train_args(base(model_dir, flag, value))
+        assert "invalid choice" in capsys.readouterr().err
+
+
+def _spec(optimizer: str, **kw) -> TorchTrainerSpec:
+    return TorchTrainerSpec(
+        hf_checkpoint="unused",
+        lr=0.1,
+        weight_decay=kw.pop("weight_decay", 0.0),
+        adam_betas=(0.9, 0.999),
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        micro_batch_size=1,
+        global_batch_size=1,
+        n_samples_per_prompt=1,
+        rollout_temperature=1.0,
+        algorithm=AlgorithmConfig(),
+        seed=0,
+        optimizer=optimizer,
+        **kw,
+    )
+
+
+def test_optimizer_sgd_steps_with_momentum_and_l2_weight_decay():
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = _optimizer([param], _spec("sgd", sgd_momentum=0.5, weight_decay=0.1), RoleOverrides("actor"))
+    assert isinstance(opt, torch.optim.SGD)
+    grad = torch.tensor([0.2, 0.4])
+    expected, velocity = param.detach().clone(), torch.zeros(2)
+    for _ in range(3):  # SGD with momentum: v = m v + (g + wd p); p -= lr v
+        param.grad = grad.clone()
+        opt.step()
+        velocity = 0.5 * velocity + grad + 0.1 * expected if velocity.any() else grad + 0.1 * expected
+        expected = expected - 0.1 * velocity
+    torch.testing.assert_close(param.detach(), expected)
+    # The default stays AdamW, and a role's lr still overrides the command line's.
+    opt = _optimizer([param], _spec("adam"), RoleOverrides("critic", values={"lr": 0.01}))
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["lr"] == 0.01
+    opt = _optimizer([param], _spec("sgd"), RoleOverrides("critic", values={"lr": 0.01}))
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_the_trainer_receives_the_optimizer(model_dir, tmp_path):
+    from vime.queue.rollout_queue import StoreOptions
+    from vime.workers.trainer_worker import TrainerWorkerSpec
+
+    s = parse_train_args(base(model_dir, "--optimizer", "sgd", "--sgd-momentum", "0.7"))
+    spec = TrainerWorkerSpec.from_settings(
+        s, transport="object-store", store=StoreOptions(str(tmp_path)), threads=1, cpu_affinity=None
+    )
+    assert (spec.backend.optimizer, spec.backend.sgd_momentum) == ("sgd", 0.7)
+
+
+def test_each_flag_is_said_once_at_start_up_with_what_it_does_on_the_backend(model_dir):
+    from vime.preflight import report_megatron_perf_flags
+
+    flags = [
+        *REFERENCE_ARGS,
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--moe-router-dtype",
+        "fp64",
+        "--megatron-to-hf-mode",
+        "bridge",
+    ]
+    said: list[str] = []
+    s = parse_train_args(base(model_dir, *flags))
+    report_megatron_perf_flags(s, said.append)
+    given = [f for f in flags if f.startswith("--") and f not in ("--optimizer", "--lr", "--weight-decay")]
+    given = [f for f in given if not f.startswith("--adam")]
+    for flag in given:  # every flag given is named at the head of exactly one line
+        assert sum(flag in {word.strip(",") for word in line.split(":")[0].split()} for line in said) == 1, flag
+    text = "\n".join(said)
+    assert "--attention-backend flash: no effect on the torch backend" in text
+    assert "--moe-router-dtype fp64: no effect on the torch backend" in text
+    assert "--accumulate-allreduce-grads-in-fp32: already vime's behaviour" in text
+    assert "--no-rope-fusion, --no-gradient-accumulation-fusion: vime's Megatron backend never uses" in text
+    assert "--train-memory-margin-bytes 3221225472: vime reserves no margin" in text
+
+    notes = s.perf.startup_notes("megatron")
+    assert any(n.startswith("--attention-backend flash: Transformer Engine's kernel") for n in notes)
+    assert any(
+        n.startswith("--moe-router-dtype fp64: the Megatron backend's MoE routers compute in float64") for n in notes
+    )
+    assert any(n.startswith("--attention-softmax-in-fp32: the Megatron backend's attention") for n in notes)
+    # Left at their defaults the flags say nothing.
+    assert parse_train_args(base(model_dir)).perf.startup_notes("megatron") == []

@@ -1,0 +1,230 @@
+"""Megatron-LM's and the reference framework's kernel, fusion, precision, offload and memory flags.
+
+The reference's launch scripts pass these in nearly every ``PERF_ARGS``/``OPTIMIZER_ARGS``/``MISC_ARGS``
+array. Their names, types, defaults and choices are Megatron-LM's (``megatron/training/arguments.py``,
+core_v0.16.1) and slime's (``slime/utils/arguments.py``). Some act on vime's backends (``--attention-backend``,
+``--attention-softmax-in-fp32`` and ``--moe-router-dtype`` on the Megatron backend's TransformerConfig); the
+others ask for a kernel, a fusion or an offload that vime's backends do not have, or for what vime always does
+(float32 gradient accumulation). Those are accepted and the run says once at start-up what each does there
+(:meth:`MegatronPerfConfig.startup_notes`, said by ``vime.preflight``): never refused for being a no-op on
+this device, never silently ignored. docs/megatron.md lists them.
+
+``--optimizer`` and ``--sgd-momentum`` live with the other optimizer flags (vime.config.training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vime.config.base import option, require
+
+ATTENTION_BACKENDS = ["flash", "fused", "unfused", "local", "auto"]  # megatron.core.transformer.enums.AttnBackend
+
+# Megatron-LM's ``--no-*-fusion`` flags store False into these destinations of ``args``; vime's fields are named
+# after the flags, and finalize() sets the reference's destinations too, for hooks that read them.
+FUSION_DESTINATIONS = {
+    "no_rope_fusion": "apply_rope_fusion",
+    "no_gradient_accumulation_fusion": "gradient_accumulation_fusion",
+    "no_masked_softmax_fusion": "masked_softmax_fusion",
+    "no_bias_dropout_fusion": "bias_dropout_fusion",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class MegatronPerfConfig:
+    accumulate_allreduce_grads_in_fp32: bool = option(
+        False,
+        "Gradient accumulation and all-reduce in fp32 (Megatron-LM). vime always does so: gradients of float32 "
+        "parameters, or with --bf16 of the float32 master weights, add up and are summed over ranks in float32.",
+    )
+    attention_softmax_in_fp32: bool = option(
+        False,
+        "Run attention masking and softmax in fp32 (Megatron-LM). The Megatron backend computes them in float32 "
+        "with or without this flag (megatron-core's default, which vime keeps); the torch backend's attention is "
+        "HF's, which chooses its own precision.",
+    )
+    attention_backend: str = option(
+        "auto",
+        "Attention kernel (Megatron-LM): flash, fused, unfused or auto pick Transformer Engine's kernel on the "
+        "Megatron backend (on CUDA with Transformer Engine; without it megatron-core's own attention runs); "
+        "'local' is megatron-core's own attention, which vime uses whenever Transformer Engine is absent. The "
+        "torch backend runs HF's attention whatever this says.",
+        choices=ATTENTION_BACKENDS,
+    )
+    moe_router_dtype: str | None = option(
+        None,
+        "Data type of MoE routing and of the weighted sum of the experts' outputs (Megatron-LM): fp32 or fp64. "
+        "Left out, vime's Megatron backend routes in fp32 (as HF's routers do, so that training and the engines "
+        "choose the same experts); fp64 routes in float64 there. The torch backend's HF routers compute in "
+        "float32.",
+        choices=["fp32", "fp64"],
+    )
+    no_rope_fusion: bool = option(
+        False, "Disable the fused RoPE kernel (Megatron-LM). vime's Megatron backend never uses it."
+    )
+    no_gradient_accumulation_fusion: bool = option(
+        False,
+        "Disable fusing gradient accumulation into the weight-gradient GEMM of linear layers (Megatron-LM; APEX "
+        "or Transformer Engine). vime's Megatron backend never fuses it.",
+    )
+    no_masked_softmax_fusion: bool = option(
+        False,
+        "Disable the fused scale + mask + softmax kernel (Megatron-LM). vime's Megatron backend never uses it.",
+    )
+    no_bias_dropout_fusion: bool = option(
+        False, "Disable the fused bias + dropout + add kernel (Megatron-LM). vime's Megatron backend never uses it."
+    )
+    optimizer_cpu_offload: bool = option(
+        False,
+        "Offload the optimizer state and step to the CPU (Megatron-LM's hybrid optimizer; needs "
+        "--use-precision-aware-optimizer, as Megatron-LM asks). vime's optimizer steps where the trainer's "
+        "parameters are (host memory on CPU); on GPUs its state is not offloaded (--offload-train moves it to "
+        "host memory between steps; --use-distributed-optimizer shards it).",
+    )
+    optimizer_offload_fraction: float = option(
+        1.0, "Fraction of the optimizer state --optimizer-cpu-offload puts on the CPU (Megatron-LM)."
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = option(
+        False,
+        "Overlap the CPU optimizer step with the gradients' device-to-host and the parameters' host-to-device "
+        "copies (Megatron-LM, with --optimizer-cpu-offload). vime has no CPU-offloaded optimizer step to overlap.",
+    )
+    use_precision_aware_optimizer: bool = option(
+        False,
+        "Transformer Engine's precision-aware optimizer, which may keep master weights and optimizer state in "
+        "lower precision (Megatron-LM). With Megatron-LM's default dtypes (fp32) that is what vime does: float32 "
+        "master weights and optimizer state.",
+    )
+    train_memory_margin_bytes: int = option(
+        1024**3,
+        "GPU memory the trainer leaves free when it reloads its offloaded state (the reference's torch_memory_saver "
+        "margin). vime reserves none: --offload-train moves the trainer's tensors to host memory and back, and "
+        "the engines' share is --vllm-gpu-memory-utilization.",
+    )
+    megatron_to_hf_mode: str = option(
+        "raw",
+        "How Megatron weights become HF weights for the engines (the reference's): 'raw' (its own name mapping) or "
+        "'bridge' (Megatron-Bridge). vime's Megatron backend converts with its own mapping "
+        "(vime/backends/megatron_convert.py) either way; the torch backend's weights are HF's already.",
+        choices=["raw", "bridge"],
+    )
+
+    def validate(self) -> None:
+        # Megatron-LM's rule (validate_args): its CPU optimizer reuses the precision-aware optimizer's code path.
+        require(
+            not self.optimizer_cpu_offload or self.use_precision_aware_optimizer,
+            "--optimizer-cpu-offload",
+            "must be used with --use-precision-aware-optimizer (as in Megatron-LM)",
+        )
+        require(
+            0.0 <= self.optimizer_offload_fraction <= 1.0,
+            "--optimizer-offload-fraction",
+            f"must be in [0, 1], got {self.optimizer_offload_fraction}",
+        )
+        require(
+            self.train_memory_margin_bytes >= 0,
+            "--train-memory-margin-bytes",
+            f"must be >= 0, got {self.train_memory_margin_bytes}",
+        )
+
+    def transformer_fields(self) -> dict:
+        """The TransformerConfig fields these flags set on the Megatron backend's models (the MoE router's dtype
+        travels in MoeOptions: vime sets it itself when the flag is left out)."""
+        fields: dict = {}
+        if self.attention_softmax_in_fp32:
+            fields["attention_softmax_in_fp32"] = True
+        if self.attention_backend not in ("auto", "local"):
+            # Transformer Engine reads the kernel choice from NVTE_* variables that megatron-core sets from this
+            # field when it builds the model; 'local' would switch every TE kernel off under TE's layers.
+            from megatron.core.transformer.enums import AttnBackend
+
+            fields["attention_backend"] = AttnBackend[self.attention_backend]
+        return fields
+
+    def router_dtype(self) -> str:
+        """The Megatron backend's MoE routing dtype: the flag's, else fp32 (HF's routers compute in float32)."""
+        return self.moe_router_dtype or "fp32"
+
+    def startup_notes(self, train_backend: str) -> list[str]:
+        """What each flag given here does on ``train_backend``: one line per flag (or group of flags), said
+        once at start-up. Flags left at their defaults say nothing."""
+        megatron = train_backend == "megatron"
+        notes = []
+        if self.accumulate_allreduce_grads_in_fp32:
+            notes.append(
+                "--accumulate-allreduce-grads-in-fp32: already vime's behaviour on both backends (gradients add "
+                "up and are summed over ranks in float32, on the float32 masters with --bf16)"
+            )
+        if self.attention_softmax_in_fp32:
+            notes.append(
+                "--attention-softmax-in-fp32: the Megatron backend's attention computes masking and softmax in "
+                "float32 (set on its TransformerConfig)"
+                if megatron
+                else "--attention-softmax-in-fp32: no effect on the torch backend (HF's attention chooses its own "
+                "softmax precision); it acts with --train-backend megatron"
+            )
+        if self.attention_backend != "auto":
+            if not megatron:
+                where = "no effect on the torch backend, which runs HF's attention"
+            elif self.attention_backend == "local":
+                where = (
+                    "megatron-core's own attention, which vime's Megatron backend runs whenever Transformer Engine "
+                    "is absent (as on CPU); with Transformer Engine vime builds TE layers, whose kernel TE picks"
+                )
+            else:
+                where = (
+                    "Transformer Engine's kernel on the Megatron backend where Transformer Engine is usable (CUDA); "
+                    "without it (as on CPU) megatron-core's own attention runs"
+                )
+            notes.append(f"--attention-backend {self.attention_backend}: {where}")
+        if self.moe_router_dtype is not None:
+            notes.append(
+                f"--moe-router-dtype {self.moe_router_dtype}: the Megatron backend's MoE routers compute in "
+                f"{'float64' if self.moe_router_dtype == 'fp64' else 'float32'} (dense models have none)"
+                if megatron
+                else f"--moe-router-dtype {self.moe_router_dtype}: no effect on the torch backend (HF's MoE routers "
+                "compute in float32)"
+            )
+        fusions = [
+            "--" + name.replace("_", "-") for name in FUSION_DESTINATIONS if getattr(self, name)
+        ]  # the flags given
+        if fusions:
+            notes.append(
+                f"{', '.join(fusions)}: vime's Megatron backend never uses these fused kernels (it builds its "
+                "models with the fusions off on every device), so the flags change nothing"
+                + ("" if megatron else "; the torch backend has no such fusions either")
+            )
+        offload = [
+            flag
+            for flag, on in (
+                ("--optimizer-cpu-offload", self.optimizer_cpu_offload),
+                ("--overlap-cpu-optimizer-d2h-h2d", self.overlap_cpu_optimizer_d2h_h2d),
+            )
+            if on
+        ]
+        if offload:
+            notes.append(
+                f"{', '.join(offload)}: vime's optimizer steps where the trainer's parameters are (on CPU, host memory "
+                "already); on GPUs its state is not offloaded during the step (--offload-train moves it to host "
+                "memory between steps, --use-distributed-optimizer shards it)"
+            )
+        if self.use_precision_aware_optimizer:
+            notes.append(
+                "--use-precision-aware-optimizer: vime's optimizer is torch's, with float32 master weights and "
+                "state (Megatron-LM's default dtypes for this optimizer)"
+            )
+        if self.train_memory_margin_bytes != 1024**3:
+            notes.append(
+                f"--train-memory-margin-bytes {self.train_memory_margin_bytes}: vime reserves no margin "
+                "(--offload-train moves the trainer's tensors to host memory and back; the engines' share is "
+                "--vllm-gpu-memory-utilization)"
+            )
+        if self.megatron_to_hf_mode != "raw":
+            notes.append(
+                f"--megatron-to-hf-mode {self.megatron_to_hf_mode}: vime converts Megatron weights with its own "
+                "mapping (as 'raw' does)"
+                if megatron
+                else f"--megatron-to-hf-mode {self.megatron_to_hf_mode}: no effect on the torch backend (its "
+                "weights are HF's already)"
+            )
+        return notes
