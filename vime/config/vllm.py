@@ -113,8 +113,9 @@ def add_help(parser: argparse.ArgumentParser) -> None:
         VllmConfig,
         "vLLM engines (--vllm-*)",
         "Any vLLM server flag with the prefix --vllm-, e.g. --vllm-max-model-len 2048, --vllm-enforce-eager, "
-        "--vllm-gpu-memory-utilization 0.7, --vllm-dtype float32. vime sets --model (from --hf-checkpoint), "
-        "--host, --port and --tensor-parallel-size.",
+        "--vllm-gpu-memory-utilization 0.7, --vllm-dtype float32. A flag that takes several values gets all the "
+        "values up to the next --flag, whole and in order (--vllm-cudagraph-capture-sizes 1 2 4 8). vime sets "
+        "--model (from --hf-checkpoint), --host, --port and --tensor-parallel-size.",
     )
     add_section_arguments(parser, EngineTopologyConfig, "Engine topology")
 
