@@ -14,10 +14,12 @@ fresh processes, one per trainer rank (gloo), for:
   (c)       (b) + --recompute-granularity full + --log-probs-chunk-size 256 (and the same on 4 ranks).
 
 Memory is the rank's resident set: its peak during the step (VmHWM after /proc/self/clear_refs reset it
-once the trainer was built) minus its resident set before the model existed; "overall" also counts building
-the trainer (loading the checkpoint, sharding). Printed per rank in bytes per parameter, and the ratio
-(c) / (a) per rank (goal <= 0.4). Sharded over R ranks, float32 masters, their gradients and AdamW's two
-moments hold 16 / R bytes per parameter on each rank: 8 on 2 ranks, the floor (c) approaches there.
+once the trainer was built) minus its resident set before the model existed (with the model's code already
+imported); "overall" also counts building the trainer (loading the checkpoint, sharding). The ranks run with
+glibc's mmap threshold fixed (rank_environment), so that a freed tensor leaves the resident set. Printed per
+rank in bytes per parameter, and the ratio (c) / (a) per rank (goal <= 0.4). Sharded over R ranks, float32
+masters, their gradients and AdamW's two moments hold 16 / R bytes per parameter on each rank: 8 on 2 ranks,
+the floor (c) approaches there.
 
 The search doubles a Qwen2 shape (layers, then hidden size) and runs (a) and (c) on 2 ranks at each size until
 a step does not fit: the two ranks' resident sets together must stay below the memory available when the
@@ -175,6 +177,7 @@ def rank_main(request: dict) -> dict:
     from vime.config.algorithm import AlgorithmConfig
 
     samples = make_samples(request["samples"], request["tokens"], request["vocab"], seed=0)
+    load_model_code()
     baseline = resident_bytes()
     algorithm = AlgorithmConfig()
     algorithm.validate()
@@ -222,6 +225,16 @@ def rank_main(request: dict) -> dict:
     }
 
 
+def load_model_code() -> None:
+    """Import what building the trainer imports (transformers' Qwen2 classes and tokenizer, FSDP2, DCP) before
+    the baseline is read: ~200 MB of code and module state, the same for every configuration and unrelated
+    to the model's size, which would otherwise count as the step's memory."""
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp  # noqa: F401
+    from transformers import AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
+    from transformers.models.qwen2 import modeling_qwen2, tokenization_qwen2  # noqa: F401
+
+
 def plain_hf_step(model_dir: str, samples) -> tuple[int, int]:
     """A plain HF float32 AdamW step on the batch (cross-entropy): the scale the others are read against."""
     import torch
@@ -246,6 +259,16 @@ def available_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def rank_environment() -> dict[str, str]:
+    """The ranks' environment: glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so every
+    tensor of 128 KiB or more is its own mapping, given back to the system when it is freed. By default glibc
+    raises the threshold to the size of the largest block freed so far (up to 32 MiB), after which freed
+    activations and gathered parameters stay in the heap, counted in the resident set though no tensor holds
+    them; a rank's resident set then depends on the order of its frees more than on what it keeps. Every
+    configuration, the plain HF baseline included, runs with the same setting."""
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 
 def run_ranks(
@@ -282,7 +305,11 @@ def run_ranks(
             "baseline": config is None,
         }
         argv = [sys.executable, os.path.abspath(__file__), "--rank-request", json.dumps(request)]
-        procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_environment()
+            )
+        )
     started, peak_total, reason = time.monotonic(), 0, None
     while any(p.poll() is None for p in procs):
         total = 0
