@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# ARGS: more `vime train` flags, after the recipe's (they override it): make demo ARGS="--bf16"
 demo: setup
-	$(PY) examples/digit_shift/run_demo.py
+	$(PY) examples/digit_shift/run_demo.py $(ARGS)
 
 # ruff's lint rules and its formatter's check (configured in pyproject.toml), before any test runs.
 lint: setup

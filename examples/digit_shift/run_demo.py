@@ -69,14 +69,16 @@ def demo_args(out: str, model: str) -> list[str]:
     ]
 
 
-def main() -> int:
+def main(extra: list[str]) -> int:
+    """The demo's run; ``extra`` flags (the command line's) come after the recipe's, so they add to it or
+    override it: ``run_demo.py --bf16 --num-rollout 120`` (`make demo ARGS="..."`)."""
     from vime.tools.make_tiny_model import make_tiny_model
     from vime.train import main as train_main
 
     out = os.path.join(REPO, "outputs", "digit_shift", time.strftime("%Y%m%d-%H%M%S"))
     model = os.path.join(REPO, "outputs", "digit_shift", "tiny-qwen2")
     make_tiny_model(model, seed=0)
-    args = demo_args(out, model)
+    args = demo_args(out, model) + extra
     print("$ vime train " + " ".join(shlex.quote(a) for a in args), flush=True)
     started = time.monotonic()
     code = train_main(args)
@@ -85,4 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
