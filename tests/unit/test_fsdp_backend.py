@@ -102,6 +102,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     results = {}
     backend = TorchBackend(spec(model_dir, sharded=True, **KL))
     assert backend.sharding.active and backend.dp.size == 2
+    assert backend.packing  # FSDP's wrapped classes still take sequences packed back to back
     results["first"] = backend.train_rollout(make_samples(0), 0)
     results["numel"] = local_numel(backend)
     results["gathered"] = backend.sharding.full_state_dict(backend.model)  # rank 0's; {} on rank 1
@@ -118,6 +119,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     ppo = TorchBackend(
         spec(model_dir, sharded=True, megatron_config_path=os.path.join(work, "critic_save.yaml"), **PPO)
     )
+    assert ppo.packing  # the sharded critic's body too
     results["ppo"] = [ppo.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
     ppo.save_training_state(os.path.join(work, "ckpt_ppo"))  # also the critic's role `save` copy (gathered)
     results["critic_gathered"] = ppo.sharding.full_state_dict(ppo.critic.module)

@@ -49,14 +49,18 @@ def chunked_forward(
     temperature: float,
     entropy: str | None = None,
     head_ids: torch.Tensor | None = None,
+    predicting=None,
 ) -> TokenLogProbs:
     """What ``TorchBackend._forward`` computes (the logits at t predict ``targets[:, t]``, t < T-1), by chunks.
 
     ``model_inputs``: the keyword arguments of the model's forward (input_ids, attention_mask, ...).
     ``entropy``: None, 'metric' (no gradient) or 'loss' (differentiable); ``head_ids`` [B, T-1, k]: also the
-    log-probs at those ids (score centering)."""
+    log-probs at those ids (score centering). ``predicting``: the final hidden states [B, T, d] at the positions
+    whose logits predict ``targets`` (packed sequences: vime.backends.sequence_packing); by default every
+    position but the last, and ``targets`` and ``head_ids`` then have that shape."""
     body, head = causal_lm_parts(model)
-    hidden = final_hidden_states(model, body, model_inputs)[:, :-1]
+    states = final_hidden_states(model, body, model_inputs)
+    hidden = states[:, :-1] if predicting is None else predicting(states)
     return chunked_token_log_probs(
         hidden,
         head.weight,

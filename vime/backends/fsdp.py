@@ -104,14 +104,15 @@ class Sharding:
     def _output_tensor(output) -> torch.Tensor:
         return output if torch.is_tensor(output) else output.logits
 
-    def lockstep_forward(self, module: torch.nn.Module, batch) -> None:
-        """A forward whose result is dropped (no-gradient passes: old log-probs, reference, values)."""
+    def lockstep_forward(self, module: torch.nn.Module, inputs: dict) -> None:
+        """A forward on ``inputs`` (the model's keyword arguments: a micro-batch as the backend feeds it) whose
+        result is dropped (no-gradient passes: old log-probs, reference, values)."""
         with torch.no_grad():
-            module(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            module(**inputs)
 
-    def lockstep_backward(self, module: torch.nn.Module, batch) -> None:
+    def lockstep_backward(self, module: torch.nn.Module, inputs: dict) -> None:
         """A forward and a backward that add exactly zero to every gradient (an optimizer step's micro-batch)."""
-        output = self._output_tensor(module(input_ids=batch.input_ids, attention_mask=batch.attention_mask))
+        output = self._output_tensor(module(**inputs))
         (output.float().sum() * 0.0).backward()
 
     # ------------------------------------------------------------------ weights

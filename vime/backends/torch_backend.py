@@ -3,8 +3,9 @@
 The backend owns the models (their precision, FSDP2 sharding, files); the RL objective is
 :class:`vime.rl.objective.RLObjective` and the loop over a rollout
 :class:`vime.backends.rollout_training.RolloutTraining`, which runs it through this backend's model ops
-(:class:`vime.backends.protocol.TrainerBackend`). Sequences are right-padded into one [batch, tokens]
-tensor per micro-batch (:func:`vime.rl.batch.pack`).
+(:class:`vime.backends.protocol.TrainerBackend`). The objective reads each micro-batch right-padded
+(:func:`vime.rl.batch.pack`); the model runs on its sequences packed back to back, without padding
+(:mod:`vime.backends.sequence_packing`), unless the model cannot be packed safely.
 
 With ``--advantage-estimator ppo`` the worker also trains a critic (:class:`ValueModel`: the policy's
 transformer body with a one-output linear head) and the two take turns (:class:`ModelRole`): the
@@ -29,6 +30,7 @@ from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
 from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.backends.sequence_packing import all_packable, forward_layout
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError
 from vime.config.roles import FLAG as ROLES_FLAG, RoleOverrides
@@ -111,8 +113,17 @@ class ValueModel(torch.nn.Module):
     def from_pretrained(cls, path: str) -> ValueModel:
         return cls(_load_body(path))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # No KV cache: it would hold every layer's keys and values, and transformers looks for packed
+        # sequences in the position ids only without one.
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         # The head in its own dtype (bf16 with --bf16), the values in float32: [B, T], the value of the prefix up to t.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).float().squeeze(-1)
 
@@ -338,6 +349,8 @@ class TorchBackend(RolloutTraining):
             if self.sharding is not None:
                 self.sharding.shard(self.ref_model)
         self.objective = make_objective(spec)
+        # Micro-batches run packed back to back (no padding) where every model can take them.
+        self.packing = all_packable([self.model, self.ref_model, self.critic and self.critic.module.body])
         # --bf16: weights reach the engines from the float32 masters, cast to the engines' dtype.
         self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 
@@ -360,53 +373,62 @@ class TorchBackend(RolloutTraining):
 
     # ------------------------------------------------------------------ model ops (vime.backends.protocol)
     def forward(self, model, batch: PackedBatch, *, entropy: str | None = None, heads: bool = False) -> Forward:
-        """Log-probs of the targets under ``model`` at the sampling temperature.
+        """Log-probs of the targets under ``model`` at the sampling temperature, in ``batch``'s padded layout.
 
         ``entropy``: None, 'metric' (computed without a graph) or 'loss' (differentiable).
         ``heads``: also the log-probs at the sampler's top-k head ids (score centering).
         """
+        layout = forward_layout(batch, self.packing, self.model.config)
+        targets = layout.gather(batch.targets)
+        head_ids = layout.gather(batch.head_ids) if heads else None
         if self.spec.log_probs_chunk_size:
             # Same results, without the micro-batch's whole [tokens x vocab] logits (vime.backends.chunked_logits).
-            inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
             chunked = chunked_forward(
                 model,
-                inputs,
-                batch.targets,
+                layout.model_inputs(),
+                targets,
                 chunk_size=self.spec.log_probs_chunk_size,
                 temperature=self.spec.rollout_temperature,
                 entropy=entropy,
-                head_ids=batch.head_ids if heads else None,
+                head_ids=head_ids,
+                predicting=layout.predicting,
             )
-            return Forward(chunked.log_probs, chunked.entropy, chunked.head_log_probs)
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            return Forward(*map(layout.scatter, (chunked.log_probs, chunked.entropy, chunked.head_log_probs)))
+        # Packed: the logits of the positions predicting a target only (each sequence's last predicts nothing).
+        keep = {} if layout.predicting_positions is None else {"logits_to_keep": layout.predicting_positions}
+        output = model(**layout.model_inputs(), use_cache=False, **keep)
+        logits = output.logits[:, :-1] if not keep else output.logits[0]
         if self.spec.rollout_temperature > 0:
             logits = logits / self.spec.rollout_temperature
         log_softmax = torch.log_softmax(logits.float(), dim=-1)
-        out = Forward(log_softmax.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1))
+        out = Forward(log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
         if entropy == "loss":
             out.entropy = token_entropy(log_softmax)
         elif entropy == "metric":
             with torch.no_grad():
                 out.entropy = token_entropy(log_softmax.detach())
         if heads:
-            out.head_log_probs = log_softmax.gather(-1, batch.head_ids)
-        return out
+            out.head_log_probs = log_softmax.gather(-1, head_ids)
+        return Forward(*map(layout.scatter, (out.log_probs, out.entropy, out.head_log_probs)))
 
     def critic_values(self, batch: PackedBatch) -> torch.Tensor:
         """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
-        return self.critic.module(batch.input_ids, batch.attention_mask)[:, :-1]
+        layout = forward_layout(batch, self.packing, self.model.config)
+        return layout.scatter(layout.predicting(self.critic.module(**layout.model_inputs())))
 
     def owed_forwards(self, module, packed: list[PackedBatch]) -> None:
         """FSDP: as many dropped forwards of ``module`` as this rank owes to keep the all-gathers in lock step."""
         if self.sharding is not None:
             for _ in range(self.sharding.passes_owed(range(len(packed)))):
-                self.sharding.lockstep_forward(module, packed[0])
+                inputs = forward_layout(packed[0], self.packing, self.model.config).model_inputs()
+                self.sharding.lockstep_forward(module, inputs)
 
     def owed_backwards(self, module, packed: list[PackedBatch], step: range) -> None:
         """FSDP: every rank runs as many backwards as the busiest one."""
         if self.sharding is not None:
             for _ in range(self.sharding.passes_owed(step)):
-                self.sharding.lockstep_backward(module, packed[step[0]])
+                inputs = forward_layout(packed[step[0]], self.packing, self.model.config).model_inputs()
+                self.sharding.lockstep_backward(module, inputs)
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Add up the data-parallel replicas' gradients (FSDP has reduce-scattered them already)."""
