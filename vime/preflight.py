@@ -139,7 +139,7 @@ def check_written_directories(s: TrainSettings) -> None:
 
 def storage_declaration(s: TrainSettings) -> dict | None:
     """What straw is told of --rollout-data-dir's file system. With --rollout-storage-profile juicefs the mount
-    is read and checked (vime/queue/juicefs_mount.py): one without the queue's guarantees (write-back caching,
+    is read and checked (queue/juicefs_mount.py): one without the queue's guarantees (write-back caching,
     say) or that contradicts --rollout-storage-declaration is refused here, naming the option and the fix.
     Called by `vime train` right after its flags are parsed, before any directory or process is made."""
     q = s.queue

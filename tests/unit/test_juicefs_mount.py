@@ -1,4 +1,4 @@
-"""The JuiceFS mount check (vime/queue/juicefs_mount.py) on parsed /proc/mounts lines and .config JSON, without a
+"""The JuiceFS mount check (queue/juicefs_mount.py) on parsed /proc/mounts lines and .config JSON, without a
 mount: which settings are refused, how each refusal names its option, and what straw is told. The same checks
 on a real mount: tests/integration/test_juicefs_volume.py."""
 
