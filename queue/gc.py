@@ -114,13 +114,17 @@ def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None)
     import json
 
     from vime.queue.fence import QueueFence
+    from vime.queue.juicefs_mount import checked_declaration
     from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 
     fence = QueueFence.acquire(data_dir)  # refuses while the run's controller is alive
     try:
         with open(os.path.join(data_dir, "run.json")) as f:
             identity = json.load(f)
-        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"), declaration=declaration)
+        profile = identity.get("profile", "local")
+        if profile == "juicefs":  # the mount is read and checked, as `vime train` does (queue/juicefs_mount.py)
+            declaration = checked_declaration(data_dir, declaration)
+        options = StoreOptions(data_dir, run_id, profile=profile, declaration=declaration)
         queue = StrawRolloutQueue.open(options, owner="vime-queue-gc", lease_seconds=identity["lease_seconds"])
         try:
             own = queue.store.writer_id

@@ -21,3 +21,13 @@ def config_dir(tmp_path):
     """An HF model folder with only a config.json (vocabulary 12): enough for flag checks."""
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 12}))
     return str(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def juicefs_mount(tmp_path_factory):
+    """A real JuiceFS volume mounted for the test session (tests/juicefs.py); each test uses a folder of its own
+    in it. Unmounted at the session's end, whatever the tests did."""
+    from tests.juicefs import juicefs_volume
+
+    with juicefs_volume(str(tmp_path_factory.mktemp("juicefs"))) as mount_point:
+        yield mount_point

@@ -257,6 +257,7 @@ def retry_failed_stopped(data_dir: str, run_id: str, declaration: dict | None = 
     live controller. Opening the queue recovers it, as a resumed run would (leases of the dead
     run are revoked, as on any restart; that spends none of their attempts)."""
     from vime.queue.fence import QueueBusy, QueueFence
+    from vime.queue.juicefs_mount import checked_declaration
     from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 
     try:
@@ -271,7 +272,10 @@ def retry_failed_stopped(data_dir: str, run_id: str, declaration: dict | None = 
     try:
         with open(os.path.join(data_dir, "run.json")) as f:
             identity = json.load(f)
-        options = StoreOptions(data_dir, run_id, profile=identity.get("profile", "local"), declaration=declaration)
+        profile = identity.get("profile", "local")
+        if profile == "juicefs":  # the mount is read and checked, as `vime train` does (queue/juicefs_mount.py)
+            declaration = checked_declaration(data_dir, declaration)
+        options = StoreOptions(data_dir, run_id, profile=profile, declaration=declaration)
         queue = StrawRolloutQueue.open(
             options, owner="vime-queue-retry-failed", lease_seconds=identity["lease_seconds"]
         )
@@ -570,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--rollout-data-dir", required=True, help="the run's queue directory")
         command.add_argument("--rollout-queue-run-id", default="vime", help="queue identity (default: vime)")
         if name in ("gc", "retry-failed"):
-            command.add_argument("--rollout-storage-declaration", help="JSON (inline or @file) of a JuiceFS mount")
+            command.add_argument(
+                "--rollout-storage-declaration",
+                help="JSON (inline or @file) of a JuiceFS mount; default: read from the mount (docs/juicefs.md)",
+            )
         if name == "inspect":
             command.add_argument("--save", help="checkpoint directory: its latest checkpoint defines the lineage")
             command.add_argument("--json", action="store_true", help="machine-readable output")
@@ -613,8 +620,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "gc":
         from vime.queue.gc import collect_stopped
+        from vime.queue.juicefs_mount import JuiceFSMountRefused
 
-        print(json.dumps(collect_stopped(data_dir, args.rollout_queue_run_id, _declaration(args)), indent=1))
+        try:
+            report = collect_stopped(data_dir, args.rollout_queue_run_id, _declaration(args))
+        except JuiceFSMountRefused as error:
+            print(f"vime queue gc: error: {error}", file=sys.stderr)
+            return 1
+        print(json.dumps(report, indent=1))
         return 0
     report = inspect(data_dir, args.save, args.rollout_queue_run_id)
     print(json.dumps(report, indent=1) if args.json else format_inspect(report))
@@ -628,12 +641,14 @@ def _declaration(args) -> dict | None:
 
 
 def _retry_failed(args, *, live: bool, data_dir: str | None = None) -> int:
+    from vime.queue.juicefs_mount import JuiceFSMountRefused
+
     try:
         if live:
             report = retry_failed_live(os.path.abspath(args.run))
         else:
             report = retry_failed_stopped(data_dir, args.rollout_queue_run_id, _declaration(args))
-    except RetryRefused as error:
+    except (RetryRefused, JuiceFSMountRefused) as error:
         print(f"vime queue retry-failed: error: {error}", file=sys.stderr)
         return 1
     if args.json:

@@ -137,6 +137,19 @@ def check_written_directories(s: TrainSettings) -> None:
         )
 
 
+def storage_declaration(s: TrainSettings) -> dict | None:
+    """What straw is told of --rollout-data-dir's file system. With --rollout-storage-profile juicefs the mount
+    is read and checked (queue/juicefs_mount.py): one without the queue's guarantees (write-back caching,
+    say) or that contradicts --rollout-storage-declaration is refused here, naming the option and the fix.
+    Called by `vime train` right after its flags are parsed, before any directory or process is made."""
+    q = s.queue
+    if q.rollout_data_transport != "straw" or q.rollout_storage_profile != "juicefs":
+        return q.storage_declaration()
+    from vime.queue.juicefs_mount import checked_declaration
+
+    return checked_declaration(s.rollout_data_dir, q.storage_declaration())
+
+
 def checkpoint_to_resume(s: TrainSettings, say: Callable[[str], None]) -> tuple[str, ckpt.CheckpointState] | None:
     """The checkpoint --load (--ckpt-step) resumes, checked against this run's options; None: start afresh."""
     if not s.checkpoint.load:

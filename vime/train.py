@@ -54,8 +54,9 @@ def _unwrap(error: BaseException) -> BaseException:
 
 
 class TrainingRun:
-    def __init__(self, settings: TrainSettings):
+    def __init__(self, settings: TrainSettings, *, storage_declaration: dict | None = None):
         self.s = settings
+        self.storage_declaration = storage_declaration  # straw's, checked against the mount (preflight)
         self.token = uuid.uuid4().hex
         self.run_dir = settings.run.run_dir
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
@@ -135,7 +136,7 @@ class TrainingRun:
             q.rollout_queue_segment_mib,
             q.rollout_queue_online_gc,
             q.rollout_storage_profile,
-            q.storage_declaration(),
+            self.storage_declaration,
         )
 
     def _start_processes(self) -> None:
@@ -714,11 +715,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         preflight.check_written_directories(settings)  # before the run creates its directories
+        storage_declaration = preflight.storage_declaration(settings)  # a JuiceFS mount, read and checked
     except UserError as error:
         print(f"vime train: error: {error}", file=sys.stderr)
         return 1
     interrupts.install()  # Ctrl-C and SIGTERM: the same orderly stop, whatever an import installed
-    run = TrainingRun(settings)
+    run = TrainingRun(settings, storage_declaration=storage_declaration)
     try:
         with interrupts.Redelivery():
             return run.run()

@@ -35,6 +35,8 @@ LEAK_BOUND_S = 20.0
 class Job:
     root: str
     model: str
+    queue_dir: str | None = None  # --rollout-data-dir; default: <save>/rollout_data
+    storage_profile: str = "local"  # --rollout-storage-profile (juicefs: the queue on a real JuiceFS mount)
 
     @property
     def run_dir(self) -> str:
@@ -46,7 +48,7 @@ class Job:
 
     @property
     def data_dir(self) -> str:
-        return os.path.join(self.save, "rollout_data")
+        return self.queue_dir or os.path.join(self.save, "rollout_data")
 
     @property
     def prompts(self) -> str:
@@ -95,6 +97,8 @@ class Job:
             "20",
             "--num-epoch",
             str(epochs),
+            *(["--rollout-data-dir", self.queue_dir] if self.queue_dir else []),
+            *(["--rollout-storage-profile", self.storage_profile] if self.storage_profile != "local" else []),
             *extra,
         ]
 
@@ -205,10 +209,17 @@ def fault_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def job(tmp_path, fault_model) -> Job:
+def job(request, tmp_path, fault_model) -> Job:
+    """A job in the test's folder; its queue on a local directory, or, for a test parametrized with
+    ``@pytest.mark.parametrize("job", ["juicefs"], indirect=True)``, in a folder of the session's real JuiceFS
+    mount (tests/juicefs.py), checked by `vime train` as a JuiceFS mount (--rollout-storage-profile juicefs)."""
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         lines = f.readlines()[:NUM_PROMPTS]
     (tmp_path / "prompts.jsonl").write_text("".join(lines))
+    if getattr(request, "param", "local") == "juicefs":
+        mount_point = request.getfixturevalue("juicefs_mount")
+        queue_dir = os.path.join(mount_point, tmp_path.name, "rollout_data")
+        return Job(str(tmp_path), fault_model, queue_dir=queue_dir, storage_profile="juicefs")
     return Job(str(tmp_path), fault_model)
 
 

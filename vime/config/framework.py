@@ -289,13 +289,15 @@ class QueueConfig:
     rollout_storage_profile: str = option(
         "local",
         "Filesystem profile of --rollout-data-dir: 'local' (one machine, development) or 'juicefs' "
-        "(a shared JuiceFS mount; needs --rollout-storage-declaration).",
+        "(a shared JuiceFS mount: vime reads the mount at start-up and refuses one without the guarantees "
+        "the queue needs, e.g. --writeback; docs/juicefs.md).",
         choices=["local", "juicefs"],
     )
     rollout_storage_declaration: str | None = option(
         None,
-        "JSON (inline or @file) describing the JuiceFS mount as straw requires: direct_mount true, writeback "
-        "false, open_cache 0, readdir_cache false, client_version, durability_description. vime-specific.",
+        "Optional JSON (inline or @file) describing the JuiceFS mount as straw requires (direct_mount, "
+        "writeback, open_cache, readdir_cache, client_version, durability_description). Default: derived from "
+        "the mount; a value given must agree with it, and a durability_description given is kept. vime-specific.",
     )
     rollout_io_concurrency: int = option(
         4, "Accepted groups the trainer reads from the queue in parallel (each reader has its own handle)."
@@ -311,11 +313,6 @@ class QueueConfig:
         require(self.rollout_queue_segment_mib > 0, "--rollout-queue-segment-mib", "must be > 0")
         require(self.max_staleness is None or self.max_staleness >= 0, "--max-staleness", "must be >= 0")
         require(self.rollout_io_concurrency >= 1, "--rollout-io-concurrency", "must be >= 1")
-        require(
-            self.rollout_storage_profile == "local" or self.rollout_storage_declaration is not None,
-            "--rollout-storage-declaration",
-            "is required with --rollout-storage-profile juicefs",
-        )
         if self.rollout_storage_declaration is not None:
             self.storage_declaration()  # validated here: a bad file or JSON fails at start-up
 
