@@ -60,10 +60,11 @@ def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
     check_invariants(job)
 
 
-# On JuiceFS too (tests/juicefs.py): the payload is made durable through the JuiceFS client before the SIGKILL,
+# On JuiceFS (tests/juicefs.py): the payload is made durable through the JuiceFS client before the SIGKILL,
 # and the orphaned publication's release, the journal and every trained group are read back through it (the
-# checkpoints stay in --save, on a local directory).
-@pytest.mark.parametrize("job", ["local", "juicefs"], indirect=True)
+# checkpoints stay in --save, on a local directory). Only there: every other fault test runs its queue on a local
+# directory, and one more run of ~80 s would not fit CI's time budget (docs/juicefs.md).
+@pytest.mark.parametrize("job", ["juicefs"], indirect=True)
 def test_producer_killed_after_durable_publish_before_acceptance(job):
     code, log = job.run(faults="rollout.after_publish@3")
     assert code == 0, log[-3000:]
