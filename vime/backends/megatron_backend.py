@@ -422,7 +422,7 @@ class MegatronBackend(RolloutTraining):
         backend's."""
         output = self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         values = self._stage_results(output, lambda logits: [logits[:, :-1, 0]], [tuple(batch.targets.shape)])
-        return values[0].cpu()
+        return batch.on_targets(values[0].cpu())
 
     def _stage_results(self, output, compute, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """``compute(logits)``; under pipeline parallelism the last stage's, on every stage

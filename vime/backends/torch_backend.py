@@ -414,7 +414,7 @@ class TorchBackend(RolloutTraining):
     def critic_values(self, batch: PackedBatch) -> torch.Tensor:
         """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
         layout = forward_layout(batch, self.packing, self.model.config)
-        return layout.scatter(layout.predicting(self.critic.module(**layout.model_inputs())))
+        return batch.on_targets(layout.scatter(layout.predicting(self.critic.module(**layout.model_inputs()))))
 
     def owed_forwards(self, module, packed: list[PackedBatch]) -> None:
         """FSDP: as many dropped forwards of ``module`` as this rank owes to keep the all-gathers in lock step."""

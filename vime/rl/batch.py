@@ -33,6 +33,12 @@ class PackedBatch:
     head_valid: torch.Tensor | None = None  # [B, T-1, k] top-p only: True on the support, False on padding
     teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
 
+    def on_targets(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [B, T-1] with 0 where a position predicts no token (padding, each row's last position).
+        Nothing trained reads those; zeroing them makes a backend's values the same whether its model ran the
+        rows padded or packed back to back (vime/backends/sequence_packing.py), and the same on every backend."""
+        return values.masked_fill(self.attention_mask[:, 1:] == 0, 0)
+
     def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
         """The response part of each row of a [B, T-1] tensor (ragged, one tensor per sample)."""
         return [values[row, start : start + n] for row, (start, n) in enumerate(zip(self.starts, self.lengths))]
