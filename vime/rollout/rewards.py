@@ -155,10 +155,6 @@ def resolve_reward(options: RewardOptions) -> Reward:
     return Reward(options)
 
 
-async def score_group(reward: Reward, args, samples: list[Sample]) -> None:
-    await reward.score_group(args, samples)
-
-
 def reward_by_source(samples: list[Sample]) -> dict[str, float]:
     """``{"reward_mean/<source>": mean reward}`` per ``sample.source_name`` (for per-source metrics)."""
     totals: dict[str, list[float]] = {}
