@@ -33,7 +33,7 @@ from vime.recovery.faults import fault_point
 from vime.runtime.durable import fsync_path
 
 if TYPE_CHECKING:
-    from vime.config.framework import CheckpointConfig
+    from vime.config.checkpoint import CheckpointConfig
 
 DELETING = ".deleting-"
 

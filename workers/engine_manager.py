@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vime.config.framework import ElasticConfig
+from vime.config.elastic import ElasticConfig
 from vime.engines.external import engine_url
 from vime.engines.http import EngineError
 from vime.engines.router import RouterClient

@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
-from vime.config.framework import WeightSyncConfig
+from vime.config.weight_sync import WeightSyncConfig
 from vime.engines.external import probe_engine
 from vime.engines.http import EngineError
 from vime.engines.vllm_server import (

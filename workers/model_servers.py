@@ -24,7 +24,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from vime.config.framework import ElasticConfig
+from vime.config.elastic import ElasticConfig
 from vime.config.vllm_launch import EngineLaunch, ModelLaunch
 from vime.engines.router import RouterClient, RouterProcess, start_router
 from vime.workers.engine_manager import EngineManager

@@ -124,7 +124,7 @@ def ray_session():
 
 def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, model_dir, ray_session):
     ray = ray_session
-    from vime.config.framework import WeightSyncConfig
+    from vime.config.weight_sync import WeightSyncConfig
     from vime.workers.engines import EngineGroup, EngineSpec, WeightSync
     from vime.workers.trainer_group import TrainerGroup
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from vime.config.framework import ElasticConfig
+from vime.config.elastic import ElasticConfig
 from vime.engines.http import EngineError
 from vime.weights import disk
 from vime.workers.engine_manager import EngineManager
@@ -326,7 +326,7 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
 
 def test_nccl_engines_that_restart_or_join_wait_for_the_next_broadcast_in_a_reformed_group(tmp_path, ray_session):
     ray = ray_session
-    from vime.config.framework import WeightSyncConfig
+    from vime.config.weight_sync import WeightSyncConfig
     from vime.tools.make_tiny_model import make_tiny_model
     from vime.workers.engines import WeightSync
     from vime.workers.trainer_group import TrainerGroup

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vime.config import ConfigError, parse_train_args
-from vime.config.framework import WeightSyncConfig
+from vime.config.weight_sync import WeightSyncConfig
 from vime.weights import nccl
 
 

@@ -15,24 +15,18 @@ import os
 from vime.config import router as router_args, vllm as vllm_args
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
-from vime.config.framework import (
-    CheckpointConfig,
-    ClusterConfig,
-    DataConfig,
-    DebugConfig,
-    ElasticConfig,
-    EvalConfig,
-    QueueConfig,
-    RolloutConfig,
-    RunConfig,
-    WeightSyncConfig,
-)
+from vime.config.checkpoint import CheckpointConfig
+from vime.config.elastic import ElasticConfig
+from vime.config.evaluation import EvalConfig
+from vime.config.framework import ClusterConfig, DataConfig, QueueConfig, RolloutConfig
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.megatron_perf import FUSION_DESTINATIONS, MegatronPerfConfig
 from vime.config.passthrough import split_prefixed
+from vime.config.run import DebugConfig, RunConfig
 from vime.config.tracking import TrackingConfig
 from vime.config.training import TrainConfig
+from vime.config.weight_sync import WeightSyncConfig
 from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
 __all__ = ["ConfigError", "TrainSettings", "build_parser", "parse_train_args"]
