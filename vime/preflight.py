@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vime.config import ConfigError, TrainSettings
+from vime.config.evaluation import EvalDataset, resolve_eval_datasets
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
-from vime.data.source import DataKeys, PromptDataset, open_prompt_source
+from vime.data.source import DataKeys, PromptDataset, PromptSubset, open_prompt_source, rows_within_prompt_len
 from vime.errors import UserError
 from vime.recovery import checkpoint as ckpt
 from vime.recovery.disk_space import why_unwritable
@@ -45,13 +46,17 @@ class DirectoriesUnusable(UserError, OSError):
 class Inputs:
     """What the checks loaded, for the run to use."""
 
-    dataset: Any  # the prompt source (vime.data.source)
-    eval_sets: list[tuple[str, PromptDataset]]
+    dataset: Any  # the prompt source (vime.data.source); with --rollout-max-prompt-len the prompts it keeps
+    eval_sets: list[tuple[EvalDataset, PromptDataset]]  # each held-out set's resolved settings and prompts
     reward: Any
     plan: Any  # vime.config.vllm_config's launch plan of --vllm-config, or None
     trained_model: str | None  # the plan's weight-synced model
     resume: tuple[str, ckpt.CheckpointState] | None  # (folder, state) when resuming
     tokenizer: Any
+    # --rollout-max-prompt-len: the source's rows it keeps (the controller opens the same subset), and how
+    # many prompts the source has in all; None: no filter.
+    prompt_rows: list[int] | None = None
+    prompts_total: int | None = None
 
 
 def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
@@ -64,7 +69,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         if getattr(section, name):
             load_hook(flag, getattr(section, name))
     dataset = open_prompt_source(s.data.prompt_data, keys, data_source_path=s.data.data_source_path, args=s.args)
-    eval_sets = [(name, PromptDataset.load(path, keys)) for name, path in s.eval.datasets]
+    eval_sets = load_eval_sets(s, say)
     reward = resolve_reward(RewardOptions.from_config(s.rollout))  # fails early on a bad path
     report_megatron_lm_flags(s, say)
     report_megatron_perf_flags(s, say)
@@ -81,6 +86,8 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
 
     s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint), s.train.train_backend)
     tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+    dataset, prompt_rows, prompts_total = filter_long_prompts(s, dataset, tokenizer, say)
+    report_sampling_controls(s, say)
     return Inputs(
         dataset=dataset,
         eval_sets=eval_sets,
@@ -89,7 +96,50 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         trained_model=trained_model,
         resume=resume,
         tokenizer=tokenizer,
+        prompt_rows=prompt_rows,
+        prompts_total=prompts_total,
     )
+
+
+def filter_long_prompts(
+    s: TrainSettings, dataset: Any, tokenizer, say: Callable[[str], None]
+) -> tuple[Any, list[int] | None, int | None]:
+    """(the prompts, the rows kept, the prompts in all) under --rollout-max-prompt-len, which says how many it
+    left out; without it (dataset, None, None)."""
+    limit = s.rollout.rollout_max_prompt_len
+    if limit is None:
+        return dataset, None, None
+    total = len(dataset)
+    rows = rows_within_prompt_len(dataset, tokenizer, limit, apply_chat_template=s.data.apply_chat_template)
+    say(
+        f"--rollout-max-prompt-len {limit}: {total - len(rows)} of {total} prompts are longer and left out; "
+        f"{len(rows)} remain"
+    )
+    return PromptSubset(dataset, rows), rows, total
+
+
+def load_eval_sets(s: TrainSettings, say: Callable[[str], None]) -> list[tuple[EvalDataset, PromptDataset]]:
+    """Every held-out set with its resolved settings (vime/config/evaluation.py), its prompts read with its
+    own keys (--eval-input-key, an --eval-config entry's input_key, ...)."""
+    if s.eval.eval_config and s.eval.eval_prompt_data:
+        say(f"--eval-config {s.eval.eval_config} gives the held-out sets; --eval-prompt-data is ignored")
+    sets = []
+    for config in resolve_eval_datasets(s.eval, s.rollout, s.data):
+        keys = DataKeys(config.input_key, config.label_key, config.metadata_key)
+        sets.append((config, PromptDataset.load(config.path, keys)))
+    return sets
+
+
+def report_sampling_controls(s: TrainSettings, say: Callable[[str], None]) -> None:
+    """Say once what the flags whose meaning vime's design changes do in this run."""
+    r = s.rollout
+    if r.over_sampling_batch_size is not None:
+        say(
+            f"--over-sampling-batch-size {r.over_sampling_batch_size}: vime's rollout workers lease one group "
+            "at a time and every group the dynamic filter drops is replaced at once, so no over-sampling is "
+            "needed to fill a rollout; the controller moves prompts into the queue in multiples of "
+            f"{r.over_sampling_batch_size}"
+        )
 
 
 def written_directories(s: TrainSettings) -> list[tuple[str, str]]:
@@ -176,6 +226,9 @@ def run_options(s: TrainSettings) -> dict[str, Any]:
         "input_key": s.data.input_key,
         "label_key": s.data.label_key,
         "rollout_shuffle": s.data.rollout_shuffle,
+        # They decide which prompt a journaled row is, and the order of rows.
+        "rollout_max_prompt_len": s.rollout.rollout_max_prompt_len,
+        "rollout_seed": s.rollout.rollout_seed,
     }
 
 

@@ -81,6 +81,7 @@ class TrainingRun:
         self.lineage = Lineage()  # restores in place: which versions are lost (recovery/lineage.py)
         self.step = 0  # steps trained in the surviving lineage
         self.restarter = None  # vime.workers.trainer_restart.TrainerRestarter
+        self.prompt_rows: list[int] | None = None  # --rollout-max-prompt-len: the rows the controller opens
 
     # ================================================================== entry
     def run(self) -> int:
@@ -94,7 +95,11 @@ class TrainingRun:
             self._start_processes()
             start_step, version = self._restore()
             self._reap_dead_producers()
-            self.before = self._evaluate(version, step=start_step, label="before training")
+            self.before = (
+                {}
+                if self.s.eval.skip_eval_before_train
+                else self._evaluate(version, step=start_step, label="before training")
+            )
             self._start_rollout_workers()
             with self.volumes.queue.stop_when_full("a call on the queue's coordinator"):  # straw's journal
                 version = self._train(start_step, version)
@@ -118,10 +123,21 @@ class TrainingRun:
         """Everything that can be checked before a process starts (vime/preflight.py), and what it loaded."""
         inputs = preflight.check_inputs(self.s, self.log.say)
         self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
+        self.prompt_rows = inputs.prompt_rows  # --rollout-max-prompt-len's kept rows, for the controller
         self.plan, self.trained_model = inputs.plan, inputs.trained_model
         self.resume = inputs.resume  # (folder, CheckpointState) or None
         resumed_from = self.resume[1].step if self.resume else None  # wandb, TensorBoard: vime/tracking.py
         self.log.attach(RunTracker.start(self.s, run_token=self.token, resumed_from=resumed_from, say=self.log.say))
+        if inputs.prompt_rows is not None:  # --rollout-max-prompt-len: what it left out (also said at start-up)
+            self.log.write(
+                {
+                    "kind": "data",
+                    "prompts": inputs.prompts_total,
+                    "prompts_kept": len(inputs.prompt_rows),
+                    "prompts_too_long": inputs.prompts_total - len(inputs.prompt_rows),
+                    "rollout_max_prompt_len": self.s.rollout.rollout_max_prompt_len,
+                }
+            )
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
 
@@ -201,13 +217,15 @@ class TrainingRun:
             lease_seconds=s.queue.rollout_queue_lease_seconds,
             prompt_data=s.data.prompt_data,
             keys=DataKeys(s.data.input_key, s.data.label_key, s.data.metadata_key),
-            seed=s.run.seed,
+            seed=s.rollout.rollout_seed if s.rollout.rollout_seed is not None else s.run.seed,
             shuffle=s.data.rollout_shuffle,
             num_epoch=s.data.num_epoch,
             groups_per_rollout=s.rollout.rollout_batch_size,
             max_staleness=s.max_staleness,
             data_source_path=s.data.data_source_path,
             args=s.args,
+            prompt_rows=self.prompt_rows,
+            refill_multiple=s.rollout.over_sampling_batch_size,
         )
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
         # lease of the old one fenced) and calls in flight are retried against it.

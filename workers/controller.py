@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from straw import Record
 
-from vime.data.source import DataKeys, DatasetCursor, PromptRecord, open_prompt_source
+from vime.data.source import DataKeys, DatasetCursor, PromptRecord, PromptSubset, open_prompt_source
 from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
 from vime.queue.memory_queue import MemoryRolloutQueue
@@ -53,6 +53,11 @@ class ControllerSpec:
     max_staleness: int
     data_source_path: str | None = None  # --data-source-path: a custom source instead of prompt_data
     args: Any = None  # handed to the custom source's constructor
+    # --rollout-max-prompt-len: the source's rows within the limit (computed once at start-up, so that every
+    # incarnation numbers the prompts alike); None: every row.
+    prompt_rows: list[int] | None = None
+    # --over-sampling-batch-size: fresh prompts enter the queue in multiples of it; None: a plain top-up.
+    refill_multiple: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,8 @@ class Controller:
         self.dataset = open_prompt_source(
             spec.prompt_data, spec.keys, data_source_path=spec.data_source_path, args=spec.args
         )
+        if spec.prompt_rows is not None:
+            self.dataset = PromptSubset(self.dataset, spec.prompt_rows)
         self.fence = None
         if spec.transport == "straw":
             self.fence = QueueFence.acquire(spec.store.data_dir)
@@ -153,11 +160,14 @@ class Controller:
 
     # ------------------------------------------------------------------ prompts
     def _refill(self) -> None:
-        """Keep about two rollouts' worth of fresh prompts pending (and never run dry)."""
+        """Keep about two rollouts' worth of fresh prompts pending (and never run dry); with
+        --over-sampling-batch-size they are added in multiples of it."""
         pending = sum(1 for t in self.queue.pending() if t.stage == "fresh")
         want = 2 * self.spec.groups_per_rollout - pending
         if want <= 0:
             return
+        if self.spec.refill_multiple:
+            want = -(-want // self.spec.refill_multiple) * self.spec.refill_multiple
         taken = self.cursor.take(
             self.dataset, want, seed=self.spec.seed, shuffle=self.spec.shuffle, num_epoch=self.spec.num_epoch
         )

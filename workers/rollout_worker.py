@@ -33,7 +33,7 @@ from vime.queue.transport import make_transport
 from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
-from vime.rollout.generate import GenerateError, SamplingParams, generate
+from vime.rollout.generate import GenerateError, SamplingParams, generate, sampling_params_from_rollout
 from vime.rollout.rewards import RewardOptions, resolve_reward
 from vime.rollout.teacher import attach_teacher_log_probs
 from vime.rollout.types import RolloutFnTrainOutput
@@ -77,11 +77,8 @@ class RolloutWorkerSpec:
         """Rollout worker ``index`` of a ``vime train`` run (its id is new at every start: a replacement never
         takes over a dead worker's leases or writer)."""
         r, a = s.rollout, s.algorithm
-        sampling = SamplingParams(
-            max_new_tokens=r.rollout_max_response_len,
-            temperature=r.rollout_temperature,
-            top_p=r.rollout_top_p,
-            top_k=r.rollout_top_k,
+        sampling = sampling_params_from_rollout(
+            r,
             # Score centering: the rollout records the sampler's heads or top-p supports (never at evaluation).
             score_centering_top_k=a.score_centering_top_k if a.use_score_centering else 0,
             routing_replay=s.megatron.use_rollout_routing_replay,

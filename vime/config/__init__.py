@@ -17,7 +17,7 @@ from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
 from vime.config.checkpoint import CheckpointConfig
 from vime.config.elastic import ElasticConfig
-from vime.config.evaluation import EvalConfig
+from vime.config.evaluation import EvalConfig, resolve_eval_datasets
 from vime.config.framework import ClusterConfig, DataConfig, QueueConfig, RolloutConfig
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
@@ -177,6 +177,7 @@ def validate(settings: TrainSettings) -> None:
         f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
         f"--global-batch-size {settings.global_batch_size}",
     )
+    resolve_eval_datasets(settings.eval, rollout, settings.data)  # --eval-config read and checked now
     check_trainer_parallelism(settings)
     check_torch_recompute(settings)
     check_local_cuda(settings)
@@ -365,11 +366,12 @@ def finalize(settings: TrainSettings) -> None:
     settings.train.hf_checkpoint = _absolute(settings.train.hf_checkpoint)
     settings.checkpoint.save = _absolute(settings.checkpoint.save)
     settings.checkpoint.load = _absolute(settings.checkpoint.load)
+    settings.eval.eval_config = _absolute(settings.eval.eval_config)
     if settings.eval.eval_prompt_data:
         settings.eval.eval_prompt_data = [
             item if i % 2 == 0 else _absolute(item) for i, item in enumerate(settings.eval.eval_prompt_data)
         ]
-    for name in ("prompt_data", "hf_checkpoint", "save", "load", "eval_prompt_data"):
+    for name in ("prompt_data", "hf_checkpoint", "save", "load", "eval_prompt_data", "eval_config"):
         section = next(getattr(settings, s) for s, cls, _ in SECTIONS if name in cls.__dataclass_fields__)
         setattr(settings.args, name, getattr(section, name))
     run = settings.run

@@ -135,7 +135,9 @@ class DataConfig:
         "PromptRecord; row i must always be the same prompt (the queue journals row indices). "
         "See docs/data-and-hooks.md.",
     )
-    rollout_shuffle: bool = option(False, "Shuffle prompts each epoch (seeded by --seed and the epoch).")
+    rollout_shuffle: bool = option(
+        False, "Shuffle prompts each epoch (seeded by --rollout-seed when given, else --seed, and the epoch)."
+    )
     num_epoch: int | None = option(
         None, "Stop after this many passes over --prompt-data (default: run --num-rollout steps)."
     )
@@ -229,6 +231,51 @@ class RolloutConfig:
         False,
         "Continue samples interrupted by a weight update from their generated prefix instead of regenerating them.",
     )
+    rollout_stop: list[str] | None = option(
+        None,
+        "Stop strings for the inference engine during rollout (one or more; also in evaluation). Special tokens "
+        "are hard to pass on a command line: use --rollout-stop-token-ids for those. The matched string's tokens "
+        "stay in the sample's tokens (vLLM trims only its text).",
+        nargs="+",
+    )
+    rollout_stop_token_ids: list[int] | None = option(
+        None, "Stop token ids for the inference engine during rollout (one or more; also in evaluation).", nargs="+"
+    )
+    rollout_skip_special_tokens: bool = option(
+        False,
+        "Ask the engine to skip special tokens in the response text (vLLM's skip_special_tokens; also handed to "
+        "--custom-generate-function-path in sampling_params). vime differs: the response text vime decodes for "
+        "rewards leaves special tokens out with or without this flag; tokens are never affected.",
+    )
+    rollout_max_prompt_len: int | None = option(
+        None,
+        "Maximum prompt tokens (after the chat template): longer prompts are left out of the dataset when the "
+        "run starts, and their number is said and written to metrics.jsonl (kind 'data'). Every prompt is "
+        "tokenized once at start-up, which is slow for a large dataset. A resumed run must keep it.",
+    )
+    rollout_max_context_len: int | None = option(
+        None,
+        "Maximum prompt + response tokens in rollout: a request asks for at most this minus the tokens the sample "
+        "already holds (and at most --rollout-max-response-len); a sample already at the limit ends TRUNCATED "
+        "without a request. Keep it within the model's context (--vllm-max-model-len).",
+    )
+    rollout_seed: int | None = option(
+        None,
+        "Seed of rollout randomness: the prompt shuffle (--rollout-shuffle) and, vime-specific, a per-request vLLM "
+        "sampling seed derived from it and the sample's group, index and length, so a regenerated sample draws "
+        "the same tokens. vime differs: the reference's default is 42 and it seeds only the shuffle; without "
+        "this flag vime shuffles with --seed and sends no per-request seed (per-request seeds can slow vLLM's "
+        "sampler). A resumed run must keep it.",
+    )
+    over_sampling_batch_size: int | None = option(
+        None,
+        "The reference's granularity of fetching prompts: when fewer than needed are waiting, this many more are "
+        "taken from the dataset. vime's controller keeps two rollouts' worth of prompts in the queue and, with "
+        "this flag, adds them in multiples of it. vime differs: its rollout workers lease one group at a time and "
+        "every group --dynamic-sampling-filter-path drops is replaced at once, so no extra generation is needed "
+        "to fill a rollout; the value only sets how many prompts move into the queue at a time. Must be >= "
+        "--rollout-batch-size (default: the plain top-up, as with --rollout-batch-size).",
+    )
     rollout_request_timeout: float = option(120.0, "Seconds before one generate request to the router fails.")
     rollout_max_concurrent_groups: int | None = option(
         None, "Groups one rollout worker generates at once (default: --rollout-batch-size). vime-specific."
@@ -256,11 +303,47 @@ class RolloutConfig:
         )
         check_reward_flags(self)
         require(self.rollout_request_timeout > 0, "--rollout-request-timeout", "must be > 0")
+        check_sampling_controls(self)
         require(
             self.rollout_max_concurrent_groups is None or self.rollout_max_concurrent_groups >= 1,
             "--rollout-max-concurrent-groups",
             "must be >= 1",
         )
+
+
+def check_sampling_controls(r: RolloutConfig) -> None:
+    """The stop, length, seed and over-sampling flags of rollout (each error names its flag)."""
+    require(
+        r.rollout_stop is None or (len(r.rollout_stop) > 0 and all(r.rollout_stop)),
+        "--rollout-stop",
+        "stop strings must not be empty",
+    )
+    require(
+        r.rollout_stop_token_ids is None or all(token >= 0 for token in r.rollout_stop_token_ids),
+        "--rollout-stop-token-ids",
+        "token ids must be >= 0",
+    )
+    require(
+        r.rollout_max_prompt_len is None or r.rollout_max_prompt_len >= 1, "--rollout-max-prompt-len", "must be >= 1"
+    )
+    require(
+        r.rollout_max_context_len is None or r.rollout_max_context_len >= 2,
+        "--rollout-max-context-len",
+        "must be >= 2 (a prompt token and a response token)",
+    )
+    if r.rollout_max_prompt_len is not None and r.rollout_max_context_len is not None:
+        require(
+            r.rollout_max_prompt_len < r.rollout_max_context_len,
+            "--rollout-max-prompt-len",
+            f"{r.rollout_max_prompt_len} leaves no room for a response within --rollout-max-context-len "
+            f"{r.rollout_max_context_len}",
+        )
+    require(r.rollout_seed is None or r.rollout_seed >= 0, "--rollout-seed", "must be >= 0")
+    require(
+        r.over_sampling_batch_size is None or r.over_sampling_batch_size >= r.rollout_batch_size,
+        "--over-sampling-batch-size",
+        f"{r.over_sampling_batch_size} must be >= --rollout-batch-size {r.rollout_batch_size} (as in the reference)",
+    )
 
 
 @dataclasses.dataclass(kw_only=True)

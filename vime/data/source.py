@@ -232,6 +232,47 @@ class CustomPromptSource(PromptSource):
         raise DataError(f"{where}: expected a dict record, a Sample or a PromptRecord, got {type(item).__name__}")
 
 
+MAX_PROMPT_LEN_FLAG = "--rollout-max-prompt-len"
+
+
+class PromptSubset(PromptSource):
+    """The rows of ``source`` listed in ``rows``, renumbered 0, 1, ... (the prompts --rollout-max-prompt-len
+    keeps). The queue journals the subset's row numbers, so ``rows`` must be the same whenever the run's
+    prompts are opened: it is computed once at start-up and handed to the controller."""
+
+    def __init__(self, source: PromptSource, rows: list[int]):
+        if not rows:
+            raise DataError(f"{source.name}: no prompts left")
+        self.source, self.rows = source, list(rows)
+        self.name = source.name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PromptRecord:
+        return dataclasses.replace(self.source[self.rows[index]], index=index)
+
+
+def rows_within_prompt_len(
+    source: PromptSource, tokenizer, max_prompt_len: int, *, apply_chat_template: bool
+) -> list[int]:
+    """Rows of ``source`` whose prompt, rendered as the rollout renders it, has at most ``max_prompt_len``
+    tokens (--rollout-max-prompt-len). Raises DataError, naming the flag, when none has."""
+    from vime.data.prompt import render_prompt
+
+    rows = [
+        row
+        for row in range(len(source))
+        if len(render_prompt(tokenizer, source[row].prompt, apply_chat_template=apply_chat_template)) <= max_prompt_len
+    ]
+    if not rows:
+        raise DataError(
+            f"{MAX_PROMPT_LEN_FLAG} {max_prompt_len}: every one of the {len(source)} prompts of {source.name} "
+            "is longer; nothing is left to train on"
+        )
+    return rows
+
+
 def open_prompt_source(
     prompt_data: str | None, keys: DataKeys, *, data_source_path: str | None = None, args: Any = None
 ) -> PromptSource:

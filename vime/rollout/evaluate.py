@@ -4,6 +4,10 @@
 ``generate_rollout(args, rollout_id, data_source, evaluation=True)``, once per held-out set;
 ``data_source.get_samples(n)`` hands out that set's prompts (each a group of
 --n-samples-per-eval-prompt fresh samples) until it is exhausted.
+
+Each set samples with its own resolved settings (vime.config.evaluation.EvalDataset: an --eval-config
+entry, its defaults, the --eval-* flags, then the --rollout-* ones); its rm_type and metadata_overrides
+are put in every sample's metadata.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from vime.config.evaluation import EvalDataset
 from vime.data.prompt import render_prompt
 from vime.data.source import PromptSource
 from vime.rollout.generate import SamplingParams, generate
@@ -28,9 +33,19 @@ EVAL_FLAG = "--eval-function-path"
 class EvalDataSource:
     """The ``data_source`` an eval function receives: one held-out set, handed out once."""
 
-    def __init__(self, name: str, dataset: PromptSource, *, tokenizer, n_samples: int, apply_chat_template: bool):
+    def __init__(
+        self,
+        name: str,
+        dataset: PromptSource,
+        *,
+        tokenizer,
+        n_samples: int,
+        apply_chat_template: bool,
+        config: EvalDataset | None = None,
+    ):
         self.name, self.dataset, self.n_samples = name, dataset, n_samples
         self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
+        self.config = config  # the set's rm_type and metadata_overrides go into each sample's metadata
         self.offset = 0
 
     def __len__(self) -> int:
@@ -46,7 +61,7 @@ class EvalDataSource:
                 prompt=record.prompt,
                 label=record.label,
                 tokens=list(tokens),
-                metadata=dict(record.metadata),
+                metadata=self.config.inject_metadata(record.metadata) if self.config else dict(record.metadata),
                 source=record.source,
                 session_id=f"eval-{self.name}-{record.index}-{i}",
             )
@@ -132,20 +147,26 @@ async def evaluate_dataset(
     name: str = "eval",
     rollout_id: int = 0,
     eval_function_path: str | None = None,
+    config: EvalDataset | None = None,
 ) -> dict[str, float]:
     if eval_function_path:
         from vime.runtime.plugins import call_maybe_async, load_hook
 
         function = load_hook(EVAL_FLAG, eval_function_path)
         source = EvalDataSource(
-            name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template
+            name,
+            dataset,
+            tokenizer=tokenizer,
+            n_samples=n_samples,
+            apply_chat_template=apply_chat_template,
+            config=config,
         )
         output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
         return interpret_eval_output(output, name, eval_function_path)
 
     limit = asyncio.Semaphore(concurrency)
     source = EvalDataSource(
-        name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template
+        name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template, config=config
     )
 
     async def one(session, sample: Sample) -> Sample:
@@ -163,28 +184,41 @@ async def evaluate_dataset(
     return summarize(samples)
 
 
-class HeldOutEvaluation:
-    """The run's held-out evaluation: every --eval-prompt-data set generated through the router with the
-    --eval-* sampling settings, each result written to ``metrics.jsonl`` (kind ``eval``) and said in the
-    progress output. ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
+def eval_sampling(config: EvalDataset, *, skip_special_tokens: bool = False, seed: int | None = None) -> SamplingParams:
+    """SamplingParams of one held-out set from its resolved settings."""
+    return SamplingParams(
+        max_new_tokens=config.max_response_len,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop=config.stop,
+        stop_token_ids=config.stop_token_ids,
+        skip_special_tokens=skip_special_tokens,
+        max_context_len=config.max_context_len,
+        seed=seed,
+    )
 
-    def __init__(self, settings, eval_sets: list[tuple[str, Any]], tokenizer, reward: Reward, log):
+
+class HeldOutEvaluation:
+    """The run's held-out evaluation: every held-out set (--eval-prompt-data or --eval-config) generated
+    through the router with its resolved sampling settings, each result written to ``metrics.jsonl`` (kind
+    ``eval``) and said in the progress output. ``eval_sets`` pairs each set's :class:`EvalDataset` with its
+    loaded prompts; ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
+
+    def __init__(self, settings, eval_sets: list[tuple[EvalDataset, Any]], tokenizer, reward: Reward, log):
         self.s, self.eval_sets, self.tokenizer, self.reward, self.log = settings, eval_sets, tokenizer, reward, log
 
-    def sampling(self) -> SamplingParams:
-        s = self.s
-        return SamplingParams(
-            max_new_tokens=s.eval.eval_max_response_len or s.rollout.rollout_max_response_len,
-            temperature=s.eval.eval_temperature,
-            top_p=1.0 if s.eval.eval_temperature == 0 else s.rollout.rollout_top_p,
-            top_k=-1,
-        )
+    def sampling(self, config: EvalDataset) -> SamplingParams:
+        """The engine settings of one held-out set (stop strings and ids, context limit, seed included)."""
+        r = self.s.rollout
+        return eval_sampling(config, skip_special_tokens=r.rollout_skip_special_tokens, seed=r.rollout_seed)
 
     def run(self, router_url: str, *, version: int, step: int, label: str) -> dict[str, float]:
         """The reward of each set (by name) for the weights of ``version``, served behind ``router_url``."""
         s = self.s
         results = {}
-        for name, dataset in self.eval_sets:
+        for config, dataset in self.eval_sets:
+            name = config.name
             started = time.monotonic()
             result = asyncio.run(
                 evaluate_dataset(
@@ -193,13 +227,14 @@ class HeldOutEvaluation:
                     router_url=router_url,
                     reward=self.reward,
                     args=s.args,
-                    params=self.sampling(),
-                    n_samples=s.eval.n_samples_per_eval_prompt,
+                    params=self.sampling(config),
+                    n_samples=config.n_samples_per_eval_prompt,
                     apply_chat_template=s.data.apply_chat_template,
                     timeout=s.rollout.rollout_request_timeout,
                     name=name,
                     rollout_id=step,
                     eval_function_path=s.eval.eval_function_path,
+                    config=config,
                 )
             )
             results[name] = result["reward"]

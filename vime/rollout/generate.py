@@ -98,6 +98,13 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop: tuple[str, ...] = ()  # --rollout-stop
+    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids
+    skip_special_tokens: bool = False  # --rollout-skip-special-tokens
+    # --rollout-max-context-len (--eval-max-context-len): prompt + response never exceed it.
+    max_context_len: int | None = None
+    # --rollout-seed: each request gets a seed derived from it and the sample (request_seed); None: unseeded.
+    seed: int | None = None
     # --score-centering-top-k when --use-score-centering is on, else 0: the rollout records the sampler's
     # heads (top-p 1) or supports (top-p < 1). Evaluation leaves it 0.
     score_centering_top_k: int = 0
@@ -108,15 +115,44 @@ class SamplingParams:
     def score_centering(self) -> ScoreCenteringCapture | None:
         return score_centering_capture(self.score_centering_top_k, self.top_p)
 
-    def for_vllm(self, remaining: int) -> dict[str, Any]:
+    def remaining(self, sample: Sample) -> int:
+        """New tokens a request for ``sample`` may ask for: what --rollout-max-response-len leaves of the
+        response and, with a context limit, what it leaves of prompt + response."""
+        remaining = self.max_new_tokens - sample.response_length
+        if self.max_context_len is not None:
+            remaining = min(remaining, self.max_context_len - len(sample.tokens))
+        return remaining
+
+    def request_seed(self, sample: Sample) -> int | None:
+        """The vLLM seed of the next request for ``sample``: a function of --rollout-seed, the sample's group,
+        index and current length (a continuation draws anew), so a regenerated sample draws the same tokens."""
+        if self.seed is None:
+            return None
+        return sample_seed(self.seed, sample.group_index, sample.index, len(sample.tokens))
+
+    def for_vllm(self, remaining: int, *, seed: int | None = None) -> dict[str, Any]:
         capture = self.score_centering
-        return {
+        request = {
             "max_tokens": remaining,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "logprobs": capture.logprobs if capture else 0,
         }
+        request.update(self._engine_fields())
+        if seed is not None:
+            request["seed"] = seed
+        return request
+
+    def _engine_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.stop:
+            fields["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = list(self.stop_token_ids)
+        if self.skip_special_tokens:
+            fields["skip_special_tokens"] = True
+        return fields
 
     def as_dict(self) -> dict[str, Any]:
         """The form custom generate functions receive (the reference framework's key names)."""
@@ -125,7 +161,32 @@ class SamplingParams:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            **self._engine_fields(),
         }
+
+
+def sample_seed(base: int, group_index: int, index: int, length: int) -> int:
+    """A 31-bit seed from --rollout-seed and a sample's position (group, index, tokens held)."""
+    value = base
+    for part in (group_index, index, length):
+        value = (value * 1_000_003 + int(part) + 1) % 2_147_483_647
+    return value
+
+
+def sampling_params_from_rollout(rollout, **extra) -> SamplingParams:
+    """The rollout's SamplingParams from its RolloutConfig (--rollout-* flags); ``extra`` sets the rest."""
+    return SamplingParams(
+        max_new_tokens=rollout.rollout_max_response_len,
+        temperature=rollout.rollout_temperature,
+        top_p=rollout.rollout_top_p,
+        top_k=rollout.rollout_top_k,
+        stop=tuple(rollout.rollout_stop or ()),
+        stop_token_ids=tuple(rollout.rollout_stop_token_ids or ()),
+        skip_special_tokens=rollout.rollout_skip_special_tokens,
+        max_context_len=rollout.rollout_max_context_len,
+        seed=rollout.rollout_seed,
+        **extra,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,11 +340,11 @@ def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) 
 async def generate(
     session: aiohttp.ClientSession, base_url: str, sample: Sample, params: SamplingParams, *, timeout: float
 ) -> Sample:
-    remaining = params.max_new_tokens - sample.response_length
+    remaining = params.remaining(sample)
     if remaining <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    request = params.for_vllm(remaining)
+    request = params.for_vllm(remaining, seed=params.request_seed(sample))
     if params.routing_replay:
         request.update(routing.routing_request(sample))
     completion = await post_generate(
@@ -385,11 +446,22 @@ async def generate_turn(
     For custom generate functions: the request goes to the run's router (or ``url``) with the
     sample's session id, so with ``--router-policy consistent_hash`` every turn of the sample lands
     on the engine that holds its prefix. The new tokens join the response with loss mask 1, their
-    log-probs and weight versions; ``sample.status`` follows the finish reason.
+    log-probs and weight versions; ``sample.status`` follows the finish reason. With
+    ``--rollout-max-context-len`` the turn asks for no more than the context leaves (none left: the
+    sample ends TRUNCATED without a request); with ``--rollout-seed`` it carries the sample's seed.
     """
     limit = max_new_tokens if max_new_tokens is not None else int(sampling_params.get("max_new_tokens", 16))
+    context = getattr(args, "rollout_max_context_len", None)
+    if context is not None:
+        limit = min(limit, int(context) - len(sample.tokens))
+        if limit <= 0:  # --rollout-max-context-len reached: nothing more may be generated
+            sample.status = Status.TRUNCATED
+            return Completion([], [], [], "length")
     timeout = timeout if timeout is not None else float(getattr(args, "rollout_request_timeout", 120.0))
     request, capture = score_centering_request(args, _vllm_params(sampling_params, limit))
+    seed = getattr(args, "rollout_seed", None)
+    if seed is not None and request.get("seed") is None:
+        request["seed"] = sample_seed(int(seed), sample.group_index, sample.index, len(sample.tokens))
     replay = bool(getattr(args, "use_rollout_routing_replay", False))
     if replay:
         request.update(routing.routing_request(sample))
