@@ -49,6 +49,8 @@ def demo_args(out: str, model: str) -> list[str]:
         "0.01",
         "--eval-interval",
         "20",
+        "--eval-temperature",
+        "0",  # greedy held-out reward (docs/calibration-digit-shift.md); the default samples as the rollout
         "--advantage-estimator",
         "grpo",
         "--rollout-data-transport",

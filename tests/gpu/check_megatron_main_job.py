@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = demo_args(run_dir, model)
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(max(1, options.num_rollout // 2)))
+    set_flag(args, "--eval-temperature", "0")  # calibrated on greedy held-out reward
     set_flag(args, "--save-interval", str(max(1, options.num_rollout // 2)))
     args += [
         "--train-backend",

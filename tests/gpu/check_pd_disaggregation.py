@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = demo_args(run_dir, model)
     set_flag(args, "--num-rollout", str(options.num_rollout))
     set_flag(args, "--eval-interval", str(options.num_rollout))
+    set_flag(args, "--eval-temperature", "0")  # calibrated on greedy held-out reward
     args += ["--vllm-config", config, "--rollout-num-gpus", "2"]
     failures = run_vime_train(args, env=env, timeout=options.timeout)
     logs = os.path.join(run_dir, "logs")
