@@ -85,6 +85,13 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
             "prompt",
             "--label-key",
             "label",
+            # Issue 19's prompt controls on a real run: every prompt has 4 tokens, so the filter keeps all 12 (its
+            # rows still reach the controller); no evaluation before training; refills in multiples of 4.
+            "--rollout-max-prompt-len",
+            "4",
+            "--skip-eval-before-train",
+            "--over-sampling-batch-size",
+            "4",
         ),
         cwd=REPO,
         capture_output=True,
@@ -92,13 +99,18 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "--rollout-max-prompt-len 4: 0 of 12 prompts are longer" in result.stdout + result.stderr
+    assert "--over-sampling-batch-size 4: " in result.stdout + result.stderr
 
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    [data] = [r for r in records if r["kind"] == "data"]
+    assert (data["prompts"], data["prompts_kept"], data["prompts_too_long"]) == (12, 12, 0)
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(abs(r["reward_mean"] - 0.5) < 1e-6 for r in train)  # only the "odd" groups were trained
     evals = [r for r in records if r["kind"] == "eval"]
-    assert len(evals) == 2 and all(r["eval_reward"] == 0.75 for r in evals)  # 3 of 4 held-out rows "known"
+    assert len(evals) == 1 and all(r["eval_reward"] == 0.75 for r in evals)  # 3 of 4 held-out rows "known"
+    assert evals[0]["step"] == 3  # only after training (--skip-eval-before-train)
 
     groups = read_accepted_groups(run_dir)
     assert len(groups) >= 6

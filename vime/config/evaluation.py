@@ -21,7 +21,8 @@ EVAL_CONFIG_FLAG = "--eval-config"
 class EvalConfig:
     eval_prompt_data: list[str] | None = option(
         None,
-        "Held-out sets as NAME PATH pairs, evaluated before training, every --eval-interval rollouts and at the end.",
+        "Held-out sets as NAME PATH pairs, evaluated before training (unless --skip-eval-before-train), every "
+        "--eval-interval rollouts and at the end. --eval-config replaces it.",
         nargs="+",
     )
     n_samples_per_eval_prompt: int = option(1, "Responses per held-out prompt.")
