@@ -84,7 +84,9 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     resume = checkpoint_to_resume(s, say)
     from transformers import AutoConfig, AutoTokenizer
 
-    s.megatron.check_against_hf(AutoConfig.from_pretrained(s.train.hf_checkpoint), s.train.train_backend)
+    hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
+    s.megatron.check_against_hf(hf_config, s.train.train_backend)
+    check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
     tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
     dataset, prompt_rows, prompts_total = filter_long_prompts(s, dataset, tokenizer, say)
     report_sampling_controls(s, say)
@@ -99,6 +101,17 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         prompt_rows=prompt_rows,
         prompts_total=prompts_total,
     )
+
+
+def check_stop_token_ids(s: TrainSettings, vocab_size: int | None) -> None:
+    """--rollout-stop-token-ids within the model's vocabulary: vLLM refuses every request otherwise."""
+    if not vocab_size:
+        return
+    outside = [token for token in s.rollout.rollout_stop_token_ids or () if token >= vocab_size]
+    if outside:
+        raise ConfigError(
+            "--rollout-stop-token-ids", f"{outside} outside the vocabulary of --hf-checkpoint ({vocab_size} tokens)"
+        )
 
 
 def filter_long_prompts(

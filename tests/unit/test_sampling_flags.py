@@ -135,6 +135,13 @@ def test_bad_values_name_the_flag(model_dir, extra, flag):
         parse_train_args(base(model_dir, *extra))
 
 
+def test_stop_token_ids_outside_the_vocabulary_name_the_flag(model_dir):
+    s = parse_train_args(base(model_dir, "--rollout-stop-token-ids", "5", "99"))
+    preflight.check_stop_token_ids(s, 100)
+    with pytest.raises(ConfigError, match=r"^--rollout-stop-token-ids: \[99\] outside the vocabulary"):
+        preflight.check_stop_token_ids(s, 99)
+
+
 def test_bad_types_are_refused_by_the_parser(model_dir, capsys):
     with pytest.raises(SystemExit):
         parse_train_args(base(model_dir, "--rollout-stop-token-ids", "eos"))
