@@ -28,7 +28,17 @@ EVAL_FLAG = "--eval-function-path"
 class EvalDataSource:
     """The ``data_source`` an eval function receives: one held-out set, handed out once."""
 
-    def __init__(self, name: str, dataset: PromptSource, *, tokenizer, n_samples: int, apply_chat_template: bool):
+    def __init__(
+        self,
+        name: str,
+        dataset: PromptSource,
+        *,
+        tokenizer,
+        n_samples: int,
+        apply_chat_template: bool,
+        chat_template_kwargs: dict | None = None,
+    ):
+        self.chat_template_kwargs = chat_template_kwargs
         self.name, self.dataset, self.n_samples = name, dataset, n_samples
         self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
         self.offset = 0
@@ -37,7 +47,12 @@ class EvalDataSource:
         return len(self.dataset)
 
     def group(self, record) -> list[Sample]:
-        tokens = render_prompt(self.tokenizer, record.prompt, apply_chat_template=self.apply_chat_template)
+        tokens = render_prompt(
+            self.tokenizer,
+            record.prompt,
+            apply_chat_template=self.apply_chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
         return [
             Sample(
                 group_index=record.index,
@@ -132,13 +147,19 @@ async def evaluate_dataset(
     name: str = "eval",
     rollout_id: int = 0,
     eval_function_path: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> dict[str, float]:
     if eval_function_path:
         from vime.runtime.plugins import call_maybe_async, load_hook
 
         function = load_hook(EVAL_FLAG, eval_function_path)
         source = EvalDataSource(
-            name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template
+            name,
+            dataset,
+            tokenizer=tokenizer,
+            n_samples=n_samples,
+            apply_chat_template=apply_chat_template,
+            chat_template_kwargs=chat_template_kwargs,
         )
         output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
         return interpret_eval_output(output, name, eval_function_path)
@@ -196,6 +217,7 @@ class HeldOutEvaluation:
                     params=self.sampling(),
                     n_samples=s.eval.n_samples_per_eval_prompt,
                     apply_chat_template=s.data.apply_chat_template,
+                    chat_template_kwargs=s.data.apply_chat_template_kwargs,
                     timeout=s.rollout.rollout_request_timeout,
                     name=name,
                     rollout_id=step,
