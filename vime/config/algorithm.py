@@ -30,8 +30,8 @@ class AlgorithmConfig:
     custom_loss_function_path: str | None = option(
         None,
         "With --loss-type custom_loss: the loss, called per micro-batch as loss_fn(args, batch, logits, "
-        "sum_of_sample_mean) -> (loss, metrics) on both backends (docs/algorithms.md: vime passes the training "
-        "forward's log-probs as logits).",
+        "sum_of_sample_mean) -> (loss, metrics) on both backends; vime keeps no logits, so logits is the training "
+        "forward (its log_probs and entropy) and batch['cur_log_probs'] the current log-probs (docs/algorithms.md).",
     )
     custom_advantage_function_path: str | None = option(
         None,
