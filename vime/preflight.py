@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vime.config import ConfigError, TrainSettings
+from vime.config import SECTIONS, ConfigError, TrainSettings
 from vime.config.evaluation import EvalDataset, resolve_eval_datasets
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
 from vime.data.source import DataKeys, PromptDataset, PromptSubset, open_prompt_source, rows_within_prompt_len
@@ -33,6 +33,11 @@ HOOK_FLAGS = (
     ("rollout", "--rollout-function-path"),
     ("rollout", "--dynamic-sampling-filter-path"),
     ("algorithm", "--custom-reward-post-process-path"),
+    ("algorithm", "--custom-loss-function-path"),
+    ("algorithm", "--custom-advantage-function-path"),
+    ("algorithm", "--custom-pg-loss-reducer-function-path"),
+    ("hooks", "--custom-convert-samples-to-train-data-path"),
+    ("hooks", "--rollout-all-samples-process-path"),
     ("eval", "--eval-function-path"),
     ("data", "--data-source-path"),
 )
@@ -73,6 +78,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     reward = resolve_reward(RewardOptions.from_config(s.rollout))  # fails early on a bad path
     report_megatron_lm_flags(s, say)
     report_megatron_perf_flags(s, say)
+    report_hook_flags(s, say)
     plan, trained_model = plan_engines(s)
     check_against_vllm(s.vllm.vllm_args)
     check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
@@ -165,6 +171,9 @@ def written_directories(s: TrainSettings) -> list[tuple[str, str]]:
         ("--run-dir", s.run_dir),
         ("--update-weight-disk-dir", s.weight_dir),
     ]
+    train_template = s.hooks.save_debug_train_data
+    if train_template:  # the folder above the first placeholder
+        found.append(("--save-debug-train-data", os.path.dirname(os.path.abspath(train_template).split("{")[0])))
     template = s.debug.save_debug_rollout_data
     if template:  # the folder above the first path component that holds '{rollout_id}'
         found.append(("--save-debug-rollout-data", os.path.dirname(os.path.abspath(template).split("{")[0])))
@@ -270,6 +279,24 @@ def report_megatron_perf_flags(s: TrainSettings, say: Callable[[str], None]) -> 
     read at start-up rather than find out from a profile."""
     for note in s.perf.startup_notes(s.train.train_backend):
         say(note)
+
+
+def report_hook_flags(s: TrainSettings, say: Callable[[str], None]) -> None:
+    """Say once what the data and hook flags given do on this run where that is less than their name says."""
+    if s.data.multimodal_keys:
+        say(
+            f"--multimodal-keys {json.dumps(s.data.multimodal_keys)}: vime's engines and trainers are text-only; "
+            "the media fields are not read from the records nor sent to the model (hooks see the mapping as "
+            "args.multimodal_keys)"
+        )
+    if s.hooks.custom_config_path:
+        from vime.config.base import flag_name
+        from vime.config.hooks import load_custom_config
+
+        flags = {f.name: flag_name(f) for _, cls, _ in SECTIONS for f in dataclasses.fields(cls)}
+        for key, value in load_custom_config(s.hooks.custom_config_path).items():
+            if key in flags:
+                say(f"--custom-config-path {s.hooks.custom_config_path}: {key}: {value!r} overrides {flags[key]}")
 
 
 def plan_engines(s: TrainSettings) -> tuple[Any, str | None]:

@@ -41,6 +41,8 @@ from vime.runtime.plugins import call_maybe_async, load_hook
 from vime.sample import Sample, Status
 
 logger = logging.getLogger("vime.rollout")
+
+ALL_SAMPLES_FLAG = "--rollout-all-samples-process-path"
 GET_SAMPLES_GRACE_SECONDS = 0.5
 ENGINE_RETRY_SECONDS = 1.0
 
@@ -69,6 +71,8 @@ class RolloutWorkerSpec:
     lease_seconds: float
     args: argparse.Namespace  # handed to user hooks, as the reference framework does
     dynamic_sampling_filter_path: str | None = None
+    apply_chat_template_kwargs: dict | None = None  # --apply-chat-template-kwargs
+    rollout_all_samples_process_path: str | None = None  # called on every scored group, kept or filtered
     # The queue's directory, said by its flag when it fills (recovery/disk_full.py); None: not checked.
     queue_volume: WrittenVolume | None = None
 
@@ -94,6 +98,8 @@ class RolloutWorkerSpec:
             max_concurrent_groups=r.max_concurrent_groups,
             partial_rollout=r.partial_rollout,
             apply_chat_template=s.data.apply_chat_template,
+            apply_chat_template_kwargs=s.data.apply_chat_template_kwargs,
+            rollout_all_samples_process_path=s.hooks.rollout_all_samples_process_path,
             reward=RewardOptions.from_config(r),
             custom_generate_function_path=r.custom_generate_function_path,
             rollout_function_path=r.rollout_function_path,
@@ -153,6 +159,11 @@ class RolloutWorker:
         )
         self.dynamic_filter = (
             load_hook(FILTER_FLAG, spec.dynamic_sampling_filter_path) if spec.dynamic_sampling_filter_path else None
+        )
+        self.all_samples_process = (
+            load_hook(ALL_SAMPLES_FLAG, spec.rollout_all_samples_process_path)
+            if spec.rollout_all_samples_process_path
+            else None
         )
         # --use-opd lives in the algorithm section, which the spec does not carry: read it where hooks do.
         self.use_opd = bool(getattr(spec.args, "use_opd", False))
@@ -273,7 +284,12 @@ class RolloutWorker:
     # ------------------------------------------------------------------ one group
     def _fresh_group(self, item) -> list[Sample]:
         task, prompt = item.assignment.task, item.prompt
-        tokens = render_prompt(self.tokenizer, prompt.prompt, apply_chat_template=self.spec.apply_chat_template)
+        tokens = render_prompt(
+            self.tokenizer,
+            prompt.prompt,
+            apply_chat_template=self.spec.apply_chat_template,
+            chat_template_kwargs=self.spec.apply_chat_template_kwargs,
+        )
         # One session per sample: every request of it (each turn of a multi-turn custom generate,
         # a continuation after a weight update) carries this id as x-session-id (vime.rollout.generate).
         return [
@@ -443,14 +459,19 @@ class RolloutWorker:
                 sample.weight_versions = [item.version] * sample.response_length
         if any(s.reward is None for s in samples):
             await self.reward.score_group(self.spec.args, samples)
+        verdict = None
         if self.dynamic_filter is not None:
             verdict = interpret_filter(
                 await call_maybe_async(self.dynamic_filter, self.spec.args, samples),
                 self.spec.dynamic_sampling_filter_path,
             )
-            if not verdict.keep:
-                await self._reject_group(item, verdict.reason)
-                return
+        if self.all_samples_process is not None:
+            # The reference's process(args, all_samples, data_source): here once per scored group, kept or
+            # filtered; prompts are leased one group at a time from the queue, so there is no data source.
+            await call_maybe_async(self.all_samples_process, self.spec.args, [samples], None)
+        if verdict is not None and not verdict.keep:
+            await self._reject_group(item, verdict.reason)
+            return
         if self.use_opd:
             await self._attach_teacher(samples)
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)

@@ -58,6 +58,7 @@ class TrainerWorkerSpec:
     ) -> TrainerWorkerSpec:
         """The trainer of a ``vime train`` run (also what debug replay rebuilds, so both agree)."""
         from vime.backends.lr_schedule import lr_schedule_from_settings
+        from vime.config.hooks import load_custom_config
 
         backend = TorchTrainerSpec(
             hf_checkpoint=s.train.hf_checkpoint,
@@ -86,6 +87,8 @@ class TrainerWorkerSpec:
             balance_data=s.train.balance_data,
             optimizer=s.train.optimizer,
             sgd_momentum=s.train.sgd_momentum,
+            hooks=s.hooks,
+            custom_config=load_custom_config(s.hooks.custom_config_path),
         )
         megatron = None
         if s.train.train_backend == "megatron":
@@ -200,6 +203,7 @@ class TrainerWorker:
         read_seconds = time.perf_counter() - started
         fault_point("trainer.mid_step")
         metrics = self.backend.train_rollout(samples, policy_version)
+        self._save_debug_train_data(rollout_id)
         lineage = lineage or Lineage()
         staleness = [lineage.staleness(policy_version, min(s.weight_versions)) for s in samples if s.weight_versions]
         metrics.update(
@@ -217,6 +221,18 @@ class TrainerWorker:
         if len({s.source_name for s in samples}) > 1:  # one source: reward_mean says it all
             metrics.update(reward_by_source(samples))
         return metrics
+
+    def _save_debug_train_data(self, rollout_id: int) -> None:
+        """--save-debug-train-data: rank 0 writes the step's training data (the backend kept it)."""
+        template = self.spec.backend.hooks.save_debug_train_data if self.spec.backend.hooks else None
+        data = getattr(self.backend, "last_train_data", None)
+        if not template or data is None or self.rank != 0:
+            return
+        import torch
+
+        path = template.format(rollout_id=rollout_id, rank=self.rank)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save({"rollout_id": rollout_id, **data}, path)
 
     # ------------------------------------------------------------------ weights (docs/weights.md)
     def publish_weights(

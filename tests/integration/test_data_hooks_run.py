@@ -4,6 +4,7 @@ sampling filter and an eval function on a Parquet held-out set; checked from the
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, read_accepted_groups
@@ -62,10 +64,25 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
         held_out,
     )
     run_dir = str(tmp_path / "run")
+    # The reference framework's sample and loss hooks (issue 19) in the same run: the custom config's keys reach
+    # the rollout worker's hooks, which see every scored group; the trainer trains a custom loss and saves its data.
+    all_samples_log = tmp_path / "all_samples.jsonl"
+    custom_config = tmp_path / "custom.yaml"
+    custom_config.write_text(f"all_samples_log: {all_samples_log}\n")
     result = subprocess.run(
         vime_train(
             model_dir,
             run_dir,
+            "--custom-config-path",
+            str(custom_config),
+            "--rollout-all-samples-process-path",
+            f"{HOOKS}:record_all_samples",
+            "--loss-type",
+            "custom_loss",
+            "--custom-loss-function-path",
+            "tests.plugins.objective_hooks.reinforce_loss",
+            "--save-debug-train-data",
+            str(tmp_path / "debug" / "train_{rollout_id}.pt"),
             "--num-rollout",
             "3",
             "--num-epoch",
@@ -112,6 +129,13 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     assert len(evals) == 1 and all(r["eval_reward"] == 0.75 for r in evals)  # 3 of 4 held-out rows "known"
     assert evals[0]["step"] == 3  # only after training (--skip-eval-before-train)
 
+    assert all(math.isfinite(r["custom_pg_loss"]) for r in train)  # the custom loss's own metric
+    seen = [json.loads(line) for line in open(all_samples_log)]
+    assert {g["source"] for g in seen} == {"even", "odd"}  # the filtered "even" groups too
+    for step in range(3):
+        saved = torch.load(tmp_path / "debug" / f"train_{step}.pt", weights_only=False)
+        assert saved["rollout_id"] == step and len(saved["advantages"]) == len(saved["tokens"]) == 8
+
     groups = read_accepted_groups(run_dir)
     assert len(groups) >= 6
     for group in groups:
@@ -140,6 +164,12 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
         ("--dynamic-sampling-filter-path", f"{HOOKS}:ParitySource", "do not accept vime's call filter(args, samples)"),
         ("--eval-function-path", "vime.rollout.nothing_here.evaluate", "module 'vime.rollout.nothing_here' not found"),
         ("--data-source-path", f"{HOOKS}:NoSuchSource", "has no attribute 'NoSuchSource'"),
+        (
+            "--rollout-all-samples-process-path",
+            f"{HOOKS}:ParitySource",
+            "do not accept vime's call process(args, all_samples, data_source)",
+        ),
+        ("--custom-advantage-function-path", "tests.plugins.no_such.f", "module 'tests.plugins.no_such' not found"),
     ],
 )
 def test_bad_hook_paths_fail_before_anything_starts(tmp_path, model_dir, flag, path, reason):

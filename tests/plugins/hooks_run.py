@@ -58,3 +58,13 @@ def evaluate(args, rollout_id, data_source, evaluation=False):
         sample.response = sample.label if sample.source_name == "known" else ""
         sample.reward = float(sample.response == sample.label)
     return RolloutFnEvalOutput(data={data_source.name: {"rewards": [s.reward for s in samples], "samples": samples}})
+
+
+def record_all_samples(args, all_samples, data_source):
+    """--rollout-all-samples-process-path: one line per scored group (kept or filtered) to the file that
+    --custom-config-path names (args.all_samples_log)."""
+    import json
+
+    with open(args.all_samples_log, "a") as f:
+        for group in all_samples:
+            f.write(json.dumps({"source": group[0].source_name, "rewards": [s.reward for s in group]}) + "\n")

@@ -104,6 +104,21 @@ ALGORITHMS = {
     "gspo_tis": {"advantage_estimator": "gspo", "eps_clip": 3e-4, "eps_clip_high": 4e-4, "use_tis": True},
     "opd": {"use_opd": True, "opd_kl_coef": 0.5},
     "score_centering_tis": {"use_score_centering": True, "score_centering_top_k": 3, "use_tis": True},
+    # The reference framework's objective hooks (issue 19): the objective runs them the same on both backends.
+    "custom_loss": {
+        "loss_type": "custom_loss",
+        "custom_loss_function_path": "tests.plugins.objective_hooks.reinforce_loss",
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.1,
+    },
+    "custom_advantages_reducer_unbiased_kl": {
+        "custom_advantage_function_path": "tests.plugins.objective_hooks.scaled_advantages",
+        "custom_pg_loss_reducer_function_path": "tests.plugins.objective_hooks.constant_reducer",
+        "disable_rewards_normalization": True,
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.1,
+        "use_unbiased_kl": True,
+    },
 }
 
 

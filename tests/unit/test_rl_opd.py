@@ -196,7 +196,7 @@ def stub_worker(args):
 
     worker = RolloutWorker.__new__(RolloutWorker)
     worker.spec = types.SimpleNamespace(args=args, request_timeout=5.0, dynamic_sampling_filter_path=None)
-    worker.reward, worker.dynamic_filter = None, None
+    worker.reward, worker.dynamic_filter, worker.all_samples_process = None, None, None
     worker.use_opd = args.use_opd
     worker.stats = RolloutWorkerStats()
     worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -415,6 +415,7 @@ def test_both_backends_accept_opd_at_start_up():
 
     from vime.config.algorithm import AlgorithmConfig
     from vime.config.framework import RolloutConfig
+    from vime.config.hooks import HooksConfig
     from vime.rl.algorithm_checks import check_algorithm_with_run
 
     for train_backend in ("megatron", "torch"):
@@ -422,6 +423,7 @@ def test_both_backends_accept_opd_at_start_up():
             algorithm=AlgorithmConfig(use_opd=True, opd_teacher_url="http://x"),
             rollout=RolloutConfig(),
             train=SimpleNamespace(train_backend=train_backend, hf_checkpoint=None),
+            hooks=HooksConfig(),
         )
         check_algorithm_with_run(settings)
 

@@ -487,10 +487,11 @@ class MegatronBackend(RolloutTraining):
         (:meth:`before_step`) and the tensor- and expert-parallel gradient reductions (:meth:`sum_gradients`,
         :meth:`finish_gradients`)."""
         self._log_prob_hook_due = {"", "ref_"} if self.log_prob_hook is not None else None
+        samples = self.objective.train_samples(samples)  # --custom-convert-samples-to-train-data-path
         self._check_lockstep(samples)
         self._index_routes(samples)
         try:
-            return super().train_rollout(samples, policy_version)
+            return self.train_samples(samples, policy_version)
         finally:
             self._log_prob_hook_due = None
             self._routes = {}

@@ -47,6 +47,31 @@ def _relayout(
     return [batch.unrows(r) for batch, r in zip(target, regroup(rows, source_ids, target_ids))]
 
 
+def debug_train_data(samples, packed, old, ref, values, advantages, returns) -> dict:
+    """--save-debug-train-data: the step's training data, per-sample lists in rollout order (None where the
+    run computes no such value), over the response tokens except ``tokens``."""
+
+    def rows(per_batch):
+        if any(v is None for v in per_batch):
+            return None
+        return [row.detach().cpu() for b, v in zip(packed, per_batch) for row in b.rows(v)]
+
+    return {
+        "tokens": [list(s.tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "total_lengths": [len(s.tokens) for s in samples],
+        "rewards": [s.reward for s in samples],
+        "sample_indices": [(s.group_index, s.index) for s in samples],
+        "loss_masks": [row.cpu() for b in packed for row in b.rows(b.response_mask)],
+        "rollout_log_probs": [row.cpu() for b in packed for row in b.rows(b.rollout_log_probs)],
+        "log_probs": rows(old),
+        "ref_log_probs": rows(ref),
+        "values": rows(values),
+        "advantages": rows(advantages),
+        "returns": rows(returns),
+    }
+
+
 class RolloutTraining:
     """The loop of :meth:`train_rollout`. A subclass sets, in its constructor: ``spec`` (the trainer spec),
     ``objective``, ``dp`` (DataParallel), ``model`` / ``ref_model`` (what :meth:`forward` runs), ``actor`` and
@@ -193,6 +218,11 @@ class RolloutTraining:
 
     # ------------------------------------------------------------------ one rollout
     def train_rollout(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
+        """:meth:`train_samples` on the samples the objective makes of ``samples``
+        (--custom-convert-samples-to-train-data-path, :meth:`RLObjective.train_samples`)."""
+        return self.train_samples(self.objective.train_samples(samples), policy_version)
+
+    def train_samples(self, samples: list[Sample], policy_version: int | None = None) -> dict[str, float]:
         """Advantages over the rollout, then one optimizer step per global batch.
 
         ``policy_version`` (the version of the weights being trained) lets the metrics compare the
@@ -264,6 +294,9 @@ class RolloutTraining:
                     )
                     self.critic.module.train()
             advantages, returns = self._advantages(samples, packed, old, ref, values, metrics)
+        hooks = self.spec.hooks
+        if hooks is not None and hooks.save_debug_train_data:
+            self.last_train_data = debug_train_data(samples, packed, old, ref, values, advantages, returns)
         if layout.train != layout.forward:  # token budgets pack training apart from the forwards
             packed, (old, ref, values, advantages, returns) = self._training_batches(
                 samples, loss_masks, layout, packed, (old, ref, values, advantages, returns)

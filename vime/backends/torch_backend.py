@@ -33,6 +33,7 @@ from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.sequence_packing import all_packable, forward_layout
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.base import ConfigError
+from vime.config.hooks import HooksConfig
 from vime.config.roles import FLAG as ROLES_FLAG, RoleOverrides
 
 # The batch and the forward's result live with the objective (vime/rl/); imported here under their old
@@ -74,6 +75,10 @@ class TorchTrainerSpec:
     balance_data: bool = False  # --balance-data: data-parallel ranks get a step's micro-batches by token count
     optimizer: str = "adam"  # --optimizer: adam (torch AdamW) or sgd (torch SGD with sgd_momentum)
     sgd_momentum: float = 0.9  # --sgd-momentum
+    # --custom-convert-samples-to-train-data-path, --save-debug-train-data & co. (vime.config.hooks), and the
+    # keys of --custom-config-path: what the objective's user functions see in ``args``.
+    hooks: HooksConfig | None = None
+    custom_config: dict | None = None
 
 
 # ---------------------------------------------------------------------- PPO's critic
@@ -293,6 +298,8 @@ def make_objective(spec: TorchTrainerSpec) -> RLObjective:
         n_samples_per_prompt=spec.n_samples_per_prompt,
         rollout_temperature=spec.rollout_temperature,
         hf_checkpoint=spec.hf_checkpoint,
+        hooks=spec.hooks,
+        custom_config=spec.custom_config,
     )
 
 

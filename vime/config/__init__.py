@@ -19,6 +19,7 @@ from vime.config.checkpoint import CheckpointConfig
 from vime.config.elastic import ElasticConfig
 from vime.config.evaluation import EvalConfig, resolve_eval_datasets
 from vime.config.framework import ClusterConfig, DataConfig, QueueConfig, RolloutConfig
+from vime.config.hooks import HooksConfig, load_custom_config
 from vime.config.megatron import MegatronConfig
 from vime.config.megatron_lm import Passthrough, parse_passthrough, transformer_overrides
 from vime.config.megatron_perf import FUSION_DESTINATIONS, MegatronPerfConfig
@@ -37,6 +38,7 @@ SECTIONS = [
     ("rollout", RolloutConfig, "Rollout and reward"),
     ("algorithm", AlgorithmConfig, "RL algorithm"),
     ("train", TrainConfig, "Training"),
+    ("hooks", HooksConfig, "Custom hooks on samples and training data"),
     ("queue", QueueConfig, "Sample queue"),
     ("weights", WeightSyncConfig, "Weight synchronisation"),
     ("checkpoint", CheckpointConfig, "Checkpoints"),
@@ -58,6 +60,7 @@ class TrainSettings:
     rollout: RolloutConfig
     algorithm: AlgorithmConfig
     train: TrainConfig
+    hooks: HooksConfig
     queue: QueueConfig
     weights: WeightSyncConfig
     checkpoint: CheckpointConfig
@@ -139,6 +142,15 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
     passthrough = parse_passthrough(unknown, args)
     for dest, value in passthrough.values.items():  # hooks see Megatron-LM's flags in ``args`` too
         setattr(args, dest, value)
+    # --custom-config-path: its keys become attributes of args (a flag's name overrides the flag), as the
+    # reference framework's; before the sections are built, so that an overridden flag acts.
+    if getattr(args, "custom_config_path", None):
+        args.custom_config_path = _absolute(args.custom_config_path)
+        for key, value in load_custom_config(args.custom_config_path).items():
+            setattr(args, key, value)
+    # The reference framework's names of the --disable-* flags (store_false dests), for hooks reading args.
+    args.compute_advantages_and_returns = not args.disable_compute_advantages_and_returns
+    args.rewards_normalization = not args.disable_rewards_normalization
     args.vllm_args = vllm_forwarded
     args.router_args = router_forwarded
     sections = {name: section_from_args(cls, args) for name, cls, _ in SECTIONS}

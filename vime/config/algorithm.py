@@ -24,8 +24,36 @@ class AlgorithmConfig:
     loss_type: str = option(
         "policy_loss",
         "policy_loss: the RL objective; sft_loss: negative log-likelihood of the loss-masked "
-        "response tokens (rewards are ignored).",
-        choices=["policy_loss", "sft_loss"],
+        "response tokens (rewards are ignored); custom_loss: the function of --custom-loss-function-path.",
+        choices=["policy_loss", "sft_loss", "custom_loss"],
+    )
+    custom_loss_function_path: str | None = option(
+        None,
+        "With --loss-type custom_loss: the loss, called per micro-batch as loss_fn(args, batch, logits, "
+        "sum_of_sample_mean) -> (loss, metrics) on both backends; vime keeps no logits, so logits is the training "
+        "forward (its log_probs and entropy) and batch['cur_log_probs'] the current log-probs (docs/algorithms.md).",
+    )
+    custom_advantage_function_path: str | None = option(
+        None,
+        "Replace the built-in advantages and returns: custom_fn(args, rollout_data) -> None, which sets "
+        "rollout_data['advantages'] and rollout_data['returns'] (one tensor per sample) in place; the critic's "
+        "values are in rollout_data['values'], the per-token KL in rollout_data['kl'].",
+    )
+    custom_pg_loss_reducer_function_path: str | None = option(
+        None,
+        "A reducer for pg_loss only: get_reducer(total_lengths, response_lengths, loss_masks, "
+        "calculate_per_token_loss) -> reducer(pg_loss) -> scalar; the other terms and metrics (pg_clipfrac, "
+        "ppo_kl, entropy_loss, kl_loss) keep the default sum_of_sample_mean.",
+    )
+    disable_compute_advantages_and_returns: bool = option(
+        False,
+        "Compute no advantages and returns (for sft_loss, or a custom loss that needs none: its batch then "
+        "has no 'advantages' or 'returns').",
+    )
+    disable_rewards_normalization: bool = option(
+        False,
+        "grpo, gspo, cispo and reinforce_plus_plus_baseline: take the rewards as they are, without "
+        "subtracting the group mean (nor dividing by the group std).",
     )
     pg_loss_type: str | None = option(
         None,
@@ -61,6 +89,11 @@ class AlgorithmConfig:
     )
     use_kl_loss: bool = option(False, "Add a KL(policy || reference) term to the loss (GRPO style).")
     kl_loss_coef: float = option(0.0, "Weight of the KL loss term (needs --use-kl-loss).")
+    use_unbiased_kl: bool = option(
+        False,
+        "Unbiased KL loss (DeepSeek-V3.2): weight each token's KL-loss estimate by the importance ratio "
+        "pi_theta / pi_old (needs --use-kl-loss).",
+    )
     kl_loss_type: str = option(
         "k1",
         "KL estimator of the KL loss and of the reward shaping: k1 (log-ratio), k2 (half squared "
@@ -145,9 +178,11 @@ class AlgorithmConfig:
 
     @property
     def policy_loss(self) -> str:
-        """The objective actually optimised: 'ppo', 'reinforce', 'gspo', 'cispo' or 'sft'."""
+        """The objective actually optimised: 'ppo', 'reinforce', 'gspo', 'cispo', 'sft' or 'custom'."""
         if self.loss_type == "sft_loss":
             return "sft"
+        if self.loss_type == "custom_loss":
+            return "custom"
         if self.advantage_estimator in ("gspo", "cispo"):
             return self.advantage_estimator
         if self.pg_loss_type is not None:
@@ -156,7 +191,12 @@ class AlgorithmConfig:
 
     @property
     def needs_reference_model(self) -> bool:
-        return self.loss_type == "policy_loss" and (self.use_kl_loss or self.kl_coef != 0)
+        return self.loss_type != "sft_loss" and (self.use_kl_loss or self.kl_coef != 0)
+
+    @property
+    def computes_advantages(self) -> bool:
+        """Whether the trainer computes advantages (and PPO's returns) before the loss."""
+        return self.loss_type != "sft_loss" and not self.disable_compute_advantages_and_returns
 
     @property
     def uses_critic(self) -> bool:

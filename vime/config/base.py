@@ -37,12 +37,27 @@ def option(
     nargs=None,
     metavar: str | None = None,
     default_factory=None,
+    parse=None,
 ):
-    """Declare a field that is also a command-line flag."""
-    metadata = {"help": help, "choices": choices, "flag": flag, "nargs": nargs, "metavar": metavar}
+    """Declare a field that is also a command-line flag (``parse``: the value's parser when the field's
+    type cannot parse it, e.g. ``json.loads`` for a dict)."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "nargs": nargs, "metavar": metavar, "parse": parse}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def json_object(text: str) -> dict:
+    """Parse a flag's JSON object value (argparse names the flag when this raises)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}: {text!r}")
+    return value
 
 
 def flag_name(field: dataclasses.Field) -> str:
@@ -75,7 +90,7 @@ def add_section_arguments(parser: argparse.ArgumentParser, section: type, title:
         if kind is bool and not is_list:
             kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = field.metadata.get("parse") or kind
             if field.metadata.get("choices"):
                 kwargs["choices"] = field.metadata["choices"]
             if is_list:

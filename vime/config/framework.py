@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vime.config.base import ConfigError, option, require
+from vime.config.base import ConfigError, json_object, option, require
 from vime.config.rewards import check_reward_flags
 
 CPU_NOTE = " Without GPUs this counts CPU slots."
@@ -128,6 +128,21 @@ class DataConfig:
         "metadata['source_name'] names the sample's data source (sample.source_name).",
     )
     apply_chat_template: bool = option(False, "Render the prompt with the tokenizer's chat template.")
+    apply_chat_template_kwargs: dict = option(
+        help="JSON object of extra keyword arguments to the tokenizer's apply_chat_template with "
+        "--apply-chat-template (e.g. '{\"enable_thinking\": false}'), for training and evaluation prompts.",
+        default_factory=dict,
+        parse=json_object,
+        metavar="JSON",
+    )
+    multimodal_keys: dict | None = option(
+        None,
+        'JSON object mapping media types to record fields, e.g. \'{"image": "image_file"}\'. vime\'s engines and '
+        "trainers are text-only: the fields are checked to be names, not sent to the model, and hooks see them "
+        "in args (start-up says so).",
+        parse=json_object,
+        metavar="JSON",
+    )
     data_source_path: str | None = option(
         None,
         "A custom data source class instead of --prompt-data, 'module.Class' or 'file.py:Class', built as "
@@ -154,6 +169,12 @@ class DataConfig:
             f"expected a .jsonl or .parquet file, got {self.prompt_data!r}",
         )
         require(self.num_epoch is None or self.num_epoch >= 1, "--num-epoch", "must be >= 1")
+        for media, key in (self.multimodal_keys or {}).items():
+            require(
+                isinstance(key, str) and bool(key),
+                "--multimodal-keys",
+                f"{media!r} must map to a record field name (a string), got {key!r}",
+            )
 
 
 # --rollout-function-path / --eval-function-path values that name vime's built-in rollout (the reference

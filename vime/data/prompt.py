@@ -18,8 +18,13 @@ def chat_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in message.items() if k != "step_loss_mask"} for message in prompt]
 
 
-def _apply_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> list[int]:
-    rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+def _apply_template(
+    tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool, kwargs: dict | None = None
+) -> list[int]:
+    """``kwargs``: --apply-chat-template-kwargs, extra keyword arguments of the template (e.g. enable_thinking)."""
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+    )
     if hasattr(rendered, "keys"):  # newer transformers return a BatchEncoding
         rendered = rendered["input_ids"]
     return list(rendered)
@@ -30,16 +35,27 @@ def _require_template(tokenizer) -> None:
         raise PromptError("--apply-chat-template: the tokenizer of --hf-checkpoint has no chat template")
 
 
-def render_prompt(tokenizer, prompt: str | list[dict[str, Any]], *, apply_chat_template: bool) -> list[int]:
+def render_prompt(
+    tokenizer,
+    prompt: str | list[dict[str, Any]],
+    *,
+    apply_chat_template: bool,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """The prompt's token ids; ``chat_template_kwargs`` (--apply-chat-template-kwargs) go to the template."""
     if apply_chat_template:
         _require_template(tokenizer)
-        return _apply_template(tokenizer, chat_messages(prompt), add_generation_prompt=True)
+        return _apply_template(
+            tokenizer, chat_messages(prompt), add_generation_prompt=True, kwargs=chat_template_kwargs
+        )
     if not isinstance(prompt, str):
         raise PromptError("a list of chat messages needs --apply-chat-template")
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def sft_tokens(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], int, list[int]]:
+def sft_tokens(
+    tokenizer, messages: list[dict[str, Any]], chat_template_kwargs: dict | None = None
+) -> tuple[list[int], int, list[int]]:
     """(tokens, response_length, loss_mask) of a whole conversation, for SFT.
 
     The response starts at the first assistant turn. Each assistant turn's own tokens get loss mask
@@ -54,14 +70,18 @@ def sft_tokens(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], in
     if first is None:
         raise PromptError("SFT needs at least one assistant message to learn from")
     clean = chat_messages(messages)
-    tokens = _apply_template(tokenizer, clean, add_generation_prompt=False)
-    prompt_length = len(_apply_template(tokenizer, clean[:first], add_generation_prompt=True))
+    tokens = _apply_template(tokenizer, clean, add_generation_prompt=False, kwargs=chat_template_kwargs)
+    prompt_length = len(
+        _apply_template(tokenizer, clean[:first], add_generation_prompt=True, kwargs=chat_template_kwargs)
+    )
     mask = [0] * len(tokens)
     for turn in range(first, len(messages)):
         if messages[turn].get("role") != "assistant":
             continue
-        head = _apply_template(tokenizer, clean[:turn], add_generation_prompt=True)
-        through = _apply_template(tokenizer, clean[: turn + 1], add_generation_prompt=False)
+        head = _apply_template(tokenizer, clean[:turn], add_generation_prompt=True, kwargs=chat_template_kwargs)
+        through = _apply_template(
+            tokenizer, clean[: turn + 1], add_generation_prompt=False, kwargs=chat_template_kwargs
+        )
         if tokens[: len(head)] != head or tokens[: len(through)] != through:
             raise PromptError(
                 "the chat template does not render a conversation's prefix as a prefix of the whole; "

@@ -94,6 +94,46 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
         "has no effect without --use-tis",
     )
 
+    # Custom loss, advantages and pg-loss reducer (the reference framework's hooks).
+    require(
+        algo.loss_type != "custom_loss" or algo.custom_loss_function_path is not None,
+        "--loss-type",
+        "custom_loss needs --custom-loss-function-path (the loss function)",
+    )
+    require(
+        algo.custom_loss_function_path is None or algo.loss_type == "custom_loss",
+        "--custom-loss-function-path",
+        f"has no effect without --loss-type custom_loss (got {algo.loss_type})",
+    )
+    require(
+        not algo.use_unbiased_kl or algo.use_kl_loss,
+        "--use-unbiased-kl",
+        "weights the KL loss term: it has no effect without --use-kl-loss",
+    )
+    if algo.disable_compute_advantages_and_returns:
+        require(
+            algo.loss_type != "policy_loss",
+            "--disable-compute-advantages-and-returns",
+            "the policy loss needs advantages; use it with --loss-type custom_loss (or sft_loss)",
+        )
+        require(
+            algo.custom_advantage_function_path is None,
+            "--custom-advantage-function-path",
+            "computes the advantages that --disable-compute-advantages-and-returns turns off",
+        )
+    if algo.loss_type == "sft_loss":
+        for flag, on in (
+            ("--custom-advantage-function-path", algo.custom_advantage_function_path is not None),
+            ("--custom-pg-loss-reducer-function-path", algo.custom_pg_loss_reducer_function_path is not None),
+            ("--disable-rewards-normalization", algo.disable_rewards_normalization),
+        ):
+            require(not on, flag, "does not apply to --loss-type sft_loss (it computes no advantages)")
+    require(
+        algo.custom_pg_loss_reducer_function_path is None or algo.loss_type != "custom_loss",
+        "--custom-pg-loss-reducer-function-path",
+        "reduces the built-in policy loss; a custom loss reduces its own (its sum_of_sample_mean argument)",
+    )
+
     # Supervised fine-tuning ignores rewards, so the RL-only options cannot apply.
     if algo.loss_type == "sft_loss":
         for flag, on in (
@@ -141,7 +181,7 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
         require(
             algo.loss_type == "policy_loss",
             "--loss-type",
-            "--advantage-estimator ppo trains a policy with a critic; sft_loss has neither",
+            f"--advantage-estimator ppo trains a policy with a critic; {algo.loss_type} has neither",
         )
     if algo.megatron_config_path is not None:
         roles = algo.role_config()  # raises ConfigError naming the YAML field
@@ -165,9 +205,10 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
             require(value is None, flag, "has no effect without --use-opd")
     else:
         require(
-            algo.loss_type == "policy_loss",
+            algo.computes_advantages,
             "--use-opd",
-            "distillation shapes the RL advantages; it does not apply to --loss-type sft_loss",
+            "distillation shapes the RL advantages; it does not apply without them (--loss-type sft_loss, "
+            "--disable-compute-advantages-and-returns)",
         )
         require(
             algo.opd_teacher_url is None or algo.opd_teacher_model is None,
@@ -211,6 +252,13 @@ def check_algorithm_with_run(settings: TrainSettings) -> None:
 
         check_supported_roles(algo.role_config(), settings.train.train_backend)
     _check_opd_teacher(settings)
+    if settings.hooks.custom_convert_samples_to_train_data_path is not None:
+        require(
+            algo.custom_reward_post_process_path is None,
+            "--custom-reward-post-process-path",
+            "has no effect with --custom-convert-samples-to-train-data-path, which replaces the whole conversion "
+            "(its rewards are used as they are)",
+        )
     if algo.use_score_centering:
         # The correction compares trainer and sampler distributions token by token: the sampler must draw
         # from the same (temperature-scaled, untruncated or top-p-replayed) distribution the trainer scores.

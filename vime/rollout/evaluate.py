@@ -42,7 +42,9 @@ class EvalDataSource:
         n_samples: int,
         apply_chat_template: bool,
         config: EvalDataset | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
+        self.chat_template_kwargs = chat_template_kwargs
         self.name, self.dataset, self.n_samples = name, dataset, n_samples
         self.tokenizer, self.apply_chat_template = tokenizer, apply_chat_template
         self.config = config  # the set's rm_type and metadata_overrides go into each sample's metadata
@@ -52,7 +54,12 @@ class EvalDataSource:
         return len(self.dataset)
 
     def group(self, record) -> list[Sample]:
-        tokens = render_prompt(self.tokenizer, record.prompt, apply_chat_template=self.apply_chat_template)
+        tokens = render_prompt(
+            self.tokenizer,
+            record.prompt,
+            apply_chat_template=self.apply_chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
         return [
             Sample(
                 group_index=record.index,
@@ -148,6 +155,7 @@ async def evaluate_dataset(
     rollout_id: int = 0,
     eval_function_path: str | None = None,
     config: EvalDataset | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> dict[str, float]:
     if eval_function_path:
         from vime.runtime.plugins import call_maybe_async, load_hook
@@ -160,13 +168,20 @@ async def evaluate_dataset(
             n_samples=n_samples,
             apply_chat_template=apply_chat_template,
             config=config,
+            chat_template_kwargs=chat_template_kwargs,
         )
         output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
         return interpret_eval_output(output, name, eval_function_path)
 
     limit = asyncio.Semaphore(concurrency)
     source = EvalDataSource(
-        name, dataset, tokenizer=tokenizer, n_samples=n_samples, apply_chat_template=apply_chat_template, config=config
+        name,
+        dataset,
+        tokenizer=tokenizer,
+        n_samples=n_samples,
+        apply_chat_template=apply_chat_template,
+        config=config,
+        chat_template_kwargs=chat_template_kwargs,
     )
 
     async def one(session, sample: Sample) -> Sample:
@@ -230,6 +245,7 @@ class HeldOutEvaluation:
                     params=self.sampling(config),
                     n_samples=config.n_samples_per_eval_prompt,
                     apply_chat_template=s.data.apply_chat_template,
+                    chat_template_kwargs=s.data.apply_chat_template_kwargs,
                     timeout=s.rollout.rollout_request_timeout,
                     name=name,
                     rollout_id=step,

@@ -29,7 +29,9 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False) -> Rollout
     groups = data_source.get_samples(args.rollout_batch_size)
     for group in groups:
         for sample in group:
-            tokens, response_length, loss_mask = sft_tokens(tokenizer, sample.prompt)
+            tokens, response_length, loss_mask = sft_tokens(
+                tokenizer, sample.prompt, getattr(args, "apply_chat_template_kwargs", None)
+            )
             sample.tokens, sample.response_length, sample.loss_mask = tokens, response_length, loss_mask
             sample.response = tokenizer.decode(tokens[len(tokens) - response_length :])
             sample.reward, sample.status = 0.0, Status.COMPLETED

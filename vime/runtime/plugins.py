@@ -46,6 +46,13 @@ HOOKS: dict[str, Hook] = {
         "generate_rollout(args, rollout_id, data_source, evaluation=True)", 3, ("evaluation",)
     ),
     "--data-source-path": Hook("DataSource(args)", 1, is_class=True),
+    "--custom-loss-function-path": Hook("loss_fn(args, batch, logits, sum_of_sample_mean)", 4),
+    "--custom-advantage-function-path": Hook("custom_fn(args, rollout_data)", 2),
+    "--custom-pg-loss-reducer-function-path": Hook(
+        "get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)", 4
+    ),
+    "--custom-convert-samples-to-train-data-path": Hook("convert_samples_to_train_data(args, samples)", 2),
+    "--rollout-all-samples-process-path": Hook("process(args, all_samples, data_source)", 3),
 }
 
 
