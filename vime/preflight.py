@@ -129,7 +129,13 @@ def filter_long_prompts(
     if limit is None:
         return dataset, None, None
     total = len(dataset)
-    rows = rows_within_prompt_len(dataset, tokenizer, limit, apply_chat_template=s.data.apply_chat_template)
+    rows = rows_within_prompt_len(
+        dataset,
+        tokenizer,
+        limit,
+        apply_chat_template=s.data.apply_chat_template,
+        chat_template_kwargs=s.data.apply_chat_template_kwargs,
+    )
     say(
         f"--rollout-max-prompt-len {limit}: {total - len(rows)} of {total} prompts are longer and left out; "
         f"{len(rows)} remain"

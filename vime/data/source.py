@@ -254,7 +254,12 @@ class PromptSubset(PromptSource):
 
 
 def rows_within_prompt_len(
-    source: PromptSource, tokenizer, max_prompt_len: int, *, apply_chat_template: bool
+    source: PromptSource,
+    tokenizer,
+    max_prompt_len: int,
+    *,
+    apply_chat_template: bool,
+    chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """Rows of ``source`` whose prompt, rendered as the rollout renders it, has at most ``max_prompt_len``
     tokens (--rollout-max-prompt-len). Raises DataError, naming the flag, when none has."""
@@ -263,7 +268,15 @@ def rows_within_prompt_len(
     rows = [
         row
         for row in range(len(source))
-        if len(render_prompt(tokenizer, source[row].prompt, apply_chat_template=apply_chat_template)) <= max_prompt_len
+        if len(
+            render_prompt(
+                tokenizer,
+                source[row].prompt,
+                apply_chat_template=apply_chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        )
+        <= max_prompt_len
     ]
     if not rows:
         raise DataError(
