@@ -124,7 +124,8 @@ def _rank(
             _reset_megatron()
     else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
         from vime.backends.megatron_backend import MegatronBackend
-        from vime.backends.megatron_model import Parallelism, local_expert_count
+        from vime.backends.megatron_model import Parallelism
+        from vime.backends.megatron_weights import local_expert_count
 
         for layout_id, layout in layouts.items():
             parallel = Parallelism(**layout)

@@ -258,7 +258,7 @@ class MegatronBackend(RolloutTraining):
         return ContextSplit.from_megatron()
 
     def _language_model(self, gpt, vocab_size: int):
-        from vime.backends.megatron_model import MegatronLM
+        from vime.backends.megatron_forward import MegatronLM
 
         m = self.megatron
         return MegatronLM(
@@ -362,6 +362,7 @@ class MegatronBackend(RolloutTraining):
     def _build_and_load(self, source: str):
         from vime.backends import megatron_checkpoint as mc, megatron_model as mm
         from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict
+        from vime.backends.megatron_weights import load_canonical
 
         m = self.megatron
         gpt = mm.build_gpt_model(
@@ -380,7 +381,7 @@ class MegatronBackend(RolloutTraining):
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
         else:
-            mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(source), m.model), m.model)
+            load_canonical(gpt, hf_to_mcore(read_hf_state_dict(source), m.model), m.model)
         return gpt
 
     # ------------------------------------------------------------------ forward
@@ -555,7 +556,7 @@ class MegatronBackend(RolloutTraining):
 
     def _routed_expert_param_ids(self) -> set[int]:
         """ids of the routed experts' parameters."""
-        from vime.backends.megatron_model import is_expert_param
+        from vime.backends.megatron_weights import is_expert_param
 
         return self._param_ids(lambda name, _: is_expert_param(name))
 
@@ -633,7 +634,7 @@ class MegatronBackend(RolloutTraining):
         """A rank that writes nothing still takes part in gathering the tensor- and expert-parallel shards."""
         from megatron.core import parallel_state as ps
 
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         if (
             ps.get_tensor_model_parallel_world_size() > 1
@@ -646,7 +647,7 @@ class MegatronBackend(RolloutTraining):
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""
         from vime.backends.megatron_convert import iter_mcore_to_hf
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             canonical = gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
@@ -655,7 +656,7 @@ class MegatronBackend(RolloutTraining):
     def save_weights(self, path: str) -> None:
         """HF-named safetensors plus the HF config files: what an engine reloads (TP rank 0 writes)."""
         from vime.backends.megatron_convert import mcore_to_hf, write_hf_safetensors
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             canonical = gather_canonical(self.gpt, self.megatron.model)
