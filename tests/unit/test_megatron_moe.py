@@ -323,11 +323,12 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism(qwen3_moe_dir):
     """megatron-core refuses MoE training under TP without sequence parallelism: the backend names the flag
     before building anything."""
     pytest.importorskip("megatron.core")
-    from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec
     from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_setup import check_moe_tensor_parallelism
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
     model = model_args_from_hf(AutoConfig.from_pretrained(qwen3_moe_dir))
-    check = MegatronBackend._check_moe_tensor_parallelism
+    check = check_moe_tensor_parallelism
     with pytest.raises(ValueError, match="^--sequence-parallel: megatron-core trains MoE layers"):
         check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2)))
     check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, sequence_parallel=True)))

@@ -225,7 +225,7 @@ def make_samples(seed: int, groups: int = 2, routes: bool = False) -> list[Sampl
 
 
 def _specs(model_dir, **moe):
-    from vime.backends.megatron_backend import MegatronBackendSpec
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
     return (
         trainer_spec(model_dir, use_kl_loss=True, kl_loss_coef=0.1),
