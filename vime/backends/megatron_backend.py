@@ -54,7 +54,7 @@ from vime.backends.megatron_setup import (
     packing_mode,
     pipeline_stage,
 )
-from vime.backends.megatron_spec import MegatronBackendSpec
+from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_source
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
@@ -62,11 +62,6 @@ from vime.config.roles import RoleOverrides
 from vime.rl.batch import Forward
 from vime.rl.losses import token_entropy
 from vime.sample import Sample
-
-
-def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSpec) -> str:
-    """Where the actor's first weights come from: --ref-load when given, else --hf-checkpoint."""
-    return megatron.ref_load or spec.hf_checkpoint
 
 
 class MegatronBackend(RolloutTraining):

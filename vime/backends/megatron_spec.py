@@ -1,15 +1,20 @@
 """What the Megatron backend needs beyond the trainer spec shared with the torch backend: the model's
 architecture (``megatron_args``), its parallel layout and MoE training options (``megatron_model``), the
-checkpoint format, batching and the user's Megatron hooks, read from the parsed flags.
+checkpoint format, batching and the user's Megatron hooks, read from the parsed flags; and where the actor's
+first weights come from.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
+
+if TYPE_CHECKING:
+    from vime.backends.torch_backend import TorchTrainerSpec
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -87,3 +92,8 @@ class MegatronBackendSpec:
             before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path,
             hook_args=s.args,
         )
+
+
+def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSpec) -> str:
+    """Where the actor's first weights come from: --ref-load when given, else --hf-checkpoint."""
+    return megatron.ref_load or spec.hf_checkpoint
