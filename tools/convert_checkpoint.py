@@ -80,10 +80,10 @@ def hf_to_megatron(hf_checkpoint: str, save: str, *, ckpt_format: str = "torch_d
         }
         torch.save(state, os.path.join(folder, "mp_rank_00", "model_optim_rng.pt"))
     elif ckpt_format == "torch_dist":
-        from vime.backends import megatron_model as mm
+        from vime.backends.megatron_weights import load_canonical
 
         gpt = _build_tp1_model(args, divisible_by)
-        mm.load_canonical(gpt, canonical, args)
+        load_canonical(gpt, canonical, args)
         mc.save(folder, gpt, None, fmt="torch_dist", iteration=0, args=meta)
     else:
         raise SystemExit(f"--ckpt-format {ckpt_format!r}: expected torch or torch_dist")
@@ -110,7 +110,7 @@ def megatron_to_hf(
         ]
         canonical = merge_tp_shards(shards, args)
     else:
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         gpt = _build_tp1_model(args, divisible_by)
         mc.load(folder, gpt)

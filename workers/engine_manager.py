@@ -37,10 +37,9 @@ from vime.config.elastic import ElasticConfig
 from vime.engines.external import engine_url
 from vime.engines.http import EngineError
 from vime.engines.router import RouterClient
+from vime.workers.engine_failures import EngineFailures
 from vime.workers.engine_members import (
-    QUARANTINE_FIRST_PROBE_SECONDS,
-    QUARANTINE_MAX_PROBE_SECONDS,
-    EnginesLost,
+    JOIN_SLACK_SECONDS,
     EngineState,
     EngineTemplate,
     EngineVariant,
@@ -48,18 +47,19 @@ from vime.workers.engine_members import (
     NodeEvent,
 )
 from vime.workers.engine_nodes import NodeWatch
-from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
+from vime.workers.engine_requests import EngineRequests
 from vime.workers.engines import EngineActor, EngineGroup
-from vime.workers.failure_reasons import actor_alive, error_reason, progress_reason
+from vime.workers.failure_reasons import error_reason
 from vime.workers.health import HealthMonitor
 
 NODE_POLL_SECONDS = 2.0
 REQUEST_POLL_SECONDS = 0.5
-SNAPSHOT_SECONDS = 1.0
-JOIN_SLACK_SECONDS = 120.0  # on top of --engine-startup-timeout: scheduling the actor, loading weights
 
 
-class EngineManager:
+class EngineManager(EngineFailures, EngineRequests):
+    """One run's engines (this module's docstring): what fails is handled by :class:`EngineFailures`, `vime
+    engines` by :class:`EngineRequests`."""
+
     def __init__(
         self,
         *,
@@ -147,18 +147,6 @@ class EngineManager:
                 raise EngineError(m.url or m.name, m.last_error)
 
     # ================================================================== the driver's poll
-    def open_registry(self, namespace: str | None = None) -> None:
-        """Create the run's named registry actor (the way in for `vime engines`)."""
-        import ray
-
-        self.registry = (
-            ray.remote(num_cpus=0)(EngineRegistry)
-            .options(name=REGISTRY_NAME, namespace=namespace, lifetime=None)
-            .remote()
-        )
-        ray.get(self.registry.engines.remote(), timeout=60)
-        self._publish_snapshot(force=True)
-
     def start_monitor(self) -> None:
         self.monitor.start()
 
@@ -438,59 +426,6 @@ class EngineManager:
             "only behind your own PD router (--vllm-router-ip)"
         )
 
-    def _failed(self, m: Member, what: str, reason: str) -> None:
-        """A join / restart / catch-up / registration / drain / quarantine probe or rejoin failed."""
-        if what == "drain":
-            self._drained(m, None, reason)
-            return
-        if m.state == EngineState.QUARANTINED:  # still broken: probed again later, never given up on
-            m.last_error = f"{what} failed: {reason}"
-            m.probe_backoff = min(2 * m.probe_backoff, QUARANTINE_MAX_PROBE_SECONDS)
-            m.next_probe = time.monotonic() + m.probe_backoff
-            return
-        m.last_error = f"{what} failed: {reason}"
-        if m.request or not m.owned:
-            self._give_up(m, m.last_error)
-        else:
-            self._restart(m, m.last_error)
-
-    def _lose(self, m: Member, reason: str, *, restart: bool = True) -> None:
-        """A serving engine is gone or cannot serve (health checks and probes, a failed call, its node).
-        vime's own engines are restarted (within their budget); an external one is quarantined until
-        it passes a probe again; one whose node left is dropped."""
-        self.group.remove(m.url)
-        self.monitor.unwatch(m.url)
-        self._unregister_quietly(m.url)
-        self.record({"kind": "engine", "event": "down", "engine": m.name, "url": m.url, "reason": reason})
-        m.last_error = reason
-        if not restart:
-            self._give_up(m, reason)
-        elif m.owned:
-            self._restart(m, reason)
-        else:
-            self._quarantine(m, reason)
-
-    def _quarantine(self, m: Member, reason: str) -> None:
-        """Keep an external engine that cannot serve out of the router and of weight updates; probe it
-        with back-off (QUARANTINE_*_PROBE_SECONDS) and let it rejoin when a probe passes."""
-        if self.ending:
-            self._give_up(m, f"{reason}; not probed again: the run is ending")
-            return
-        m.state, m.since, m.pending = EngineState.QUARANTINED, time.monotonic(), None
-        m.probe_backoff = QUARANTINE_FIRST_PROBE_SECONDS
-        m.next_probe = time.monotonic() + m.probe_backoff
-        self.say(
-            f"{m.name} ({m.url}) quarantined: {reason}; it stays out of the router until a generation probe "
-            "passes (probed with back-off)"
-        )
-        self.record({"kind": "engine", "event": "quarantined", "engine": m.name, "url": m.url, "reason": reason})
-        self._note(f"{m.name} quarantined: {progress_reason(reason)}")
-
-    def _probe_quarantined(self, now: float) -> None:
-        for m in self.members:
-            if m.state == EngineState.QUARANTINED and m.pending is None and now >= m.next_probe:
-                self._pend(m, m.actor.probe.remote(), "probe", self.template.http_timeout + 30)
-
     def _note(self, text: str) -> None:
         self.notes.append(text)
 
@@ -504,177 +439,10 @@ class EngineManager:
         live = [m for m in self.members if m.state not in (EngineState.REMOVED, EngineState.LOST)]
         return sum(m.state == EngineState.SERVING for m in live), len(live)
 
-    def _restart(self, m: Member, reason: str) -> None:
-        budget = self.config.rollout_engine_restart_budget
-        if self.ending:
-            self._give_up(m, f"{reason}; not restarted: the run is ending")
-            return
-        if not self.node_alive(m.node_id):
-            self._give_up(m, f"{reason}; its node left the cluster")
-            return
-        if m.restarts >= budget:
-            self._give_up(
-                m, f"{reason}; restart budget used up ({m.restarts}/{budget}, --rollout-engine-restart-budget)"
-            )
-            return
-        m.restarts += 1
-        m.state, m.since = EngineState.RESTARTING, time.monotonic()
-        self._note(f"{m.name} restarting: {progress_reason(reason)}")
-        self.say(
-            f"{m.name} ({m.url}) is down: {reason}; restarting it ({m.restarts}/{budget}) at weight version "
-            f"{self.version}"
-        )
-        if actor_alive(m.actor):
-            self._pend(
-                m,
-                m.actor.restart.remote(self.template.weight_dir, self._join_version),
-                "restart",
-                m.spec.startup_timeout + JOIN_SLACK_SECONDS,
-            )
-        else:  # the actor died (or hangs) with its process: a new one on the same node
-            import ray
-
-            ray.kill(m.actor)
-            self._create_actor(m)
-
-    def _give_up(self, m: Member, reason: str) -> None:
-        if m.state in (EngineState.SERVING, EngineState.SYNCING):
-            self.group.remove(m.url)
-            self.monitor.unwatch(m.url)
-            self._unregister_quietly(m.url)
-        m.state, m.last_error = EngineState.LOST, reason
-        self.say(f"{m.name} ({m.url or m.spec.external_url}) dropped: {reason}")
-        if not m.request:  # a refused `vime engines add` never served: its answer says why
-            self._note(f"{m.name} dropped: {progress_reason(reason)}")
-        self.record({"kind": "engine", "event": "lost", "engine": m.name, "url": m.url, "reason": reason})
-        if m.request:
-            self._finish(m, False, reason)
-        self._dispose(m)
-
-    def _dispose(self, m: Member) -> None:
-        """Stop vime's own process (detach from an external one), end the actor; never blocks."""
-        import ray
-
-        try:
-            ray.wait([m.actor.stop.remote()], timeout=30)  # a dead actor's call fails at once
-        finally:
-            ray.kill(m.actor)
-
-    def _on_call_failure(self, url: str, error: BaseException) -> None:
-        """A weight update or pause failed on one engine (EngineGroup has taken it out already)."""
-        member = self._serving(url)
-        if member is not None:
-            self._lose(member, f"a call failed: {error_reason(error)}")
-
-    def _unregister_quietly(self, url: str | None) -> None:
-        member = next((m for m in self.members if m.url == url), None)
-        if member is not None and member.worker_type != "regular":
-            return  # never registered (an encoder), or listed on the PD router's command line for good
-        if url and self.register_with_router:
-            try:
-                self.router.remove_worker(url)
-            except EngineError:
-                pass  # the router checks health too: a dead engine leaves its rotation anyway
-
     def _serving(self, url: str) -> Member | None:
         return next(
             (m for m in self.members if m.url == url and m.state in (EngineState.SERVING, EngineState.SYNCING)), None
         )
-
-    def _check_progress_possible(self) -> None:
-        if not self.members or any(m.state not in (EngineState.REMOVED, EngineState.LOST) for m in self.members):
-            return
-        if all(m.state == EngineState.REMOVED for m in self.members):
-            return
-        why = "; ".join(f"{m.name} ({m.origin}): {m.last_error}" for m in self.members if m.state == EngineState.LOST)
-        raise EnginesLost(
-            f"every rollout engine is gone and none is starting, so no sample can be generated: {why}. "
-            f"Engine logs are in {self.template.log_dir}"
-        )
-
-    # ================================================================== `vime engines` requests
-    def _take_requests(self) -> None:
-        import ray
-
-        try:
-            requests = ray.get(self.registry.take.remote(), timeout=10)
-        except Exception as error:  # noqa: BLE001 - the registry is not vital to the run
-            self.say(f"engine registry unreachable: {error_reason(error)}")
-            return
-        for request in requests:
-            try:
-                {"add": self._request_add, "remove": self._request_remove}[request["op"]](request)
-            except Exception as error:  # noqa: BLE001 - a bad request fails alone, never the run
-                message = str(error) if isinstance(error, ValueError) else error_reason(error)
-                self.registry.finish.remote(request["id"], False, message)
-
-    def _request_add(self, request: dict) -> None:
-        url = engine_url(request["target"])
-        if self.static_roles:
-            raise ValueError(
-                "this model runs prefill/decode engines behind a router that lists them from its "
-                "command line: engines cannot join it while it runs"
-            )
-        if self.template.weight_transport != "disk":
-            raise ValueError(
-                "an external engine joins a running job with --update-weight-transport disk only "
-                "(with nccl it would need vime's worker extension, which vime cannot check)"
-            )
-        taken = next(
-            (m for m in self.members if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None
-        )
-        if taken is not None:
-            raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
-        member = self._spawn(
-            "added", external_url=url, request=request["id"], startup_timeout=self.template.http_timeout
-        )
-        self.say(f"vime engines add {url}: {member.name} loads weight version {self.version}")
-
-    def _request_remove(self, request: dict) -> None:
-        target = request["target"]
-        url = target if target.startswith("engine-") else engine_url(target)
-        member = next(
-            (
-                m
-                for m in self.members
-                if (m.url == url or m.name == url) and m.state in (EngineState.SERVING, EngineState.QUARANTINED)
-            ),
-            None,
-        )
-        if member is None:
-            raise ValueError(f"no serving or quarantined engine {target} in this run (see `vime engines list`)")
-        if member.state == EngineState.QUARANTINED:  # out of the router already, nothing in flight
-            member.pending, member.request = None, request["id"]
-            self._drained(member, 0)
-            return
-        if sum(m.state == EngineState.SERVING for m in self.members) == 1:
-            raise ValueError(f"{member.name} is the only serving engine of the run; add another one first")
-        self.group.remove(member.url)
-        self.monitor.unwatch(member.url)
-        if self.register_with_router:
-            self.router.remove_worker(member.url)
-        member.state, member.request = EngineState.DRAINING, request["id"]
-        self._pend(member, member.actor.drain.remote(), "drain", self.group.call_timeout)
-        self.say(f"vime engines remove {target}: {member.name} unregistered, draining its requests")
-
-    def _drained(self, m: Member, aborted: int | None, error: str | None = None) -> None:
-        m.state = EngineState.REMOVED
-        self._dispose(m)
-        what = (
-            f"{aborted} request(s) in flight returned to the queue as continuations"
-            if aborted is not None
-            else f"draining failed ({error}); its groups return to the queue when their requests fail"
-        )
-        message = f"{m.name} ({m.url}) removed; {what}" + ("" if m.owned else "; the external engine keeps running")
-        self.say(message)
-        self.record({"kind": "engine", "event": "removed", "engine": m.name, "url": m.url, "aborted": aborted})
-        if m.request:
-            self._finish(m, True, message)
-
-    def _finish(self, m: Member, ok: bool, message: str) -> None:
-        if self.registry is not None and m.request:
-            self.registry.finish.remote(m.request, ok, message, {"engine": m.name, "url": m.url})
-        m.request = None
 
     # ================================================================== nodes
     def _watch_nodes(self) -> None:
@@ -709,21 +477,3 @@ class EngineManager:
             )
             for _ in range(node.engines):
                 self._spawn("node", node_id=node.node_id, host=node.host)
-
-    # ================================================================== `vime engines list`
-    def snapshot(self) -> dict:
-        health = self.monitor.status()
-        served = dict(zip(self.group.urls, self.group.versions))
-        engines = []
-        for m in self.members:
-            if m.state == EngineState.SERVING and m.url in served:
-                m.version = served[m.url]
-            engines.append(m.describe(health.get(m.url or "", {})))
-        return {"weight_version": self.version, "engines": engines}
-
-    def _publish_snapshot(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.registry is None or (not force and now - self._last["snapshot"] < SNAPSHOT_SECONDS):
-            return
-        self._last["snapshot"] = now
-        self.registry.publish.remote(self.snapshot())  # fire and forget: the registry never blocks

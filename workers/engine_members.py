@@ -20,6 +20,8 @@ from vime.workers.engines import EngineSpec
 # A quarantined engine is probed after this many seconds, then after twice as long each time, up to the maximum.
 QUARANTINE_FIRST_PROBE_SECONDS = 1.0
 QUARANTINE_MAX_PROBE_SECONDS = 60.0
+# A joining engine gets this long on top of --engine-startup-timeout: scheduling the actor, loading weights.
+JOIN_SLACK_SECONDS = 120.0
 
 
 class EngineState(str, enum.Enum):

@@ -29,7 +29,7 @@ from vime.sample import Sample
 from vime.weights.publisher import Publication, WeightPublisher
 
 if TYPE_CHECKING:  # the annotation's name only: from_settings loads the module when a run trains with Megatron
-    from vime.backends.megatron_backend import MegatronBackendSpec
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
 
 def tokens_per_version(samples: list[Sample]) -> dict[str, int]:
@@ -92,7 +92,7 @@ class TrainerWorkerSpec:
         )
         megatron = None
         if s.train.train_backend == "megatron":
-            from vime.backends.megatron_backend import MegatronBackendSpec
+            from vime.backends.megatron_spec import MegatronBackendSpec
 
             megatron = MegatronBackendSpec.from_settings(s)
         return cls(

@@ -124,7 +124,8 @@ def _rank(
             _reset_megatron()
     else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
         from vime.backends.megatron_backend import MegatronBackend
-        from vime.backends.megatron_model import Parallelism, local_expert_count
+        from vime.backends.megatron_model import Parallelism
+        from vime.backends.megatron_weights import local_expert_count
 
         for layout_id, layout in layouts.items():
             parallel = Parallelism(**layout)
@@ -412,9 +413,9 @@ def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():
     packing, which context parallelism does not run, is refused naming the flag."""
     import types
 
-    from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.megatron_context import ContextSplit
     from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_setup import context_split
 
     assert ContextSplit(None, 0, 2).positions(8).tolist() == [0, 1, 6, 7]
     assert ContextSplit(None, 1, 2).positions(8).tolist() == [2, 3, 4, 5]
@@ -422,7 +423,7 @@ def test_context_parallel_ranks_hold_balanced_chunks_as_megatron_does():
     with pytest.raises(ValueError, match="does not split into 4 chunks"):
         ContextSplit(None, 0, 2).positions(6)
     with pytest.raises(ValueError, match=r"^--context-parallel-size 2: packed \(thd\) sequences"):
-        MegatronBackend._context(types.SimpleNamespace(parallel=Parallelism(context=2), packing="thd"))
+        context_split(types.SimpleNamespace(parallel=Parallelism(context=2), packing="thd"))
 
 
 def test_pipeline_stages_must_split_the_layers_as_megatron_does():

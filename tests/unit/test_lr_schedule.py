@@ -340,7 +340,8 @@ def test_megatron_backend_steps_and_checkpoints_the_schedule(tmp_path):
 
     from tests import megatron_shim
     from vime.backends.megatron_args import model_args_from_hf
-    from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
     megatron_shim.install()
     model_dir = megatron_shim.tiny_qwen2_with_tokenizer(str(tmp_path / "tiny"))

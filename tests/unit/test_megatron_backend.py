@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from tests import megatron_shim  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.backends.megatron_args import model_args_from_hf  # noqa: E402
-from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec  # noqa: E402
+from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
+from vime.backends.megatron_spec import MegatronBackendSpec  # noqa: E402
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec  # noqa: E402
 from vime.config.algorithm import AlgorithmConfig  # noqa: E402
 from vime.sample import Sample  # noqa: E402

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from tests import megatron_shim  # noqa: E402
-from vime.backends import megatron_model as mm  # noqa: E402
+from vime.backends import megatron_forward as mf, megatron_model as mm, megatron_weights as mw  # noqa: E402
 from vime.backends.megatron_args import model_args_from_hf  # noqa: E402
 from vime.backends.megatron_convert import hf_to_mcore, mcore_to_hf, read_hf_state_dict  # noqa: E402
 
@@ -43,13 +43,13 @@ def _batch():
 def test_logits_match_hf(tiny):
     folder, args = tiny
     gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
-    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
     # The vocabulary (16) is padded to 128 rows inside Megatron; only the real ones come out.
     assert gpt.embedding.word_embeddings.weight.shape[0] == 128
     ids, mask = _batch()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        ours = mm.MegatronLM(gpt.eval(), args.vocab_size)(input_ids=ids, attention_mask=mask).logits
+        ours = mf.MegatronLM(gpt.eval(), args.vocab_size)(input_ids=ids, attention_mask=mask).logits
         theirs = hf(input_ids=ids, attention_mask=mask).logits
     assert ours.shape == theirs.shape
     real = mask.bool()
@@ -60,8 +60,8 @@ def test_weights_round_trip_through_the_model(tiny):
     folder, args = tiny
     hf = read_hf_state_dict(folder)
     gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
-    mm.load_canonical(gpt, hf_to_mcore(hf, args), args)
-    back = mcore_to_hf(mm.gather_canonical(gpt, args), args)
+    mw.load_canonical(gpt, hf_to_mcore(hf, args), args)
+    back = mcore_to_hf(mw.gather_canonical(gpt, args), args)
     assert set(back) == set(hf)
     assert all(torch.equal(back[n], hf[n]) for n in hf)
 
@@ -72,4 +72,4 @@ def test_a_state_dict_that_does_not_fit_is_refused(tiny):
     canonical = hf_to_mcore(read_hf_state_dict(folder), args)
     canonical.pop("decoder.final_layernorm.weight")
     with pytest.raises(ValueError, match="final_layernorm"):
-        mm.load_canonical(gpt, canonical, args)
+        mw.load_canonical(gpt, canonical, args)

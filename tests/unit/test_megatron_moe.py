@@ -145,36 +145,38 @@ def _batch():
 def test_logits_match_hf(tiny):
     from transformers import AutoModelForCausalLM
 
+    from vime.backends import megatron_forward as mf, megatron_weights as mw
+
     mm = _megatron()
     _, folder, args = tiny
     gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
-    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
     ids, mask = _batch()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        ours = mm.MegatronLM(gpt.eval(), args.vocab_size, model_args=args)(input_ids=ids, attention_mask=mask).logits
+        ours = mf.MegatronLM(gpt.eval(), args.vocab_size, model_args=args)(input_ids=ids, attention_mask=mask).logits
         theirs = hf(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
     # the exported weights are the HF checkpoint's, expert by expert
-    back = mcore_to_hf(mm.gather_canonical(gpt, args), args)
+    back = mcore_to_hf(mw.gather_canonical(gpt, args), args)
     hf_state = read_hf_state_dict(folder)
     assert back.keys() == hf_state.keys() and all(torch.equal(back[n], hf_state[n]) for n in hf_state)
 
 
 @MEGATRON_WARNINGS
 def test_checkpoint_round_trip_torch_dist(tmp_path):
-    from vime.backends import megatron_checkpoint as mc
+    from vime.backends import megatron_checkpoint as mc, megatron_weights as mw
 
     mm = _megatron()
     folder = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS["qwen2_moe"])
     args = model_args_from_hf(AutoConfig.from_pretrained(folder))
     gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
-    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
     mc.save(str(tmp_path / "iter_0000001"), gpt, None, fmt="torch_dist", iteration=1, args=args.to_dict())
     again = mm.build_gpt_model(args, mm.Parallelism(), initialize=True)
     mc.load(str(tmp_path / "iter_0000001"), again)
-    expected, got = mm.gather_canonical(gpt, args), mm.gather_canonical(again, args)
+    expected, got = mw.gather_canonical(gpt, args), mw.gather_canonical(again, args)
     assert all(torch.equal(expected[n], got[n]) for n in expected)
 
 
@@ -321,11 +323,12 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism(qwen3_moe_dir):
     """megatron-core refuses MoE training under TP without sequence parallelism: the backend names the flag
     before building anything."""
     pytest.importorskip("megatron.core")
-    from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec
     from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_setup import check_moe_tensor_parallelism
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
     model = model_args_from_hf(AutoConfig.from_pretrained(qwen3_moe_dir))
-    check = MegatronBackend._check_moe_tensor_parallelism
+    check = check_moe_tensor_parallelism
     with pytest.raises(ValueError, match="^--sequence-parallel: megatron-core trains MoE layers"):
         check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2)))
     check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, sequence_parallel=True)))

@@ -18,7 +18,12 @@ from test_megatron_backend import make_samples as backend_samples, trainer_spec 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from tests import megatron_shim  # noqa: E402
-from vime.backends import megatron_model as mm, megatron_routing as mr  # noqa: E402
+from vime.backends import (  # noqa: E402
+    megatron_forward as mf,
+    megatron_model as mm,
+    megatron_routing as mr,
+    megatron_weights as mw,
+)
 from vime.backends.megatron_args import model_args_from_hf  # noqa: E402
 from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict  # noqa: E402
 from vime.rollout import routing  # noqa: E402
@@ -45,7 +50,7 @@ def args(model_dir):
 
 def _gpt(model_dir, args):
     gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False, moe=mm.MoeOptions(routing_replay=True))
-    mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(model_dir), args), args)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(model_dir), args), args)
     return gpt.eval()
 
 
@@ -107,7 +112,7 @@ def _compared(lengths):
 
 def test_replaying_the_free_routes_changes_nothing(model_dir, args):
     gpt = _gpt(model_dir, args)
-    lm = mm.MegatronLM(gpt, args.vocab_size, model_args=args)
+    lm = mf.MegatronLM(gpt, args.vocab_size, model_args=args)
     ids, mask, lengths = _batch()
     free, routes = _free_routes(gpt, lm, ids, mask, lengths)
     with torch.no_grad():
@@ -122,7 +127,7 @@ def test_replaying_the_free_routes_changes_nothing(model_dir, args):
 
 def test_forced_routes_are_followed_and_match_a_manual_computation(model_dir, args):
     gpt = _gpt(model_dir, args)
-    lm = mm.MegatronLM(gpt, args.vocab_size, model_args=args)
+    lm = mf.MegatronLM(gpt, args.vocab_size, model_args=args)
     ids, mask, lengths = _batch()
     free, free_routes = _free_routes(gpt, lm, ids, mask, lengths)
     # every token to the two experts the router did NOT choose
@@ -220,7 +225,7 @@ def make_samples(seed: int, groups: int = 2, routes: bool = False) -> list[Sampl
 
 
 def _specs(model_dir, **moe):
-    from vime.backends.megatron_backend import MegatronBackendSpec
+    from vime.backends.megatron_spec import MegatronBackendSpec
 
     return (
         trainer_spec(model_dir, use_kl_loss=True, kl_loss_coef=0.1),

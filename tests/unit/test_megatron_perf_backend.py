@@ -16,7 +16,8 @@ pytestmark = pytest.mark.filterwarnings(
 from tests import megatron_shim  # noqa: E402
 from tests.train_args import minimal_train_argv as base  # noqa: E402
 from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec  # noqa: E402
-from vime.backends.megatron_backend import MegatronBackend, MegatronBackendSpec  # noqa: E402
+from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
+from vime.backends.megatron_spec import MegatronBackendSpec  # noqa: E402
 from vime.backends.torch_backend import TorchBackend  # noqa: E402
 from vime.config import parse_train_args  # noqa: E402
 

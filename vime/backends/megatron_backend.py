@@ -27,6 +27,9 @@ as the torch backend, on a megatron-core GPTModel built from the Megatron flags 
   overrides, saved in
   ``critic/`` of each checkpoint.
 
+Its spec is ``megatron_spec``; what it checks and chooses before building a model, ``megatron_setup``; the
+parameters its gradient reductions treat apart and the global gradient norm, ``megatron_gradients``.
+
 megatron-core 0.16 calls ``torch.cuda`` in its forward pass: on a machine without CUDA the backend
 runs only where ``torch.cuda.current_device()`` has been redirected (the tests' ``megatron_shim``).
 """
@@ -34,7 +37,6 @@ runs only where ``torch.cuda.current_device()`` has been redirected (the tests' 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import shutil
@@ -43,98 +45,23 @@ import torch
 
 from vime.backends import megatron_critic
 from vime.backends.data_parallel import DataParallel
-from vime.backends.megatron_args import ModelArgs, resolve_model_args
-from vime.backends.megatron_model import MoeOptions, Parallelism
+from vime.backends.megatron_gradients import global_norm, routed_expert_param_ids, tensor_parallel_partial_param_ids
+from vime.backends.megatron_setup import (
+    check_expert_parallelism,
+    check_moe_tensor_parallelism,
+    check_roles,
+    context_split,
+    packing_mode,
+    pipeline_stage,
+)
+from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_source
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
-from vime.config.base import ConfigError
-from vime.config.roles import FLAG as ROLES_FLAG, TORCH_ROLE_KEYS, RoleConfig, RoleOverrides
+from vime.config.roles import RoleOverrides
 from vime.rl.batch import Forward
 from vime.rl.losses import token_entropy
 from vime.sample import Sample
-
-
-@dataclasses.dataclass(kw_only=True)
-class MegatronBackendSpec:
-    """What the Megatron backend needs beyond the trainer spec shared with the torch backend."""
-
-    model: ModelArgs
-    parallel: Parallelism = dataclasses.field(default_factory=Parallelism)
-    ckpt_format: str = "torch_dist"
-    ref_load: str | None = None  # Megatron checkpoint or HF folder: initial actor and KL reference
-    packing: str = "auto"  # auto | thd | padded
-    vocab_divisible_by: int = 128
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    recompute: dict | None = None  # TransformerConfig recompute_* fields
-    # TransformerConfig fields from Megatron-LM flags (config.megatron_lm) and vime's kernel flags (megatron_perf).
-    config_overrides: dict | None = None
-    moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # MoE training; routing_replay = R3
-    init_hook_path: str | None = None
-    before_log_prob_hook_path: str | None = None
-    before_train_step_hook_path: str | None = None
-    hook_args: argparse.Namespace | None = None  # what user hooks receive as ``args``
-
-    @classmethod
-    def from_settings(cls, s) -> MegatronBackendSpec:
-        from transformers import AutoConfig
-
-        from vime.config.megatron_lm import transformer_overrides
-
-        m = s.megatron
-        recompute = {
-            k: v
-            for k, v in (
-                ("recompute_granularity", m.recompute_granularity),
-                ("recompute_method", m.recompute_method),
-                ("recompute_num_layers", m.recompute_num_layers),
-            )
-            if v is not None
-        }
-        return cls(
-            model=resolve_model_args(m, AutoConfig.from_pretrained(s.train.hf_checkpoint)),
-            parallel=Parallelism(
-                tensor=m.tensor_model_parallel_size,
-                pipeline=m.pipeline_model_parallel_size,
-                context=m.context_parallel_size,
-                expert=m.expert_model_parallel_size,
-                expert_tensor=m.expert_tensor_parallel_size,
-                first_stage_layers=m.decoder_first_pipeline_num_layers,
-                last_stage_layers=m.decoder_last_pipeline_num_layers,
-                sequence_parallel=m.sequence_parallel and m.tensor_model_parallel_size > 1,
-            ),
-            ckpt_format=m.ckpt_format,
-            ref_load=s.algorithm.ref_load,
-            packing=m.megatron_packing,
-            vocab_divisible_by=m.make_vocab_size_divisible_by,
-            attention_dropout=m.attention_dropout,
-            hidden_dropout=m.hidden_dropout,
-            recompute=recompute or None,
-            # Megatron-LM flags passed through, then vime's own kernel flags (--attention-backend, ...).
-            config_overrides={
-                **(transformer_overrides(s.megatron_lm) if s.megatron_lm.values else {}),
-                **s.perf.transformer_fields(),
-            }
-            or None,
-            moe=MoeOptions(
-                load_balancing_type=m.moe_router_load_balancing_type,
-                aux_loss_coeff=m.moe_aux_loss_coeff,
-                token_dispatcher_type=m.moe_token_dispatcher_type,
-                grouped_gemm=m.moe_grouped_gemm,
-                routing_replay=m.use_rollout_routing_replay,
-                router_dtype=s.perf.router_dtype(),
-            ),
-            init_hook_path=m.custom_megatron_init_path,
-            before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,
-            before_train_step_hook_path=m.custom_megatron_before_train_step_hook_path,
-            hook_args=s.args,
-        )
-
-
-def initial_canonical_source(spec: TorchTrainerSpec, megatron: MegatronBackendSpec) -> str:
-    """Where the actor's first weights come from: --ref-load when given, else --hf-checkpoint."""
-    return megatron.ref_load or spec.hf_checkpoint
 
 
 class MegatronBackend(RolloutTraining):
@@ -169,12 +96,12 @@ class MegatronBackend(RolloutTraining):
         # their gradients add up with the replicas'.
         self.dp = DataParallel(ps.get_data_parallel_group())
         self.gradient_dp = DataParallel(ps.get_data_parallel_group(with_context_parallel=True))
-        self.pipeline = self._pipeline(megatron)
-        self.context = self._context(megatron)
+        self.pipeline = pipeline_stage(megatron)
+        self.context = context_split(megatron)
         self.expert_dp = None
         parallel = megatron.parallel
         if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
-            self._check_expert_parallelism(megatron)
+            check_expert_parallelism(megatron)
             # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
             self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
         if megatron.moe.routing_replay and not megatron.model.is_moe:
@@ -196,8 +123,8 @@ class MegatronBackend(RolloutTraining):
             init_hook(self.user_args)
 
         # Context parallelism runs megatron-core's own attention over padded rows (megatron_context).
-        self.packing = self._packing(megatron.packing, mm.te_usable() and self.context is None)
-        self._check_moe_tensor_parallelism(megatron)
+        self.packing = packing_mode(megatron.packing, mm.te_usable() and self.context is None)
+        check_moe_tensor_parallelism(megatron)
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
         self.model = self._language_model(self.gpt, megatron.model.vocab_size)
@@ -205,7 +132,7 @@ class MegatronBackend(RolloutTraining):
         self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         roles = algo.role_config()
-        self._check_roles(roles)
+        check_roles(roles)
         # The command line's AdamW and schedule, overridden by --megatron-config-path's actor entry.
         self.actor = make_role("actor", self.gpt, spec, roles.role("actor"), roles.source)
         self.optimizer = self.actor.optimizer
@@ -215,8 +142,9 @@ class MegatronBackend(RolloutTraining):
         self.critic_gpt, self.critic_model = None, None
         if algo.uses_critic:
             self.critic = self._build_critic(roles.role("critic"), roles.source, source)
-        self.expert_param_ids = self._routed_expert_param_ids()  # reduced over their own groups (EP)
-        self.tp_partial_param_ids = self._tensor_parallel_partial_param_ids()
+        models = ((self.actor, self.gpt), (self.critic, self.critic_gpt))
+        self.expert_param_ids = routed_expert_param_ids(models)  # reduced over their own groups (EP)
+        self.tp_partial_param_ids = tensor_parallel_partial_param_ids(models)
         self.rollouts_trained = 0  # the rollout id the train-step hook receives; checkpointed
         self._log_prob_hook_due: set | None = None
         self.ref_gpt, self.ref_model = None, None
@@ -232,33 +160,8 @@ class MegatronBackend(RolloutTraining):
         self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 
     # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def _pipeline(megatron: MegatronBackendSpec):
-        """This rank's pipeline stage (None without pipeline parallelism)."""
-        from vime.backends.megatron_pipeline import Pipeline, check_stage_layers
-
-        if megatron.parallel.pipeline == 1:
-            return None
-        check_stage_layers(megatron.model.num_layers, megatron.parallel)
-        return Pipeline()
-
-    @staticmethod
-    def _context(megatron: MegatronBackendSpec):
-        """This rank's part of the context-parallel group (None without context parallelism)."""
-        from vime.backends.megatron_context import ContextSplit
-
-        parallel = megatron.parallel
-        if parallel.context == 1:
-            return None
-        if megatron.packing == "thd":
-            raise ValueError(
-                f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
-                "use --megatron-packing padded (or auto)"
-            )
-        return ContextSplit.from_megatron()
-
     def _language_model(self, gpt, vocab_size: int):
-        from vime.backends.megatron_model import MegatronLM
+        from vime.backends.megatron_forward import MegatronLM
 
         m = self.megatron
         return MegatronLM(
@@ -272,63 +175,8 @@ class MegatronBackend(RolloutTraining):
         )
 
     @staticmethod
-    def _check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
-        """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism: say so
-        before the model is built."""
-        if not megatron.model.is_moe or megatron.parallel.tensor == 1:
-            return
-        if not megatron.parallel.sequence_parallel:
-            raise ValueError(
-                "--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
-                f"{megatron.parallel.tensor} only under sequence parallelism"
-            )
-
-    @staticmethod
-    def _check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
-        """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
-        ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model
-        flag = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}"
-        if not model.is_moe:
-            raise ValueError(f"{flag}: {model.family} has no experts")
-        if model.num_experts % ep:
-            raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
-        if model.moe_ffn_hidden_size % etp:
-            raise ValueError(
-                f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
-                f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)"
-            )
-        if megatron.ckpt_format != "torch_dist":
-            raise ValueError(
-                "--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use torch_dist"
-            )
-
-    @staticmethod
     def _hook(flag: str, path: str | None, loader):
         return loader(flag, path) if path else None
-
-    @staticmethod
-    def _packing(requested: str, te: bool) -> str:
-        if requested == "thd" and not te:
-            raise ValueError(
-                "--megatron-packing thd needs Transformer Engine on CUDA (varlen attention); use 'padded' or 'auto'"
-            )
-        if requested == "auto":
-            return "thd" if te else "padded"
-        return requested
-
-    @staticmethod
-    def _check_roles(roles: RoleConfig) -> None:
-        """The role overrides this backend honours are the torch backend's; the others are refused (naming
-        the YAML field) rather than ignored."""
-        for name, role in roles.roles.items():
-            for key in role.values:
-                if key not in TORCH_ROLE_KEYS[name]:
-                    raise ConfigError(
-                        ROLES_FLAG,
-                        f"{roles.source or '<yaml>'}: {role.field(key)}: the Megatron "
-                        f"backend does not support this override for the {name}; it "
-                        f"honours {', '.join(TORCH_ROLE_KEYS[name])}",
-                    )
 
     def _build_critic(self, role: RoleOverrides, yaml: str | None, actor_source: str) -> ModelRole:
         """PPO's critic: the actor's architecture with a value head, its body from the critic role's ``load``
@@ -362,6 +210,7 @@ class MegatronBackend(RolloutTraining):
     def _build_and_load(self, source: str):
         from vime.backends import megatron_checkpoint as mc, megatron_model as mm
         from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict
+        from vime.backends.megatron_weights import load_canonical
 
         m = self.megatron
         gpt = mm.build_gpt_model(
@@ -380,7 +229,7 @@ class MegatronBackend(RolloutTraining):
         if mc.is_checkpoint_root(source):
             mc.load(mc.resolve_step_folder(source), gpt)
         else:
-            mm.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(source), m.model), m.model)
+            load_canonical(gpt, hf_to_mcore(read_hf_state_dict(source), m.model), m.model)
         return gpt
 
     # ------------------------------------------------------------------ forward
@@ -539,35 +388,6 @@ class MegatronBackend(RolloutTraining):
 
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches, device=device()))
 
-    def _param_ids(self, keep) -> set[int]:
-        """ids of the actor's and critic's parameters for which ``keep(name, param)`` holds, and with --bf16
-        of their float32 masters (what the optimizer steps, and so what the gradient reductions receive)."""
-        ids = set()
-        for role, gpt in ((self.actor, self.gpt), (self.critic, self.critic_gpt)):
-            if gpt is None:
-                continue
-            master_of = dict(zip(map(id, role.masters.model_params), role.masters.params)) if role.masters else {}
-            for name, p in gpt.named_parameters():
-                if keep(name, p):
-                    ids.add(id(p))
-                    if id(p) in master_of:
-                        ids.add(id(master_of[id(p)]))
-        return ids
-
-    def _routed_expert_param_ids(self) -> set[int]:
-        """ids of the routed experts' parameters."""
-        from vime.backends.megatron_model import is_expert_param
-
-        return self._param_ids(lambda name, _: is_expert_param(name))
-
-    def _tensor_parallel_partial_param_ids(self) -> set[int]:
-        """ids of the replicated parameters whose gradient each tensor-parallel rank computes only in part, to be
-        summed over the TP group: the norms sequence parallelism feeds a slice of the sequence, and the query and
-        key norms (--qk-layernorm), shared by every head while each rank holds some of the heads."""
-        return self._param_ids(
-            lambda name, p: getattr(p, "sequence_parallel", False) or ".q_layernorm." in name or ".k_layernorm." in name
-        )
-
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Replicas' and context-parallel ranks' gradients add up; under expert parallelism an expert's only over
         the ranks that hold it (the token exchange already brought every replica's tokens to it)."""
@@ -595,34 +415,11 @@ class MegatronBackend(RolloutTraining):
                 p.grad = torch.zeros_like(p)
             if id(p) in self.tp_partial_param_ids and ps.get_tensor_model_parallel_world_size() > 1:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        norm = self._global_norm(params)
+        norm = global_norm(params, self.expert_param_ids, self.pipeline)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coefficient)
         return norm
-
-    def _global_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of the whole model's gradient: every parameter counted once (not a tensor-parallel
-        duplicate, nor the last stage's copy of a tied embedding), every expert-parallel rank's experts and
-        every pipeline stage's layers."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        experts = self.expert_param_ids
-        dense = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        spread = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for p in params:
-            if id(p) in experts:  # this rank's experts, or its shards of them: counted by the expert groups
-                spread += p.grad.float().pow(2).sum()
-            elif param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                dense += p.grad.float().pow(2).sum()
-        dist.all_reduce(dense, group=ps.get_model_parallel_group())  # tensor x pipeline ranks
-        if ps.get_expert_tensor_and_model_parallel_world_size() > 1:
-            dist.all_reduce(spread, group=ps.get_expert_tensor_and_model_parallel_group())
-        if self.pipeline is not None:
-            dist.all_reduce(spread, group=self.pipeline.group)
-        return (dense + spread).sqrt()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def _writes_files(self) -> bool:
@@ -634,7 +431,7 @@ class MegatronBackend(RolloutTraining):
         """A rank that writes nothing still takes part in gathering the tensor- and expert-parallel shards."""
         from megatron.core import parallel_state as ps
 
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         if (
             ps.get_tensor_model_parallel_world_size() > 1
@@ -647,7 +444,7 @@ class MegatronBackend(RolloutTraining):
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""
         from vime.backends.megatron_convert import iter_mcore_to_hf
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             canonical = gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
@@ -656,7 +453,7 @@ class MegatronBackend(RolloutTraining):
     def save_weights(self, path: str) -> None:
         """HF-named safetensors plus the HF config files: what an engine reloads (TP rank 0 writes)."""
         from vime.backends.megatron_convert import mcore_to_hf, write_hf_safetensors
-        from vime.backends.megatron_model import gather_canonical
+        from vime.backends.megatron_weights import gather_canonical
 
         with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             canonical = gather_canonical(self.gpt, self.megatron.model)

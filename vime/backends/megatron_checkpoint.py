@@ -309,7 +309,7 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
 
 def _load_model_state(model, state: dict, skip: tuple[str, ...] = ()) -> None:
     """Load a (canonically named) local state dict into ``model``, whatever its layer spec."""
-    from vime.backends.megatron_model import VOCAB_PARAMS
+    from vime.backends.megatron_weights import VOCAB_PARAMS
 
     state = from_te_names(state)
     if getattr(model, "vime_uses_te", False):

@@ -3,7 +3,7 @@
 The critic is a second GPTModel of the actor's architecture whose output layer is a value head
 (:class:`ValueHead`, hidden -> 1) instead of the vocabulary projection, so that megatron-core's own
 forward (embedding, decoder, final norm, "output layer") returns one value per position and the
-actor's batching (``megatron_model.MegatronLM``: padded or thd) serves it unchanged.
+actor's batching (``megatron_forward.MegatronLM``: padded or thd) serves it unchanged.
 
 **Decision** (the torch backend's, ``torch_backend.ValueModel``): the body starts from the actor's
 initial weights (or the critic role's ``load``); the head is ``torch.nn.Linear(hidden, 1)`` in
@@ -77,7 +77,7 @@ def load_hf_body(gpt, folder: str, args: ModelArgs) -> None:
     """The body from an HF causal-LM folder, or from a torch-backend critic's ``model/`` (a bare
     transformer body, names without ``model.``); the head is left as it is."""
     from vime.backends.megatron_convert import hf_to_mcore, read_hf_state_dict
-    from vime.backends.megatron_model import load_canonical
+    from vime.backends.megatron_weights import load_canonical
 
     hf = read_hf_state_dict(folder)
     if "model.embed_tokens.weight" not in hf and "embed_tokens.weight" in hf:

@@ -1,0 +1,240 @@
+"""Running a megatron-core GPTModel behind the interface the shared training code calls.
+
+:class:`MegatronLM` wraps the model in ``model(input_ids=..., attention_mask=...).logits``, batching either
+packed (thd) or right-padded, with R3's forced routes, pipeline stages and context parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vime.backends.megatron_args import ModelArgs
+from vime.backends.megatron_model import device, tp_split
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None = None  # a pipeline stage before the last: the hidden states it passes on
+
+
+class MegatronLM(torch.nn.Module):
+    """``model(input_ids=[B, T], attention_mask=[B, T]).logits`` -> [B, T, vocab] over right-padded rows.
+
+    ``packing='thd'`` concatenates the rows' real tokens into one varlen sequence (Transformer Engine
+    attention, no padding computed); ``'padded'`` runs the padded batch with an explicit causal mask.
+    Logits of padded positions are zero in thd mode (never used: the loss masks them). Logits of the
+    padded vocabulary rows are dropped.
+
+    ``routes`` (MoE, R3): per row, the recorded experts [positions, MoE layers, topk] of its first
+    positions (``megatron_routing.sample_routes``); the forward routes those positions to them.
+    Without ``routes`` the routers choose freely.
+
+    Under pipeline parallelism (``pipeline``) a stage after the first takes its input from the previous
+    stage, and a stage before the last returns its hidden states (``CausalLMOutput.hidden``) instead of logits.
+
+    Under context parallelism (``context``, a ``megatron_context.ContextSplit``) the model runs over this
+    rank's positions of each padded row, and the last stage gathers every rank's logits into whole rows.
+    """
+
+    def __init__(
+        self,
+        gpt,
+        vocab_size: int,
+        packing: str = "padded",
+        sequence_parallel: bool = False,
+        model_args: ModelArgs | None = None,
+        pipeline=None,
+        context=None,
+    ):
+        super().__init__()
+        self.gpt = gpt
+        self.vocab_size = vocab_size
+        self.packing = packing
+        self.sequence_parallel = sequence_parallel
+        self.model_args = model_args
+        self.pipeline = pipeline
+        self.context = context  # padded rows only: ContextParallelAttention refuses packed sequences
+        self._stage_moe_layers = self._moe_layers_of_stage()
+
+    def _moe_layers_of_stage(self) -> list[int] | None:
+        """Positions, among the model's MoE layers, of those this pipeline stage holds (None: all)."""
+        if self.pipeline is None or self.model_args is None or not self.model_args.is_moe:
+            return None
+        from vime.backends.megatron_pipeline import stage_layers
+
+        held = stage_layers(self.gpt)
+        return [i for i, layer in enumerate(self.model_args.moe_layers) if layer in held]
+
+    @property
+    def _last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.last
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        routes: list[torch.Tensor] | None = None,
+    ) -> CausalLMOutput:
+        dev = device()
+        input_ids = input_ids.to(dev)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(dev)
+        if routes is not None:
+            if self.model_args is None or not self.model_args.is_moe:
+                raise ValueError("routes given for a model without MoE layers")
+            if len(routes) != input_ids.shape[0]:
+                raise ValueError(f"routes for {len(routes)} rows, the batch has {input_ids.shape[0]}")
+        self._routes = routes
+        if self.pipeline is not None and not self.pipeline.first:
+            self.gpt.set_input_tensor(self.pipeline.receive_input(self.gpt.config.pipeline_dtype, dev))
+        batch, length = input_ids.shape
+        if self.packing == "thd":
+            output = self._forward_thd(input_ids, attention_mask)
+        else:
+            input_ids, attention_mask = self._lockstep_padded(input_ids, attention_mask)
+            output = self._forward_padded(input_ids, attention_mask)
+        if not self._last_stage:
+            return CausalLMOutput(logits=None, hidden=output)
+        if self.packing != "thd":
+            output = output[:batch, :length]
+        return CausalLMOutput(output[..., : self.vocab_size].float())
+
+    def _lockstep(self):
+        """The group whose ranks exchange tokens inside every MoE layer (expert and expert tensor
+        parallelism), or None. Its ranks must run each forward on the same number of tokens: megatron-core's
+        all-gather dispatcher gathers equal slices."""
+        if self.model_args is None or not self.model_args.is_moe:
+            return None
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_tensor_and_model_parallel_world_size() == 1:
+            return None
+        return ps.get_expert_tensor_and_model_parallel_group()
+
+    def _agree(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the lockstep group."""
+        import torch.distributed as dist
+
+        shape = torch.tensor(values, dtype=torch.long, device=device())
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self._lockstep())
+        return shape.tolist()
+
+    def _lockstep_padded(self, input_ids, attention_mask):
+        """Under expert parallelism, pad the batch to the group's largest [rows, length]. Padding rows keep
+        their first position unmasked so that attention stays finite; their outputs are cut off."""
+        batch, length = input_ids.shape
+        self._real_rows = batch
+        if self._lockstep() is None:
+            return input_ids, attention_mask
+        rows, columns = self._agree([batch, length])
+        if (rows, columns) == (batch, length):
+            return input_ids, attention_mask
+        input_ids = torch.nn.functional.pad(input_ids, (0, columns - length, 0, rows - batch))
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, columns - length, 0, rows - batch))
+        attention_mask[batch:, 0] = 1
+        if self._routes is not None:
+            empty = self._routes[0].new_zeros((0, *self._routes[0].shape[1:]))
+            self._routes = list(self._routes) + [empty] * (rows - batch)
+        return input_ids, attention_mask
+
+    def _padding(self, padding: torch.Tensor) -> dict:
+        """MoE routers leave padded tokens (True) out of their load-balancing statistics."""
+        return {"padding_mask": padding} if self.model_args is not None and self.model_args.is_moe else {}
+
+    def _force(self, layout_fn) -> None:
+        """Set (or clear) the routers' forced experts for the forward about to run; a dense model has none."""
+        if self.model_args is None or not self.model_args.is_moe:
+            return
+        from vime.backends import megatron_routing as mr
+
+        if self._routes is None:
+            mr.force_routes(self.gpt, None)
+            return
+        rank, size, _ = tp_split()
+        layers = mr.per_layer(
+            layout_fn(), tp_rank=rank, tp_size=size, sequence_parallel=self.sequence_parallel, device=device()
+        )
+        if self._stage_moe_layers is not None:
+            layers = [layers[i] for i in self._stage_moe_layers]
+        mr.force_routes(self.gpt, layers)
+
+    def _tp_multiple(self) -> int:
+        return tp_split()[1] if self.sequence_parallel else 1
+
+    def _forward_padded(self, input_ids, attention_mask):
+        batch, length = input_ids.shape
+        multiple = self._tp_multiple() * (1 if self.context is None else self.context.multiple)
+        padded = -(-length // multiple) * multiple
+        if padded != length:  # sequence and context parallelism split the sequence evenly over the ranks
+            input_ids = torch.nn.functional.pad(input_ids, (0, padded - length))
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, padded - length))
+        positions = torch.arange(padded, device=input_ids.device).unsqueeze(0).expand(batch, padded)
+        # True = masked: later keys (causal) and padded keys.
+        causal = torch.ones(padded, padded, dtype=torch.bool, device=input_ids.device).triu(1)
+        mask = causal[None, None] | (attention_mask == 0)[:, None, None, :]
+        from vime.backends.megatron_routing import padded_layout
+
+        padding = attention_mask == 0
+        padding[self._real_rows :] = True  # lockstep padding rows stay out of the routers' statistics
+        held = slice(None)  # the positions this rank holds (on the CPU, as the routes are)
+        if self.context is not None:  # this rank's positions (queries) against every rank's (keys)
+            held = self.context.positions(padded)
+            here = held.to(input_ids.device)
+            keys = self.context.gathered_positions(padded, device=input_ids.device)
+            mask = mask[:, :, here][..., keys]
+            input_ids, positions, padding = input_ids[:, here], positions[:, here], padding[:, here]
+        self._force(lambda: padded_layout(self._routes, padded, self.model_args)[:, held])
+        output = self.gpt(input_ids, positions, mask, **self._padding(padding))
+        if not self._last_stage:
+            return output
+        if self.context is not None:
+            output = self.context.gather_sequence(output, dim=1)
+        return output[:, :length]
+
+    def _forward_thd(self, input_ids, attention_mask):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        batch, length = input_ids.shape
+        lengths = attention_mask.sum(dim=1).tolist()
+        tokens = torch.cat([input_ids[row, :n] for row, n in enumerate(lengths)])
+        positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
+        total = tokens.numel()
+        multiple = self._tp_multiple()
+        extra = -(-total // multiple) * multiple - total
+        if self._lockstep() is not None:  # as many tokens as the expert-parallel group's largest batch
+            extra = self._agree([total + extra])[0] - total
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        if extra:  # padding joins the last sequence: causal attention keeps it out of the real tokens
+            tokens = torch.nn.functional.pad(tokens, (0, extra))
+            positions = torch.cat([positions, torch.arange(lengths[-1], lengths[-1] + extra, device=input_ids.device)])
+            bounds[-1] += extra
+        cu = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
+        longest = max(lengths) + extra
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+        from vime.backends.megatron_routing import packed_layout
+
+        self._force(lambda: packed_layout(self._routes, lengths, total + extra, self.model_args))
+        padding = torch.arange(total + extra, device=input_ids.device) >= total
+        output = self.gpt(
+            tokens.unsqueeze(0),
+            positions.unsqueeze(0),
+            None,
+            packed_seq_params=params,
+            **self._padding(padding.unsqueeze(0)),
+        )
+        if not self._last_stage:
+            return output
+        packed = output[0]
+        rows = [
+            torch.nn.functional.pad(packed[start : start + n], (0, 0, 0, length - n))
+            for start, n in zip(bounds[:-1], lengths)
+        ]
+        return torch.stack(rows)

@@ -1,0 +1,88 @@
+"""The Megatron backend's checks and choices before it builds a model: the rank's pipeline stage and
+context split, the parallel layouts megatron-core cannot train, the batching (thd or padded) and the role
+overrides it honours. Each refusal names the flag to change.
+"""
+
+from __future__ import annotations
+
+from vime.backends.megatron_spec import MegatronBackendSpec
+from vime.config.base import ConfigError
+from vime.config.roles import FLAG as ROLES_FLAG, TORCH_ROLE_KEYS, RoleConfig
+
+
+def pipeline_stage(megatron: MegatronBackendSpec):
+    """This rank's pipeline stage (None without pipeline parallelism)."""
+    from vime.backends.megatron_pipeline import Pipeline, check_stage_layers
+
+    if megatron.parallel.pipeline == 1:
+        return None
+    check_stage_layers(megatron.model.num_layers, megatron.parallel)
+    return Pipeline()
+
+
+def context_split(megatron: MegatronBackendSpec):
+    """This rank's part of the context-parallel group (None without context parallelism)."""
+    from vime.backends.megatron_context import ContextSplit
+
+    parallel = megatron.parallel
+    if parallel.context == 1:
+        return None
+    if megatron.packing == "thd":
+        raise ValueError(
+            f"--context-parallel-size {parallel.context}: packed (thd) sequences are not supported; "
+            "use --megatron-packing padded (or auto)"
+        )
+    return ContextSplit.from_megatron()
+
+
+def check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
+    """megatron-core trains MoE layers under tensor parallelism only with sequence parallelism: say so
+    before the model is built."""
+    if not megatron.model.is_moe or megatron.parallel.tensor == 1:
+        return
+    if not megatron.parallel.sequence_parallel:
+        raise ValueError(
+            "--sequence-parallel: megatron-core trains MoE layers with --tensor-model-parallel-size "
+            f"{megatron.parallel.tensor} only under sequence parallelism"
+        )
+
+
+def check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
+    """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
+    ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model
+    flag = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}"
+    if not model.is_moe:
+        raise ValueError(f"{flag}: {model.family} has no experts")
+    if model.num_experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
+    if model.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} must divide the experts' hidden size "
+            f"{model.moe_ffn_hidden_size} (--moe-ffn-hidden-size)"
+        )
+    if megatron.ckpt_format != "torch_dist":
+        raise ValueError("--ckpt-format torch cannot hold experts spread over expert-parallel ranks; use torch_dist")
+
+
+def packing_mode(requested: str, te: bool) -> str:
+    if requested == "thd" and not te:
+        raise ValueError(
+            "--megatron-packing thd needs Transformer Engine on CUDA (varlen attention); use 'padded' or 'auto'"
+        )
+    if requested == "auto":
+        return "thd" if te else "padded"
+    return requested
+
+
+def check_roles(roles: RoleConfig) -> None:
+    """The role overrides this backend honours are the torch backend's; the others are refused (naming
+    the YAML field) rather than ignored."""
+    for name, role in roles.roles.items():
+        for key in role.values:
+            if key not in TORCH_ROLE_KEYS[name]:
+                raise ConfigError(
+                    ROLES_FLAG,
+                    f"{roles.source or '<yaml>'}: {role.field(key)}: the Megatron "
+                    f"backend does not support this override for the {name}; it "
+                    f"honours {', '.join(TORCH_ROLE_KEYS[name])}",
+                )
