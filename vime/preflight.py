@@ -79,6 +79,8 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     report_megatron_lm_flags(s, say)
     report_megatron_perf_flags(s, say)
     report_hook_flags(s, say)
+    for note in s.weights.startup_notes():  # reference --update-weight-* flags that are moot on this run
+        say(note)
     plan, trained_model = plan_engines(s)
     check_against_vllm(s.vllm.vllm_args)
     check_topology_against_vllm(getattr(s.args, "vllm_deployment", None))  # --vllm-config overrides
@@ -180,6 +182,9 @@ def written_directories(s: TrainSettings) -> list[tuple[str, str]]:
     train_template = s.hooks.save_debug_train_data
     if train_template:  # the folder above the first placeholder
         found.append(("--save-debug-train-data", os.path.dirname(os.path.abspath(train_template).split("{")[0])))
+    local = s.weights.update_weight_local_checkpoint_dir
+    if local and s.weights.update_weight_transport == "disk" and not s.cluster.ray_address:
+        found.append(("--update-weight-local-checkpoint-dir", local))  # on the rollout hosts: this one, in-process
     template = s.debug.save_debug_rollout_data
     if template:  # the folder above the first path component that holds '{rollout_id}'
         found.append(("--save-debug-rollout-data", os.path.dirname(os.path.abspath(template).split("{")[0])))

@@ -66,6 +66,10 @@ class EngineTemplate:
     http_timeout: float
     weight_dir: str
     weight_transport: str = "disk"
+    weights_local_dir: str | None = None
+    """--update-weight-local-checkpoint-dir: engine N keeps its own full copy in <dir>/<prefix>engine_N
+    (default: <weight dir>/.engine_N)."""
+    weight_buffer_bytes: int = 0  # --update-weight-buffer-size: the NCCL broadcast's buckets
     sleep_mode: bool = False  # --offload-rollout: engines sleep while the trainer trains
     name_prefix: str = ""
     """Prepended to engine names and log files: the model's name when a run serves several
@@ -96,6 +100,12 @@ class EngineTemplate:
             host=host,
             external_url=external_url,
             sleep_mode=self.sleep_mode,
+            weights_local_dir=(
+                os.path.join(self.weights_local_dir, f"{self.name_prefix}engine_{index}")
+                if self.weights_local_dir
+                else None
+            ),
+            weight_buffer_bytes=self.weight_buffer_bytes,
         )
 
 

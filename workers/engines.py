@@ -55,6 +55,7 @@ class EngineSpec:
     cpu_cores: list[int] | None = None
     host: str = "127.0.0.1"
     weights_local_dir: str | None = None  # the engine's own weight copy (default: <weight dir>/.engine_<index>)
+    weight_buffer_bytes: int = 0  # --update-weight-buffer-size: the NCCL broadcast's buckets (the trainer's)
     external_url: str | None = None  # an engine vime did not start (never started or killed by vime)
     worker_type: str = "regular"  # regular | prefill | decode | encoder (--vllm-config)
     keep_port: bool = False  # a restart listens where the process did (a PD router knows it there)
@@ -306,7 +307,9 @@ class EngineActor:
                 self.client,
                 version,
                 flush,
-                lambda: self.client.collective_rpc("vime_receive_weights", {"metadata": metadata}),
+                lambda: self.client.collective_rpc(
+                    "vime_receive_weights", {"metadata": metadata, "bucket_bytes": self.spec.weight_buffer_bytes}
+                ),
             )
         )
         self.version = version

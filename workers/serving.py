@@ -163,6 +163,8 @@ class ModelServing:
             http_timeout=s.run.http_timeout,
             weight_dir=s.weight_dir,
             weight_transport=s.weights.update_weight_transport,
+            weights_local_dir=s.weights.update_weight_local_checkpoint_dir,
+            weight_buffer_bytes=s.weights.update_weight_buffer_size,
             sleep_mode=bool(s.rollout_sleep_level),
         )
 

@@ -51,6 +51,9 @@ class TrainerWorkerSpec:
     io_concurrency: int = 1
     weight_dir: str
     keep_weight_versions: int
+    delta_encoding: str = "xor"  # --update-weight-delta-encoding
+    delta_checksum: str | None = None  # --update-weight-delta-checksum, as usable here
+    weight_buffer_bytes: int = 0  # --update-weight-buffer-size: NCCL broadcast buckets (0: one per tensor)
 
     @classmethod
     def from_settings(
@@ -103,6 +106,9 @@ class TrainerWorkerSpec:
             io_concurrency=s.queue.rollout_io_concurrency,
             weight_dir=s.weight_dir,
             keep_weight_versions=s.weights.keep_weight_versions,
+            delta_encoding=s.weights.update_weight_delta_encoding,
+            delta_checksum=s.weights.delta_checksum(),
+            weight_buffer_bytes=s.weights.update_weight_buffer_size,
         )
 
 
@@ -245,7 +251,12 @@ class TrainerWorker:
             self.backend.export_peer()
             return None
         if self.publisher is None:
-            self.publisher = WeightPublisher(self.spec.weight_dir, keep=self.spec.keep_weight_versions)
+            self.publisher = WeightPublisher(
+                self.spec.weight_dir,
+                keep=self.spec.keep_weight_versions,
+                encoding=self.spec.delta_encoding,
+                checksum=self.spec.delta_checksum,
+            )
         return self.publisher.publish(
             version, self.backend.save_weights, mode=mode, full_interval=full_interval, force_full=force_full
         )
@@ -290,7 +301,7 @@ class TrainerWorker:
             self.backend.export_peer()
             return {}
         started = time.perf_counter()
-        report = self.sender.send(self._named_weights(), self.nccl_metadata)
+        report = self.sender.send(self._named_weights(), self.nccl_metadata, bucket_bytes=self.spec.weight_buffer_bytes)
         return {**report, "seconds": time.perf_counter() - started}
 
     # ------------------------------------------------------------------ colocated memory (--offload-train)

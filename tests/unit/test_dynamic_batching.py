@@ -477,6 +477,15 @@ def test_megatron_expert_parallelism_refuses_token_budgets(config_dir):
     s.train.use_dynamic_batch_size, s.train.balance_data = False, True
     with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --expert-model-parallel-size"):
         check_trainer_parallelism(s)
+    # Experts split over fewer ranks than a tensor-parallel group (the reference scripts' --expert-tensor-parallel-size
+    # 1 under --tensor-model-parallel-size 2): no token leaves the group, whose ranks share their micro-batches.
+    s.megatron.expert_model_parallel_size, s.megatron.tensor_model_parallel_size = 1, 2
+    s.megatron.expert_tensor_parallel_size = 1
+    check_trainer_parallelism(s)
+    # Split over more ranks than the group: tokens cross data-parallel replicas.
+    s.megatron.tensor_model_parallel_size, s.megatron.expert_tensor_parallel_size = 1, 2
+    with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --expert-tensor-parallel-size 2"):
+        check_trainer_parallelism(s)
 
 
 # ---------------------------------------------------------------------- the Megatron backend (CPU shim)

@@ -345,13 +345,16 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
             f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist",
         )
     dynamic = settings.train.use_dynamic_batch_size
-    if settings.train.train_backend == "megatron" and spread:
-        # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
+    # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
+    # An expert split over fewer ranks than a tensor-parallel group (the reference's --expert-tensor-parallel-size 1
+    # under --tensor-model-parallel-size 2) stays within that group, whose ranks run the same micro-batches anyway.
+    exchanging = [(flag, size) for flag, size in spread if flag == "--expert-model-parallel-size" or size > tp]
+    if settings.train.train_backend == "megatron" and exchanging:
         for flag, on in (("--use-dynamic-batch-size", dynamic), ("--balance-data", settings.train.balance_data)):
             require(
                 not on,
                 flag,
-                f"cannot be combined with {spread[0][0]} {spread[0][1]} yet: expert-parallel ranks "
+                f"cannot be combined with {exchanging[0][0]} {exchanging[0][1]} yet: expert-parallel ranks "
                 "need the same number of micro-batches in every step (fixed --micro-batch-size)",
             )
     replicas = ranks // (tp * pp * cp)

@@ -1,10 +1,21 @@
-"""How new weights reach the engines: the --update-weight-* flags (docs/weights.md)."""
+"""How new weights reach the engines: the --update-weight-* flags (docs/weights.md).
+
+The reference framework's --update-weight-buffer-size, --update-weight-delta-encoding,
+--update-weight-delta-checksum and --update-weight-local-checkpoint-dir are accepted with its meaning and act
+in vime's mechanism; where that mechanism makes one moot on a run (a flag of the other transport or mode),
+:meth:`WeightSyncConfig.startup_notes` says so once at start-up (``vime.preflight``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 from vime.config.base import option, require
+
+# --update-weight-delta-checksum -> the package it needs (vime.weights.delta.CHECKSUMS computes them)
+CHECKSUM_PACKAGES = {"xxh3-128": "xxhash", "blake3": "blake3", "adler32": None}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,10 +51,61 @@ class WeightSyncConfig:
     keep_weight_versions: int = option(
         2, "Published versions kept on disk besides the newest (and the delta chains they need). vime-specific."
     )
+    update_weight_buffer_size: int = option(
+        512 * 1024**2,
+        "Buffer size for updating weights, in bytes: weights are sent by chunks of at most this size, which helps "
+        "MoE models (many small tensors). In vime: with --update-weight-transport nccl, consecutive tensors are "
+        "broadcast in buckets of at most this many bytes (a larger tensor alone); the disk transport writes and "
+        "reloads whole safetensors files, where it has no effect (said at start-up).",
+    )
+    update_weight_delta_encoding: str = option(
+        "xor",
+        "On-disk delta encoding for --update-weight-mode delta --update-weight-transport disk. 'xor' (default): "
+        "new ^ old, the smallest and fastest, but an involution that must be applied exactly once against the "
+        "right base. 'overwrite': changed positions + new values, larger but idempotent. Both are byte-level and "
+        "dtype-blind; the engine reads the choice from each delta file's header.",
+        choices=["xor", "overwrite"],
+    )
+    update_weight_delta_checksum: str = option(
+        "xxh3-128",
+        "Per-tensor integrity checksum for disk delta apply, checked as each tensor is rebuilt (on top of vime's "
+        "sha256 of every file). 'xxh3-128' (default): wide fast non-cryptographic digest. 'blake3': "
+        "cryptographic, for untrusted storage. 'adler32': 32-bit, for interop. The engine reads the choice from "
+        "each delta file's header. xxh3-128 and blake3 need the xxhash / blake3 packages: without them sha256 "
+        "is used (said at start-up).",
+        choices=["xxh3-128", "blake3", "adler32"],
+    )
+    update_weight_local_checkpoint_dir: str | None = option(
+        None,
+        "Rollout-host-local directory (e.g. NVMe) holding a full HF checkpoint kept in sync by each engine: a "
+        "published full version is copied (hard-linked where it can) as is, a delta is applied to it, and the "
+        "engine reloads from it. In vime each engine keeps its own copy, in <dir>/engine_<N>/ (default: "
+        "<update-weight-disk-dir>/.engine_<N>/); optional in delta mode. No effect with "
+        "--update-weight-transport nccl (said at start-up).",
+    )
 
     def validate(self) -> None:
         require(self.keep_weight_versions >= 1, "--keep-weight-versions", "must be >= 1")
         require(self.update_weight_full_interval >= 1, "--update-weight-full-interval", "must be >= 1")
+        require(
+            self.update_weight_buffer_size > 0,
+            "--update-weight-buffer-size",
+            f"must be a positive number of bytes, got {self.update_weight_buffer_size}",
+        )
+        local = self.update_weight_local_checkpoint_dir
+        if local is not None:
+            require(local.strip() != "", "--update-weight-local-checkpoint-dir", "must not be empty")
+            require(
+                "://" not in local,
+                "--update-weight-local-checkpoint-dir",
+                f"{local!r} is a URL; it must be a directory on the rollout hosts",
+            )
+            require(
+                not os.path.exists(local) or os.path.isdir(local),
+                "--update-weight-local-checkpoint-dir",
+                f"{local} exists and is not a directory",
+            )
+            self.update_weight_local_checkpoint_dir = os.path.abspath(local)
         if self.update_weight_transport == "nccl":
             require(
                 self.update_weight_mode == "full",
@@ -51,6 +113,46 @@ class WeightSyncConfig:
                 "'delta' applies to the disk transport; nccl broadcasts every tensor",
             )
             # CUDA: vime.config.check_local_cuda.
+
+    def delta_checksum(self) -> str:
+        """The per-tensor checksum the delta files carry: --update-weight-delta-checksum where it can run
+        here, else sha256 (startup_notes says so)."""
+        package = CHECKSUM_PACKAGES[self.update_weight_delta_checksum]
+        return self.update_weight_delta_checksum if package is None or importlib.util.find_spec(package) else "sha256"
+
+    def startup_notes(self) -> list[str]:
+        """What a --update-weight-* flag of the reference framework does not do on this run, one line each,
+        said once at start-up. Flags left at their defaults say nothing, except a default that cannot run here."""
+        notes = []
+        disk, delta = self.update_weight_transport == "disk", self.update_weight_mode == "delta"
+        if disk and self.update_weight_buffer_size != 512 * 1024**2:
+            notes.append(
+                f"--update-weight-buffer-size {self.update_weight_buffer_size}: no effect with the disk transport "
+                "(the trainer writes whole safetensors files, each engine reloads them); it sizes the broadcast "
+                "buckets of --update-weight-transport nccl"
+            )
+        if not delta and self.update_weight_delta_encoding != "xor":
+            notes.append(
+                f"--update-weight-delta-encoding {self.update_weight_delta_encoding}: no effect with "
+                f"--update-weight-mode {self.update_weight_mode} (it encodes delta versions)"
+            )
+        if not delta and self.update_weight_delta_checksum != "xxh3-128":
+            notes.append(
+                f"--update-weight-delta-checksum {self.update_weight_delta_checksum}: no effect with "
+                f"--update-weight-mode {self.update_weight_mode} (full versions are checked by the sha256 of "
+                "every file)"
+            )
+        if delta and self.delta_checksum() != self.update_weight_delta_checksum:
+            notes.append(
+                f"--update-weight-delta-checksum {self.update_weight_delta_checksum}: the package it needs is not "
+                "installed here; delta files carry sha256 per tensor instead"
+            )
+        if not disk and self.update_weight_local_checkpoint_dir is not None:
+            notes.append(
+                f"--update-weight-local-checkpoint-dir {self.update_weight_local_checkpoint_dir}: no effect with "
+                "--update-weight-transport nccl (engines receive the weights in memory; nothing is kept on disk)"
+            )
+        return notes
 
     def engine_vllm_args(self, vllm_args: dict) -> dict:
         """The engines' vLLM flags plus what this transport needs (nccl: vime's worker extension)."""

@@ -165,14 +165,18 @@ def publish_delta(
     parent_files: dict[str, str] | None = None,
     new_files: dict[str, str] | None = None,
     codec_name: str = "zlib",
+    encoding: str = "xor",
+    checksum: str | None = None,
 ) -> str:
     """Publish version ``version`` as a delta of the full folder ``new_dir`` against the full
-    folder ``parent_dir`` (version ``parent``); returns the final folder."""
+    folder ``parent_dir`` (version ``parent``); returns the final folder. ``encoding`` and
+    ``checksum``: ``--update-weight-delta-encoding`` / ``--update-weight-delta-checksum``
+    (``vime.weights.delta.encode_file``)."""
     if parent >= version:
         raise WeightError(f"a delta must come after its parent: version {version}, parent {parent}")
     staging = _staging(root, version)
     try:
-        codec.encode_folder(parent_dir, new_dir, staging, codec=codec_name)
+        codec.encode_folder(parent_dir, new_dir, staging, codec=codec_name, encoding=encoding, checksum=checksum)
         manifest = WeightManifest(
             schema=SCHEMA,
             version=version,

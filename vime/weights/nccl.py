@@ -6,7 +6,10 @@ rendezvous) and ``PyNcclCommunicator`` (NCCL on one device), as vLLM's RLHF exam
 synchronisation broadcasts every parameter from rank 0, in the order of a metadata list (name,
 dtype, shape) that both sides hold; each engine worker receives into a fresh buffer and hands the
 tensors to vLLM's weight loader (``reload_weights`` with an iterator: vLLM's in-place reload,
-which also re-runs any post-load processing), as they arrive.
+which also re-runs any post-load processing), as they arrive. ``--update-weight-buffer-size``
+groups consecutive tensors into buckets of at most that many bytes, each broadcast as one flat
+buffer (``bucket_plan``): fewer, larger NCCL calls for models of many small tensors (MoE experts);
+a tensor larger than the buffer is broadcast alone.
 
 The engine side is a vLLM worker extension (``--worker-extension-cls``, added to the engine's
 flags by ``WeightSyncConfig.engine_vllm_args``): its methods are called through vLLM's
@@ -80,6 +83,93 @@ def group_layout(workers_per_engine: Sequence[int]) -> tuple[int, list[int]]:
     return next_rank, offsets
 
 
+BUCKET_ALIGN = 16  # bytes: each tensor of a bucket starts at a multiple (a view in any dtype is aligned)
+
+
+def tensor_nbytes(meta: TensorMeta) -> int:
+    count = 1
+    for n in meta.shape:
+        count *= int(n)
+    return count * torch_dtype(meta.dtype).itemsize
+
+
+def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive tensors (their byte sizes, in broadcast order) grouped into buckets of at most
+    ``bucket_bytes`` bytes (``--update-weight-buffer-size``; each tensor's offset aligned to
+    ``BUCKET_ALIGN``); a tensor that does not fit an empty bucket goes alone; <= 0: one tensor per
+    bucket. Returns, per bucket, (index, byte offset in the bucket, bytes) of each tensor."""
+    buckets: list[list[tuple[int, int, int]]] = []
+    used = 0
+    for index, size in enumerate(sizes):
+        offset = -(-used // BUCKET_ALIGN) * BUCKET_ALIGN
+        if not buckets or bucket_bytes <= 0 or (buckets[-1] and offset + size > bucket_bytes):
+            buckets.append([])
+            offset = 0
+        buckets[-1].append((index, offset, int(size)))
+        used = offset + size
+    return buckets
+
+
+def bucket_bytes_of(bucket: Sequence[tuple[int, int, int]]) -> int:
+    _, offset, size = bucket[-1]
+    return offset + size
+
+
+def broadcast_buckets(
+    communicator,
+    named_tensors: Iterable[tuple[str, Any]],
+    metadata: Sequence[TensorMeta],
+    bucket_bytes: int,
+    device,
+    stream,
+) -> dict[str, float]:
+    """Rank 0's side: broadcast the tensors (checked against ``metadata``) bucket by bucket."""
+    import torch
+
+    pairs = iter(named_tensors)
+    sent, size, calls = 0, 0, 0
+    for bucket in bucket_plan([tensor_nbytes(meta) for meta in metadata], bucket_bytes):
+        tensors = []
+        for index, _, _ in bucket:
+            try:
+                name, tensor = next(pairs)
+            except StopIteration:
+                raise ValueError(f"{len(metadata)} tensors in the metadata, {index} given") from None
+            check_tensor(metadata[index], name, tensor)
+            tensors.append(tensor.detach().to(device).contiguous())
+        if len(tensors) == 1:
+            buffer = tensors[0]
+        else:
+            buffer = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
+            for (_, offset, nbytes), tensor in zip(bucket, tensors):
+                buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        communicator.broadcast(buffer, src=0, stream=stream)
+        calls += 1
+        sent += len(tensors)
+        size += sum(t.numel() * t.element_size() for t in tensors)
+    if next(pairs, None) is not None:
+        raise ValueError(f"more tensors given than the {len(metadata)} of the metadata")
+    return {"tensors": float(sent), "bytes": float(size), "broadcasts": float(calls)}
+
+
+def receive_buckets(group, metas: Sequence[TensorMeta], bucket_bytes: int, device, stream) -> Iterator[tuple[str, Any]]:
+    """An engine worker's side of :func:`broadcast_buckets`: (name, tensor) as each bucket arrives."""
+    import torch
+
+    for bucket in bucket_plan([tensor_nbytes(meta) for meta in metas], bucket_bytes):
+        if len(bucket) == 1:
+            meta = metas[bucket[0][0]]
+            tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+            group.broadcast(tensor, src=0, stream=stream)
+            yield meta.name, tensor
+            continue
+        buffer = torch.empty(bucket_bytes_of(bucket), dtype=torch.uint8, device=device)
+        group.broadcast(buffer, src=0, stream=stream)
+        for index, offset, nbytes in bucket:
+            meta = metas[index]
+            yield meta.name, buffer[offset : offset + nbytes].view(torch_dtype(meta.dtype)).view(meta.shape)
+
+
 def tensor_sha256(tensor) -> str:
     """sha256 of a tensor's bytes in its own dtype (copied to the CPU)."""
     import torch
@@ -141,22 +231,19 @@ class NcclWeightSender:
         self.communicator = init_group(master_address, master_port, 0, world_size, self.device)
         self.world_size = world_size
 
-    def send(self, named_tensors: Iterable[tuple[str, Any]], metadata: Sequence[TensorMeta]) -> dict[str, float]:
-        """Broadcast the tensors in ``metadata`` order (checked: same names, dtypes, shapes)."""
+    def send(
+        self, named_tensors: Iterable[tuple[str, Any]], metadata: Sequence[TensorMeta], *, bucket_bytes: int = 0
+    ) -> dict[str, float]:
+        """Broadcast the tensors in ``metadata`` order (checked: same names, dtypes, shapes), in
+        buckets of at most ``bucket_bytes`` (``--update-weight-buffer-size``; 0: one per tensor)."""
         import torch
 
         if self.communicator is None:
             raise RuntimeError("NcclWeightSender.send before open")
         stream = torch.cuda.current_stream(self.device)
-        sent, size = 0, 0
-        for meta, (name, tensor) in zip(metadata, named_tensors, strict=True):
-            check_tensor(meta, name, tensor)
-            buffer = tensor.detach().to(self.device).contiguous()
-            self.communicator.broadcast(buffer, src=0, stream=stream)
-            sent += 1
-            size += buffer.numel() * buffer.element_size()
+        report = broadcast_buckets(self.communicator, named_tensors, metadata, bucket_bytes, self.device, stream)
         torch.cuda.synchronize(self.device)
-        return {"tensors": float(sent), "bytes": float(size)}
+        return report
 
     def close(self) -> None:
         if self.communicator is not None:
@@ -185,8 +272,9 @@ class NcclWeightReceiver:
         rank = get_world_group().rank + int(rank_offset)
         self._vime_group = init_group(master_address, int(master_port), rank, int(world_size), self.device)
 
-    def vime_receive_weights(self, metadata: str, checksums: bool = False) -> dict:
-        """Receive every tensor of ``metadata`` (JSON from ``encode_metadata``) and load it.
+    def vime_receive_weights(self, metadata: str, checksums: bool = False, bucket_bytes: int = 0) -> dict:
+        """Receive every tensor of ``metadata`` (JSON from ``encode_metadata``) and load it;
+        ``bucket_bytes`` must be the trainer's (``--update-weight-buffer-size``).
 
         Returns {"tensors": n, "checksums": {name: sha256 of the bytes received}} (checksums only
         when asked: they copy every tensor to the CPU).
@@ -201,12 +289,10 @@ class NcclWeightReceiver:
         stream = torch.cuda.current_stream()
 
         def received() -> Iterator[tuple[str, Any]]:
-            for meta in metas:
-                tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=self.device)
-                group.broadcast(tensor, src=0, stream=stream)
+            for name, tensor in receive_buckets(group, metas, int(bucket_bytes), self.device, stream):
                 if checksums:
-                    digests[meta.name] = tensor_sha256(tensor)
-                yield meta.name, tensor
+                    digests[name] = tensor_sha256(tensor)
+                yield name, tensor
 
         tensors = received()
         self._vime_load(tensors)

@@ -44,9 +44,19 @@ class _Held(msgspec.Struct):
 
 
 class WeightPublisher:
-    def __init__(self, root: str, *, keep: int, scratch: str | None = None):
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep: int,
+        scratch: str | None = None,
+        encoding: str = "xor",
+        checksum: str | None = None,
+    ):
         self.root = root
         self.keep = keep
+        self.encoding = encoding  # --update-weight-delta-encoding
+        self.checksum = checksum  # --update-weight-delta-checksum (an algorithm usable here)
         self.scratch = scratch or os.path.join(root, ".trainer")
         shutil.rmtree(self.scratch, ignore_errors=True)  # an earlier process's: never trusted
         self.held: _Held | None = None
@@ -104,6 +114,8 @@ class WeightPublisher:
                     new_dir=new,
                     parent_files=held.files,
                     new_files=files,
+                    encoding=self.encoding,
+                    checksum=self.checksum,
                 )
                 self.deltas_since_full += 1
             else:
