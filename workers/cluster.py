@@ -9,11 +9,16 @@ placement to the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
 from vime.config.framework import ClusterConfig
 from vime.config.training import TrainConfig
+
+# Ray's own message when its node's raylet did not register in time (ray/_private/node.py).
+RAY_START_TIMEOUT = "timed out during startup"
+RAY_START_ATTEMPTS = 3
 
 
 def start_ray(
@@ -37,17 +42,48 @@ def start_ray(
         ray.init(address=cluster.ray_address, log_to_driver=debug_logs, namespace=namespace)
     else:
         say("starting Ray (in-process)")
-        # address="local": always a cluster of our own, never one someone else started here.
-        ray.init(
-            address="local",
-            num_cpus=os.cpu_count() or 2,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=debug_logs,
-            configure_logging=False,
-            namespace=namespace,
-        )
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                # address="local": always a cluster of our own, never one someone else started here.
+                ray.init(
+                    address="local",
+                    num_cpus=os.cpu_count() or 2,
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    log_to_driver=debug_logs,
+                    configure_logging=False,
+                    namespace=namespace,
+                )
+                break
+            except Exception as error:  # Ray raises a bare Exception for this one
+                if attempt == RAY_START_ATTEMPTS or RAY_START_TIMEOUT not in str(error):
+                    raise
+                # Ray gives its raylet a fixed 30 s to register, which a machine loaded by other jobs can exceed.
+                # The half-started node is not Ray's to stop (ray.init raised before it kept the node): its
+                # processes are this driver's children started from Ray's package, stopped here before the retry.
+                ray.shutdown()
+                _stop_ray_children(os.path.dirname(ray.__file__))
+                say(
+                    "Ray's node did not register within Ray's 30 s (a loaded machine?); "
+                    f"starting it again ({attempt + 1}/{RAY_START_ATTEMPTS})"
+                )
     return ray.get_runtime_context().gcs_address
+
+
+def _stop_ray_children(ray_package: str, timeout: float = 10.0) -> None:
+    import psutil
+
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(ray_package in part for part in child.cmdline()):
+                children.append(child)
+        except psutil.Error:
+            continue  # gone already
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=timeout)
 
 
 def trainer_cpus(cluster: ClusterConfig, train: TrainConfig) -> tuple[int, list[int] | None]:
