@@ -20,7 +20,8 @@ from vime.config.hooks import HooksConfig
 from vime.rl.advantages import grpo_advantages
 from vime.rl.batch import Forward, pack
 from vime.rl.kl import approx_kl
-from vime.rl.objective import CustomHookError, RLObjective
+from vime.rl.objective import RLObjective
+from vime.rl.user_hooks import CustomHookError
 from vime.runtime.plugins import PluginError
 from vime.sample import Sample
 

@@ -233,7 +233,8 @@ def test_post_processed_rewards_replace_the_group_normalisation(tmp_path):
 
     from vime.config.algorithm import AlgorithmConfig
     from vime.rl.batch import pack
-    from vime.rl.objective import RewardPostProcessError, RLObjective
+    from vime.rl.objective import RLObjective
+    from vime.rl.user_hooks import RewardPostProcessError
 
     (tmp_path / "post.py").write_text(
         "def post(args, samples):\n"

@@ -18,7 +18,6 @@ Conventions shared with the training loop:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 
 import numpy as np
@@ -26,8 +25,7 @@ import torch
 
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.hooks import HooksConfig
-from vime.errors import UserError
-from vime.rl.advantages import compute_advantages, grpo_advantages, ppo_advantages_and_returns, whiten_ragged
+from vime.rl.advantages import compute_advantages, ppo_advantages_and_returns, whiten_ragged
 from vime.rl.batch import Forward, PackedBatch, masked_mean, replay_support
 from vime.rl.kl import approx_kl
 from vime.rl.losses import (
@@ -44,29 +42,8 @@ from vime.rl.offpolicy import onpolicy_loss_mask
 from vime.rl.opd import opd_advantages
 from vime.rl.score_centering import sampled_importance_weight, support_correction, topk_correction, weighting
 from vime.rl.tis import load_tis_function
-from vime.runtime.plugins import load_hook
+from vime.rl.user_hooks import UserHooks
 from vime.sample import Sample
-
-POST_PROCESS_FLAG = "--custom-reward-post-process-path"
-CUSTOM_LOSS_FLAG = "--custom-loss-function-path"
-ADVANTAGE_FLAG = "--custom-advantage-function-path"
-REDUCER_FLAG = "--custom-pg-loss-reducer-function-path"
-CONVERT_FLAG = "--custom-convert-samples-to-train-data-path"
-
-
-class RewardPostProcessError(UserError, ValueError):
-    """--custom-reward-post-process-path returned something other than (raw_rewards, rewards) of the samples."""
-
-
-class CustomHookError(UserError, ValueError):
-    """A custom loss, advantage, reducer or conversion function returned something vime cannot train on; the
-    message names the flag and the path."""
-
-
-def _load(flag: str, path: str | None):
-    """The hook of ``flag`` (its call checked, vime.runtime.plugins), None without a path."""
-    return load_hook(flag, path) if path else None
-
 
 # Metrics reduced over the rollout's micro-batches (and ranks) by their maximum; the others by their mean.
 MAX_METRICS = frozenset({"train_rollout_logprob_abs_diff_max"})
@@ -95,30 +72,13 @@ class RLObjective:
         self.n_samples_per_prompt = n_samples_per_prompt
         algo = algorithm
         self.tis_function = load_tis_function(algo.custom_tis_function_path) if algo.use_tis else None
-        self.reward_post_process = (
-            load_hook(POST_PROCESS_FLAG, algo.custom_reward_post_process_path)
-            if algo.custom_reward_post_process_path
-            else None
-        )
-        self.hooks = hooks or HooksConfig()
-        self.custom_loss = _load(
-            CUSTOM_LOSS_FLAG, algo.custom_loss_function_path if algo.loss_type == "custom_loss" else None
-        )
-        self.advantage_function = _load(ADVANTAGE_FLAG, algo.custom_advantage_function_path)
-        self.pg_loss_reducer = _load(REDUCER_FLAG, algo.custom_pg_loss_reducer_function_path)
-        self.convert_samples = _load(CONVERT_FLAG, self.hooks.custom_convert_samples_to_train_data_path)
-        self.hook_args = argparse.Namespace(
-            **{
-                **(custom_config or {}),
-                **dataclasses.asdict(algo),
-                **dataclasses.asdict(self.hooks),
-                # The reference framework's names of the --disable-* flags.
-                "compute_advantages_and_returns": not algo.disable_compute_advantages_and_returns,
-                "rewards_normalization": not algo.disable_rewards_normalization,
-                "n_samples_per_prompt": n_samples_per_prompt,
-                "rollout_temperature": rollout_temperature,
-                "hf_checkpoint": hf_checkpoint,
-            }
+        self.user = UserHooks(
+            algo,
+            n_samples_per_prompt=n_samples_per_prompt,
+            rollout_temperature=rollout_temperature,
+            hf_checkpoint=hf_checkpoint,
+            hooks=hooks,
+            custom_config=custom_config,
         )
         self.sc_weighting = (
             weighting(algo.use_tis, algo.custom_tis_function_path, algo.tis_clip_low, algo.tis_clip)
@@ -159,54 +119,13 @@ class RLObjective:
                 )
 
     def train_samples(self, samples: list[Sample]) -> list[Sample]:
-        """The samples the trainer trains on: ``samples``, or what --custom-convert-samples-to-train-data-path
-        makes of them (its tokens, response lengths, loss masks, rewards and, if given, rollout log-probs, one
-        entry per sample; the rewards are then used as they are, without group normalisation)."""
-        if self.convert_samples is None:
-            return samples
-        path = self.hooks.custom_convert_samples_to_train_data_path
-        where = f"{CONVERT_FLAG} {path}"
-        data = self.convert_samples(self.hook_args, samples)
-        if not isinstance(data, dict):
-            raise CustomHookError(f"{where}: returned {type(data).__name__}; expected a dict of per-sample lists")
-        required = ("tokens", "response_lengths", "rewards", "loss_masks")
-        missing = [key for key in required if key not in data]
-        if missing:
-            raise CustomHookError(f"{where}: the dict has no {', '.join(missing)} (it has {', '.join(sorted(data))})")
-        optional = [key for key in ("rollout_log_probs",) if data.get(key) is not None]
-        for key in (*required, *optional):
-            if len(data[key]) != len(samples):
-                raise CustomHookError(
-                    f"{where}: {key} has {len(data[key])} entries for {len(samples)} samples (vime trains the "
-                    "samples it converts, one entry each)"
-                )
-        out = []
-        for i, sample in enumerate(samples):
-            tokens = [int(t) for t in data["tokens"][i]]
-            n = int(data["response_lengths"][i])
-            mask = [int(m) for m in data["loss_masks"][i]]
-            if not 0 < n < len(tokens) or len(mask) != n:
-                raise CustomHookError(
-                    f"{where}: sample {i}: {len(tokens)} tokens, response length {n}, {len(mask)} loss-mask "
-                    "entries; the response must be 1 to len(tokens) - 1 tokens, with one mask entry each"
-                )
-            if optional:
-                rollout_log_probs = [float(x) for x in data["rollout_log_probs"][i]]
-            elif sample.rollout_log_probs is not None and len(sample.rollout_log_probs) == n:
-                rollout_log_probs = sample.rollout_log_probs
-            else:
-                rollout_log_probs = None
-            out.append(
-                dataclasses.replace(
-                    sample,
-                    tokens=tokens,
-                    response_length=n,
-                    loss_mask=mask,
-                    reward=float(data["rewards"][i]),
-                    rollout_log_probs=rollout_log_probs,
-                )
-            )
-        return out
+        """The samples the trainer trains on (--custom-convert-samples-to-train-data-path: UserHooks.train_samples)."""
+        return self.user.train_samples(samples)
+
+    @property
+    def hook_args(self) -> argparse.Namespace:
+        """What user functions receive as ``args`` (vime.rl.user_hooks)."""
+        return self.user.args
 
     def loss_masks(self, samples: list[Sample], policy_version: int | None) -> list[list[int]]:
         """Each sample's trained tokens: its own loss mask, less (--mask-offpolicy-in-partial-rollout) the
@@ -257,12 +176,12 @@ class RLObjective:
             kl = [row for b, o, r in zip(packed, old, ref) for row in b.rows(approx_kl(o, r, algo.kl_loss_type))]
         rewards = torch.tensor([float(s.reward) for s in samples])
         # Group normalisation: not of rewards a hook made (post-process, conversion), nor without it.
-        group_baseline = self.convert_samples is None and not algo.disable_rewards_normalization
-        if self.reward_post_process is not None:
-            rewards, group_baseline = self.post_processed_rewards(samples), False
+        group_baseline = self.user.convert_samples is None and not algo.disable_rewards_normalization
+        if self.user.reward_post_process is not None:
+            rewards, group_baseline = self.user.post_processed_rewards(samples), False
         token_returns = None
-        if self.advantage_function is not None:
-            token_advantages, token_returns = self.custom_advantages(
+        if self.user.advantage_function is not None:
+            token_advantages, token_returns = self.user.advantages(
                 samples, packed, old, ref, values, masks, kl, rewards, group_baseline
             )
         elif algo.uses_critic:
@@ -303,80 +222,6 @@ class RLObjective:
             first += len(b.starts)
         return out, out_returns
 
-    def custom_advantages(self, samples, packed, old, ref, values, masks, kl, rewards, group_baseline):
-        """--custom-advantage-function-path: ``custom_fn(args, rollout_data)`` sets ``rollout_data['advantages']``
-        and ``['returns']`` (one tensor per sample over its response tokens), as the reference framework's.
-        ``rollout_data`` holds per-sample lists: rewards (group-normalised as the estimator would), raw_reward,
-        kl (0 without --kl-coef), log_probs (old policy), ref_log_probs, values (PPO's critic), rollout_log_probs,
-        loss_masks, response_lengths, total_lengths."""
-        algo = self.algorithm
-        where = f"{ADVANTAGE_FLAG} {algo.custom_advantage_function_path}"
-
-        def rows(values_per_batch):
-            if any(v is None for v in values_per_batch):
-                return None
-            return [row for b, v in zip(packed, values_per_batch) for row in b.rows(v)]
-
-        normalized = rewards
-        if group_baseline and algo.advantage_estimator in ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline"):
-            std = algo.advantage_estimator != "reinforce_plus_plus_baseline" and not algo.disable_grpo_std_normalization
-            normalized = grpo_advantages(rewards, self.n_samples_per_prompt, normalize_std=std)
-        rollout_data = {
-            "rewards": [float(r) for r in normalized],
-            "raw_reward": [float(s.reward) for s in samples],
-            "kl": kl if kl is not None else [torch.zeros_like(m) for m in masks],
-            "log_probs": rows(old),
-            "ref_log_probs": rows(ref),
-            "values": rows(values),
-            "rollout_log_probs": [row for b in packed for row in b.rows(b.rollout_log_probs)],
-            "loss_masks": masks,
-            "response_lengths": [s.response_length for s in samples],
-            "total_lengths": [len(s.tokens) for s in samples],
-        }
-        self.advantage_function(self.hook_args, rollout_data)
-        out = []
-        for key in ("advantages", "returns"):
-            values_ = rollout_data.get(key)
-            if values_ is None and key == "returns" and not algo.uses_critic:
-                out.append(None)  # only PPO's critic reads the returns
-                continue
-            if values_ is None or len(values_) != len(samples):
-                got = "nothing" if values_ is None else f"{len(values_)} entries"
-                raise CustomHookError(
-                    f"{where}: rollout_data[{key!r}] holds {got}; expected one tensor per sample ({len(samples)})"
-                )
-            tensors = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in values_]
-            for i, (tensor, sample) in enumerate(zip(tensors, samples)):
-                if tensor.numel() != sample.response_length:
-                    raise CustomHookError(
-                        f"{where}: rollout_data[{key!r}][{i}] has {tensor.numel()} values for "
-                        f"{sample.response_length} response tokens"
-                    )
-            out.append(tensors)
-        advantages = [a * m.to(a.dtype) for a, m in zip(out[0], masks)]
-        return advantages, out[1]
-
-    def post_processed_rewards(self, samples: list[Sample]) -> torch.Tensor:
-        """The rewards --custom-reward-post-process-path makes of the rollout's: its ``(raw_rewards,
-        rewards)``, one entry per sample each; ``rewards`` feed the advantages."""
-        path = self.algorithm.custom_reward_post_process_path
-        result = self.reward_post_process(self.hook_args, samples)
-        if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise RewardPostProcessError(
-                f"{POST_PROCESS_FLAG} {path}: returned {type(result).__name__}; expected (raw_rewards, rewards)"
-            )
-        for name, values in zip(("raw_rewards", "rewards"), result):
-            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-                raise RewardPostProcessError(
-                    f"{POST_PROCESS_FLAG} {path}: {name} is a {type(values).__name__}; expected (raw_rewards, "
-                    "rewards), a list of one value per sample each"
-                )
-            if len(values) != len(samples):
-                raise RewardPostProcessError(
-                    f"{POST_PROCESS_FLAG} {path}: {name} has {len(values)} entries for {len(samples)} samples"
-                )
-        return torch.tensor([float(value) for value in result[1]])
-
     # ------------------------------------------------------------------ one micro-batch
     def policy_loss(
         self,
@@ -402,7 +247,7 @@ class RLObjective:
             metrics["entropy"].append(masked_mean(out.entropy, mask))
             return loss, log_probs
         if kind == "custom":
-            return self.custom_policy_loss(batch, out, old, ref, advantages, totals, metrics), log_probs
+            return self.user.policy_loss(batch, out, old, ref, advantages, totals, metrics), log_probs
 
         if kind == "gspo":
             per_token, clipped = gspo_loss(
@@ -433,8 +278,8 @@ class RLObjective:
         if algo.use_score_centering:
             per_token = per_token + advantages.detach() * self.score_centering(batch, out, log_probs, metrics)
 
-        if self.pg_loss_reducer is not None:
-            pg_loss = self.custom_pg_loss(batch, per_token, totals)
+        if self.user.pg_loss_reducer is not None:
+            pg_loss = self.user.pg_loss(batch, per_token, totals)
         else:
             pg_loss = reduce(per_token, mask)
         entropy_loss = reduce(out.entropy, mask)
@@ -455,111 +300,13 @@ class RLObjective:
         metrics["ppo_kl"].append(masked_mean(ppo_kl, mask))
         return loss, log_probs
 
-    # ------------------------------------------------------------------ the reference framework's reductions
-    def sum_of_sample_mean(self, batch: PackedBatch):
-        """The reference framework's reducer of a micro-batch's per-token values (concatenated over its samples'
-        response tokens): the sum over samples of each one's mean over its loss-masked tokens, or with
-        --calculate-per-token-loss the sum over all of them. vime divides what a loss built with it returns
-        by :meth:`step_denominator`, as the reference's scaling does."""
-        masks = batch.rows(batch.response_mask)
-        per_token = self.algorithm.calculate_per_token_loss
-
-        def reducer(values: torch.Tensor) -> torch.Tensor:
-            parts = values.reshape(-1).split(list(batch.lengths))
-            if per_token:
-                terms = [(p * m.to(p.dtype)).sum() for p, m in zip(parts, masks)]
-            else:
-                terms = [(p * m.to(p.dtype)).sum() / m.sum().clamp(min=1) for p, m in zip(parts, masks)]
-            return torch.stack(terms).sum() if terms else values.sum() * 0
-
-        return reducer
-
-    def step_denominator(self, batch: PackedBatch, totals: dict) -> float:
-        """What a sum-of-sample-means is divided by to be the micro-batch's share of the step loss (as
-        :func:`vime.rl.losses.reduce_loss`): the step's samples, or with --calculate-per-token-loss its tokens."""
-        if self.algorithm.calculate_per_token_loss:
-            tokens = totals.get("num_tokens")
-            return max(float(batch.response_mask.sum()) if tokens is None else tokens, 1.0)
-        return float(totals.get("num_samples") or batch.input_ids.shape[0])
-
-    def custom_pg_loss(self, batch: PackedBatch, per_token: torch.Tensor, totals: dict) -> torch.Tensor:
-        """--custom-pg-loss-reducer-function-path: pg_loss reduced by the user's reducer, built per micro-batch
-        as get_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss)."""
-        algo = self.algorithm
-        where = f"{REDUCER_FLAG} {algo.custom_pg_loss_reducer_function_path}"
-        reducer = self.pg_loss_reducer(
-            [start + 1 + n for start, n in zip(batch.starts, batch.lengths)],
-            list(batch.lengths),
-            batch.rows(batch.response_mask),
-            algo.calculate_per_token_loss,
-        )
-        if not callable(reducer):
-            raise CustomHookError(f"{where}: returned {type(reducer).__name__}; expected a reducer(pg_loss) function")
-        value = reducer(torch.cat(batch.rows(per_token)))
-        if not torch.is_tensor(value) or value.numel() != 1:
-            raise CustomHookError(f"{where}: its reducer returned {type(value).__name__}; expected a scalar tensor")
-        return value.reshape(()) / self.step_denominator(batch, totals)
-
-    def custom_policy_loss(
-        self,
-        batch: PackedBatch,
-        out: Forward,
-        old: torch.Tensor | None,
-        ref: torch.Tensor | None,
-        advantages: torch.Tensor | None,
-        totals: dict,
-        metrics: dict,
-    ) -> torch.Tensor:
-        """--loss-type custom_loss: ``loss_fn(args, batch, logits, sum_of_sample_mean) -> (loss, metrics)``.
-
-        ``batch`` holds per-sample lists over the response tokens, under the reference framework's keys:
-        tokens (the whole sequence), total_lengths, response_lengths, loss_masks, log_probs (old policy),
-        advantages (unless --disable-compute-advantages-and-returns), ref_log_probs (with a KL term),
-        rollout_log_probs; and vime's cur_log_probs (the current policy's, with gradient) and entropy. vime's
-        backends never materialise the logits (chunked, vocabulary-parallel), so ``logits`` is the training
-        forward (vime.rl.batch.Forward: ``log_probs`` and ``entropy``, [B, T-1], temperature-scaled)."""
-        algo = self.algorithm
-        where = f"{CUSTOM_LOSS_FLAG} {algo.custom_loss_function_path}"
-        rows = batch.rows
-        data = {
-            "tokens": [
-                batch.input_ids[row, : start + 1 + n] for row, (start, n) in enumerate(zip(batch.starts, batch.lengths))
-            ],
-            "total_lengths": [start + 1 + n for start, n in zip(batch.starts, batch.lengths)],
-            "response_lengths": list(batch.lengths),
-            "loss_masks": rows(batch.response_mask),
-            "rollout_log_probs": rows(batch.rollout_log_probs),
-            "cur_log_probs": rows(out.log_probs),
-        }
-        for key, values in (
-            ("log_probs", old),
-            ("ref_log_probs", ref),
-            ("advantages", advantages),
-            ("entropy", out.entropy),
-        ):
-            if values is not None:
-                data[key] = rows(values)
-        result = self.custom_loss(self.hook_args, data, out, self.sum_of_sample_mean(batch))
-        if not (isinstance(result, (tuple, list)) and len(result) == 2):
-            raise CustomHookError(f"{where}: returned {type(result).__name__}; expected (loss, metrics)")
-        loss, log = result
-        if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise CustomHookError(f"{where}: its loss is a {type(loss).__name__}; expected a scalar tensor")
-        if log is not None and not isinstance(log, dict):
-            raise CustomHookError(f"{where}: its metrics are a {type(log).__name__}; expected a dict")
-        # Its metrics are sums of sample means too: per sample (per token) of this micro-batch.
-        local = float(batch.response_mask.sum()) if algo.calculate_per_token_loss else batch.input_ids.shape[0]
-        for name, value in (log or {}).items():
-            metrics[name].append(float(value.detach() if torch.is_tensor(value) else value) / max(local, 1))
-        return loss.reshape(()) / self.step_denominator(batch, totals)
-
     def apply_tis(
         self, batch: PackedBatch, per_token: torch.Tensor, trainer_log_probs: torch.Tensor, metrics: dict
     ) -> torch.Tensor:
         """Weight the per-token loss with the TIS function; tokens it rejects leave the numerator only."""
         masks = batch.rows(batch.response_mask)
         pg_loss, new_masks, tis_metrics = self.tis_function(
-            self.hook_args,
+            self.user.args,
             pg_loss=torch.cat(batch.rows(per_token)),
             train_log_probs=batch.rows(trainer_log_probs),
             rollout_log_probs=batch.rows(batch.rollout_log_probs),
