@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_engine_faults.py",
     "tests/integration/test_estimators_run.py",
     "tests/faults/test_hard_kill.py",
+    "tests/faults/test_full_queue_volume.py",
     "tests/unit/test_data_parallel.py",
     "tests/integration/test_replay_cli.py",
 )
