@@ -2,12 +2,11 @@
 
 Each is started as a user would (``bench/<name>/run.py --smoke --attach-engine HOST:PORT``) and runs
 its own code on the smallest sizes: bench/queue's main-job comparison (two `vime train` runs,
-object-store and straw), bench/async's sync run and ceiling, bench/rollout's ceiling, router and rollout-only
-run on the demo shape, bench/engine_faults' job with a second engine that
-turns into a black hole and bench/elastic's job with an engine added mid-run (in both, the same server
-under its other loopback name). The numbers mean nothing and are not
-checked; each must exit 0 and print its result line. The engine-free parts:
-tests/integration/test_bench_smoke.py.
+object-store and straw), bench/async's ceiling and sync run, bench/rollout's ceiling, router and
+rollout-only run on the demo shape, bench/engine_faults' job with a second engine that turns into a
+black hole and bench/elastic's job with an engine added mid-run (in both, the same server under its
+other loopback name). The numbers mean nothing and are not checked; each must exit 0 and print its
+result line. The engine-free parts: tests/integration/test_bench_smoke.py.
 """
 
 from __future__ import annotations

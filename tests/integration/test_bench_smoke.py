@@ -4,7 +4,8 @@ A smoke run goes through the benchmark's own code on the smallest sizes and prin
 line; the numbers mean nothing and are not checked. Here the parts that need no vLLM engine:
 bench/queue's micro benchmark (real straw queue and Controller, Ray object store, torch files), the
 calibration loop, the command lines bench/async, bench/elastic and bench/rollout hand to `vime train`
-(parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a real engine: tests/e2e/test_bench_smoke_engine.py.
+(parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a real
+engine: tests/e2e/test_bench_smoke_engine.py.
 """
 
 from __future__ import annotations
