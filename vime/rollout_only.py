@@ -72,7 +72,7 @@ def rollout_only(run, start_step: int, version: int) -> int:
             f"rollout {step:>4}/{s.train.num_rollout} | {samples} samples in {seconds:.2f}s "
             f"({record['samples_per_s']:.1f}/s) | queue {stats.queue_depth}"
         )
-    run._stop_rollout_workers()
+    run.stop_rollout_workers()
     run.log.say(f"--debug-rollout-only: {step - start_step} rollout(s) generated, nothing trained")
     with open(os.path.join(run.run_dir, "summary.json"), "w") as f:
         json.dump({"weight_version": version, "rollout_only": True, "rollouts": step - start_step}, f, indent=1)
