@@ -104,6 +104,10 @@ class TrainingRun(RunProcesses):
             )
             self._start_rollout_workers()
             with self.volumes.queue.stop_when_full("a call on the queue's coordinator"):  # straw's journal
+                if self.s.debug.debug_rollout_only:  # generate and store, train nothing (vime/rollout_only.py)
+                    from vime.rollout_only import rollout_only
+
+                    return rollout_only(self, start_step, version)
                 version = self._train(start_step, version)
             self._finish(version)
             return 0
@@ -249,7 +253,7 @@ class TrainingRun(RunProcesses):
     @property
     def trained(self) -> int:
         """Accepted groups trained in this lineage (the cursor minus those skipped as stale)."""
-        return self.cursor - len(self.skipped)
+        return 0 if self.s.debug.debug_rollout_only else self.cursor - len(self.skipped)
 
     def _wait_for_groups(self, count: int, step: int):
         import ray

@@ -2,11 +2,11 @@
 
 Each is started as a user would (``bench/<name>/run.py --smoke --attach-engine HOST:PORT``) and runs
 its own code on the smallest sizes: bench/queue's main-job comparison (two `vime train` runs,
-object-store and straw), bench/async's sync run, bench/engine_faults' job with a second engine that
-turns into a black hole and bench/elastic's job with an engine added mid-run (in both, the same server
-under its other loopback name). The numbers mean nothing and are not
-checked; each must exit 0 and print its result line. The engine-free parts:
-tests/integration/test_bench_smoke.py.
+object-store and straw), bench/async's ceiling and sync run, bench/rollout's ceiling, router and
+rollout-only run on the demo shape, bench/engine_faults' job with a second engine that turns into a
+black hole and bench/elastic's job with an engine added mid-run (in both, the same server under its
+other loopback name). The numbers mean nothing and are not checked; each must exit 0 and print its
+result line. The engine-free parts: tests/integration/test_bench_smoke.py.
 """
 
 from __future__ import annotations
@@ -28,9 +28,23 @@ pytestmark = pytest.mark.e2e
             ["  object-store ", "  straw ", "  ratio straw / object-store = "],
             id="queue",
         ),
-        # One mode (sync: its steady-state figures and the bound): each run costs ~15 s, mostly start-up, and
-        # the other modes differ only by their flags, which tests/integration/test_bench_smoke.py checks.
-        pytest.param("async/run.py", ["--modes", "sync"], ["  sync ", "  sync run: T_gen "], id="async"),
+        # One mode (sync: its steady-state figures against the ceiling and the trainer's rate): each run costs
+        # ~15 s, mostly start-up, and the other modes differ only by their flags, which
+        # tests/integration/test_bench_smoke.py checks.
+        pytest.param(
+            "async/run.py",
+            ["--modes", "sync"],
+            ["  sync ", "  ceiling (a): ", "  sync         / ceiling (a) = "],
+            id="async",
+        ),
+        # (a) ceiling, (b) router and (c) the rollout path (`vime train --debug-rollout-only`, ~15 s) on the demo
+        # shape at 4 x 2; (d) is the main job bench/async's smoke already runs.
+        pytest.param(
+            "rollout/run.py",
+            [],
+            ["  demo ", "    (a) ceiling ", "    (b) router ", "b/a = ", "    (c) rollout ", "c/a = "],
+            id="rollout",
+        ),
         pytest.param(
             "engine_faults/run.py",
             [],

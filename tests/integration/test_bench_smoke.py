@@ -3,8 +3,9 @@
 A smoke run goes through the benchmark's own code on the smallest sizes and prints its usual result
 line; the numbers mean nothing and are not checked. Here the parts that need no vLLM engine:
 bench/queue's micro benchmark (real straw queue and Controller, Ray object store, torch files), the
-calibration loop, and the command lines bench/async and bench/elastic hand to `vime train` (parsed
-by it). Their runs on a real engine: tests/e2e/test_bench_smoke_engine.py.
+calibration loop, the command lines bench/async, bench/elastic and bench/rollout hand to `vime train`
+(parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a real
+engine: tests/e2e/test_bench_smoke_engine.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
             id="engine_faults",
         ),
         pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
+        pytest.param(
+            "rollout/run.py",
+            "== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for 2 shape(s)",
+            1,
+            id="rollout",
+        ),
         pytest.param(
             "recovery/run.py", "== bench/recovery --smoke: the command lines of 3 runs checked", 1, id="recovery"
         ),

@@ -184,6 +184,16 @@ def test_flags_are_validated_naming_them(model_dir, tmp_path):
     assert settings.debug.load_debug_rollout_data == template and settings.debug.save_debug_rollout_data is None
 
 
+def test_debug_rollout_only_trains_no_batch_to_record_or_replay(model_dir, tmp_path):
+    assert parse_train_args(argv(model_dir)).debug.debug_rollout_only is False
+    assert parse_train_args(argv(model_dir, "--debug-rollout-only")).debug.debug_rollout_only is True
+    da.write_archive(str(tmp_path / "0.vdr"), make_archive())
+    template = str(tmp_path / "{rollout_id}.vdr")
+    for flag in ("--save-debug-rollout-data", "--load-debug-rollout-data"):
+        with pytest.raises(ConfigError, match=f"^--debug-rollout-only: cannot be combined with {flag} "):
+            parse_train_args(argv(model_dir, "--debug-rollout-only", flag, template))
+
+
 def test_every_optional_capture_is_archived_and_exported():
     from vime.queue.records import OPTIONAL_TENSORS
     from vime.tools.queue_cli import EXPORT_TENSORS

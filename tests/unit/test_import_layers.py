@@ -46,8 +46,8 @@ LAYERS = [
     ),
     ("workers", ["vime.workers"]),
     # The drivers: `vime train`, its pre-flight checks, its debug-replay mode (which trains with the run's own
-    # trainer worker), the user's tools and the command line.
-    ("entry points", ["vime.preflight", "vime.replay", "vime.train", "vime.tools", "vime.cli"]),
+    # trainer worker), its rollout-only mode, the user's tools and the command line.
+    ("entry points", ["vime.preflight", "vime.replay", "vime.rollout_only", "vime.train", "vime.tools", "vime.cli"]),
 ]
 SIDEWAYS = {
     ("vime.rollout", "vime.data"),  # rollout functions read the prompt data
@@ -57,6 +57,7 @@ SIDEWAYS = {
     ("vime.recovery", "vime.queue"),  # debug archives hold the queue's encoded groups
     ("vime.train", "vime.preflight"),  # the checks before any process starts
     ("vime.train", "vime.replay"),  # --save/--load-debug-rollout-data
+    ("vime.train", "vime.rollout_only"),  # --debug-rollout-only
     ("vime.cli", "vime.train"),
     ("vime.cli", "vime.tools"),
 }

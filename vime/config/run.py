@@ -50,8 +50,25 @@ class DebugConfig:
         "losses and gradient norms bit for bit. Writes no checkpoint.",
         metavar="PATH",
     )
+    debug_rollout_only: bool = option(
+        False,
+        "Only generate: rollouts are generated, scored and stored in the queue as in training, but nothing is "
+        "trained (the engines keep the initial weights, no weight is published, no checkpoint written). Each "
+        "step takes --rollout-batch-size accepted groups and writes a 'rollout' record to metrics.jsonl; the "
+        "rollout stays --max-staleness steps ahead of the steps, as in training. Measures the rollout path "
+        "alone (bench/rollout).",
+    )
 
     def validate(self) -> None:
+        for flag, value in (
+            ("--save-debug-rollout-data", self.save_debug_rollout_data),
+            ("--load-debug-rollout-data", self.load_debug_rollout_data),
+        ):
+            require(
+                not (self.debug_rollout_only and value),
+                "--debug-rollout-only",
+                f"cannot be combined with {flag} (a rollout-only run trains no batch)",
+            )
         require(
             not (self.save_debug_rollout_data and self.load_debug_rollout_data),
             "--load-debug-rollout-data",
