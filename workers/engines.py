@@ -273,11 +273,11 @@ class EngineActor:
             )
             self.local = LocalWeights(root)
         local, _ = self.local.receive(path, version)  # staged before the pause
-        timing = {"pause_seconds": 0.0}
+        timing = {"pause_seconds": 0.0, "pause_request_seconds": 0.0}
         self._awake_after(lambda: update_engine_weights(self.client, local, version, flush, timing=timing))
         self.version = version
         self._probe()  # the new weights generate, labelled with their version
-        return {"load_seconds": time.monotonic() - started, "pause_seconds": timing["pause_seconds"]}
+        return {"load_seconds": time.monotonic() - started, **timing}
 
     def sleep(self, level: int) -> None:
         """Sleep until the next weight update (--offload-rollout, docs/real-models.md): requests in
@@ -308,7 +308,7 @@ class EngineActor:
         """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume.
         Returns ``load_seconds`` and ``pause_seconds`` as :meth:`update_weights` does."""
         started = time.monotonic()
-        timing = {"pause_seconds": 0.0}
+        timing = {"pause_seconds": 0.0, "pause_request_seconds": 0.0}
         self._awake_after(
             lambda: swap_engine_weights(
                 self.client,
@@ -322,7 +322,7 @@ class EngineActor:
         )
         self.version = version
         self._probe()
-        return {"load_seconds": time.monotonic() - started, "pause_seconds": timing["pause_seconds"]}
+        return {"load_seconds": time.monotonic() - started, **timing}
 
     def pause(self, mode: str) -> None:
         self.client.pause(mode=mode)
@@ -342,7 +342,8 @@ class EngineActor:
 
 def slowest(reports: list[dict[str, float]]) -> dict[str, float]:
     """The engines' update reports (EngineActor.update_weights) as one: the largest of each."""
-    return {key: max((r[key] for r in reports), default=0.0) for key in ("load_seconds", "pause_seconds")}
+    keys = ("load_seconds", "pause_seconds", "pause_request_seconds")
+    return {key: max((r.get(key, 0.0) for r in reports), default=0.0) for key in keys}
 
 
 def _frees_memory_asleep() -> bool:
@@ -504,6 +505,7 @@ class WeightSync:
             "weight_publish_seconds": publication.seconds,
             "weight_load_seconds": loaded["load_seconds"],
             "weight_pause_seconds": loaded["pause_seconds"],
+            "weight_pause_request_seconds": loaded["pause_request_seconds"],
         }
 
     def _sync_nccl(self, version: int, flush: bool) -> dict[str, float | str]:
@@ -544,6 +546,7 @@ class WeightSync:
             "weight_publish_seconds": report["seconds"],
             "weight_load_seconds": loaded["load_seconds"],
             "weight_pause_seconds": loaded["pause_seconds"],
+            "weight_pause_request_seconds": loaded["pause_request_seconds"],
         }
 
     def trainer_restarted(self) -> None:

@@ -158,6 +158,7 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
     assert all(r["weight_published_bytes"] < r["weight_full_bytes"] for r in reports[1:3])
     # The pause covers only the reload: the engine's copy (link, delta apply) and the probe are outside it.
     assert all(0 < r["weight_pause_seconds"] < r["weight_load_seconds"] for r in reports)
+    assert all(0 < r["weight_pause_request_seconds"] < r["weight_pause_seconds"] for r in reports)
     for actor in (a, b):
         assert ray.get(actor.loaded.remote()) == expected  # bit for bit, every version
 

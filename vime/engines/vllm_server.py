@@ -379,11 +379,15 @@ def swap_engine_weights(
 
     Returns what ``load`` returned. The engine is resumed whenever the pause succeeded. ``timing``
     (a dict) receives ``pause_seconds``: from the pause request being sent to the resume being
-    answered, the time this engine generated nothing (metric ``weight_sync_pause_s``). Whatever
-    can be done while the engine generates (the engine's own copy of the weights) is done before.
+    answered, the time this engine generated nothing (metric ``weight_sync_pause_s``), and of it
+    ``pause_request_seconds``, vLLM's answer to /pause alone (it ends the step in progress and,
+    flushing, aborts every request). Whatever can be done while the engine generates (the engine's
+    own copy of the weights) is done before.
     """
     paused = time.monotonic()
     client.pause(mode="abort" if flush else "keep")
+    if timing is not None:
+        timing["pause_request_seconds"] = time.monotonic() - paused
     try:
         result = load()
         if flush:
