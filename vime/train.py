@@ -300,7 +300,10 @@ class TrainingRun(RunProcesses):
                 )
             time.sleep(POLL_SECONDS)
 
-    def _publish(self, version: int, *, sync_number: int) -> float:
+    def _publish(self, version: int, *, sync_number: int) -> dict[str, float]:
+        """Publish ``version`` and load it into every engine; returns the step record's sync metrics:
+        ``weight_sync_seconds`` (all of it), ``weight_sync_publish_s`` (the trainer writing the
+        version) and ``weight_sync_pause_s`` (the longest time an engine generated nothing)."""
         import ray
 
         started = time.monotonic()
@@ -319,7 +322,11 @@ class TrainingRun(RunProcesses):
         # --
         self.version = version
         ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
-        return time.monotonic() - started
+        return {
+            "weight_sync_seconds": time.monotonic() - started,
+            "weight_sync_publish_s": float(report.get("weight_publish_seconds", 0.0)),
+            "weight_sync_pause_s": float(report.get("weight_pause_seconds", 0.0)),
+        }
 
     def _train(self, start_step: int, version: int) -> int:
         from vime.workers.trainer_group import TrainerDied
@@ -391,7 +398,7 @@ class TrainingRun(RunProcesses):
         self.cursor = taken.next_cursor
         self.skipped.extend(taken.skipped)
         self.step_cursors.append(self.cursor)
-        metrics["weight_sync_seconds"] = self._publish(self.version + 1, sync_number=sync_number)
+        metrics.update(self._publish(self.version + 1, sync_number=sync_number))
         colocation.after_weight_update()
         if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
             self._save(step, self.version)

@@ -258,21 +258,26 @@ class EngineActor:
         return self.client.abort_requests()
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, path: str, version: int, flush: bool) -> float:
+    def update_weights(self, path: str, version: int, flush: bool) -> dict[str, float]:
         """Load the published ``weight_v{N}/`` at ``path``: a full version is linked into this
         engine's own folder, a delta is applied to the copy it holds (WeightError when its parent
-        is not that copy: out of order); vLLM then reloads from the engine's folder."""
+        is not that copy: out of order); vLLM then reloads from the engine's folder. The copy is
+        staged while the engine still generates: only vLLM's reload is paused.
+
+        Returns ``load_seconds`` (the whole update, staging and probe included) and
+        ``pause_seconds`` (pause to resume: the time this engine generated nothing)."""
         started = time.monotonic()
         if self.local is None:
             root = self.spec.weights_local_dir or os.path.join(
                 os.path.dirname(os.path.abspath(path)), f".engine_{self.spec.index}"
             )
             self.local = LocalWeights(root)
-        local, _ = self.local.receive(path, version)
-        self._awake_after(lambda: update_engine_weights(self.client, local, version, flush))
+        local, _ = self.local.receive(path, version)  # staged before the pause
+        timing = {"pause_seconds": 0.0, "pause_request_seconds": 0.0}
+        self._awake_after(lambda: update_engine_weights(self.client, local, version, flush, timing=timing))
         self.version = version
         self._probe()  # the new weights generate, labelled with their version
-        return time.monotonic() - started
+        return {"load_seconds": time.monotonic() - started, **timing}
 
     def sleep(self, level: int) -> None:
         """Sleep until the next weight update (--offload-rollout, docs/real-models.md): requests in
@@ -299,9 +304,11 @@ class EngineActor:
         """Leave the weight group (it is re-formed when the engines change)."""
         self.client.collective_rpc("vime_leave_weight_group")
 
-    def receive_nccl(self, metadata: str, version: int, flush: bool) -> float:
-        """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume."""
+    def receive_nccl(self, metadata: str, version: int, flush: bool) -> dict[str, float]:
+        """Pause, receive the broadcast weights (the trainer sends at the same time), label, resume.
+        Returns ``load_seconds`` and ``pause_seconds`` as :meth:`update_weights` does."""
         started = time.monotonic()
+        timing = {"pause_seconds": 0.0, "pause_request_seconds": 0.0}
         self._awake_after(
             lambda: swap_engine_weights(
                 self.client,
@@ -310,11 +317,12 @@ class EngineActor:
                 lambda: self.client.collective_rpc(
                     "vime_receive_weights", {"metadata": metadata, "bucket_bytes": self.spec.weight_buffer_bytes}
                 ),
+                timing=timing,
             )
         )
         self.version = version
         self._probe()
-        return time.monotonic() - started
+        return {"load_seconds": time.monotonic() - started, **timing}
 
     def pause(self, mode: str) -> None:
         self.client.pause(mode=mode)
@@ -330,6 +338,12 @@ class EngineActor:
         if self.local is not None:
             self.local.close()
             self.local = None
+
+
+def slowest(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The engines' update reports (EngineActor.update_weights) as one: the largest of each."""
+    keys = ("load_seconds", "pause_seconds", "pause_request_seconds")
+    return {key: max((r.get(key, 0.0) for r in reports), default=0.0) for key in keys}
 
 
 def _frees_memory_asleep() -> bool:
@@ -418,14 +432,15 @@ class EngineGroup:
             self.on_failure(url, error)
         return results
 
-    def update_weights(self, path: str, version: int, *, flush: bool) -> float:
-        """Every engine loads the published ``version``; returns the slowest engine's seconds."""
-        seconds = self._fan_out(
+    def update_weights(self, path: str, version: int, *, flush: bool) -> dict[str, float]:
+        """Every engine loads the published ``version``; returns the slowest engine's
+        ``load_seconds`` and the longest ``pause_seconds`` (EngineActor.update_weights)."""
+        reports = self._fan_out(
             lambda actor: actor.update_weights.remote(path, version, flush), f"loading weight version {version}"
         )
         self.versions = [version] * len(self.actors)
         self.syncs += 1
-        return max(seconds, default=0.0)
+        return slowest(reports)
 
     def pause(self, mode: str) -> None:
         self._fan_out(lambda actor: actor.pause.remote(mode), f"pause({mode})")
@@ -480,7 +495,7 @@ class WeightSync:
             force_full=force_full,
             timeout=self.timeout,
         )
-        load_seconds = engines.update_weights(publication.path, version, flush=flush) if engines else 0.0
+        loaded = engines.update_weights(publication.path, version, flush=flush) if engines else slowest([])
         return {
             "weight_version": version,
             "weight_transport": "disk",
@@ -488,7 +503,9 @@ class WeightSync:
             "weight_published_bytes": publication.published_bytes,
             "weight_full_bytes": publication.full_bytes,
             "weight_publish_seconds": publication.seconds,
-            "weight_load_seconds": load_seconds,
+            "weight_load_seconds": loaded["load_seconds"],
+            "weight_pause_seconds": loaded["pause_seconds"],
+            "weight_pause_request_seconds": loaded["pause_request_seconds"],
         }
 
     def _sync_nccl(self, version: int, flush: bool) -> dict[str, float | str]:
@@ -519,7 +536,7 @@ class WeightSync:
         results = wait_all(sent + received, self.timeout, f"broadcasting weight version {version}", error=WeightError)
         engines.versions = [version] * len(engines.actors)
         engines.syncs += 1
-        report = results[0]
+        report, loaded = results[0], slowest(results[len(sent) :])
         return {
             "weight_version": version,
             "weight_transport": "nccl",
@@ -527,7 +544,9 @@ class WeightSync:
             "weight_published_bytes": report["bytes"],
             "weight_full_bytes": report["bytes"],
             "weight_publish_seconds": report["seconds"],
-            "weight_load_seconds": max(results[len(sent) :]),
+            "weight_load_seconds": loaded["load_seconds"],
+            "weight_pause_seconds": loaded["pause_seconds"],
+            "weight_pause_request_seconds": loaded["pause_request_seconds"],
         }
 
     def trainer_restarted(self) -> None:

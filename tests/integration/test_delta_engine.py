@@ -156,6 +156,9 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
         reports.append(sync.sync(version, flush=False))
     assert [r["weight_publish_mode"] for r in reports] == ["full", "delta", "delta", "full"]
     assert all(r["weight_published_bytes"] < r["weight_full_bytes"] for r in reports[1:3])
+    # The pause covers only the reload: the engine's copy (link, delta apply) and the probe are outside it.
+    assert all(0 < r["weight_pause_seconds"] < r["weight_load_seconds"] for r in reports)
+    assert all(0 < r["weight_pause_request_seconds"] < r["weight_pause_seconds"] for r in reports)
     for actor in (a, b):
         assert ray.get(actor.loaded.remote()) == expected  # bit for bit, every version
 
@@ -239,6 +242,10 @@ def test_vime_train_publishes_deltas_that_rebuild_the_final_model(tmp_path, mode
     assert all(
         r["weight_published_bytes"] < r["weight_full_bytes"] for r in syncs if r["weight_publish_mode"] == "delta"
     )
+    steps = [r for r in records if r["kind"] == "train"]
+    assert [r["weight_sync_publish_s"] for r in steps] == [r["weight_publish_seconds"] for r in syncs]
+    assert all(0 < r["weight_sync_publish_s"] <= r["weight_sync_seconds"] for r in steps)
+    assert all(r["weight_sync_pause_s"] == 0.0 for r in steps)  # no engine here to pause
     weight_dir = os.path.join(run_dir, "weights")
     assert disk.published_versions(weight_dir) == [4, 5]  # 5 needs 4; 1-3 pruned
     disk.reconstruct(weight_dir, 5, str(tmp_path / "v5"))

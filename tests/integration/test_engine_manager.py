@@ -135,7 +135,7 @@ class NcclRecordingEngine(RecordingEngine):
         self.client._call()
         self.client.update_weight_version(version)
         self.version = version
-        return 0.0
+        return {"load_seconds": 0.0, "pause_seconds": 0.0}
 
     def calls(self):
         return self.group_calls

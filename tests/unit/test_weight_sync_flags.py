@@ -386,7 +386,7 @@ def test_engines_receive_with_the_trainers_buffer_size(tmp_path):
     import vime.workers.engines as engines
 
     original = engines.swap_engine_weights
-    engines.swap_engine_weights = lambda client, version, flush, receive: receive()
+    engines.swap_engine_weights = lambda client, version, flush, receive, timing=None: receive()
     try:
         actor._probe = lambda: None
         actor.receive_nccl("[]", 1, True)

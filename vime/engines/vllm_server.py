@@ -331,7 +331,9 @@ class EngineClient:
         return _field(self.url, body, "choices", "POST /inference/v1/generate")[0]
 
 
-def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], version: int, flush: bool) -> None:
+def update_engine_weights(
+    client: EngineClient, path: str | os.PathLike[str], version: int, flush: bool, timing: dict | None = None
+) -> None:
     """Load the weights in ``path`` into one engine and label them ``version``.
 
     flush=True: pause(abort) -> reload -> reset_prefix_cache -> update_weight_version -> resume.
@@ -353,9 +355,10 @@ def update_engine_weights(client: EngineClient, path: str | os.PathLike[str], ve
     A reload that fails inside vLLM (e.g. a missing folder) leaves the model half-loaded: the next
     forward pass kills the engine, although /health still answers 200 until then. Treat an engine
     whose reload raised as lost. The engine is resumed whenever the pause succeeded, also when a
-    later step fails, so that it never stays paused.
+    later step fails, so that it never stays paused. ``timing`` (a dict) receives ``pause_seconds``:
+    see :func:`swap_engine_weights`.
     """
-    swap_engine_weights(client, version, flush, lambda: client.reload_weights(path))
+    swap_engine_weights(client, version, flush, lambda: client.reload_weights(path), timing=timing)
 
 
 def woken_for_update(client: EngineClient, update: Callable[[], Any]) -> Any:
@@ -369,12 +372,22 @@ def woken_for_update(client: EngineClient, update: Callable[[], Any]) -> Any:
     return result
 
 
-def swap_engine_weights(client: EngineClient, version: int, flush: bool, load: Callable[[], Any]) -> Any:
+def swap_engine_weights(
+    client: EngineClient, version: int, flush: bool, load: Callable[[], Any], timing: dict | None = None
+) -> Any:
     """``update_engine_weights`` with any way of loading: pause, ``load()``, (flush), label, resume.
 
-    Returns what ``load`` returned. The engine is resumed whenever the pause succeeded.
+    Returns what ``load`` returned. The engine is resumed whenever the pause succeeded. ``timing``
+    (a dict) receives ``pause_seconds``: from the pause request being sent to the resume being
+    answered, the time this engine generated nothing (metric ``weight_sync_pause_s``), and of it
+    ``pause_request_seconds``, vLLM's answer to /pause alone (it ends the step in progress and,
+    flushing, aborts every request). Whatever can be done while the engine generates (the engine's
+    own copy of the weights) is done before.
     """
+    paused = time.monotonic()
     client.pause(mode="abort" if flush else "keep")
+    if timing is not None:
+        timing["pause_request_seconds"] = time.monotonic() - paused
     try:
         result = load()
         if flush:
@@ -382,6 +395,8 @@ def swap_engine_weights(client: EngineClient, version: int, flush: bool, load: C
         client.update_weight_version(version)
     finally:
         client.resume()
+        if timing is not None:
+            timing["pause_seconds"] = time.monotonic() - paused
     return result
 
 
