@@ -8,6 +8,9 @@ vLLM server, and prints per step what metrics.jsonl records: ``weight_sync_secon
 synchronisation), ``weight_sync_publish_s`` (the trainer writing the version), the engine's load (copy,
 pause, reload, resume, probe), ``weight_sync_pause_s`` (pause to resume) and, of it, vLLM's answer to
 /pause alone; then the means over the steps after the first.
+
+``--smoke`` (what `make test` runs, in seconds): without an engine it builds the tiny model and both modes'
+command lines and checks that `vime train` accepts them (start-up validation), running nothing.
 """
 
 from __future__ import annotations
@@ -56,14 +59,32 @@ def report(run_dir: str, mode: str) -> dict[str, float]:
     return mean
 
 
+def smoke(bench, modes: list[str]) -> int:
+    from vime.tools.make_tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="vime-bench-weight-sync-smoke-") as out:
+        model = make_tiny_model(os.path.join(out, "model"))
+        for mode in modes:
+            args = bench.job_args(os.path.join(out, mode), model, 3, bench.MODES[mode], engine="127.0.0.1:1")
+            if not bench.supported(args):
+                raise SystemExit(f"bench/weight_sync --smoke: vime train refuses the {mode} command line")
+    print(f"== bench/weight_sync --smoke: the command lines of {len(modes)} modes checked; no run")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--attach-engine", metavar="HOST:PORT", required=True, help="a running vLLM server")
-    parser.add_argument("--model", required=True, help="the HF model folder that server serves")
+    parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None, help="a running vLLM server")
+    parser.add_argument("--model", default=None, help="the HF model folder that server serves")
+    parser.add_argument("--smoke", action="store_true", help="check the command lines only (no engine needed)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", nargs="+", default=["async-flush", "async-keep"])
     options = parser.parse_args()
     bench = _bench_async()
+    if options.smoke:
+        return smoke(bench, options.modes)
+    if options.attach_engine is None or options.model is None:
+        parser.error("--attach-engine HOST:PORT and --model DIR are needed (or --smoke)")
     out = tempfile.mkdtemp(prefix="vime-bench-weight-sync-")
     means = {}
     for mode in options.modes:

@@ -50,6 +50,12 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
         ),
         pytest.param("memory/run.py", "ratio (c) / (a) per rank: ", 1, id="memory"),
         pytest.param(
+            "weight_sync/run.py",
+            "== bench/weight_sync --smoke: the command lines of 2 modes checked",
+            1,
+            id="weight_sync",
+        ),
+        pytest.param(
             "rollout/run.py",
             "== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for 2 shape(s)",
             1,
