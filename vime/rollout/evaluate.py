@@ -157,23 +157,6 @@ async def evaluate_dataset(
     config: EvalDataset | None = None,
     chat_template_kwargs: dict | None = None,
 ) -> dict[str, float]:
-    if eval_function_path:
-        from vime.runtime.plugins import call_maybe_async, load_hook
-
-        function = load_hook(EVAL_FLAG, eval_function_path)
-        source = EvalDataSource(
-            name,
-            dataset,
-            tokenizer=tokenizer,
-            n_samples=n_samples,
-            apply_chat_template=apply_chat_template,
-            config=config,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
-        return interpret_eval_output(output, name, eval_function_path)
-
-    limit = asyncio.Semaphore(concurrency)
     source = EvalDataSource(
         name,
         dataset,
@@ -183,6 +166,14 @@ async def evaluate_dataset(
         config=config,
         chat_template_kwargs=chat_template_kwargs,
     )
+    if eval_function_path:
+        from vime.runtime.plugins import call_maybe_async, load_hook
+
+        function = load_hook(EVAL_FLAG, eval_function_path)
+        output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
+        return interpret_eval_output(output, name, eval_function_path)
+
+    limit = asyncio.Semaphore(concurrency)
 
     async def one(session, sample: Sample) -> Sample:
         async with limit:
