@@ -331,3 +331,33 @@ def test_a_writer_created_on_a_full_queue_volume_is_skipped_by_the_reaping_of_de
         finally:
             controller.shutdown()
         assert report["writers_never_started"] == 1 and report["writers_retired"] == 0
+
+
+# ----------------------------------------------------------------------------- a debug archive
+def test_a_debug_archive_on_a_full_volume_stops_clearly_and_leaves_no_partial_archive(tmp_path):
+    """--save-debug-rollout-data's archive of a step does not fit: the driver's stop names the flag and the
+    step, the archives written before stay readable, no temporary file is left, and once space is back the
+    same step's archive is written (the resumed run retrains that step)."""
+    from tests.unit.test_debug_replay import make_archive
+    from vime.recovery import debug_archive as da
+
+    with mounted_tmpfs(str(tmp_path / "vol"), size="1m") as volume:
+        template = os.path.join(volume, "debug", "{rollout_id}.vdr")
+        volumes = WrittenVolume("--save-debug-rollout-data", template, None)
+        first = da.archive_path(template, 1)
+        assert da.write_archive(first, make_archive(rollout_id=1)) == "written"
+        ballast, last_bytes = fill(volume), os.path.join(volume, "last_bytes")
+        write_until_full(last_bytes)  # an archive of a few KiB would fit in what fill() leaves
+        second = da.archive_path(template, 2)
+        with pytest.raises(DiskFull) as error:
+            with volumes.stop_when_full("the debug archive of rollout 2"):
+                da.write_archive(second, make_archive(rollout_id=2))
+        message = str(error.value)
+        assert message.startswith(f"the volume of --save-debug-rollout-data {template} is full: "), message
+        assert "the debug archive of rollout 2 failed" in message
+        assert sorted(os.listdir(os.path.dirname(first))) == ["1.vdr"]  # no partial archive, no temporary file
+        assert da.read_archive(first).rollout_id == 1
+        os.unlink(ballast)
+        os.unlink(last_bytes)
+        assert da.write_archive(second, make_archive(rollout_id=2)) == "written"
+        assert da.read_archive(second).rollout_id == 2
