@@ -41,13 +41,11 @@ def rollout_only(run, start_step: int, version: int) -> int:
     while step < s.train.num_rollout:
         interrupts.raise_if_interrupted()
         try:
-            taken = run._wait_for_groups(batch, step + 1)
+            taken = run.wait_for_groups(batch, step + 1)
         except StopIteration:
             run.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {step} rollout(s)")
             break
-        run.cursor = taken.next_cursor
-        run.skipped.extend(taken.skipped)
-        run.step_cursors.append(run.cursor)
+        run.consume(taken)
         ray.get(run.controller.sync.remote(version, run.cursor, run.trained, run.lineage))  # admission moves on
         step = run.step = step + 1
         stats = ray.get(run.controller.stats.remote())

@@ -255,7 +255,13 @@ class TrainingRun(RunProcesses):
         """Accepted groups trained in this lineage (the cursor minus those skipped as stale)."""
         return 0 if self.s.debug.debug_rollout_only else self.cursor - len(self.skipped)
 
-    def _wait_for_groups(self, count: int, step: int):
+    def consume(self, taken) -> None:
+        """Move this lineage's cursor past a step's batch (trained, or with --debug-rollout-only stored)."""
+        self.cursor = taken.next_cursor
+        self.skipped.extend(taken.skipped)
+        self.step_cursors.append(self.cursor)
+
+    def wait_for_groups(self, count: int, step: int):
         import ray
 
         last_accepted, last_progress = None, time.monotonic()
@@ -351,7 +357,7 @@ class TrainingRun(RunProcesses):
         while rollout_id < s.train.num_rollout:
             interrupts.raise_if_interrupted()
             try:
-                taken = self._wait_for_groups(batch, rollout_id + 1)
+                taken = self.wait_for_groups(batch, rollout_id + 1)
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
@@ -395,9 +401,7 @@ class TrainingRun(RunProcesses):
 
             with self.volumes.debug_archive.stop_when_full(f"the debug archive of rollout {rollout_id}"):
                 save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
-        self.cursor = taken.next_cursor
-        self.skipped.extend(taken.skipped)
-        self.step_cursors.append(self.cursor)
+        self.consume(taken)
         metrics.update(self._publish(self.version + 1, sync_number=sync_number))
         colocation.after_weight_update()
         if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
