@@ -16,14 +16,18 @@ its last durable prefix instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import torch
 from straw import Record
 from straw.errors import CorruptData
-from straw.tensor import tensor_record
+
+if TYPE_CHECKING:
+    import torch
+# torch (and straw.tensor, which imports it) are imported by the functions that encode or decode tensors: the
+# controller imports this module for its queue but decodes a group only on a rare path, and torch's import
+# costs it ~1.5 CPU-seconds at each start (two cores, the CI machine).
 
 from vime.errors import InternalError
 from vime.sample import Sample, Status
@@ -83,6 +87,8 @@ def expand(segments: list[tuple[int, int, int]]) -> list[int]:
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     return torch.as_tensor(np.asarray(value))
@@ -113,6 +119,8 @@ def check_capture(sample: Sample) -> None:
 
 
 def _sample_tensors(sample: Sample) -> dict[str, torch.Tensor]:
+    import torch
+
     tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(sample.tokens, dtype=torch.int32)}
     loss_mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
     tensors["loss_mask"] = torch.tensor(loss_mask, dtype=torch.uint8)
@@ -129,6 +137,9 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
     """Header records (one per sample) then one tensor record per field. ``owner`` (task_id,
     attempt_id) is stamped on each record: straw accepts a result only if every record belongs to
     the completing attempt."""
+    import torch
+    from straw.tensor import tensor_record
+
     for sample in samples:
         check_capture(sample)
     per_sample = [_sample_tensors(sample) for sample in samples]
@@ -171,6 +182,8 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
 
 
 def _tensor_from_record(record: Record) -> torch.Tensor:
+    import torch
+
     meta = record.metadata
     dtype = getattr(torch, meta["dtype"])
     if not record.payload:

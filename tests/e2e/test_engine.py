@@ -203,8 +203,22 @@ def test_build_vllm_command_forwards_flags_and_enables_scale_out():
 
 def test_engine_env(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     env = engine_env("tok", None)
-    assert env == {"VIME_RUN_TOKEN": "tok", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert env == {
+        "VIME_RUN_TOKEN": "tok",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one rank: its model runs in the EngineCore process
+    }
+    # Several ranks keep vLLM's multiprocess executor, whichever parallelism makes them.
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env("tok", None, ranks=2)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env("tok", None, world_size=2)
+    for args, tp in (({"data-parallel-size": "2"}, 1), ({"pipeline-parallel-size": "2"}, 1), ({}, 2)):
+        server = VllmServer("/m", log_path="/dev/null", run_token="tok", vllm_args=args, tensor_parallel_size=tp)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server.process.extra_env, args
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env("tok", None)  # the user's setting is inherited
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env("tok", None)  # the user's setting is inherited
     assert engine_env("tok", [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"

@@ -208,6 +208,15 @@ def test_the_command_line_and_the_config_import_no_heavy_library():
     assert result.stdout.split() == [], f"`import vime.cli, vime.config` loads {result.stdout.strip()}"
 
 
+def test_the_controller_process_imports_no_torch():
+    """The queue's controller (an actor at every start and restart) needs no tensor library until it decodes a
+    group; torch's import cost it ~1.5 CPU-seconds each time (queue/records.py)."""
+    code = "import sys, vime.workers.controller; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"], result.stdout
+
+
 def test_the_sideways_imports_make_no_circle():
     graph: dict[str, set[str]] = {}
     for importer, imported in SIDEWAYS:

@@ -12,12 +12,16 @@ choose ``consistent_hash``: vime sends every request of a sample with ``x-sessio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import hashlib
+import os
 import re
 import subprocess
 
 from vime.config.base import ConfigError
 from vime.engines.router import router_binary
+from vime.runtime.user_cache import user_cache_path, write_cached
 
 DERIVED = {"host": "--vllm-router-ip", "port": "--vllm-router-port", "worker-urls": "(engines are registered by vime)"}
 # Defaults that suit RL traffic and tests; any of them can be overridden with --router-<flag>.
@@ -48,11 +52,23 @@ def add_help(parser: argparse.ArgumentParser) -> None:
 
 @functools.lru_cache(maxsize=1)
 def router_help() -> str:
+    """The installed ``vllm-router --help``, kept in the user's cache directory per binary (its path, size and
+    modification time): running it costs ~0.7 CPU-seconds at every start; reinstalling the router rewrites the
+    binary and so asks again."""
     try:
         binary = router_binary()
     except FileNotFoundError:
         return ""
-    return subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+    stat = os.stat(binary)
+    key = hashlib.sha256(f"{os.path.realpath(binary)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = user_cache_path(f"router-help-{key}.txt")
+    with contextlib.suppress(OSError):
+        with open(cached) as f:
+            return f.read()
+    text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
+    if "--" in text:  # a help text, not an empty or broken answer
+        write_cached(cached, text)
+    return text
 
 
 def router_flags() -> frozenset[str]:

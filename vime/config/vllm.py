@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from vime.config import vllm_config, vllm_deployment
 from vime.config.base import ConfigError, add_section_arguments, option, section_from_args
+from vime.runtime.user_cache import user_cache_path, write_cached
 
 if TYPE_CHECKING:
     from vime.config import TrainSettings
@@ -172,7 +173,7 @@ def _vllm_flag_table() -> dict[str, int]:
     except StopIteration:
         return {}
     # v2: values are value counts (the first cache held booleans, "takes a value").
-    cache = os.path.join(os.path.expanduser("~/.cache/vime"), f"vllm-flags-v2-{vllm_version}.json")
+    cache = user_cache_path(f"vllm-flags-v2-{vllm_version}.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
@@ -192,10 +193,7 @@ def _vllm_flag_table() -> dict[str, int]:
     if out.returncode != 0 or "VIMEFLAGS" not in out.stdout:
         return {}
     table = json.loads(out.stdout.split("VIMEFLAGS", 1)[1])
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
-    with open(cache + ".tmp", "w") as f:
-        json.dump(table, f)
-    os.replace(cache + ".tmp", cache)
+    write_cached(cache, json.dumps(table))
     return table
 
 
