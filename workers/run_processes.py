@@ -208,6 +208,12 @@ class RunProcesses:
                 with contextlib.suppress(Exception):  # the record stays: the next start on this queue sweeps it
                     self.guard.close(everything_stopped=not self.leftover)
 
+    def _stop_controller(self) -> None:
+        if self.controller is not None:
+            import ray
+
+            ray.get(self.controller.shutdown.remote(), timeout=30)
+
     def _stop_in_order(self) -> None:
         """The orderly steps of the teardown; a Ctrl-C meanwhile skips the rest (StopNow)."""
         steps = [
@@ -215,10 +221,7 @@ class RunProcesses:
             ("an unlaunched rollout worker", lambda: self.rollout and self.rollout.kill_unlaunched()),
             ("the trainer", lambda: self.trainer and self.trainer.shutdown()),
             *(self.serving.stop_steps() if self.serving else ()),
-            (
-                "the controller",
-                lambda: self.controller and __import__("ray").get(self.controller.shutdown.remote(), timeout=30),
-            ),
+            ("the controller", self._stop_controller),
         ]
         for what, step in steps:
             if interrupts.hurried():

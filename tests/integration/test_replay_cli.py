@@ -96,7 +96,7 @@ def queue_samples(data_dir: str) -> dict[int, list]:
 
 def test_record_replay_refuse_and_export(tmp_path, model_dir):
     from vime.recovery.debug_archive import existing_archives, read_archive
-    from vime.tools.queue_cli import read_export, sample_from_row
+    from vime.tools.queue_export import read_export, sample_from_row
 
     template = str(tmp_path / "debug" / "{rollout_id}.vdr")
     recorded_dir = str(tmp_path / "recorded")

@@ -196,7 +196,7 @@ def test_debug_rollout_only_trains_no_batch_to_record_or_replay(model_dir, tmp_p
 
 def test_every_optional_capture_is_archived_and_exported():
     from vime.queue.records import OPTIONAL_TENSORS
-    from vime.tools.queue_cli import EXPORT_TENSORS
+    from vime.tools.queue_export import EXPORT_TENSORS
 
     assert da.TENSOR_FIELDS == OPTIONAL_TENSORS == EXPORT_TENSORS
     # A field added to Sample must be added to the archive too (this fails until it is).

@@ -253,7 +253,7 @@ def test_ppo_actor_and_critic_sharded(work, reference):
 
 
 def test_critic_role_save_copy_is_the_gathered_critic(work):
-    from vime.backends.torch_backend import ValueModel, resolve_critic_load
+    from vime.backends.value_model import ValueModel, resolve_critic_load
 
     folder, ranks = work
     saved, is_checkpoint = resolve_critic_load(os.path.join(folder, "critic_save"), "save", None)

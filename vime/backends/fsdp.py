@@ -233,7 +233,7 @@ def save_value_model(critic: torch.nn.Module, state: dict[str, torch.Tensor], pa
     (``model/`` HF body, the head's safetensors), so a later run's critic ``load`` accepts it."""
     from safetensors.torch import save_file
 
-    from vime.backends.torch_backend import VALUE_HEAD_FILE
+    from vime.backends.value_model import VALUE_HEAD_FILE
 
     os.makedirs(path, exist_ok=True)
     body = {name.removeprefix("body."): value for name, value in state.items() if name.startswith("body.")}

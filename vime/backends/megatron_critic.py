@@ -5,7 +5,7 @@ The critic is a second GPTModel of the actor's architecture whose output layer i
 forward (embedding, decoder, final norm, "output layer") returns one value per position and the
 actor's batching (``megatron_forward.MegatronLM``: padded or thd) serves it unchanged.
 
-**Decision** (the torch backend's, ``torch_backend.ValueModel``): the body starts from the actor's
+**Decision** (the torch backend's, ``value_model.ValueModel``): the body starts from the actor's
 initial weights (or the critic role's ``load``); the head is ``torch.nn.Linear(hidden, 1)`` in
 PyTorch's default initialisation, drawn from ``--seed``. The critic's checkpoints are Megatron
 checkpoints of that GPT (head included, as ``output_layer.weight`` / ``output_layer.bias``) marked
@@ -97,7 +97,7 @@ def load_hf_body(gpt, folder: str, args: ModelArgs) -> None:
 def load_torch_critic_head(gpt, folder: str) -> None:
     from safetensors.torch import load_file
 
-    from vime.backends.torch_backend import VALUE_HEAD_FILE
+    from vime.backends.value_model import VALUE_HEAD_FILE
 
     if not gpt.post_process:
         return  # a pipeline stage before the last holds no head
@@ -119,7 +119,7 @@ def load_initial(gpt, source: str, args: ModelArgs, *, field: str | None = None,
 
     ``field`` / ``yaml`` name the role's ``load`` for errors (None: ``source`` is the actor's source).
     """
-    from vime.backends.torch_backend import LATEST_FILE, is_critic_checkpoint as is_torch_critic
+    from vime.backends.value_model import LATEST_FILE, is_critic_checkpoint as is_torch_critic
 
     if mc.is_checkpoint_root(source):
         folder = mc.resolve_step_folder(source)
