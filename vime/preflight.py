@@ -57,7 +57,7 @@ class Inputs:
     plan: Any  # vime.config.vllm_config's launch plan of --vllm-config, or None
     trained_model: str | None  # the plan's weight-synced model
     resume: tuple[str, ckpt.CheckpointState] | None  # (folder, state) when resuming
-    tokenizer: Any
+    tokenizer: Any  # loaded when the driver needs it (held-out sets, --rollout-max-prompt-len), else None
     # --rollout-max-prompt-len: the source's rows it keeps (the controller opens the same subset), and how
     # many prompts the source has in all; None: no filter.
     prompt_rows: list[int] | None = None
@@ -90,12 +90,19 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
         check_queue_identity(s)
     resume = checkpoint_to_resume(s, say)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
     s.megatron.check_against_hf(hf_config, s.train.train_backend)
     check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
-    tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+    check_tokenizer_files(s.train.hf_checkpoint)
+    tokenizer = None
+    if eval_sets or s.rollout.rollout_max_prompt_len is not None:  # the driver's only uses of it
+        # AutoTokenizer's import costs ~2 CPU-seconds over AutoConfig's: a run without them leaves the tokenizer
+        # to the rollout workers, which load it anyway.
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
     dataset, prompt_rows, prompts_total = filter_long_prompts(s, dataset, tokenizer, say)
     report_sampling_controls(s, say)
     return Inputs(
@@ -109,6 +116,16 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         prompt_rows=prompt_rows,
         prompts_total=prompts_total,
     )
+
+
+# A folder with none of these has no tokenizer AutoTokenizer could load (fast, sentencepiece, BPE or WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(folder: str) -> None:
+    """The tokenizer's files are in --hf-checkpoint: the rollout workers load it, which the driver may not."""
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        raise ConfigError("--hf-checkpoint", f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def check_stop_token_ids(s: TrainSettings, vocab_size: int | None) -> None:

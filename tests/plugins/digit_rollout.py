@@ -5,8 +5,6 @@ digits; the configured reward scores them. The seeds' signature and data-source 
 exactly as a user's function would use them.
 """
 
-from transformers import AutoTokenizer
-
 from vime.rollout.types import RolloutFnTrainOutput
 
 _TOKENIZER = None
@@ -15,6 +13,8 @@ _TOKENIZER = None
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     global _TOKENIZER
     if _TOKENIZER is None:
+        from transformers import AutoTokenizer  # here, not at import: the driver loads this hook only to check it
+
         _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     groups = data_source.get_samples(2)
     for group in groups:

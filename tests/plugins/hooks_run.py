@@ -7,8 +7,6 @@ nonzero-std dynamic filter must drop the group); in an "odd" group half answer c
 evaluate: answers the held-out prompts of source "known" correctly and the others with nothing.
 """
 
-from transformers import AutoTokenizer
-
 from vime.rollout.types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from vime.sample import Sample
 
@@ -34,6 +32,8 @@ class ParitySource:
 def _tokenizer(args):
     global _TOKENIZER
     if _TOKENIZER is None:
+        from transformers import AutoTokenizer  # here, not at import: the driver loads this hook only to check it
+
         _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     return _TOKENIZER
 

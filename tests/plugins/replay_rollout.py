@@ -9,7 +9,6 @@ fails. Everything is a pure function of (prompt, sample index).
 import zlib
 
 import torch
-from transformers import AutoTokenizer
 
 from vime.rollout.types import RolloutFnTrainOutput
 
@@ -20,6 +19,8 @@ LAYERS, TOPK = 2, 3
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     global _TOKENIZER
     if _TOKENIZER is None:
+        from transformers import AutoTokenizer  # here, not at import: the driver loads this hook only to check it
+
         _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     groups = data_source.get_samples(2)
     for group in groups:

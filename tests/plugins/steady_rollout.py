@@ -8,8 +8,6 @@ a regenerated group has the same content, which keeps the invariants checkable.
 import time
 import zlib
 
-from transformers import AutoTokenizer
-
 from vime.rollout.types import RolloutFnTrainOutput
 
 _TOKENIZER = None
@@ -18,6 +16,8 @@ _TOKENIZER = None
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     global _TOKENIZER
     if _TOKENIZER is None:
+        from transformers import AutoTokenizer  # here, not at import: the driver loads this hook only to check it
+
         _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     groups = data_source.get_samples(2)
     time.sleep(0.05)

@@ -142,6 +142,16 @@ def test_stop_token_ids_outside_the_vocabulary_name_the_flag(model_dir):
         preflight.check_stop_token_ids(s, 99)
 
 
+def test_a_checkpoint_without_tokenizer_files_is_refused_naming_the_flag(tmp_path):
+    bare = tmp_path / "no_tokenizer"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")  # a model folder without its tokenizer
+    with pytest.raises(ConfigError, match=r"^--hf-checkpoint: .*no_tokenizer has no tokenizer \(none of tokenizer"):
+        preflight.check_tokenizer_files(str(bare))
+    (bare / "vocab.txt").write_text("[PAD]\n")  # a WordPiece vocabulary is one
+    preflight.check_tokenizer_files(str(bare))
+
+
 def test_bad_types_are_refused_by_the_parser(model_dir, capsys):
     with pytest.raises(SystemExit):
         parse_train_args(base(model_dir, "--rollout-stop-token-ids", "eos"))
