@@ -13,17 +13,10 @@ import os
 from typing import Any
 
 from vime.queue.journal_view import JournalView
+from vime.queue.records import OPTIONAL_TENSORS
 from vime.tools.queue_cli import lineage
 
-EXPORT_TENSORS = (
-    "rollout_routed_experts",
-    "rollout_topk_token_ids",
-    "rollout_topk_log_probs",
-    "rollout_topp_ids",
-    "rollout_topp_offsets",
-    "rollout_topp_log_probs",
-    "teacher_log_probs",
-)
+EXPORT_TENSORS = OPTIONAL_TENSORS  # every optional per-token capture the queue stores is a column of its own
 JSON_COLUMNS = ("label", "metadata")  # free-form: JSON text in parquet, plain values in jsonl
 
 
