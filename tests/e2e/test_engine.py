@@ -214,7 +214,8 @@ def test_engine_env(monkeypatch: pytest.MonkeyPatch):
     # Several ranks keep vLLM's multiprocess executor, whichever parallelism makes them.
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env("tok", None, ranks=2)
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env("tok", None, world_size=2)
-    for args, tp in (({"data-parallel-size": "2"}, 1), ({"pipeline-parallel-size": "2"}, 1), ({}, 2)):
+    several = ({"data-parallel-size": "2"}, {"pipeline-parallel-size": "2"}, {"prefill-context-parallel-size": "2"})
+    for args, tp in [*((a, 1) for a in several), ({}, 2)]:
         server = VllmServer("/m", log_path="/dev/null", run_token="tok", vllm_args=args, tensor_parallel_size=tp)
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server.process.extra_env, args
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

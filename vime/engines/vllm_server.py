@@ -26,7 +26,8 @@ PauseMode = Literal["keep", "abort", "wait"]
 
 # vLLM flags vime derives itself; forwarding them as well would give vLLM two conflicting values.
 _DERIVED_FLAGS = ("model", "host", "port", "tensor-parallel-size")
-WORLD_FLAGS = ("pipeline-parallel-size", "data-parallel-size")  # with tensor parallelism: an engine's ranks
+# With --tensor-parallel-size, what makes an engine more than one rank (vLLM's world size, data-parallel copies).
+WORLD_FLAGS = ("pipeline-parallel-size", "prefill-context-parallel-size", "data-parallel-size")
 _LOG_TAIL_LINES = 30
 
 
