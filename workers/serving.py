@@ -7,8 +7,11 @@
 - its **engines**, through the :class:`~vime.workers.engine_manager.EngineManager` (health checks,
   restarts, quarantine, `vime engines`, nodes that join or leave: docs/elastic.md), which also applies
   the weight updates (``engines``);
-- every other model of ``--vllm-config`` (:class:`~vime.workers.model_servers.FrozenModel`: its own
-  router and engines, never a weight update).
+- every other model of ``--vllm-config`` (frozen: its own router and engines, never a weight update).
+
+Each model, trained or frozen, is a :class:`~vime.workers.model_servers.ModelServer`; what is the trained
+model's alone (weight updates, the engine registry of `vime engines`, elastic nodes, the user's router or
+engines) is set up here.
 
 The driver starts it once (:meth:`ModelServing.start`), polls it between steps and while it waits for
 groups (:meth:`ModelServing.poll`), and stops it in its teardown (:meth:`ModelServing.stop_steps`). The
@@ -28,15 +31,12 @@ from vime.config import TrainSettings
 from vime.workers.engine_manager import EngineManager
 from vime.workers.engine_members import EngineTemplate, NodeEvent
 from vime.workers.model_servers import (
-    FrozenModel,
+    ModelServer,
     engine_variants,
     has_static_roles,
     pd_router_args,
-    start_encoders,
     start_frozen_model,
-    supervise_router,
 )
-from vime.workers.router_supervisor import RouterSupervisor
 
 
 class ModelServing:
@@ -62,13 +62,25 @@ class ModelServing:
         self.run_token = run_token
         self.say = say
         self.record = record
-        self.router = None  # vime.engines.router.RouterProcess: vime's own router, if any
-        self.router_client = None
-        self.router_url: str | None = None
-        self.router_supervisor: RouterSupervisor | None = None
-        self.engine_manager: EngineManager | None = None
-        self.engines = None  # vime.workers.engines.EngineGroup: the trained model's serving engines
-        self.frozen_models: list[FrozenModel] = []
+        self.trained: ModelServer | None = None
+        self.frozen_models: list[ModelServer] = []
+
+    # what the driver reads of the trained model
+    @property
+    def router_url(self) -> str | None:
+        return self.trained.router_url if self.trained else None
+
+    @property
+    def engine_manager(self) -> EngineManager | None:
+        return self.trained.manager if self.trained else None
+
+    @property
+    def engines(self):
+        """The trained model's serving engines (an EngineGroup): what weight synchronisation updates."""
+        return self.trained.engines if self.trained else None
+
+    def _models(self) -> list[ModelServer]:
+        return ([self.trained] if self.trained is not None else []) + self.frozen_models
 
     # ------------------------------------------------------------------ start
     def start(self, registry_namespace: str, on_router: Callable[[], None] | None = None) -> None:
@@ -81,74 +93,75 @@ class ModelServing:
         --vllm-config, at the end."""
         s = self.s
         launch = self.plan.model(self.trained_model) if self.plan else None
-        pd = launch is not None and launch.router.pd_disaggregation
-        if not pd:  # regular engines register with their router once they serve: it starts first
-            self._start_router(launch.router.router_args if launch else s.router_args)
+        template = self._engine_template()
+        trained = self.trained = self._trained_server(template, launch)
+        if not trained.pd:  # regular engines register with their router once they serve: it starts first
+            self._start_trained_router(launch.router.router_args if launch else s.router_args)
         early = self.plan is None  # one model: its router is the only endpoint, and it is known now
         if early:
-            self._publish_model_endpoints({})
+            self._publish_model_endpoints()
             if on_router is not None:
                 on_router()
-        template = self._engine_template()
-        self._make_engine_manager(template, launch, pd=pd)
         started = time.monotonic()
-        encoders = (
-            {launch.name: start_encoders(self.engine_manager, launch, s.weights.engine_vllm_args)} if launch else {}
-        )
+        trained.start_encoders(s.weights.engine_vllm_args)
         self._start_frozen_models(template)  # their language engines start while the trained model's do
         self._start_trained_engines(launch)
-        if pd:  # a PD router learns its engines from its command line: they serve by now
-            self._start_router(pd_router_args(launch, self.engine_manager))
-            self.engine_manager.router = self.router_client
-        if self.router is not None:
-            self.router_supervisor = supervise_router(
-                self.router,
-                self.router_client,
-                self.engine_manager,
-                model=self.trained_model or "default",
-                budget=s.elastic.rollout_router_restart_budget,
-                say=self.say,
-                record=self.record,
-            )
-        if len(self.engines):
+        if trained.pd:  # a PD router learns its engines from its command line: they serve by now
+            self._start_trained_router(pd_router_args(launch, trained.manager))
+        engines = trained.engines
+        if len(engines):
             self.say(
-                f"{len(self.engines)} engine(s) serving after {time.monotonic() - started:.0f}s behind the "
-                f"router {self.router_url}: {', '.join(self.engines.urls)}"
+                f"{len(engines)} engine(s) serving after {time.monotonic() - started:.0f}s behind the "
+                f"router {trained.router_url}: {', '.join(engines.urls)}"
             )
-        self.engine_manager.open_registry(registry_namespace)
-        self.engine_manager.start_monitor()
+        trained.manager.open_registry(registry_namespace)
+        trained.manager.start_monitor()
         for model in self.frozen_models:
             model.wait_serving()
-            encoders[model.name] = model.encoder_urls
             self.say(
-                f"model {model.name!r}: {len(model.manager.group)} engine(s) serving behind its router "
-                f"{model.router.url}"
+                f"model {model.name!r}: {len(model.engines)} engine(s) serving behind its router {model.router_url}"
             )
-        self._publish_model_endpoints(encoders)
+        self._publish_model_endpoints()
         if not early and on_router is not None:
             on_router()
 
-    def _start_router(self, router_args: dict) -> None:
-        """The trained model's router (vime's own, or --vllm-router-ip); every other model of
-        --vllm-config gets its own (workers/model_servers.py)."""
-        from vime.engines.router import RouterClient, start_router
+    def _trained_server(self, template: EngineTemplate, launch) -> ModelServer:
+        s = self.s
+        static = launch is not None and has_static_roles(launch)
+        pd = launch is not None and launch.router.pd_disaggregation
+        # A PD router lists its engines from its command line: nodes that join get no engines then.
+        elastic = dataclasses.replace(s.elastic, rollout_elastic_resource=None) if static else s.elastic
+        manager = EngineManager(
+            template=template,
+            config=elastic,
+            router=None,  # set once its router serves
+            say=self.say,
+            record=self.record,
+            external_router=bool(s.vllm.vllm_router_ip) and not pd,
+            static_roles=static,
+        )
+        return ModelServer(
+            self.trained_model or "default",
+            manager,
+            launch=launch,
+            frozen=False,
+            log_dir=self.log_dir,
+            run_token=self.run_token,
+            http_timeout=s.run.http_timeout,
+            router_restart_budget=s.elastic.rollout_router_restart_budget,
+            say=self.say,
+            record=self.record,
+        )
 
+    def _start_trained_router(self, router_args: dict) -> None:
+        """The trained model's router: vime's own (on --vllm-router-port, if given), or --vllm-router-ip's.
+        Its address is the run's main router, ``args.vllm_router_ip`` / ``args.vllm_router_port``."""
         s = self.s
         if s.vllm.vllm_router_ip:
-            port = s.vllm.vllm_router_port or 30000
-            self.router_url = f"http://{s.vllm.vllm_router_ip}:{port}"
-            self.say(f"using the external router at {self.router_url}")
+            self.trained.use_external_router(f"http://{s.vllm.vllm_router_ip}:{s.vllm.vllm_router_port or 30000}")
         else:
-            self.router = start_router(
-                log_path=os.path.join(self.log_dir, "router.log"),
-                run_token=self.run_token,
-                router_args=router_args,
-                port=s.vllm.vllm_router_port,
-                say=self.say,
-            )
-            self.router_url = self.router.url
-        self.router_client = RouterClient(self.router_url, timeout=s.run.http_timeout)
-        s.args.vllm_router_ip, s.args.vllm_router_port = self.router_url.split("//")[1].rsplit(":", 1)
+            self.trained.start_router(router_args, port=s.vllm.vllm_router_port)
+        s.args.vllm_router_ip, s.args.vllm_router_port = self.trained.router_url.split("//")[1].rsplit(":", 1)
 
     def _engine_template(self) -> EngineTemplate:
         """What every engine of the trained model starts from (frozen models take it with their own path)."""
@@ -168,36 +181,21 @@ class ModelServing:
             sleep_mode=bool(s.rollout_sleep_level),
         )
 
-    def _make_engine_manager(self, template: EngineTemplate, launch, *, pd: bool) -> None:
-        s = self.s
-        static = launch is not None and has_static_roles(launch)
-        # A PD router lists its engines from its command line: nodes that join get no engines then.
-        elastic = dataclasses.replace(s.elastic, rollout_elastic_resource=None) if static else s.elastic
-        self.engine_manager = EngineManager(
-            template=template,
-            config=elastic,
-            router=self.router_client,
-            say=self.say,
-            record=self.record,
-            external_router=self.router is None and not pd,
-            static_roles=static,
-        )
-        self.engines = self.engine_manager.group
-
     def _start_trained_engines(self, launch) -> None:
         """The trained model's language engines: --rollout-external-engine-addrs, or the planned ones."""
         s = self.s
+        manager = self.trained.manager
         external = getattr(s.args, "rollout_external_engine_addrs", None) or []
         planned = launch.language_engines if launch else ()
         if external:
             self.say(f"attaching {len(external)} external engine(s): {' '.join(external)}")
-            self.engine_manager.attach_external(external)
+            manager.attach_external(external)
         elif planned:
             self.say(
                 f"starting {len(planned)} vLLM engine(s); waiting up to {s.run.engine_startup_timeout:.0f}s "
                 f"for each (logs in {self.log_dir})"
             )
-            self.engine_manager.start_owned(len(planned), variants=engine_variants(planned, s.weights.engine_vllm_args))
+            manager.start_owned(len(planned), variants=engine_variants(planned, s.weights.engine_vllm_args))
         else:
             self.say("--rollout-num-gpus 0: no local engines")
 
@@ -219,13 +217,13 @@ class ModelServing:
                     )
                 )
 
-    def _publish_model_endpoints(self, encoders: dict[str, list[str]]) -> None:
+    def _publish_model_endpoints(self) -> None:
         """get_model_url(args, name) and prime_encoder in rewards, rollout functions and hooks
-        (docs/vllm-config.md)."""
-        routers = {self.trained_model or "default": self.router_url}
-        routers.update({model.name: model.address for model in self.frozen_models})
-        self.s.args.vllm_model_routers = routers
+        (docs/vllm-config.md): {name: (ip, port)} for every model, the trained one included."""
+        models = self._models()
+        self.s.args.vllm_model_routers = {model.name: model.address for model in models}
         if self.plan is not None:
+            encoders = {model.name: model.encoder_urls for model in models}
             self.s.args.vllm_model_encoder_endpoints = self.plan.encoder_endpoints(encoders)
 
     # ------------------------------------------------------------------ poll
@@ -233,52 +231,50 @@ class ModelServing:
         """Routers, engines and frozen models: restarts, health, membership (never blocks long, but for a
         router's restart: seconds). Returns the node events of the trained model's engines; raises
         EnginesLost (RouterLost included) when a model can no longer serve."""
-        if self.engine_manager is None:
+        if self.trained is None:
             return []
-        if self.router_supervisor is not None:  # a dead router stops all generation: first
-            self.router_supervisor.poll()
-        events = self.engine_manager.poll(version)
+        events = self.trained.poll(version)
         for model in self.frozen_models:
-            model.poll()
+            model.poll(0)
         return events
 
     def health(self) -> dict[str, Any]:
         """For the step's record and progress line: engines serving, and the engine faults since the last
         step (quarantines, restarts, drops)."""
-        if self.engine_manager is None:
+        if self.trained is None:
             return {}
-        serving, total = self.engine_manager.serving_counts()
-        return {"engines_serving": serving, "engines_total": total, "engine_faults": self.engine_manager.take_notes()}
+        manager = self.trained.manager
+        serving, total = manager.serving_counts()
+        return {"engines_serving": serving, "engines_total": total, "engine_faults": manager.take_notes()}
 
     def describe_engines(self) -> str:
         """One line naming every engine of the trained model with its state and URL (for errors)."""
-        if self.engine_manager is None:
+        if self.trained is None:
             return ""
-        return ", ".join(f"{e['name']} {e['state']} at {e['url']}" for e in self.engine_manager.snapshot()["engines"])
+        return ", ".join(f"{e['name']} {e['state']} at {e['url']}" for e in self.trained.manager.snapshot()["engines"])
 
     # ------------------------------------------------------------------ stop
     def end(self) -> None:
         """The run is ending: an engine lost from now on is not restarted."""
-        if self.engine_manager is not None:
-            self.engine_manager.ending = True
-        for model in self.frozen_models:
-            model.manager.ending = True
+        for model in self._models():
+            model.end()
 
     def abort_requests(self) -> None:
         """Requests in flight end now (finish_reason "abort"): their groups go back to the queue as
         continuations carrying what was generated, instead of being waited for. The engines resume at
         once: a request that reaches them later simply completes."""
-        if self.engines is not None:
-            self.engines.pause("abort")
-            self.engines.resume()
+        if self.trained is not None:
+            self.trained.engines.pause("abort")
+            self.trained.engines.resume()
 
     def stop_steps(self) -> list[tuple[str, Callable[[], Any]]]:
         """The teardown's steps for what this serves, in reverse start order, each named for the progress
         output: the trained model's engines, every frozen model, the router, the encoder cache."""
+        trained = self.trained
         return [
-            ("the engines", lambda: self.engine_manager and self.engine_manager.stop()),
+            ("the engines", lambda: trained and trained.stop_engines()),
             *((f"model {model.name!r}", model.stop) for model in self.frozen_models),
-            ("the router", lambda: self.router and self.router.stop()),
+            ("the router", lambda: trained and trained.stop_router()),
             ("the encoder cache", self._remove_encoder_cache),
         ]
 
