@@ -17,10 +17,11 @@ file), twice, one run at a time:
                 afresh; measured from the kill to the resumed run's first trained step, the seconds the
                 dead run takes to stop included (a user waits for them too).
 
-Printed: both, with their parts, the ratio in place / full restart (goal <= 0.3), and, around each kill,
-the longest stretch without a newly accepted group (the queue's journal, polled every 0.25 s) next to the
-in-place restore's own seconds (its ``trainer_restart`` record in metrics.jsonl): the goal is that
-generation never stops for longer than the restore.
+Printed: both, with their parts; whether the in-place restore kept the job's engine processes (their
+process ids before the kill and after the next trained step; a change fails the benchmark); the ratio
+in place / full restart (goal <= 0.3); and, around each kill, the longest stretch without a newly
+accepted group (the queue's journal, polled every 0.25 s) next to the in-place restore's own seconds
+(its ``trainer_restart`` record in metrics.jsonl): the goal is that generation never stops for longer than the restore.
 
 ``--smoke`` checks that the benchmark still works, in seconds; its numbers mean nothing. It builds the
 tiny model and checks that `vime train` accepts the three command lines (the in-place run, the run that
@@ -225,6 +226,27 @@ def fault_env(state_dir: str, kill_step: int) -> dict[str, str]:
     return {"VIME_FAULTS": f"{FAULT}@{kill_step}", "VIME_FAULT_STATE": state_dir}
 
 
+ENGINE_MODULE = "vllm.entrypoints.openai.api_server"  # what each engine vime starts runs (vime/engines/vllm_server.py)
+
+
+def engine_pids(run_dir: str) -> set[int]:
+    """The process ids of the run's own vLLM engines (their API servers, and the EngineCore / Worker
+    processes they start, all carrying the run's token), for the check that a restore in place keeps them."""
+    import psutil
+
+    from vime.runtime.process import processes_with_tokens
+
+    with open(os.path.join(run_dir, "run.json")) as f:
+        token = json.load(f)["run_token"]
+    found = set()
+    for proc in processes_with_tokens([token]).get(token, []):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            command = " ".join(proc.cmdline())
+            if ENGINE_MODULE in command or proc.name().startswith("VLLM::"):
+                found.add(proc.pid)
+    return found
+
+
 def restart_record(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return next(r for r in map(json.loads, f) if r["kind"] == "trainer_restart")
@@ -238,6 +260,7 @@ def measure_in_place(out: str, args: list[str], kill_step: int, timeouts: dict[s
         print(f"in place: starting the job; its trainer is killed in step {kill_step}", flush=True)
         job = Job(args, run_dir, os.path.join(out, "in_place.log"), fault_env(os.path.join(out, "faults-a"), kill_step))
         _, first_step = job.wait_for_line(STEP_LINE.match, "a first trained step", timeout=timeouts["start"])
+        engines_before = engine_pids(run_dir)
         killed = wait_for_kill(os.path.join(out, "faults-a"), job, timeout=timeouts["steps"])
         noticed, noticed_at = job.wait_for_line(
             lambda line: "restarting it in place" in line, "the driver noticing the dead trainer", timeout=120
@@ -249,6 +272,7 @@ def measure_in_place(out: str, args: list[str], kill_step: int, timeouts: dict[s
             STEP_LINE.match, "a trained step after the restore", timeout=timeouts["steps"], start=restored
         )
         poller.wait_for_acceptance_after(next_step, "the first step after the restore", timeout=timeouts["steps"])
+        engines_after = engine_pids(run_dir)
         record = restart_record(run_dir)
     finally:
         poller.close()
@@ -263,6 +287,8 @@ def measure_in_place(out: str, args: list[str], kill_step: int, timeouts: dict[s
         "gap": poller.longest_gap(killed, next_step),
         "rate_before": poller.rate(first_step, killed),
         "rate_during": poller.rate(killed, next_step),
+        "engines_before": engines_before,
+        "engines_after": engines_after,
     }
 
 
@@ -392,6 +418,14 @@ def main() -> int:
         f"then {b['first_step']:.1f}s to the step)"
     )
     print(f"  in place / full restart = {a['seconds'] / max(b['seconds'], 1e-9):.2f}x   (goal <= 0.3)")
+    kept = a["engines_before"] == a["engines_after"]
+    if options.attach_engine:
+        print("  engine processes across the restore: not the run's own (an attached engine)")
+    else:
+        print(
+            f"  engine processes across the restore: {'unchanged' if kept else 'CHANGED'} "
+            f"(pids before the kill {sorted(a['engines_before'])}, after the next step {sorted(a['engines_after'])})"
+        )
     print(
         f"  longest stretch without an accepted group: in place {a['gap']:.1f}s (goal <= the restore's "
         f"{a['restore']:.1f}s), full restart {b['gap']:.1f}s   (journal polled every {POLL_S}s)"
@@ -400,6 +434,9 @@ def main() -> int:
         f"  accepted groups/s (in place): {a['rate_before']:.2f} from the first step to the kill, "
         f"{a['rate_during']:.2f} from the kill to the next trained step"
     )
+    if not options.attach_engine and (not kept or not a["engines_before"]):
+        print("FAILED: the restore in place must keep the run's engine processes (and the job must have some)")
+        return 1
     return 0
 
 
