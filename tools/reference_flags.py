@@ -8,9 +8,13 @@ Nothing is started and no script is executed: the scripts are read as text. A sm
 CKPT_ARGS, ROLLOUT_ARGS, ...), plain ``NAME=value`` assignments, ``${NAME:-default}``, ``$(( arithmetic ))``,
 ``source .../models/<preset>.sh``, and the ``train.py`` / ``train_async.py`` command line with its
 ``${NAME[@]}`` expansions (lines holding only such expansions right after it belong to it: a forgotten
-backslash, as in run-kimi-k2-Instruct.sh). Approximations: both branches of an ``if`` are read (the last
-assignment wins, an ``+=`` inside a branch is kept), and what it cannot evaluate (``$(command)``, variables
-set by loops or ``printf -v``) becomes a placeholder value (``1``).
+backslash, as in run-kimi-k2-Instruct.sh; the command ends at a pipe, its redirections and ``"$@"`` dropped), a
+wrapper's ``exec bash other.sh`` (the other script read with the wrapper's variables), quoted values over several
+lines, and heredocs (skipped). Approximations: an ``if``'s first branch is read, and a later branch (elif/else)
+only sets what the first left alone (the scripts are written for GPU nodes, where the first branch of a GPU
+detection runs); a fallback ``[ test ] && NAME=value`` is taken; what it cannot evaluate (``$(command)``,
+``${NAME:?message}``, variables set by loops or ``printf -v``) becomes a placeholder value (``1``; a path of its
+kind for path flags).
 
 Each argument list goes through ``vime.config.parse_train_args`` (parsing, start-up validation, defaults) and
 ``check_against_vllm`` (forwarded ``--vllm-*`` flags against the installed vLLM's parser), the checks
@@ -41,9 +45,20 @@ import unittest.mock
 PLACEHOLDER = "1"  # what an expression the reader cannot evaluate becomes
 _ASSIGN = re.compile(r"^(?:export\s+|local\s+|readonly\s+|declare\s+)?([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
 _SOURCE = re.compile(r"^((?:[A-Za-z_]\w*=\S*\s+)*)(?:source|\.)\s+(\S+)")  # NAME=value ... source file
-_TRAIN = re.compile(r"(?:^|\s)(?:\S*/)?train(?:_async)?\.py(?=\s|$)")
+_TRAIN = re.compile(r"(?:^|\s)(?:\S*/)?train(?:_async)?\.py[\"']?(?=\s|$)")
 _FLAG = re.compile(r"--[A-Za-z0-9][\w-]*")
 _ARRAY_EXPANSION = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
+# ${NAME[@]+"${NAME[@]}"}: the array's words if it is set (what `set -u` scripts write for an empty one)
+_ARRAY_IF_SET = re.compile(r'\$\{([A-Za-z_]\w*)\[[@*]\]\+"?\$\{\1\[[@*]\]\}"?\}')
+_COMMAND_END = {"|", "||", "&&", ";", "&", "|&"}  # what ends the train.py command (a pipe to tee, a next command)
+_REDIRECT = re.compile(r"^(?:\d*>>?|&>>?|\d*<)(&?\d+|.+)?$")  # 2>&1, >log, 2> log, &>log, <input
+_QUOTED_ASSIGNMENT = re.compile(r"^\s*(?:export\s+)?[A-Za-z_]\w*\+?=[\"']")
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+_RUN_OTHER = re.compile(r"^(?:exec\s+)?(?:bash|sh)\s+(\S+\.sh)\b")  # a wrapper handing over to another script
+_IF = re.compile(r"^if\b")
+_BRANCH = re.compile(r"^(?:else|elif\b)")
+_FI = re.compile(r"^fi\b")
+_AND_ASSIGN = re.compile(r"(?:&&|\|\|)\s*([A-Za-z_]\w*=\S*)\s*$")  # [ test ] && NAME=value
 
 
 # ---------------------------------------------------------------- reading the scripts
@@ -66,18 +81,38 @@ def _strip_comment(line: str) -> str:
 
 
 def _logical_lines(text: str) -> list[str]:
-    """Lines with comments removed and backslash continuations joined."""
+    """Lines with comments removed, backslash continuations joined, and a quoted value that spans lines (a
+    JSON runtime env in ``NAME="{ ... }"``) kept in one line."""
     out, current = [], ""
     for raw in text.splitlines():
         line = _strip_comment(raw)
         if line.rstrip().endswith("\\"):
             current += line.rstrip()[:-1] + " "
             continue
+        if _QUOTED_ASSIGNMENT.match(current + line) and _open_quote(current + line) and current.count("\n") < 200:
+            current += line + "\n"
+            continue
         out.append(current + line)
         current = ""
     if current:
         out.append(current)
     return out
+
+
+def _open_quote(text: str) -> bool:
+    """Whether ``text`` ends inside a quoted string."""
+    quote, escaped = None, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+    return quote is not None
 
 
 def _depth(text: str) -> int:
@@ -119,6 +154,42 @@ def _matching(text: str, start: int, opening: str, closing: str) -> int:
     return len(text)
 
 
+def _first_branch_assigns(name: str, branches: list[set[str] | None], first_branch: list[set[str]]) -> bool:
+    """Whether an assignment to ``name`` is read: always outside an if and in its first branch (noted there);
+    in a later branch (elif/else) only if the first branch left ``name`` alone."""
+    if not branches:
+        return True
+    if branches[-1] is None:
+        first_branch[-1].add(name)
+        return True
+    return name not in branches[-1]
+
+
+def _only_expansions(line: str) -> bool:
+    """Whether ``line`` holds only ${ARRAY[@]} expansions, up to a redirection or a pipe."""
+    words = _ARRAY_EXPANSION.sub(" ", line).split()
+    return not _command_words([(word, "") for word in words])
+
+
+def _command_words(words: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The command's own words: up to a pipe or a next command, without redirections and empty words."""
+    out: list[tuple[str, str]] = []
+    skip_target = False
+    for word, origin in words:
+        if skip_target:
+            skip_target = False
+            continue
+        if word in _COMMAND_END:
+            break
+        redirect = _REDIRECT.match(word)
+        if redirect:
+            skip_target = redirect.group(1) is None  # `> file`: the target is the next word
+            continue
+        if word:
+            out.append((word, origin))
+    return out
+
+
 @dataclasses.dataclass
 class ShellReader:
     """Variables and arrays of one script, read top to bottom (``read``). Every word of an array and of the
@@ -149,6 +220,8 @@ class ShellReader:
             elif rest.startswith("$("):
                 i = _matching(text, i + 1, "(", ")")
                 out.append(PLACEHOLDER)
+            elif rest[:2] in ("$@", "$*"):  # the script's own arguments: none when it runs as written
+                i += 2
             elif rest.startswith("${"):
                 end = _matching(text, i + 1, "{", "}")
                 out.append(self._parameter(text[i + 2 : end - 1]))
@@ -182,19 +255,45 @@ class ShellReader:
         """Words of ``text``; those of a ``${ARRAY[@]}`` keep the file their array's words come from."""
         out: list[tuple[str, str]] = []
         position = 0
+        text = _ARRAY_IF_SET.sub(r"${\1[@]}", text)
         for match in _ARRAY_EXPANSION.finditer(text):
             out += [(word, name) for word in self.words(text[position : match.start()])]
             out += self.arrays.get(match.group(1), [])
             position = match.end()
         return out + [(word, name) for word in self.words(text[position:])]
 
-    def read(self, text: str, name: str) -> None:
+    def read(self, text: str, name: str, depth: int = 0) -> None:
         lines = _logical_lines(text)
         i = 0
+        # Assignments in an if's later branches (elif/else) do not override the first branch's: the scripts
+        # are written for GPU nodes, where the first branch (GPUs detected) is the one that runs.
+        branches: list[set[str] | None] = []  # per open if: None in its first branch, else what it set there
+        first_branch: list[set[str]] = []
         while i < len(lines):
             line = lines[i].strip()
             i += 1
             if not line:
+                continue
+            heredoc = _HEREDOC.search(line)
+            if heredoc:  # its body is data (a JSON runtime env, say), not script
+                while i < len(lines) and lines[i].strip() != heredoc.group(1):
+                    i += 1
+                i += 1
+                continue
+            if _IF.match(line) and not re.search(r"[;\s]fi$", line):  # a one-line if is left as it is
+                branches.append(None)
+                first_branch.append(set())
+            elif _FI.match(line) and branches:
+                branches.pop()
+                first_branch.pop()
+            elif _BRANCH.match(line) and branches:
+                branches[-1] = first_branch[-1]
+            conditional = _AND_ASSIGN.search(line)
+            if conditional and not _ASSIGN.match(line):
+                line = conditional.group(1)  # taken: the fallback value the script sets when a test fails
+            other = _RUN_OTHER.match(line)
+            if other and self.command is None and depth < 3:
+                self._run_other(other.group(1), depth)
                 continue
             source = _SOURCE.match(line)
             if source:
@@ -209,12 +308,16 @@ class ShellReader:
                 while _depth(body) > 0 and i < len(lines):
                     body += "\n" + lines[i]
                     i += 1
+                if not _first_branch_assigns(match.group(1), branches, first_branch):
+                    continue
                 inner = body[1 : body.rfind(")")] if ")" in body else body[1:]
                 words = self.located_words(inner, name)
                 array = match.group(1)
                 self.arrays[array] = (self.arrays.get(array, []) if match.group(2) else []) + words
                 continue
             if match:
+                if not _first_branch_assigns(match.group(1), branches, first_branch):
+                    continue
                 value = " ".join(self.words(match.group(3)))
                 previous = self.variables.get(match.group(1), "") if match.group(2) else ""
                 self.variables[match.group(1)] = previous + value
@@ -222,11 +325,19 @@ class ShellReader:
             train = _TRAIN.search(line)
             if train and self.command is None:
                 tail = line[train.end() :]
-                # lines of ${ARRAY[@]} only, right after: the command's, whose backslash was forgotten
-                while i < len(lines) and _ARRAY_EXPANSION.sub("", lines[i]).strip() == "" and lines[i].strip():
+                # lines of ${ARRAY[@]} only (and a redirection or pipe), right after: the command's, whose
+                # backslash was forgotten
+                while i < len(lines) and lines[i].strip() and _only_expansions(lines[i]):
                     tail += " " + lines[i]
                     i += 1
-                self.command = self.located_words(tail, name)
+                self.command = _command_words(self.located_words(tail, name))
+
+    def _run_other(self, target: str, depth: int) -> None:
+        """A wrapper's ``exec bash other.sh "$@"``: read the other script with this one's variables."""
+        path = os.path.join(self.scripts_dir, os.path.basename(self.expand(target).strip("'\"")))
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.read(f.read(), os.path.basename(path), depth + 1)
 
     def _source(self, target: str) -> None:
         path = self.expand(target).strip("'\"")
@@ -285,6 +396,10 @@ PATH_FLAGS = {
 }
 
 
+# what a path flag's value the reader could not evaluate (``${PROMPT_DATA:?set it}``) stands for
+UNREAD_PATHS = {"--prompt-data": "prompts.jsonl", "--eval-prompt-data": "eval.jsonl"}
+
+
 def with_placeholders(uses: list[Use], folder: str, model_dir: str) -> list[Use]:
     out = []
     for use in uses:
@@ -293,7 +408,11 @@ def with_placeholders(uses: list[Use], folder: str, model_dir: str) -> list[Use]
             values = [model_dir]
         elif use.flag in PATH_FLAGS or any(v.startswith("/") for v in values):
             values = [
-                os.path.join(folder, "placeholder", os.path.basename(v.rstrip("/")) or "p") if "/" in v else v
+                os.path.join(folder, "placeholder", os.path.basename(v.rstrip("/")) or "p")
+                if "/" in v
+                else os.path.join(folder, "placeholder", UNREAD_PATHS.get(use.flag, "p"))
+                if v == PLACEHOLDER and use.flag in PATH_FLAGS  # a path the reader could not evaluate
+                else v
                 for v in values
             ]
         out.append(Use(use.flag, values, use.origin))

@@ -194,3 +194,68 @@ def test_measure_counts_uses_scripts_and_presets(tmp_path, capsys):
     assert main([str(tmp_path / "scripts")]) == 0
     out = capsys.readouterr().out
     assert "flag uses accepted: 14 / 16 (87.5%)" in out and "run scripts accepted unchanged: 1 / 2" in out
+
+
+# The shapes of vllm-project/vime's own scripts that the reader once misread (each made a whole script fail).
+BRANCHES = """
+if command -v nvidia-smi >/dev/null 2>&1; then
+    DETECTED_GPUS=$(nvidia-smi -L | wc -l)
+else
+    DETECTED_GPUS=0
+fi
+NUM_GPUS=${NUM_GPUS:-${DETECTED_GPUS}}
+[ -z "$NUM_GPUS" ] || [ "$NUM_GPUS" -le 0 ] && NUM_GPUS=4
+if [ "$MODE" = big ]; then
+   EVAL_ARGS=(--eval-interval 20)
+else
+   EVAL_ARGS=(
+      --eval-interval 5
+   )
+   OTHER=(--only-in-else 1)
+fi
+if [ -n "$X" ]; then Y=1; fi
+RUNTIME_ENV_JSON="{
+  \\"env_vars\\": {
+    \\"A\\": \\"1\\"
+  }
+}"
+BODY=$(cat << 'EOF'
+{
+  --not-a-flag-of-the-command 1
+}
+EOF
+)
+PROMPT_DATA_PATH="${PROMPT_DATA_PATH:?set PROMPT_DATA_PATH}"
+python "${VIME_ROOT}/train.py" \\
+   --actor-num-gpus-per-node ${NUM_GPUS} \\
+   --prompt-data "${PROMPT_DATA_PATH}" \\
+   ${EVAL_ARGS[@]+"${EVAL_ARGS[@]}"} \\
+   ${OTHER[@]} \\
+   --rollout-batch-size 4 "$@" \\
+   2>&1 | tee "${LOG_FILE}"
+"""
+
+
+def test_reader_takes_the_first_branch_and_stops_at_pipes(tmp_path):
+    from vime.tools.reference_flags import PLACEHOLDER, read_run_script
+
+    (tmp_path / "run-branches.sh").write_text(BRANCHES)
+    (tmp_path / "run-wrapper.sh").write_text('export MODE=big\nexec bash "${SCRIPT_DIR}/run-branches.sh" "$@"\n')
+    uses, _ = read_run_script(str(tmp_path / "run-branches.sh"))
+    assert [(u.flag, u.values) for u in uses] == [
+        ("--actor-num-gpus-per-node", ["4"]),  # the `&& NUM_GPUS=4` fallback; the else branch's 0 is not read
+        ("--prompt-data", [PLACEHOLDER]),  # ${NAME:?message}: not evaluated
+        ("--eval-interval", ["20"]),  # the first branch's array; the else branch's is skipped whole
+        ("--only-in-else", ["1"]),  # an else branch still sets what the first branch left alone
+        ("--rollout-batch-size", ["4"]),  # "$@" is empty; 2>&1 | tee ... is not the command's
+    ]
+    wrapped, _ = read_run_script(str(tmp_path / "run-wrapper.sh"))
+    assert [u.flag for u in wrapped] == [u.flag for u in uses]
+    assert {u.origin for u in wrapped} == {"run-branches.sh"}  # counted in the script that writes them
+
+
+def test_unevaluated_paths_become_placeholders_of_their_kind(tmp_path):
+    from vime.tools.reference_flags import PLACEHOLDER, Use, with_placeholders
+
+    [use] = with_placeholders([Use("--prompt-data", [PLACEHOLDER], "run.sh")], str(tmp_path), str(tmp_path))
+    assert use.values[0].endswith(".jsonl")
