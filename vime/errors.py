@@ -34,7 +34,7 @@ class MemberDied(Exception):
     rollout worker whose lease the queue moved on from, a group whose payload could not be written.
 
     Who catches it: the group that owns the member (workers/trainer_restart.py restores the trainer in
-    place, workers/engine_manager.py restarts or replaces engines, the rollout worker gives the group back
+    place, workers/engine_failures.py restarts or replaces engines, the rollout worker gives the group back
     to the queue, the controller drops a fenced worker's result), within its restart budget. When the
     budget is spent the group stops the run with a UserError naming what died (vime/train.py's
     ``RunError``)."""

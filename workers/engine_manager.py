@@ -25,6 +25,12 @@ serve (what weight synchronisation updates). docs/elastic.md describes the behav
 
 When no engine serves or is on its way any more although the run had some, :meth:`poll` raises
 :class:`EnginesLost` naming why each one went: the job cannot make progress.
+
+Who does what: the manager keeps the members and does the mechanics (start, join, register, withdraw,
+relaunch, probe, drain, stop). Its ``recovery`` (workers/engine_failures.py, EngineRecovery) decides what
+becomes of an engine that fails and acts through the EngineControls the manager implements; its
+``request_desk`` (workers/engine_requests.py, EngineRequestDesk) holds the `vime engines` registry actor,
+hands requests to :meth:`add_external` / :meth:`remove` and publishes :meth:`snapshot`.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from vime.config.elastic import ElasticConfig
 from vime.engines.external import engine_url
 from vime.engines.http import EngineError
 from vime.engines.router import RouterClient
-from vime.workers.engine_failures import EngineFailures
+from vime.workers.engine_failures import EngineRecovery
 from vime.workers.engine_members import (
     JOIN_SLACK_SECONDS,
     EngineState,
@@ -45,20 +51,20 @@ from vime.workers.engine_members import (
     EngineVariant,
     Member,
     NodeEvent,
+    role_refusal,
 )
 from vime.workers.engine_nodes import NodeWatch
-from vime.workers.engine_requests import EngineRequests
+from vime.workers.engine_requests import EngineRequestDesk
 from vime.workers.engines import EngineActor, EngineGroup
-from vime.workers.failure_reasons import error_reason
+from vime.workers.failure_reasons import actor_alive, error_reason
 from vime.workers.health import HealthMonitor
 
 NODE_POLL_SECONDS = 2.0
-REQUEST_POLL_SECONDS = 0.5
 
 
-class EngineManager(EngineFailures, EngineRequests):
-    """One run's engines (this module's docstring): what fails is handled by :class:`EngineFailures`, `vime
-    engines` by :class:`EngineRequests`."""
+class EngineManager:
+    """One run's engines (this module's docstring): what fails is decided by its :class:`EngineRecovery`,
+    `vime engines` requests come through its :class:`EngineRequestDesk`."""
 
     def __init__(
         self,
@@ -91,7 +97,6 @@ class EngineManager(EngineFailures, EngineRequests):
             failures=config.rollout_health_check_failures,
             on_dead=lambda url, _reason: self._unregister_quietly(url),
         )
-        self.registry = None
         self.version = 0
         self.node_watch = NodeWatch(config.rollout_elastic_resource, template.tensor_parallel_size)
         self.events: list[NodeEvent] = []
@@ -99,8 +104,12 @@ class EngineManager(EngineFailures, EngineRequests):
         self._next_index = 0
         self._nodes_ready: set[str] = set()
         self.ending = False  # the run is ending: lost engines are not restarted any more
-        self._last = {"requests": 0.0, "nodes": 0.0, "snapshot": 0.0}
+        self._nodes_listed_at = 0.0  # time.monotonic() of the last node scan (NODE_POLL_SECONDS apart)
         self._remote = None
+        self.recovery = EngineRecovery(
+            self, restart_budget=config.rollout_engine_restart_budget, log_dir=template.log_dir
+        )
+        self.request_desk = EngineRequestDesk(self, say=say)
 
     # ================================================================== at start-up (blocking)
     def start_owned(self, count: int, variants: list[EngineVariant] | None = None) -> None:
@@ -147,6 +156,10 @@ class EngineManager(EngineFailures, EngineRequests):
                 raise EngineError(m.url or m.name, m.last_error)
 
     # ================================================================== the driver's poll
+    def open_registry(self, namespace: str | None = None) -> None:
+        """Create the run's named registry actor (the way in for `vime engines`)."""
+        self.request_desk.open(namespace)
+
     def start_monitor(self) -> None:
         self.monitor.start()
 
@@ -162,18 +175,16 @@ class EngineManager(EngineFailures, EngineRequests):
         for url, reason in self.monitor.take_dead():
             member = self._serving(url)
             if member is not None:
-                self._lose(member, f"failed its health checks: {reason}")
+                self.recovery.lose(member, f"failed its health checks: {reason}")
         self._advance()
-        self._probe_quarantined(now)
+        self.recovery.probe_due(now)
         self._synced()
-        if self.registry is not None and now - self._last["requests"] >= REQUEST_POLL_SECONDS:
-            self._last["requests"] = now
-            self._take_requests()
-        if self.config.rollout_elastic_resource and now - self._last["nodes"] >= NODE_POLL_SECONDS:
-            self._last["nodes"] = now
+        self.request_desk.take_due(now)
+        if self.config.rollout_elastic_resource and now - self._nodes_listed_at >= NODE_POLL_SECONDS:
+            self._nodes_listed_at = now
             self._watch_nodes()
-        self._publish_snapshot()
-        self._check_progress_possible()
+        self.request_desk.publish()
+        self.recovery.check_progress_possible()
         events, self.events = self.events, []
         return events
 
@@ -287,10 +298,10 @@ class EngineManager(EngineFailures, EngineRequests):
                 try:
                     result = ray.get(ref)
                 except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
-                    self._failed(m, what, error_reason(error))
+                    self._call_failed(m, what, error_reason(error))
                     continue
                 if what == "drain":
-                    self._drained(m, result)
+                    self._removed(m, result)
                 elif what == "probe":  # a quarantined engine generates again: load the current version
                     self._pend(
                         m,
@@ -302,9 +313,16 @@ class EngineManager(EngineFailures, EngineRequests):
                     self._joined(m, result)
             elif now > m.deadline:
                 m.pending = None
-                self._failed(
+                self._call_failed(
                     m, m.pending_what, f"{m.pending_what} did not finish within {m.deadline - m.pending_since:.0f}s"
                 )
+
+    def _call_failed(self, m: Member, what: str, reason: str) -> None:
+        """A call in an engine's actor failed: a drain still ends in its removal; anything else is a fault."""
+        if what == "drain":
+            self._removed(m, None, reason)
+        else:
+            self.recovery.failed(m, what, reason)
 
     def _joined(self, m: Member, info: dict) -> None:
         """A join / restart / catch-up finished: catch up again, or register and serve."""
@@ -325,15 +343,17 @@ class EngineManager(EngineFailures, EngineRequests):
                     m.actor.catch_up.remote(self.template.weight_dir, self.version), timeout=self.group.call_timeout
                 )
             except Exception as error:  # noqa: BLE001 - the engine's failure, handled per member
-                self._failed(m, "catch-up", error_reason(error))
+                self.recovery.failed(m, "catch-up", error_reason(error))
                 return
             m.version = info["version"]
             if m.version != self.version:
-                self._failed(m, "catch-up", f"it serves version {m.version}, not the current {self.version}")
+                self.recovery.failed(m, "catch-up", f"it serves version {m.version}, not the current {self.version}")
                 return
-        problem = self._check_role(m)
+        problem = role_refusal(
+            m, static_roles=self.static_roles, external_router=self.external_router, router=self.router
+        )
         if problem:
-            self._give_up(m, problem)
+            self.recovery.give_up(m, problem)
             return
         self._serve(m, info)
 
@@ -364,7 +384,7 @@ class EngineManager(EngineFailures, EngineRequests):
             try:
                 self.router.add_worker(m.url)
             except EngineError as error:
-                self._failed(m, "registration", str(error))
+                self.recovery.failed(m, "registration", str(error))
                 return
         restarted = m.state == EngineState.RESTARTING or m.restarts > 0 and m.state == EngineState.SYNCING
         rejoined = m.state == EngineState.QUARANTINED
@@ -385,7 +405,7 @@ class EngineManager(EngineFailures, EngineRequests):
             + role
         )
         if rejoined:
-            self._note(f"{m.name} back from quarantine")
+            self.note(f"{m.name} back from quarantine")
         event = "restarted" if restarted else "rejoined" if rejoined else "serving"
         self.record(
             {
@@ -401,7 +421,7 @@ class EngineManager(EngineFailures, EngineRequests):
             }
         )
         if m.request:
-            self._finish(
+            self.request_desk.finish(
                 m,
                 True,
                 f"{m.name} serves weight version {m.version} at {m.url}"
@@ -411,22 +431,8 @@ class EngineManager(EngineFailures, EngineRequests):
             self._nodes_ready.add(m.node_id)
             self.events.append(NodeEvent("ready", m.node_id, m.spec.host))
 
-    def _check_role(self, m: Member) -> str | None:
-        if m.worker_type == "regular" or (self.static_roles and m.owned):
-            return None
-        if m.worker_type in ("prefill", "decode") and self.external_router:
-            if m.url in self.router.workers():
-                return None
-            return (
-                f"{m.url} is a {m.worker_type} engine but the router at {self.router.url} does not list it; "
-                "register it with your PD router first"
-            )
-        return (
-            f"{m.url} is a {m.worker_type} engine; vime attaches regular engines, and prefill/decode engines "
-            "only behind your own PD router (--vllm-router-ip)"
-        )
-
-    def _note(self, text: str) -> None:
+    def note(self, text: str) -> None:
+        """Record an engine fault for the progress line (:meth:`take_notes`)."""
         self.notes.append(text)
 
     def take_notes(self) -> list[str]:
@@ -444,6 +450,133 @@ class EngineManager(EngineFailures, EngineRequests):
             (m for m in self.members if m.url == url and m.state in (EngineState.SERVING, EngineState.SYNCING)), None
         )
 
+    def snapshot(self) -> dict:
+        """The weight version and every engine with its health (what `vime engines list` shows)."""
+        health = self.monitor.status()
+        served = dict(zip(self.group.urls, self.group.versions))
+        engines = []
+        for m in self.members:
+            if m.state == EngineState.SERVING and m.url in served:
+                m.version = served[m.url]
+            engines.append(m.describe(health.get(m.url or "", {})))
+        return {"weight_version": self.version, "engines": engines}
+
+    # ============================================================ acting on one engine (for recovery and requests)
+    def withdraw(self, m: Member) -> None:
+        """Take ``m`` out of the weight updates, the health checks and the router (quietly: it may be dead)."""
+        self.group.remove(m.url)
+        self.monitor.unwatch(m.url)
+        self._unregister_quietly(m.url)
+
+    def relaunch(self, m: Member) -> None:
+        """Start ``m`` again at the current version: its actor restarts the process, or, when the actor
+        died (or hangs) with its process, a new actor on the same node starts one."""
+        if actor_alive(m.actor):
+            self._pend(
+                m,
+                m.actor.restart.remote(self.template.weight_dir, self._join_version),
+                "restart",
+                m.spec.startup_timeout + JOIN_SLACK_SECONDS,
+            )
+        else:
+            import ray
+
+            ray.kill(m.actor)
+            self._create_actor(m)
+
+    def probe(self, m: Member) -> None:
+        """Ask a quarantined engine for a generation; :meth:`_advance` collects the answer."""
+        self._pend(m, m.actor.probe.remote(), "probe", self.template.http_timeout + 30)
+
+    def finish_request(self, m: Member, ok: bool, message: str) -> None:
+        """Answer the `vime engines` request ``m`` is carrying out (through the registry)."""
+        self.request_desk.finish(m, ok, message)
+
+    def dispose(self, m: Member) -> None:
+        """Stop vime's own process (detach from an external one), end the actor; never blocks long."""
+        import ray
+
+        try:
+            ray.wait([m.actor.stop.remote()], timeout=30)  # a dead actor's call fails at once
+        finally:
+            ray.kill(m.actor)
+
+    def add_external(self, url: str, *, request: str) -> Member:
+        """`vime engines add`: an external engine at ``url`` joins at the current weight version; the
+        request is answered when it serves or is dropped. ValueError: it cannot join this run."""
+        if self.static_roles:
+            raise ValueError(
+                "this model runs prefill/decode engines behind a router that lists them from its "
+                "command line: engines cannot join it while it runs"
+            )
+        if self.template.weight_transport != "disk":
+            raise ValueError(
+                "an external engine joins a running job with --update-weight-transport disk only "
+                "(with nccl it would need vime's worker extension, which vime cannot check)"
+            )
+        taken = next(
+            (m for m in self.members if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None
+        )
+        if taken is not None:
+            raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
+        member = self._spawn("added", external_url=url, request=request, startup_timeout=self.template.http_timeout)
+        self.say(f"vime engines add {url}: {member.name} loads weight version {self.version}")
+        return member
+
+    def remove(self, target: str, *, request: str) -> None:
+        """`vime engines remove`: unregister the serving or quarantined engine ``target`` (its name or
+        address) and drain it; the request is answered once it is removed. ValueError: no such engine,
+        or it is the only one serving."""
+        url = target if target.startswith("engine-") else engine_url(target)
+        removable = (EngineState.SERVING, EngineState.QUARANTINED)
+        member = next((m for m in self.members if url in (m.url, m.name) and m.state in removable), None)
+        if member is None:
+            raise ValueError(f"no serving or quarantined engine {target} in this run (see `vime engines list`)")
+        if member.state == EngineState.QUARANTINED:  # out of the router already, nothing in flight
+            member.pending, member.request = None, request
+            self._removed(member, 0)
+            return
+        if sum(m.state == EngineState.SERVING for m in self.members) == 1:
+            raise ValueError(f"{member.name} is the only serving engine of the run; add another one first")
+        self.group.remove(member.url)
+        self.monitor.unwatch(member.url)
+        if self.register_with_router:  # not quietly: a router that refuses fails the request
+            self.router.remove_worker(member.url)
+        member.state, member.request = EngineState.DRAINING, request
+        self._pend(member, member.actor.drain.remote(), "drain", self.group.call_timeout)
+        self.say(f"vime engines remove {target}: {member.name} unregistered, draining its requests")
+
+    def _removed(self, m: Member, aborted: int | None, error: str | None = None) -> None:
+        """A removal ended: drained (``aborted`` requests returned to the queue) or the drain failed."""
+        m.state = EngineState.REMOVED
+        self.dispose(m)
+        what = (
+            f"{aborted} request(s) in flight returned to the queue as continuations"
+            if aborted is not None
+            else f"draining failed ({error}); its groups return to the queue when their requests fail"
+        )
+        message = f"{m.name} ({m.url}) removed; {what}" + ("" if m.owned else "; the external engine keeps running")
+        self.say(message)
+        self.record({"kind": "engine", "event": "removed", "engine": m.name, "url": m.url, "aborted": aborted})
+        if m.request:
+            self.request_desk.finish(m, True, message)
+
+    def _on_call_failure(self, url: str, error: BaseException) -> None:
+        """A weight update or pause failed on one engine (EngineGroup has taken it out already)."""
+        member = self._serving(url)
+        if member is not None:
+            self.recovery.lose(member, f"a call failed: {error_reason(error)}")
+
+    def _unregister_quietly(self, url: str | None) -> None:
+        member = next((m for m in self.members if m.url == url), None)
+        if member is not None and member.worker_type != "regular":
+            return  # never registered (an encoder), or listed on the PD router's command line for good
+        if url and self.register_with_router:
+            try:
+                self.router.remove_worker(url)
+            except EngineError:
+                pass  # the router checks health too: a dead engine leaves its rotation anyway
+
     # ================================================================== nodes
     def _watch_nodes(self) -> None:
         import ray
@@ -456,19 +589,7 @@ class EngineManager(EngineFailures, EngineRequests):
         left, joined = self.node_watch.scan(nodes, hosting=(m.node_id for m in self.members))
         for node_id in left:
             self.say(f"node {node_id[:12]} left the Ray cluster")
-            for m in self.members:
-                if m.node_id == node_id and m.state in (
-                    EngineState.STARTING,
-                    EngineState.SERVING,
-                    EngineState.SYNCING,
-                    EngineState.RESTARTING,
-                    EngineState.QUARANTINED,
-                ):
-                    m.pending = None
-                    if m.state == EngineState.SERVING:
-                        self._lose(m, f"its node {node_id[:12]} left the cluster", restart=False)
-                    else:
-                        self._give_up(m, f"its node {node_id[:12]} left the cluster")
+            self.recovery.node_left(node_id)
             self.events.append(NodeEvent("lost", node_id))
         for node in joined:
             self.say(

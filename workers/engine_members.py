@@ -3,7 +3,8 @@
 :class:`Member` is the manager's record of one engine (workers/engine_manager.py): where it runs, its
 :class:`EngineState`, its version, its restarts, the call in progress and, when quarantined, its next
 probe. :class:`EngineTemplate` and :class:`EngineVariant` build the :class:`~vime.workers.engines.EngineSpec`
-of each engine vime starts. :class:`NodeEvent` is what the manager tells the driver about nodes.
+of each engine vime starts. :class:`NodeEvent` is what the manager tells the driver about nodes;
+:func:`role_refusal` says which prefill/decode/encoder engines may serve behind which router.
 """
 
 from __future__ import annotations
@@ -159,6 +160,25 @@ class Member:
             "seconds_since_ok": health.get("seconds_since_ok"),
             "last_error": self.last_error,
         }
+
+
+def role_refusal(m: Member, *, static_roles: bool, external_router: bool, router: Any) -> str | None:
+    """Why an engine that is not a regular one cannot serve this run (None: it can). ``static_roles``:
+    vime started this model's prefill/decode/encoder engines itself; ``external_router``: the PD router
+    is the user's own (--vllm-router-ip), which must list the engine already."""
+    if m.worker_type == "regular" or (static_roles and m.owned):
+        return None
+    if m.worker_type in ("prefill", "decode") and external_router:
+        if m.url in router.workers():
+            return None
+        return (
+            f"{m.url} is a {m.worker_type} engine but the router at {router.url} does not list it; "
+            "register it with your PD router first"
+        )
+    return (
+        f"{m.url} is a {m.worker_type} engine; vime attaches regular engines, and prefill/decode engines "
+        "only behind your own PD router (--vllm-router-ip)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

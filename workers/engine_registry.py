@@ -3,9 +3,10 @@
 The driver creates it (name :data:`REGISTRY_NAME`, in the run's Ray namespace) and writes the Ray
 address and namespace into ``RUN_DIR/run.json``. ``vime engines add/remove`` attaches to that Ray
 cluster, *submits* a request and waits for its outcome; the driver *takes* pending requests
-between its own steps (workers/engine_manager.py), carries them out and *finishes* them. ``vime
-engines list`` reads the snapshot the driver publishes (engines, versions, health). The registry
-holds no engine handle and makes no call itself: it cannot block the run.
+between its own steps (the engine manager's request desk, workers/engine_requests.py), carries them
+out and *finishes* them. ``vime engines list`` reads the snapshot the driver publishes (engines,
+versions, health). The registry holds no engine handle and makes no call itself: it cannot block the
+run. What a request may ask is an :class:`EngineOp`.
 
 On crash: it dies with the driver (its lifetime is the driver's); a request in flight then fails
 on the command's side with "the run ended".
@@ -13,12 +14,22 @@ on the command's side with "the run ended".
 
 from __future__ import annotations
 
+import enum
 import time
 import uuid
 from typing import Any
 
 REGISTRY_NAME = "vime-engines"
-OPERATIONS = ("add", "remove")
+
+
+class EngineOp(str, enum.Enum):
+    """What a `vime engines` request asks for (a str: requests cross Ray as plain dicts)."""
+
+    ADD = "add"
+    REMOVE = "remove"
+
+
+OPERATIONS = tuple(op.value for op in EngineOp)
 
 
 class EngineRegistry:

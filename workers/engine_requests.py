@@ -1,28 +1,51 @@
 """The engine manager's side of `vime engines` (workers/engine_manager.py; docs/elastic.md).
 
 The run's named registry actor (workers/engine_registry.py) is the way in: `vime engines add` and
-`remove` leave requests there, which the manager takes at its polls, carries out (an external engine joins
-at the current weight version; a removed one is unregistered and drained, its requests in flight returned
-to the queue) and finishes with an answer; `vime engines list` reads the snapshot published there.
+`remove` leave requests there. :class:`EngineRequestDesk`, which the manager owns, holds the registry's
+handle: it takes the requests at the manager's polls, hands each to the manager's public
+:meth:`~vime.workers.engine_manager.EngineManager.add_external` or
+:meth:`~vime.workers.engine_manager.EngineManager.remove` (an external engine joins at the current weight
+version; a removed one is unregistered and drained, its requests in flight returned to the queue),
+answers the request when the manager says how it ended, and publishes the manager's snapshot that
+`vime engines list` reads. It knows nothing of the engines beyond what :class:`RequestedEngines` offers.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from vime.engines.external import engine_url
-from vime.workers.engine_members import EngineState, Member
-from vime.workers.engine_registry import REGISTRY_NAME, EngineRegistry
+from vime.workers.engine_members import Member
+from vime.workers.engine_registry import REGISTRY_NAME, EngineOp, EngineRegistry
 from vime.workers.failure_reasons import error_reason
 
 SNAPSHOT_SECONDS = 1.0
+REQUEST_POLL_SECONDS = 0.5
 
 
-class EngineRequests:
-    """`vime engines` requests and the snapshot `vime engines list` reads, for
-    :class:`~vime.workers.engine_manager.EngineManager`, which it is mixed into."""
+class RequestedEngines(Protocol):
+    """What the desk asks of the engines (EngineManager implements it). ``add_external`` and ``remove``
+    start what was asked and raise ValueError, whose text is the answer, when it cannot be done."""
 
-    def open_registry(self, namespace: str | None = None) -> None:
+    def add_external(self, url: str, *, request: str) -> Member: ...
+
+    def remove(self, target: str, *, request: str) -> None: ...
+
+    def snapshot(self) -> dict: ...
+
+
+class EngineRequestDesk:
+    """`vime engines` requests in, answers and the engine snapshot out, through the run's registry actor."""
+
+    def __init__(self, engines: RequestedEngines, *, say: Callable[[str], None]):
+        self.engines, self.say = engines, say
+        self.registry: Any = None  # the registry actor's handle, once opened (None: no `vime engines`)
+        self.taken_at = 0.0  # time.monotonic() when requests were last taken (REQUEST_POLL_SECONDS apart)
+        self._published_at = 0.0
+
+    def open(self, namespace: str | None = None) -> None:
         """Create the run's named registry actor (the way in for `vime engines`)."""
         import ray
 
@@ -32,9 +55,16 @@ class EngineRequests:
             .remote()
         )
         ray.get(self.registry.engines.remote(), timeout=60)
-        self._publish_snapshot(force=True)
+        self.publish(force=True)
 
-    def _take_requests(self) -> None:
+    def take_due(self, now: float) -> None:
+        """Take and carry out the pending requests, at most every REQUEST_POLL_SECONDS."""
+        if self.registry is None or now - self.taken_at < REQUEST_POLL_SECONDS:
+            return
+        self.taken_at = now
+        self._take()
+
+    def _take(self) -> None:
         import ray
 
         try:
@@ -44,92 +74,29 @@ class EngineRequests:
             return
         for request in requests:
             try:
-                {"add": self._request_add, "remove": self._request_remove}[request["op"]](request)
+                self._carry_out(request)
             except Exception as error:  # noqa: BLE001 - a bad request fails alone, never the run
                 message = str(error) if isinstance(error, ValueError) else error_reason(error)
                 self.registry.finish.remote(request["id"], False, message)
 
-    def _request_add(self, request: dict) -> None:
-        url = engine_url(request["target"])
-        if self.static_roles:
-            raise ValueError(
-                "this model runs prefill/decode engines behind a router that lists them from its "
-                "command line: engines cannot join it while it runs"
-            )
-        if self.template.weight_transport != "disk":
-            raise ValueError(
-                "an external engine joins a running job with --update-weight-transport disk only "
-                "(with nccl it would need vime's worker extension, which vime cannot check)"
-            )
-        taken = next(
-            (m for m in self.members if m.url == url and m.state not in (EngineState.REMOVED, EngineState.LOST)), None
-        )
-        if taken is not None:
-            raise ValueError(f"{url} is already {taken.name} of this run ({taken.state})")
-        member = self._spawn(
-            "added", external_url=url, request=request["id"], startup_timeout=self.template.http_timeout
-        )
-        self.say(f"vime engines add {url}: {member.name} loads weight version {self.version}")
+    def _carry_out(self, request: dict) -> None:
+        """Start what ``request`` asks; it is answered when that ends (:meth:`finish`), or at once if refused."""
+        op, target = EngineOp(request["op"]), request["target"]
+        if op is EngineOp.ADD:
+            self.engines.add_external(engine_url(target), request=request["id"])
+        elif op is EngineOp.REMOVE:
+            self.engines.remove(target, request=request["id"])
 
-    def _request_remove(self, request: dict) -> None:
-        target = request["target"]
-        url = target if target.startswith("engine-") else engine_url(target)
-        member = next(
-            (
-                m
-                for m in self.members
-                if (m.url == url or m.name == url) and m.state in (EngineState.SERVING, EngineState.QUARANTINED)
-            ),
-            None,
-        )
-        if member is None:
-            raise ValueError(f"no serving or quarantined engine {target} in this run (see `vime engines list`)")
-        if member.state == EngineState.QUARANTINED:  # out of the router already, nothing in flight
-            member.pending, member.request = None, request["id"]
-            self._drained(member, 0)
-            return
-        if sum(m.state == EngineState.SERVING for m in self.members) == 1:
-            raise ValueError(f"{member.name} is the only serving engine of the run; add another one first")
-        self.group.remove(member.url)
-        self.monitor.unwatch(member.url)
-        if self.register_with_router:
-            self.router.remove_worker(member.url)
-        member.state, member.request = EngineState.DRAINING, request["id"]
-        self._pend(member, member.actor.drain.remote(), "drain", self.group.call_timeout)
-        self.say(f"vime engines remove {target}: {member.name} unregistered, draining its requests")
-
-    def _drained(self, m: Member, aborted: int | None, error: str | None = None) -> None:
-        m.state = EngineState.REMOVED
-        self._dispose(m)
-        what = (
-            f"{aborted} request(s) in flight returned to the queue as continuations"
-            if aborted is not None
-            else f"draining failed ({error}); its groups return to the queue when their requests fail"
-        )
-        message = f"{m.name} ({m.url}) removed; {what}" + ("" if m.owned else "; the external engine keeps running")
-        self.say(message)
-        self.record({"kind": "engine", "event": "removed", "engine": m.name, "url": m.url, "aborted": aborted})
-        if m.request:
-            self._finish(m, True, message)
-
-    def _finish(self, m: Member, ok: bool, message: str) -> None:
+    def finish(self, m: Member, ok: bool, message: str) -> None:
+        """Answer the request ``m`` is carrying out, if any; ``m`` carries none afterwards."""
         if self.registry is not None and m.request:
             self.registry.finish.remote(m.request, ok, message, {"engine": m.name, "url": m.url})
         m.request = None
 
-    def snapshot(self) -> dict:
-        health = self.monitor.status()
-        served = dict(zip(self.group.urls, self.group.versions))
-        engines = []
-        for m in self.members:
-            if m.state == EngineState.SERVING and m.url in served:
-                m.version = served[m.url]
-            engines.append(m.describe(health.get(m.url or "", {})))
-        return {"weight_version": self.version, "engines": engines}
-
-    def _publish_snapshot(self, force: bool = False) -> None:
+    def publish(self, force: bool = False) -> None:
+        """Publish the manager's snapshot for `vime engines list`, at most every SNAPSHOT_SECONDS."""
         now = time.monotonic()
-        if self.registry is None or (not force and now - self._last["snapshot"] < SNAPSHOT_SECONDS):
+        if self.registry is None or (not force and now - self._published_at < SNAPSHOT_SECONDS):
             return
-        self._last["snapshot"] = now
-        self.registry.publish.remote(self.snapshot())  # fire and forget: the registry never blocks
+        self._published_at = now
+        self.registry.publish.remote(self.engines.snapshot())  # fire and forget: the registry never blocks

@@ -8,7 +8,7 @@ forward such calls to one worker only); generation goes through the router.
 
 On crash of an engine actor the vLLM process it owns dies with it (PDEATHSIG + the run token
 sweep). The actor outlives its process: ``restart()`` replaces a dead process (the driver's
-health checks decide when; workers/engine_manager.py).
+health checks decide when; workers/engine_failures.py).
 
 ``WeightSync`` is the driver's side of a weight synchronisation (docs/weights.md): the trainer
 publishes (disk: a full or delta ``weight_v{N}/``; nccl: a broadcast) and every engine loads.

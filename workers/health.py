@@ -9,7 +9,7 @@ about ``interval + failures`` seconds. After ``--rollout-health-check-failures``
 checks the engine is declared dead: ``on_dead(url, reason)`` runs at once in this thread (the driver
 unregisters it from the router there, so that no new request reaches it even while the driver is
 busy training), and the URL is queued for the driver, which restarts, quarantines or drops the engine
-at its next poll (workers/engine_manager.py).
+at its next poll (workers/engine_manager.py; the policy is workers/engine_failures.py).
 
 A weight update pauses the engines; a check that overlapped one (:meth:`HealthMonitor.updating`) is
 not counted either way.

@@ -265,18 +265,18 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
     root = str(tmp_path / "weights")
     lines: list[str] = []
     manager = make_manager(tmp_path, model, budget=3, lines=lines)
-    manager.registry = ray.remote(num_cpus=0)(EngineRegistry).remote()
+    registry = manager.request_desk.registry = ray.remote(num_cpus=0)(EngineRegistry).remote()
     manager.start_owned(1)
     for version in (1, 2):
         manager.group.update_weights(publish(root, model, version), version, flush=True)
-    add = ray.get(manager.registry.submit.remote("add", "10.0.0.9:8000"))
-    again = ray.get(manager.registry.submit.remote("add", "10.0.0.9:8000"))
-    manager._last["requests"] = 0.0
+    add = ray.get(registry.submit.remote("add", "10.0.0.9:8000"))
+    again = ray.get(registry.submit.remote("add", "10.0.0.9:8000"))
+    manager.request_desk.taken_at = 0.0  # take the requests at the next poll
     settle(manager, 2)
     added = manager.members[1]
     assert (added.origin, added.owned, added.state, added.version) == ("added", False, "serving", 2)
-    assert ray.get(manager.registry.request.remote(add))["state"] == "done"
-    assert "already engine-1" in ray.get(manager.registry.request.remote(again))["message"]
+    assert ray.get(registry.request.remote(add))["state"] == "done"
+    assert "already engine-1" in ray.get(registry.request.remote(again))["message"]
 
     # An external engine that fails is quarantined, never restarted: out of the router and of weight
     # updates, probed with back-off; when a probe passes it loads the current version and serves again.
@@ -296,23 +296,23 @@ def test_engines_added_and_removed_by_request_join_at_the_current_version(tmp_pa
     ray.get(added.actor.black_hole.remote())
     manager.group.update_weights(publish(root, model, 4), 4, flush=True)
     assert added.state == "quarantined" and "answered 403" in added.last_error
-    quarantined = ray.get(manager.registry.submit.remote("remove", "engine-1"))  # a quarantined one is removed
-    manager._last["requests"] = 0.0
+    quarantined = ray.get(registry.submit.remote("remove", "engine-1"))  # a quarantined one is removed
+    manager.request_desk.taken_at = 0.0  # take the requests at the next poll
     settle(manager, 4)
-    assert ray.get(manager.registry.request.remote(quarantined))["state"] == "done" and added.state == "removed"
+    assert ray.get(registry.request.remote(quarantined))["state"] == "done" and added.state == "removed"
 
-    only = ray.get(manager.registry.submit.remote("remove", "engine-0"))
-    manager._last["requests"] = 0.0
+    only = ray.get(registry.submit.remote("remove", "engine-0"))
+    manager.request_desk.taken_at = 0.0  # take the requests at the next poll
     settle(manager, 4)
-    assert "only serving engine" in ray.get(manager.registry.request.remote(only))["message"]
+    assert "only serving engine" in ray.get(registry.request.remote(only))["message"]
 
-    add = ray.get(manager.registry.submit.remote("add", "http://10.0.0.7:8000"))
-    manager._last["requests"] = 0.0
+    add = ray.get(registry.submit.remote("add", "http://10.0.0.7:8000"))
+    manager.request_desk.taken_at = 0.0  # take the requests at the next poll
     settle(manager, 4)
-    remove = ray.get(manager.registry.submit.remote("remove", "10.0.0.7:8000"))
-    manager._last["requests"] = 0.0
+    remove = ray.get(registry.submit.remote("remove", "10.0.0.7:8000"))
+    manager.request_desk.taken_at = 0.0  # take the requests at the next poll
     settle(manager, 4)
-    done = ray.get(manager.registry.request.remote(remove))
+    done = ray.get(registry.request.remote(remove))
     assert (
         done["state"] == "done"
         and "3 request(s) in flight returned to the queue as continuations" in done["message"]
