@@ -55,7 +55,7 @@ def _trained_batch(worker, groups) -> tuple[list[list], dict[str, Any]]:
 
 
 def save_trained_batch(run, rollout_id: int, groups: list, policy_version: int, metrics: dict[str, float]) -> None:
-    """Archive the batch ``run.trainer`` just trained for ``rollout_id`` (--save-debug-rollout-data).
+    """Archive the batch ``run.processes.trainer`` just trained for ``rollout_id`` (--save-debug-rollout-data).
 
     ``groups`` are the step's accepted groups (by reference), ``policy_version`` the weight version
     it trained, ``metrics`` what ``train_rollout`` returned. Raises ArchiveExists (a ConfigError
@@ -67,7 +67,7 @@ def save_trained_batch(run, rollout_id: int, groups: list, policy_version: int, 
     path = archive_path(template, rollout_id)
     # __ray_call__ runs _trained_batch on the trainer actor itself: the step's groups are read there
     # as train_rollout read them, and the spec it trained with is the one recorded.
-    members, trainer = ray.get(run.trainer.leader.__ray_call__.remote(_trained_batch, groups))
+    members, trainer = ray.get(run.processes.trainer.leader.__ray_call__.remote(_trained_batch, groups))
     archive = build_archive(
         rollout_id=rollout_id,
         policy_version=policy_version,

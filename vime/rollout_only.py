@@ -25,13 +25,14 @@ from vime.runtime import interrupts
 
 
 def rollout_only(run, start_step: int, version: int) -> int:
-    """The loop of a ``--debug-rollout-only`` run (``run``: vime.train.TrainingRun, set up and its rollout
-    workers generating); stops the rollout workers and writes summary.json. Returns the exit status."""
+    """The loop of a ``--debug-rollout-only`` run (``run``: vime.train.TrainingRun, its processes started and
+    its rollout workers generating); stops the rollout workers and writes summary.json. Returns the exit status."""
     import ray
 
     s = run.s
     batch, n = s.rollout.rollout_batch_size, s.rollout.n_samples_per_prompt
-    stats = ray.get(run.controller.stats.remote())
+    controller = run.processes.controller
+    stats = ray.get(controller.stats.remote())
     last_time, last_tokens = time.monotonic(), stats.accepted_response_tokens
     run.log.say(
         f"--debug-rollout-only: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x {n} "
@@ -46,9 +47,9 @@ def rollout_only(run, start_step: int, version: int) -> int:
             run.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {step} rollout(s)")
             break
         run.consume(taken)
-        ray.get(run.controller.sync.remote(version, run.cursor, run.trained, run.lineage))  # admission moves on
+        ray.get(controller.sync.remote(version, run.cursor, run.trained, run.lineage))  # admission moves on
         step = run.step = step + 1
-        stats = ray.get(run.controller.stats.remote())
+        stats = ray.get(controller.stats.remote())
         now = time.monotonic()
         seconds = now - last_time
         samples = len(taken.groups) * n
@@ -70,7 +71,7 @@ def rollout_only(run, start_step: int, version: int) -> int:
             f"rollout {step:>4}/{s.train.num_rollout} | {samples} samples in {seconds:.2f}s "
             f"({record['samples_per_s']:.1f}/s) | queue {stats.queue_depth}"
         )
-    run.stop_rollout_workers()
+    run.processes.stop_rollout_workers()
     run.log.say(f"--debug-rollout-only: {step - start_step} rollout(s) generated, nothing trained")
     with open(os.path.join(run.run_dir, "summary.json"), "w") as f:
         json.dump({"weight_version": version, "rollout_only": True, "rollouts": step - start_step}, f, indent=1)

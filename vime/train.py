@@ -12,8 +12,9 @@ engine, and commits the step:
         controller.sync(version + 1, cursor, trained)                 # admission moves on
         checkpoint (model + optimizer + cursor) / commit the queue cursor
 
-Starting and stopping the run's processes is workers/run_processes.py; each step's record is
-workers/step_records.py.
+The run's processes are started, held and stopped by the :class:`RunProcesses` the driver owns
+(workers/run_processes.py): the driver reaches the controller, the trainer, the model serving and the
+rollout workers through it. Each step's record is workers/step_records.py.
 """
 
 from __future__ import annotations
@@ -55,25 +56,26 @@ def _unwrap(error: BaseException) -> BaseException:
     return _unwrap(cause) if isinstance(cause, BaseException) and cause is not error else error
 
 
-class TrainingRun(RunProcesses):
+class TrainingRun:
+    """One `vime train` run: pre-flight, start, the loop, teardown. Its processes are ``self.processes``."""
+
     def __init__(self, settings: TrainSettings, *, storage_declaration: dict | None = None):
         self.s = settings
-        self.storage_declaration = storage_declaration  # straw's, checked against the mount (preflight)
         self.token = uuid.uuid4().hex
         self.run_dir = settings.run.run_dir
         os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
         self.log = MetricsLog(self.run_dir)
-        self.serving = None  # vime.workers.serving.ModelServing: routers, engines, frozen models
-        self.ray_namespace = f"vime-{self.token[:12]}"  # `vime engines` finds the run's registry there
-        self.controller = None
-        self.trainer = None
+        self.processes = RunProcesses(
+            settings,
+            token=self.token,
+            run_dir=self.run_dir,
+            log=self.log,
+            ray_namespace=f"vime-{self.token[:12]}",  # `vime engines` finds the run's registry there
+            storage_declaration=storage_declaration,  # straw's, checked against the mount (preflight)
+        )
         self.weight_sync = None  # vime.workers.engines.WeightSync, built at the first publication
         self.colocation = None  # vime.workers.colocation.ColocatedMemory with --colocate's offload
-        self.rollout = None  # vime.workers.rollout_group.RolloutGroup: the rollout workers
         self.engine_errors_seen = 0  # the rollout workers' engine_errors at the last step
-        self.leftover: list[str] = []  # processes of the run the teardown could not stop
-        self.guard = None  # vime.runtime.incarnations.RunGuard: the reaper and the record
-        self.ray_started = False
         self.last_saved_step: int | None = None
         self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
@@ -83,7 +85,6 @@ class TrainingRun(RunProcesses):
         self.lineage = Lineage()  # restores in place: which versions are lost (recovery/lineage.py)
         self.step = 0  # steps trained in the surviving lineage
         self.restarter = None  # vime.workers.trainer_restart.TrainerRestarter
-        self.prompt_rows: list[int] | None = None  # --rollout-max-prompt-len: the rows the controller opens
 
     # ================================================================== entry
     def run(self) -> int:
@@ -92,9 +93,9 @@ class TrainingRun(RunProcesses):
 
             return replay(self.s, self.log)
         try:
-            self.guard_processes()
-            self._check_inputs()
-            self.start_processes()
+            self.processes.guard()
+            inputs = self._check_inputs()
+            self.processes.start(plan=inputs.plan, trained_model=inputs.trained_model, prompt_rows=inputs.prompt_rows)
             start_step, version = self._restore()
             self._reap_dead_producers()
             self.before = (
@@ -112,15 +113,14 @@ class TrainingRun(RunProcesses):
             self._finish(version)
             return 0
         finally:
-            self.teardown()
+            self.processes.teardown()
 
     # ================================================================== set-up
-    def _check_inputs(self) -> None:
-        """Everything that can be checked before a process starts (vime/preflight.py), and what it loaded."""
+    def _check_inputs(self) -> preflight.Inputs:
+        """Everything that can be checked before a process starts (vime/preflight.py); returns what it loaded
+        (the launch plan and the prompt rows are for :meth:`RunProcesses.start`)."""
         inputs = preflight.check_inputs(self.s, self.log.say)
         self.evaluation = HeldOutEvaluation(self.s, inputs.eval_sets, inputs.tokenizer, inputs.reward, self.log)
-        self.prompt_rows = inputs.prompt_rows  # --rollout-max-prompt-len's kept rows, for the controller
-        self.plan, self.trained_model = inputs.plan, inputs.trained_model
         self.resume = inputs.resume  # (folder, CheckpointState) or None
         resumed_from = self.resume[1].step if self.resume else None  # wandb, TensorBoard: vime/tracking.py
         self.log.attach(RunTracker.start(self.s, run_token=self.token, resumed_from=resumed_from, say=self.log.say))
@@ -136,6 +136,7 @@ class TrainingRun(RunProcesses):
             )
         with open(os.path.join(self.run_dir, "run.json"), "w") as f:
             json.dump({"run_token": self.token, "argv": sys.argv, "pid": os.getpid()}, f)
+        return inputs
 
     def _poll_engines(self) -> None:
         """Membership changes (health, restarts, `vime engines`, nodes that join or leave, a dead router:
@@ -143,15 +144,16 @@ class TrainingRun(RunProcesses):
         weights."""
         from vime.workers.engine_members import EnginesLost
 
-        if self.serving is None:
+        serving, rollout = self.processes.serving, self.processes.rollout
+        if serving is None:
             return
         try:
-            events = self.serving.poll(self.version)
+            events = serving.poll(self.version)
         except EnginesLost as error:
             raise RunError(str(error)) from None
         for event in events:
-            if event.kind == "ready" and self.rollout is not None and self.rollout.actors:
-                index = self.rollout.add_on_node(event.node_id)
+            if event.kind == "ready" and rollout is not None and rollout.actors:
+                index = rollout.add_on_node(event.node_id)
                 if index is not None:
                     self.log.say(f"rollout worker {index} generating on node {event.node_id[:12]}")
 
@@ -161,9 +163,9 @@ class TrainingRun(RunProcesses):
         sent its group back to the queue; no attempt of the prompt was spent)."""
         import ray
 
-        health = self.serving.health() if self.serving is not None else {}
+        health = self.processes.serving.health() if self.processes.serving is not None else {}
         try:
-            stats = self.rollout.stats(timeout=10)
+            stats = self.processes.rollout.stats(timeout=10)
         except (ray.exceptions.RayError, TimeoutError):  # a dead worker: _check_workers deals with it
             return health
         errors = sum(s.engine_errors for s in stats)
@@ -184,13 +186,13 @@ class TrainingRun(RunProcesses):
             f"resuming from {folder}: step {state.step}, weight version {state.weight_version}, "
             f"{state.consumer_cursor} group(s) trained"
         )
-        if not ray.get(self.controller.history_available.remote(state.consumer_cursor)):
+        if not ray.get(self.processes.controller.history_available.remote(state.consumer_cursor)):
             raise RunError(
                 f"the accepted groups after step {state.step} were reclaimed by "
                 "--rollout-queue-online-gc; only the latest checkpoint can be resumed "
                 f"(see {ckpt.LATEST} in {self.s.checkpoint.load})"
             )
-        self.trainer.load_checkpoint(folder)
+        self.processes.trainer.load_checkpoint(folder)
         # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
@@ -208,7 +210,7 @@ class TrainingRun(RunProcesses):
         from vime.weights.disk import published_versions
 
         newest = max(
-            ray.get(self.controller.newest_token_version.remote(state.consumer_cursor)),
+            ray.get(self.processes.controller.newest_token_version.remote(state.consumer_cursor)),
             *published_versions(self.s.weight_dir),
             *(r.version for r in state.lineage.restores),
             state.weight_version,
@@ -228,7 +230,7 @@ class TrainingRun(RunProcesses):
         """Publications left unaccepted by producers of an earlier (dead) incarnation."""
         import ray
 
-        report = ray.get(self.controller.reap_writers.remote([]))
+        report = ray.get(self.processes.controller.reap_writers.remote([]))
         if report.get("publications_released"):
             self.log.say(
                 f"released {report['publications_released']} orphaned publication(s) of "
@@ -237,8 +239,8 @@ class TrainingRun(RunProcesses):
 
     # ================================================================== rollout and training
     def _start_rollout_workers(self) -> None:
-        self.rollout.start()
-        self.log.say(f"{len(self.rollout.actors)} rollout worker(s) generating")
+        self.processes.rollout.start()
+        self.log.say(f"{len(self.processes.rollout.actors)} rollout worker(s) generating")
 
     def _check_workers(self) -> None:
         """Dead rollout workers are replaced, those of a node that left are dropped
@@ -246,7 +248,7 @@ class TrainingRun(RunProcesses):
         from vime.workers.rollout_group import RolloutWorkersLost
 
         try:
-            self.rollout.poll()
+            self.processes.rollout.poll()
         except RolloutWorkersLost as error:
             raise RunError(str(error)) from None
 
@@ -274,16 +276,18 @@ class TrainingRun(RunProcesses):
                 time.sleep(POLL_SECONDS)
                 continue
             taken = ray.get(
-                self.controller.take_groups.remote(self.cursor, count, self.version, self.trained, lineage=self.lineage)
+                self.processes.controller.take_groups.remote(
+                    self.cursor, count, self.version, self.trained, lineage=self.lineage
+                )
             )
             if taken.groups:
                 return taken
             self._check_workers()
-            stats = ray.get(self.controller.stats.remote())
+            stats = ray.get(self.processes.controller.stats.remote())
             if stats.end_of_data:
                 # The prompts are exhausted: the last step trains whatever was accepted.
                 taken = ray.get(
-                    self.controller.take_groups.remote(
+                    self.processes.controller.take_groups.remote(
                         self.cursor, count, self.version, self.trained, allow_partial=True, lineage=self.lineage
                     )
                 )
@@ -297,8 +301,8 @@ class TrainingRun(RunProcesses):
             if stats.accepted != last_accepted:
                 last_accepted, last_progress = stats.accepted, time.monotonic()
             elif time.monotonic() - last_progress > self.s.rollout.rollout_request_timeout * 2 + 60:
-                details = self.rollout.stats()[0] if self.rollout.actors else None
-                engines = self.serving.describe_engines()
+                details = self.processes.rollout.stats()[0] if self.processes.rollout.actors else None
+                engines = self.processes.serving.describe_engines()
                 raise RunError(
                     f"no group was accepted for {time.monotonic() - last_progress:.0f}s "
                     f"(queue: {stats}); rollout worker: {details}; engines: {engines or 'none'}; "
@@ -313,21 +317,23 @@ class TrainingRun(RunProcesses):
         import ray
 
         started = time.monotonic()
+        serving = self.processes.serving
         # -- weight synchronisation (vime.workers.engines.WeightSync; docs/weights.md) --
         if self.weight_sync is None:
             from vime.workers.engines import WeightSync
 
-            self.weight_sync = WeightSync(self.trainer, self.serving.engines, self.s.weights)
+            # The trainer group stays the same object across restarts in place: the sync keeps calling its ranks.
+            self.weight_sync = WeightSync(self.processes.trainer, serving.engines, self.s.weights)
         flush = flush_for_sync(sync_number, self.s.weights.flush_cache_interval)
         with (
-            self.serving.engine_manager.updating() if self.serving.engine_manager else contextlib.nullcontext(),
+            serving.engine_manager.updating() if serving.engine_manager else contextlib.nullcontext(),
             self.volumes.weights.stop_when_full(f"the publication of weight version {version}"),
         ):
             report = self.weight_sync.sync(version, flush=flush)
         self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})  # the step being trained
         # --
         self.version = version
-        ray.get(self.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
+        ray.get(self.processes.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
         return {
             "weight_sync_seconds": time.monotonic() - started,
             "weight_sync_publish_s": float(report.get("weight_publish_seconds", 0.0)),
@@ -342,14 +348,16 @@ class TrainingRun(RunProcesses):
         s = self.s
         batch = s.rollout.rollout_batch_size
         sync_number = 1 if self.resume else 0  # the restore already published once
-        steps = StepRecords(self.controller)  # the throughput window begins here
+        steps = StepRecords(self.processes.controller)  # the throughput window begins here
         self.log.say(
             f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
             f"{s.rollout.n_samples_per_prompt} sample(s)"
         )
         from vime.workers.colocation import ColocatedMemory
 
-        colocation = self.colocation = ColocatedMemory.for_run(s, self.serving, self.trainer, say=self.log.say)
+        colocation = self.colocation = ColocatedMemory.for_run(
+            s, self.processes.serving, self.processes.trainer, say=self.log.say
+        )
         colocation.after_weight_update()  # the engines serve the first version: the trainer makes room
         self.restarter = self._trainer_restarter()
         disk = FreeSpaceWatch.from_settings(s, say=self.log.say)  # free space and --min-free-disk-gb
@@ -391,7 +399,7 @@ class TrainingRun(RunProcesses):
         s, step = self.s, rollout_id + 1
         colocation.before_training()
         try:
-            metrics = self.trainer.train_rollout(rollout_id, taken.groups, self.version, self.lineage)
+            metrics = self.processes.trainer.train_rollout(rollout_id, taken.groups, self.version, self.lineage)
         except ray.exceptions.RayTaskError as error:
             if isinstance(_unwrap(error), UserError):
                 raise  # the user's to fix: it would fail again after a restart
@@ -415,13 +423,13 @@ class TrainingRun(RunProcesses):
         import ray
 
         with self.volumes.queue.stop_when_full(f"the queue's commit of step {step}"):
-            ray.get(self.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
+            ray.get(self.processes.controller.commit.remote(step, self.cursor, self.step_cursors, self.skipped))
 
     def _trainer_restarter(self):
         from vime.workers.trainer_restart import TrainerRestarter
 
         return TrainerRestarter(
-            self.trainer,
+            self.processes.trainer,
             budget=self.s.checkpoint.trainer_restart_budget,
             save_dir=self.s.checkpoint.save,
             resumed=self.resume,
@@ -447,7 +455,7 @@ class TrainingRun(RunProcesses):
 
         from vime.weights.disk import published_versions
 
-        if not ray.get(self.controller.history_available.remote(restored.consumer_cursor)):
+        if not ray.get(self.processes.controller.history_available.remote(restored.consumer_cursor)):
             raise RunError(
                 f"the trainer cannot be restored to step {restored.step}: the accepted groups after it "
                 "were reclaimed by --rollout-queue-online-gc"
@@ -476,7 +484,7 @@ class TrainingRun(RunProcesses):
     # ================================================================== evaluation and the end
     def _evaluate(self, version: int, *, step: int, label: str) -> dict[str, float]:
         """Held-out reward of every --eval-prompt-data set (vime.rollout.evaluate.HeldOutEvaluation)."""
-        return self.evaluation.run(self.serving.router_url, version=version, step=step, label=label)
+        return self.evaluation.run(self.processes.serving.router_url, version=version, step=step, label=label)
 
     def _save(self, step: int, version: int) -> None:
         state = ckpt.CheckpointState(
@@ -490,7 +498,7 @@ class TrainingRun(RunProcesses):
             lineage=self.lineage,
         )
         with self.volumes.checkpoint.stop_when_full(f"the checkpoint write of step {step}"):
-            folder = ckpt.save_checkpoint(self.s.checkpoint.save, state, self.trainer.save_checkpoint)
+            folder = ckpt.save_checkpoint(self.s.checkpoint.save, state, self.processes.trainer.save_checkpoint)
         self._commit(step)
         self.last_saved_step = step
         self.log.say(f"saved {folder}")
@@ -499,7 +507,7 @@ class TrainingRun(RunProcesses):
 
     def _finish(self, version: int) -> None:
         s = self.s
-        self.stop_rollout_workers()
+        self.processes.stop_rollout_workers()
         after = self._evaluate(version, step=self.step, label="after training")
         for name, before in self.before.items():
             self.log.say(f"held-out reward on {name!r}: {before:.3f} -> {after[name]:.3f}")
@@ -507,7 +515,7 @@ class TrainingRun(RunProcesses):
             self._save(self.step, version)  # a restore in place publishes a version that is no step
         if s.checkpoint.save_hf:
             path = os.path.join(self.run_dir, "hf_final")
-            self.trainer.save_hf(path)
+            self.processes.trainer.save_hf(path)
             self.log.say(f"final model: {path}")
         png = plot_rewards(self.log.path, os.path.join(self.run_dir, "reward_curve.png"))
         self.log.say(f"metrics: {self.log.path}; reward curve: {png}")
@@ -537,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         # Said only after the teardown's sweep found no process of the run alive (sweep_run_processes).
         stopped = (
             "every process started by this run was stopped"
-            if not getattr(run, "leftover", None)
-            else f"{len(run.leftover)} process(es) of this run could not be stopped: {'; '.join(run.leftover)}"
+            if not run.processes.leftover
+            else f"{len(run.processes.leftover)} process(es) of this run could not be stopped: "
+            f"{'; '.join(run.processes.leftover)}"
         )
         print(f"vime train: interrupted; {stopped}", file=sys.stderr)
         return 130

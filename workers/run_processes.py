@@ -1,4 +1,4 @@
-"""Starting and stopping the processes of one `vime train` run, for its driver (vime/train.py).
+"""The processes of one `vime train` run, which its driver (vime/train.py) owns as one :class:`RunProcesses`.
 
 At the start: the guard against dead runs' leftovers (the reaper, vime/runtime/reaper.py), Ray, the
 controller, the trainer's ranks, the model serving (routers, engines: workers/serving.py) and the first
@@ -12,25 +12,60 @@ import contextlib
 import json
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 from vime.data.source import DataKeys
 from vime.runtime import interrupts
+
+if TYPE_CHECKING:
+    from vime.config import TrainSettings
+    from vime.metrics import MetricsLog
 
 TEARDOWN_SLOW_S = 5.0  # a step of the teardown slower than this is said in the progress output
 
 
 class RunProcesses:
-    """The start and the teardown of :class:`~vime.train.TrainingRun`, which it is mixed into (its settings,
-    run token, log, and the handles of the processes it starts: ``controller``, ``trainer``, ``serving``,
-    ``rollout``)."""
+    """Starts and stops the processes of one run, and holds their handles for the driver: ``controller``
+    (the queue's Ray actor), ``trainer`` (workers/trainer_group.py), ``serving`` (workers/serving.py),
+    ``rollout`` (workers/rollout_group.py) and ``run_guard`` (vime/runtime/incarnations.py); each is None
+    until started. The verbs, in the order the driver calls them: :meth:`guard`, :meth:`start`,
+    :meth:`stop_rollout_workers` (the end of a run that went well) and :meth:`teardown` (always), after which
+    ``leftover`` names the processes it could not stop.
 
-    def guard_processes(self) -> None:
+    ``log`` is the driver's: its progress output and records, closed by the teardown before the sweep.
+    ``ray_namespace``: where `vime engines` finds the run's registry (docs/elastic.md).
+    ``storage_declaration``: straw's, checked against the mount by the pre-flight checks."""
+
+    def __init__(
+        self,
+        settings: TrainSettings,
+        *,
+        token: str,
+        run_dir: str,
+        log: MetricsLog,
+        ray_namespace: str,
+        storage_declaration: dict | None,
+    ):
+        self.s = settings
+        self.token, self.run_dir, self.log = token, run_dir, log
+        self.ray_namespace, self.storage_declaration = ray_namespace, storage_declaration
+        self.run_guard = None  # vime.runtime.incarnations.RunGuard: the reaper and the record
+        self.ray_started = False
+        self.controller = None  # the controller's Ray actor (vime.workers.controller.Controller)
+        # vime.workers.trainer_group.TrainerGroup. A restart in place (workers/trainer_restart.py) replaces its
+        # ranks, not the group: the weight synchronisation and this teardown keep calling the live ranks.
+        self.trainer = None
+        self.serving = None  # vime.workers.serving.ModelServing: routers, engines, frozen models
+        self.rollout = None  # vime.workers.rollout_group.RolloutGroup: the rollout workers
+        self.leftover: list[str] = []  # processes of the run the teardown could not stop
+
+    def guard(self) -> None:
         """Before any process starts: stop what dead runs on this queue left behind, and start the reaper
         that stops this run's processes if the driver dies without its teardown (a SIGKILL, the OOM
         killer). See vime/runtime/reaper.py and vime/runtime/incarnations.py."""
         from vime.runtime.incarnations import RunGuard
 
-        self.guard = RunGuard.start(
+        self.run_guard = RunGuard.start(
             self.token, data_dir=self.s.rollout_data_dir, run_dir=self.run_dir, say=self.log.say
         )
 
@@ -48,22 +83,24 @@ class RunProcesses:
             self.storage_declaration,
         )
 
-    def start_processes(self) -> None:
+    def start(self, *, plan: Any, trained_model: str | None, prompt_rows: list[int] | None) -> None:
         """Ray, then the controller and the trainer, whose processes start (imports, the queue's recovery, the
         model's load: ~5 s) while the engines do; on GPUs the engines start first, alone: vLLM measures the
-        device's free memory as it starts, which a trainer loading beside it would change."""
+        device's free memory as it starts, which a trainer loading beside it would change. ``plan`` and
+        ``trained_model``: what to serve (vime/preflight.py's launch plan of --vllm-config and its weight-synced
+        model); ``prompt_rows``: the rows of --prompt-data the controller opens (--rollout-max-prompt-len)."""
         import ray
 
         self._start_ray()
         beside_the_engines = ray.cluster_resources().get("GPU", 0) == 0
         if beside_the_engines:
-            self._start_controller_and_trainer()
+            self._start_controller_and_trainer(prompt_rows)
         from vime.workers.serving import ModelServing
 
         self.serving = ModelServing(
             self.s,
-            plan=self.plan,
-            trained_model=self.trained_model,
+            plan=plan,
+            trained_model=trained_model,
             run_dir=self.run_dir,
             run_token=self.token,
             say=self.log.say,
@@ -76,7 +113,7 @@ class RunProcesses:
             registry_namespace=self.ray_namespace, on_router=self._prepare_rollout if beside_the_engines else None
         )
         if not beside_the_engines:
-            self._start_controller_and_trainer()
+            self._start_controller_and_trainer(prompt_rows)
             self._prepare_rollout()
         ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
         self.log.say(
@@ -89,7 +126,7 @@ class RunProcesses:
         self.rollout = RolloutGroup(self._create_worker, self.controller, say=self.log.say, record=self.log.write)
         self.rollout.prepare()  # worker 0's actor: its process imports and loads while the rest starts
 
-    def _start_controller_and_trainer(self) -> None:
+    def _start_controller_and_trainer(self, prompt_rows: list[int] | None) -> None:
         """Create the controller and the trainer's ranks; their readiness is waited for by the caller (several
         trainer ranks form their process group here, which waits for each rank's start)."""
         import ray
@@ -117,7 +154,7 @@ class RunProcesses:
             max_staleness=s.max_staleness,
             data_source_path=s.data.data_source_path,
             args=s.args,
-            prompt_rows=self.prompt_rows,
+            prompt_rows=prompt_rows,
             refill_multiple=s.rollout.over_sampling_batch_size,
         )
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
@@ -204,9 +241,9 @@ class RunProcesses:
             self.leftover = sweep_run_processes(self.token, exclude_pids=[os.getpid()])
             if self.leftover:
                 self.log.say("these processes of the run could not be stopped: " + "; ".join(self.leftover))
-            if self.guard is not None:
+            if self.run_guard is not None:
                 with contextlib.suppress(Exception):  # the record stays: the next start on this queue sweeps it
-                    self.guard.close(everything_stopped=not self.leftover)
+                    self.run_guard.close(everything_stopped=not self.leftover)
 
     def _stop_controller(self) -> None:
         if self.controller is not None:
