@@ -167,7 +167,8 @@ def job_processes(data_dir: str, run_dir: str, driver_pid: int) -> tuple[str | N
             token = info["run_token"] if info.get("pid") == driver_pid else None
     found = {p.pid: p for p in processes_with_tokens([token]).get(token, [])} if token else {}
     for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
+        # os.getpgid raises ProcessLookupError (not a psutil.Error) for a process that exited since the listing
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if proc.pid not in found and os.getpgid(proc.pid) == driver_pid and proc.status() != psutil.STATUS_ZOMBIE:
                 found[proc.pid] = proc
     if record and record.reaper_pid:
