@@ -5,8 +5,9 @@ megatron-core hard-codes CUDA in a few places that a CPU forward reaches: buffer
 (the tied embedding's copy on the last pipeline stage), pinned memory (context parallelism's rotary
 positions) and the CUDA RNG tracker its attention forks around dropout. :func:`install` redirects them to the
 CPU for this process only: ``torch.cuda.current_device()`` answers ``"cpu"`` and the tracker keeps CPU
-generator states. Production code never installs it (the Megatron backend refuses a machine
-without CUDA unless this shim is active); tests call it before building a model.
+generator states (activation recomputation saves and restores only the CPU's). Production code never
+installs it (the Megatron backend refuses a machine without CUDA unless this shim is active); tests call it
+before building a model.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def install() -> None:
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    # Activation recomputation (--recompute-granularity full) saves and restores the CUDA generator's state
+    # around each checkpointed layer: there is none on the CPU (the CPU's own state is saved beside it).
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     mp_random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _INSTALLED = True

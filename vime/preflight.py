@@ -9,6 +9,7 @@ the checkpoint to resume, the tokenizer) is what the run uses: :class:`Inputs`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,6 +97,8 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     s.megatron.check_against_hf(hf_config, s.train.train_backend)
     check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
     check_tokenizer_files(s.train.hf_checkpoint)
+    if s.data.apply_chat_template:
+        check_chat_template(s.train.hf_checkpoint)
     tokenizer = None
     if eval_sets or s.rollout.rollout_max_prompt_len is not None:  # the driver's only uses of it
         # AutoTokenizer's import costs ~2 CPU-seconds over AutoConfig's: a run without them leaves the tokenizer
@@ -126,6 +129,26 @@ def check_tokenizer_files(folder: str) -> None:
     """The tokenizer's files are in --hf-checkpoint: the rollout workers load it, which the driver may not."""
     if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
         raise ConfigError("--hf-checkpoint", f"{folder} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+
+
+def check_chat_template(folder: str) -> None:
+    """--apply-chat-template needs the tokenizer's chat template: found now by its files, not by the rollout
+    workers after everything has started."""
+    if not os.path.isdir(folder):
+        return
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")) or os.path.isfile(
+        os.path.join(folder, "chat_template.json")
+    ):
+        return
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            if json.load(f).get("chat_template"):
+                return
+    raise ConfigError(
+        "--apply-chat-template",
+        f"the tokenizer of --hf-checkpoint {folder} has no chat template (no chat_template.jinja, "
+        "chat_template.json or tokenizer_config.json's chat_template)",
+    )
 
 
 def check_stop_token_ids(s: TrainSettings, vocab_size: int | None) -> None:

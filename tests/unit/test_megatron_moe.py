@@ -333,3 +333,18 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism(qwen3_moe_dir):
         check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2)))
     check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, sequence_parallel=True)))
     check(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=1)))
+
+
+def test_a_dense_model_takes_moot_expert_sizes_but_not_spread_experts(tmp_path):
+    """The reference's dense scripts pass --expert-model-parallel-size 1 --expert-tensor-parallel-size 1 under
+    --tensor-model-parallel-size 2: how absent experts would be split is moot; spreading them is an error."""
+    pytest.importorskip("megatron.core")
+    from tests.megatron_shim import tiny_hf_model
+    from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_setup import check_expert_parallelism
+    from vime.backends.megatron_spec import MegatronBackendSpec
+
+    model = model_args_from_hf(AutoConfig.from_pretrained(tiny_hf_model(str(tmp_path / "dense"), "qwen2")))
+    check_expert_parallelism(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, expert_tensor=1)))
+    with pytest.raises(ValueError, match="^--expert-model-parallel-size 2: qwen2 has no experts"):
+        check_expert_parallelism(MegatronBackendSpec(model=model, parallel=Parallelism(expert=2)))

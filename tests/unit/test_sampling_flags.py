@@ -152,6 +152,19 @@ def test_a_checkpoint_without_tokenizer_files_is_refused_naming_the_flag(tmp_pat
     preflight.check_tokenizer_files(str(bare))
 
 
+def test_apply_chat_template_without_a_template_is_refused_before_anything_starts(tmp_path):
+    folder = tmp_path / "no_template"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    with pytest.raises(ConfigError, match=r"^--apply-chat-template: the tokenizer of --hf-checkpoint .* no chat"):
+        preflight.check_chat_template(str(folder))
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0][\'content\'] }}"}')
+    preflight.check_chat_template(str(folder))  # in tokenizer_config.json, as older checkpoints keep it
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    preflight.check_chat_template(str(folder))  # its own file, as transformers 5 writes it
+
+
 def test_bad_types_are_refused_by_the_parser(model_dir, capsys):
     with pytest.raises(SystemExit):
         parse_train_args(base(model_dir, "--rollout-stop-token-ids", "eos"))

@@ -101,9 +101,10 @@ class MegatronBackend(RolloutTraining):
         self.expert_dp = None
         parallel = megatron.parallel
         if parallel.expert > 1 or parallel.expert_tensor_size != parallel.tensor:
-            check_expert_parallelism(megatron)
-            # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
-            self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
+            check_expert_parallelism(megatron)  # a dense model's expert sizes are moot, but for spreading experts
+            if megatron.model.is_moe:
+                # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
+                self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
         if megatron.moe.routing_replay and not megatron.model.is_moe:
             raise ValueError(
                 f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "

@@ -50,9 +50,12 @@ def check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
 def check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
     """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
     ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model
-    flag = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}"
     if not model.is_moe:
-        raise ValueError(f"{flag}: {model.family} has no experts")
+        # How a dense model's absent experts would be split is moot (the reference's dense scripts pass
+        # --expert-tensor-parallel-size 1 under --tensor-model-parallel-size 2); spreading them is not.
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep}: {model.family} has no experts")
+        return
     if model.num_experts % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} must divide the {model.num_experts} experts")
     if model.moe_ffn_hidden_size % etp:
