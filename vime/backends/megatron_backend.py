@@ -58,6 +58,7 @@ from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_s
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
+from vime.config.base import ConfigError
 from vime.config.roles import RoleOverrides
 from vime.rl.batch import Forward
 from vime.rl.losses import token_entropy
@@ -353,19 +354,21 @@ class MegatronBackend(RolloutTraining):
             return
         spec = self.spec  # start-up validation refuses these too (vime.config.check_trainer_parallelism)
         if getattr(spec, "use_dynamic_batch_size", False) or getattr(spec, "balance_data", False):
-            raise ValueError(
-                "--use-dynamic-batch-size and --balance-data cannot run with expert parallelism yet: "
-                "its ranks need the same number of micro-batches in every step"
+            raise ConfigError(  # a user's error: restarting the trainer would meet it again
+                "--use-dynamic-batch-size",
+                "and --balance-data cannot run with expert parallelism yet: its ranks need the same number "
+                "of micro-batches in every step",
             )
         size, replicas = self.spec.micro_batch_size, self.dp.size
         per_step = max(1, self.spec.global_batch_size // size)
         micro_batches = -(-len(samples) // size)
         if micro_batches % replicas or per_step % replicas or micro_batches % per_step:
-            raise ValueError(
-                f"--expert-model-parallel-size: {len(samples)} samples make {micro_batches} "
+            raise ConfigError(
+                "--expert-model-parallel-size",
+                f"{len(samples)} samples make {micro_batches} "
                 f"micro-batch(es) of --micro-batch-size {size}, in optimizer steps of {per_step}; both "
                 f"must be multiples of the {replicas} data-parallel ranks (and the rollout a whole "
-                "number of steps)"
+                "number of steps)",
             )
 
     def micro_batch_tokens(self, per_gpu: int) -> int:
