@@ -226,25 +226,12 @@ def fault_env(state_dir: str, kill_step: int) -> dict[str, str]:
     return {"VIME_FAULTS": f"{FAULT}@{kill_step}", "VIME_FAULT_STATE": state_dir}
 
 
-ENGINE_MODULE = "vllm.entrypoints.openai.api_server"  # what each engine vime starts runs (vime/engines/vllm_server.py)
-
-
 def engine_pids(run_dir: str) -> set[int]:
-    """The process ids of the run's own vLLM engines (their API servers, and the EngineCore / Worker
-    processes they start, all carrying the run's token), for the check that a restore in place keeps them."""
-    import psutil
-
-    from vime.runtime.process import processes_with_tokens
+    """The process ids of the run's own vLLM engines, found by its token (vime/engines/vllm_server.py)."""
+    from vime.engines.vllm_server import engine_process_ids
 
     with open(os.path.join(run_dir, "run.json")) as f:
-        token = json.load(f)["run_token"]
-    found = set()
-    for proc in processes_with_tokens([token]).get(token, []):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            command = " ".join(proc.cmdline())
-            if ENGINE_MODULE in command or proc.name().startswith("VLLM::"):
-                found.add(proc.pid)
-    return found
+        return engine_process_ids(json.load(f)["run_token"])
 
 
 def restart_record(run_dir: str) -> dict:

@@ -20,7 +20,7 @@ import requests
 from vime.engines.http import EngineError, call_json
 from vime.engines.probe import probe_generation
 from vime.runtime.ports import PortInUseError, free_port, port_is_free
-from vime.runtime.process import ManagedProcess
+from vime.runtime.process import ManagedProcess, processes_with_tokens
 
 PauseMode = Literal["keep", "abort", "wait"]
 
@@ -33,6 +33,24 @@ _LOG_TAIL_LINES = 30
 
 class EngineStartError(EngineError):
     """The engine process exited or never became healthy; the message carries its log tail."""
+
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # what every engine vime starts runs
+
+
+def engine_process_ids(run_token: str) -> set[int]:
+    """The process ids of the vLLM engines a run started (their API servers and the EngineCore / Worker
+    processes those start), found by the run's token: what a restore in place must leave alone."""
+    import psutil
+
+    found = set()
+    for proc in processes_with_tokens([run_token]).get(run_token, []):
+        try:
+            if SERVER_MODULE in " ".join(proc.cmdline()) or proc.name().startswith("VLLM::"):
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def build_vllm_command(
@@ -54,7 +72,7 @@ def build_vllm_command(
     argv = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        SERVER_MODULE,
         "--model",
         str(model),
         "--host",
