@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -26,8 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from examples.digit_shift.run_demo import demo_args  # noqa: E402
-from tests.e2e.test_megatron_main_job import SHIM_JOB_CONFIG  # noqa: E402
-from tests.integration.test_estimators_run import start_ray_head, stop_ray_head, wait_listening  # noqa: E402
+from tests.megatron_run import run_on_megatron_shim  # noqa: E402
 
 
 def main() -> int:
@@ -37,33 +35,12 @@ def main() -> int:
     options = parser.parse_args()
     work = options.keep or tempfile.mkdtemp(prefix="vime-megatron-demo-")
     os.makedirs(work, exist_ok=True)
-    from pathlib import Path
 
     from vime.tools.make_tiny_model import make_tiny_model
 
     model = make_tiny_model(os.path.join(work, "tiny-qwen2"), seed=0)
     run_dir = os.path.join(work, "run")
-    os.environ["PYTHONPATH"] = REPO  # the Ray head's workers import tests.megatron_shim
-    log = Path(work) / "ray_head.log"
-    head, port = start_ray_head(log)
-    try:
-        wait_listening(head, port, log)
-        args = [
-            sys.executable,
-            "-m",
-            "vime.cli",
-            "train",
-            *demo_args(run_dir, model),
-            "--train-backend",
-            "megatron",
-            "--ray-address",
-            f"127.0.0.1:{port}",
-        ]
-        code = subprocess.run(
-            args, cwd=REPO, env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG}
-        ).returncode
-    finally:
-        stop_ray_head(head)
+    code = run_on_megatron_shim(demo_args(run_dir, model), work, capture=False, timeout=None).returncode
     if code != 0:
         print(f"FAIL: vime train exited with {code}")
         return 1

@@ -13,53 +13,34 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import assert_nothing_left, vime_args
-from tests.integration.test_estimators_run import start_ray_head, stop_ray_head, wait_listening
+from tests.megatron_run import run_on_megatron_shim
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.e2e
-SHIM_JOB_CONFIG = json.dumps({"runtime_env": {"worker_process_setup_hook": "tests.megatron_shim.install"}})
 
 
-def test_main_job_with_the_megatron_backend(tmp_path, tiny_model_dir, vllm_engine, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", REPO)  # the Ray head's workers import tests.megatron_shim
-    head, port = start_ray_head(tmp_path / "ray_head.log")
-    try:
-        wait_listening(head, port, tmp_path / "ray_head.log")
-        run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
-        with attached(vllm_engine) as engine_flags:
-            result = subprocess.run(
-                vime_args(
-                    tiny_model_dir,
-                    run_dir,
-                    "--num-rollout",
-                    "3",
-                    "--train-backend",
-                    "megatron",
-                    "--ray-address",
-                    f"127.0.0.1:{port}",
-                    "--save",
-                    save,
-                    "--save-interval",
-                    "3",
-                    "--max-staleness",
-                    "0",
-                    *engine_flags,
-                ),
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG},
-            )
-    finally:
-        stop_ray_head(head)
+def test_main_job_with_the_megatron_backend(tmp_path, tiny_model_dir, vllm_engine):
+    run_dir, save = str(tmp_path / "run"), str(tmp_path / "save")
+    with attached(vllm_engine) as engine_flags:
+        argv = vime_args(
+            tiny_model_dir,
+            run_dir,
+            "--num-rollout",
+            "3",
+            "--save",
+            save,
+            "--save-interval",
+            "3",
+            "--max-staleness",
+            "0",
+            *engine_flags,
+        )
+        result = run_on_megatron_shim(argv[argv.index("train") + 1 :], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "starting the trainer (megatron backend" in result.stdout
 

@@ -20,16 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
 from tests.e2e.conftest import attached
 from tests.e2e.test_main_job import assert_nothing_left
-from tests.e2e.test_megatron_main_job import SHIM_JOB_CONFIG
-from tests.integration.test_estimators_run import start_ray_head, stop_ray_head, wait_listening
+from tests.megatron_run import run_on_megatron_shim
 from tests.unit.test_reference_quickstart import CHECKPOINTS, DATA, EVAL_DATA, MODEL, QWEN3_4B_ARGS, STILL_REFUSED
 from vime.tools.reference_flags import argv_of, flag_uses
 
@@ -83,7 +79,7 @@ def test_the_changes_touch_only_flags_of_the_script():
     assert set(CHANGES) <= flags, set(CHANGES) - flags
 
 
-def test_the_quickstart_trains_two_steps_on_cpu(tmp_path, tiny_model_dir, vllm_engine, monkeypatch):
+def test_the_quickstart_trains_two_steps_on_cpu(tmp_path, tiny_model_dir, vllm_engine):
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(1, 9)))
     aime = tmp_path / "aime.jsonl"
@@ -93,36 +89,9 @@ def test_the_quickstart_trains_two_steps_on_cpu(tmp_path, tiny_model_dir, vllm_e
     shutil.copytree(tiny_model_dir, model)
     (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     args = quickstart_on_cpu({MODEL: str(model), DATA: str(data), EVAL_DATA: str(aime), CHECKPOINTS: save})
-    monkeypatch.setenv("PYTHONPATH", REPO)  # the Ray head's workers import tests.megatron_shim
-    head, port = start_ray_head(tmp_path / "ray_head.log")
-    try:
-        wait_listening(head, port, tmp_path / "ray_head.log")
-        with attached(vllm_engine) as engine_flags:
-            result = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "vime.cli",
-                    "train",
-                    *args,
-                    "--train-backend",
-                    "megatron",
-                    "--ray-address",
-                    f"127.0.0.1:{port}",
-                    "--run-dir",
-                    run_dir,
-                    "--rollout-data-dir",
-                    os.path.join(run_dir, "rollout_data"),
-                    *engine_flags,
-                ],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env={**os.environ, "RAY_JOB_CONFIG_JSON_ENV_VAR": SHIM_JOB_CONFIG},
-            )
-    finally:
-        stop_ray_head(head)
+    with attached(vllm_engine) as engine_flags:
+        run_dir_flags = ["--run-dir", run_dir, "--rollout-data-dir", os.path.join(run_dir, "rollout_data")]
+        result = run_on_megatron_shim([*args, *run_dir_flags, *engine_flags], tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "starting the trainer (megatron backend, 2 ranks" in result.stdout, result.stdout[-3000:]
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]

@@ -45,8 +45,9 @@ CRITIC_METRICS = {"value_loss", "critic_grad_norm", "value_clipfrac", "value_mea
 TIMEOUT_S = 300
 
 
-def start_ray_head(log_path) -> tuple[subprocess.Popen, int]:
-    """A Ray head of this module's own (``ray start --block``: SIGTERM stops it and its processes)."""
+def start_ray_head(log_path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """A Ray head of this module's own (``ray start --block``: SIGTERM stops it and its processes); ``env``:
+    its environment (default: this process's), which its workers inherit."""
     from vime.runtime.ports import free_port
 
     port = free_port()
@@ -70,6 +71,7 @@ def start_ray_head(log_path) -> tuple[subprocess.Popen, int]:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
     return head, port
 
