@@ -115,7 +115,7 @@ class ModelServer:
     def address(self) -> tuple[str, int]:
         """(ip, port) of its router: the value of ``args.vllm_model_routers[name]``."""
         host, port = self.router_url.split("//", 1)[1].rsplit(":", 1)
-        return host, int(port)
+        return host.strip("[]"), int(port)  # an IPv6 host without its URL brackets (get_model_url adds them)
 
     # ------------------------------------------------------------------ start
     def start_router(self, router_args: dict, *, port: int | None = None) -> None:

@@ -1,6 +1,7 @@
 """The launch plan of a resolved --vllm-config: the vLLM command line each engine would get (roles,
 kv/ec transfer configs), the start order and the routers. Nothing is started."""
 
+import argparse
 import json
 
 import pytest
@@ -433,3 +434,32 @@ def test_engine_variants_carry_the_role_and_restarts_keep_a_pd_engines_port(monk
     actor.restarts = 1
     actor._start_server()  # a restart: the same port, where the PD router expects it
     assert ports == [40000, 40000]
+
+
+def test_every_served_models_router_is_published_as_ip_and_port():
+    """args.vllm_model_routers[name] is (ip, port) for the trained model and the frozen ones alike
+    (docs/vllm-config.md); an IPv6 host loses its URL brackets, which get_model_url puts back."""
+    from vime.rollout.model_routes import get_model_url
+    from vime.workers.model_servers import ModelServer
+
+    class NoEngines:
+        router = None
+
+    server = ModelServer(
+        "actor",
+        NoEngines(),
+        launch=None,
+        frozen=False,
+        log_dir="logs",
+        run_token="token",
+        http_timeout=1.0,
+        router_restart_budget=0,
+        say=print,
+        record=print,
+    )
+    server.router_url = "http://127.0.0.1:30000"
+    assert server.address == ("127.0.0.1", 30000)
+    server.router_url = "http://[::1]:8000"
+    assert server.address == ("::1", 8000)
+    args = argparse.Namespace(vllm_model_routers={"actor": server.address})
+    assert get_model_url(args, "actor") == "http://[::1]:8000/inference/v1/generate"
