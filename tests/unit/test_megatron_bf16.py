@@ -157,9 +157,9 @@ def test_tensor_parallel_2_trains_as_one_rank_does(model_dir, tmp_path):
     assert float(gap.mean()) < 1e-4 and float((gap > 1e-4).float().mean()) < 0.05, float(gap.max())
 
 
-def test_the_command_line_takes_bf16_for_megatron_and_refuses_its_distributed_optimizer(model_dir, tmp_path):
+def test_the_command_line_takes_bf16_for_megatron_and_its_distributed_optimizer(model_dir, tmp_path):
     from tests.train_args import minimal_train_argv
-    from vime.config import ConfigError, parse_train_args
+    from vime.config import parse_train_args
     from vime.queue.rollout_queue import StoreOptions
     from vime.workers.trainer_worker import TrainerWorkerSpec
 
@@ -169,6 +169,7 @@ def test_the_command_line_takes_bf16_for_megatron_and_refuses_its_distributed_op
     spec = TrainerWorkerSpec.from_settings(
         s, transport="object-store", store=StoreOptions(str(tmp_path / "queue")), threads=1, cpu_affinity=None
     )
-    assert spec.backend.bf16 and spec.megatron is not None
-    with pytest.raises(ConfigError, match="^--use-distributed-optimizer: .*--train-backend torch"):
-        parse_train_args(minimal_train_argv(model_dir, *megatron, "--use-distributed-optimizer"))
+    assert spec.backend.bf16 and spec.megatron is not None and not spec.backend.use_distributed_optimizer
+    # The sharded optimizer (tests/unit/test_megatron_distributed_optimizer.py) is no longer refused.
+    s = parse_train_args(minimal_train_argv(model_dir, *megatron, "--bf16", "--use-distributed-optimizer"))
+    assert s.train.use_distributed_optimizer and s.train.bf16

@@ -14,7 +14,9 @@ as the torch backend, on a megatron-core GPTModel built from the Megatron flags 
   (``megatron_pipeline``); context-parallel ranks gather each other's keys and values (``megatron_context``);
 - a torch AdamW optimizer on fp32 parameters (megatron-core's optimizer hard-codes CUDA); with ``--bf16`` the
   model computes in bf16 and AdamW steps float32 masters (vime/backends/precision.py, as the torch backend's
-  replicated models), from which checkpoints are written and weights published in the engines' dtype;
+  replicated models), from which checkpoints are written and weights published in the engines' dtype; with
+  ``--use-distributed-optimizer`` each data-parallel rank keeps the optimizer's state (and the masters) of its
+  part of the parameters only (ZeRO-1, ``sharded_optimizer``), in checkpoints of the same format;
 - initial weights from ``--ref-load`` (a Megatron checkpoint or an HF folder), else
   ``--hf-checkpoint``; the KL reference model from the same;
 - checkpoints in ``--ckpt-format`` inside vime's ``iter_XXXXXXX/`` folders; engines receive
@@ -57,6 +59,7 @@ from vime.backends.megatron_setup import (
 from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_source
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.backends.sharded_optimizer import StateAccess, make_sharded_role
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
 from vime.config.roles import RoleOverrides
@@ -106,6 +109,12 @@ class MegatronBackend(RolloutTraining):
             if megatron.model.is_moe:
                 # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
                 self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
+                if spec.use_distributed_optimizer:  # start-up validation refuses it too (check_trainer_parallelism)
+                    raise ConfigError(
+                        "--use-distributed-optimizer",
+                        "cannot shard the optimizer of experts spread over ranks (--expert-model-parallel-size, "
+                        "--expert-tensor-parallel-size) yet",
+                    )
         if megatron.moe.routing_replay and not megatron.model.is_moe:
             raise ValueError(
                 f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
@@ -136,7 +145,7 @@ class MegatronBackend(RolloutTraining):
         roles = algo.role_config()
         check_roles(roles)
         # The command line's AdamW and schedule, overridden by --megatron-config-path's actor entry.
-        self.actor = make_role("actor", self.gpt, spec, roles.role("actor"), roles.source)
+        self.actor = self._make_role("actor", self.gpt, roles.role("actor"), roles.source)
         self.optimizer = self.actor.optimizer
         # PPO's critic shares this worker; it is trained, saved and checkpointed with the actor.
         self.critic: ModelRole | None = None
@@ -176,6 +185,13 @@ class MegatronBackend(RolloutTraining):
             context=self.context,
         )
 
+    def _make_role(self, name: str, gpt, role: RoleOverrides, yaml: str | None) -> ModelRole:
+        """The role's optimizer: replicated, or with --use-distributed-optimizer sharded over the ranks that
+        sum its gradients (data x context parallel)."""
+        if self.spec.use_distributed_optimizer:
+            return make_sharded_role(name, gpt, self.spec, role, yaml, self.gradient_dp)
+        return make_role(name, gpt, self.spec, role, yaml)
+
     @staticmethod
     def _hook(flag: str, path: str | None, loader):
         return loader(flag, path) if path else None
@@ -207,7 +223,7 @@ class MegatronBackend(RolloutTraining):
         # The head's single output is batched like logits; R3 routes are the actor's and are not replayed here.
         self.critic_model = self._language_model(self.critic_gpt, 1)
         self.critic_save = role.save
-        return make_role("critic", self.critic_gpt, self.spec, role, yaml)
+        return self._make_role("critic", self.critic_gpt, role, yaml)
 
     def _build_and_load(self, source: str):
         from vime.backends import megatron_checkpoint as mc, megatron_model as mm
@@ -492,11 +508,12 @@ class MegatronBackend(RolloutTraining):
         (vime's iter_XXXXXXX/ folder)."""
         from vime.backends import megatron_checkpoint as mc
 
-        with self.actor.weights_as():  # --bf16: the float32 masters, which the optimizer's state belongs to
+        # --bf16: the float32 masters, which the optimizer's state belongs to; sharded: gathered whole.
+        with self.actor.whole_state(StateAccess.READ) as optimizer:
             mc.save(
                 path,
                 self.gpt,
-                self.optimizer,
+                optimizer,
                 fmt=self.megatron.ckpt_format,
                 iteration=self.rollouts_trained,
                 args=self.checkpoint_args(),
@@ -516,21 +533,20 @@ class MegatronBackend(RolloutTraining):
         )
 
     def _save_critic(self, folder: str) -> None:
-        with self.critic.weights_as():
-            megatron_critic.save(folder, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint())
+        with self.critic.whole_state(StateAccess.READ) as optimizer:
+            megatron_critic.save(folder, self.critic_gpt, optimizer, **self._critic_checkpoint())
 
     def _export_critic(self) -> None:
-        with self.critic.weights_as():
-            megatron_critic.export(
-                self.critic_save, self.critic_gpt, self.critic.optimizer, **self._critic_checkpoint()
-            )
+        with self.critic.whole_state(StateAccess.READ) as optimizer:
+            megatron_critic.export(self.critic_save, self.critic_gpt, optimizer, **self._critic_checkpoint())
 
     def load_training_state(self, path: str) -> None:
         from vime.backends import megatron_checkpoint as mc
 
         folder = mc.resolve_step_folder(path)
-        with self.actor.weights_as():  # --bf16: into the float32 masters; the bf16 model is refreshed from them
-            common = mc.load(folder, self.gpt, self.optimizer, restore_rng=True)
+        # --bf16: into the float32 masters (the bf16 model is refreshed from them); sharded: each rank keeps its part.
+        with self.actor.whole_state(StateAccess.WRITE) as optimizer:
+            common = mc.load(folder, self.gpt, optimizer, restore_rng=True)
         self.rollouts_trained = int(common.get("iteration") or 0)
         self.actor.restore_steps(self._saved_steps(common))
         if self.critic is not None:
@@ -540,8 +556,8 @@ class MegatronBackend(RolloutTraining):
                     f"{folder} holds no critic state (it was saved by a run without "
                     "--advantage-estimator ppo); a PPO run cannot resume from it"
                 )
-            with self.critic.weights_as():
-                common = mc.load(critic, self.critic_gpt, self.critic.optimizer)
+            with self.critic.whole_state(StateAccess.WRITE) as optimizer:
+                common = mc.load(critic, self.critic_gpt, optimizer)
             self.critic.restore_steps(self._saved_steps(common))
 
     @staticmethod

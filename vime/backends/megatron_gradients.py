@@ -10,13 +10,13 @@ import torch
 
 def param_ids(models, keep) -> set[int]:
     """ids of the parameters of ``models`` ((role, GPTModel or None) pairs: the actor and the critic) for which
-    ``keep(name, param)`` holds, and with --bf16 of their float32 masters (what the optimizer steps, and so what
-    the gradient reductions receive)."""
+    ``keep(name, param)`` holds, and with --bf16 of the float32 tensors the gradient reductions receive in their
+    place (``ModelRole.gradient_holders``: the masters, or the sharded optimizer's gradient stand-ins)."""
     ids = set()
     for role, gpt in models:
         if gpt is None:
             continue
-        master_of = dict(zip(map(id, role.masters.model_params), role.masters.params)) if role.masters else {}
+        master_of = role.gradient_holders()
         for name, p in gpt.named_parameters():
             if keep(name, p):
                 ids.add(id(p))

@@ -156,6 +156,21 @@ class ModelRole:
             return contextlib.nullcontext(self.module)
         return self.masters.parameters_as(dtype or torch.float32)
 
+    @contextlib.contextmanager
+    def whole_state(self, access=None):
+        """Context in which the module holds its float32 weights and the yielded optimizer their whole state:
+        what a checkpoint saves or loads (``access``, a ``sharded_optimizer.StateAccess``, matters only to the
+        sharded role, which gathers them)."""
+        with self.weights_as():
+            yield self.optimizer
+
+    def gradient_holders(self) -> dict[int, torch.Tensor]:
+        """id of each module parameter -> the tensor whose gradient the reductions receive in its place, where
+        that is another tensor (--bf16: its float32 master)."""
+        if self.masters is None:
+            return {}
+        return dict(zip(map(id, self.masters.model_params), self.masters.params))
+
     def sleep(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         if self.awake and self.device.type != "cpu":
@@ -187,11 +202,16 @@ def make_role(
     masters = master_weights(module, spec.bf16)  # --bf16: the module becomes bf16, AdamW steps float32 masters
     params = masters.params if masters is not None else module.parameters()
     return ModelRole(
-        name, module, _optimizer(params, spec, role), role.get("clip_grad", spec.clip_grad), schedule, masters=masters
+        name,
+        module,
+        make_optimizer(params, spec, role),
+        role.get("clip_grad", spec.clip_grad),
+        schedule,
+        masters=masters,
     )
 
 
-def _optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch.optim.Optimizer:
+def make_optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch.optim.Optimizer:
     """--optimizer over ``params`` with the command line's settings, overridden by the role's
     (--megatron-config-path). As Megatron-LM's: adam is Adam with decoupled weight decay (AdamW), sgd is SGD
     with momentum --sgd-momentum and weight decay as an L2 term."""

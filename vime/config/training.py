@@ -108,8 +108,10 @@ class TrainConfig:
     )
     use_distributed_optimizer: bool = option(
         False,
-        "Shard the parameters, gradients and optimizer state across the trainer's data-parallel ranks (torch "
-        "backend: FSDP2; the Megatron backend refuses it so far) (docs/real-models.md).",
+        "Shard the training state across the trainer's data-parallel ranks. Torch backend: FSDP2 shards the "
+        "parameters, gradients and optimizer state. Megatron backend: the optimizer state and, with --bf16, the "
+        "float32 master weights (ZeRO-1, as Megatron's distributed optimizer; not with expert parallelism) "
+        "(docs/real-models.md).",
     )
     log_probs_chunk_size: int | None = option(
         None,
@@ -134,13 +136,6 @@ class TrainConfig:
                 found = False
             require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
             # CUDA: vime.config.check_local_cuda (this machine's, unless the trainer runs on a Ray cluster's).
-        if self.train_backend == "megatron":
-            # megatron-core's distributed optimizer hard-codes CUDA and is not wired in yet (docs/real-models.md).
-            require(
-                not self.use_distributed_optimizer,
-                "--use-distributed-optimizer",
-                "the Megatron backend replicates the optimizer so far; use --train-backend torch",
-            )
         require(
             self.optimizer in ("adam", "sgd"),
             "--optimizer",
@@ -181,11 +176,13 @@ class TrainConfig:
                 "--max-tokens-per-gpu",
                 "is required with --use-dynamic-batch-size (the token budget of a micro-batch)",
             )
-        # FSDP keeps its ranks' passes in lock step by counting round-robin shares (vime/backends/fsdp.py).
+        # FSDP keeps its ranks' passes in lock step by counting round-robin shares (vime/backends/fsdp.py); the
+        # Megatron backend's sharded optimizer communicates only after the backward passes.
         require(
-            not (self.balance_data and self.use_distributed_optimizer),
+            not (self.balance_data and self.use_distributed_optimizer and self.train_backend == "torch"),
             "--balance-data",
-            "cannot be combined with --use-distributed-optimizer yet (its ranks share micro-batches round-robin)",
+            "cannot be combined with --use-distributed-optimizer on the torch backend yet (FSDP's ranks share "
+            "micro-batches round-robin)",
         )
         require(
             self.num_steps_per_rollout is None or self.num_steps_per_rollout >= 1,
