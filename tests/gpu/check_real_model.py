@@ -17,8 +17,8 @@ fell asleep every step and that sleep freed GPU memory ("Sleep mode freed ... Gi
 sampled with nvidia-smi while the run goes on, is reported (its peak, and its low while the engine sleeps).
 
 What it does not check: the torch backend trains on the host (its model is not moved to the GPU), so the
-trainer's own GPU memory is not part of this check, and the Megatron backend refuses --bf16 and
---use-distributed-optimizer so far (docs/real-models.md). Both are open in issue 16.
+trainer's own GPU memory is not part of this check, and neither is the Megatron backend's --bf16 or its
+--use-distributed-optimizer (ZeRO-1), which are tested on CPU only (docs/real-models.md).
 
 Exit status: 0 all checks passed, 1 a check failed, 77 not runnable here (no GPU, no vLLM): the reason is printed.
 """

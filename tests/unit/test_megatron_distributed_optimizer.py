@@ -8,6 +8,7 @@ no micro-batch in the second step and still takes part in the sum, the step and 
 chunks of 1000 elements per rank here, so a chunk ends inside a parameter and a step needs several of them.
 """
 
+import datetime
 import os
 
 import pytest
@@ -74,7 +75,10 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     shim.install()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # A rank left waiting in a collective fails the test in minutes, not gloo's default half hour.
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=2)
+    )
     from vime.backends import sharded_optimizer
     from vime.backends.megatron_backend import MegatronBackend
 
@@ -89,6 +93,11 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
             assert backend.dp.size == 2
             initial = exported_weights(backend)
             run = {"metrics": [backend.train_rollout(make_samples(0, GROUPS), 0)]}
+            # As TrainerWorker publishes: rank 0 exports, the other rank only takes part (--bf16: in the gather).
+            if rank == 0:
+                backend.hf_named_weights()
+            else:
+                backend.export_peer()
             run["weights"], run["initial"] = exported_weights(backend), initial
             run["held_bytes"] = held_bytes(backend)
             run["model_bytes"] = sum(p.numel() * 4 for p in backend.gpt.parameters())  # float32 elements

@@ -448,18 +448,21 @@ class MegatronBackend(RolloutTraining):
         return is_first_rank()
 
     def export_peer(self) -> None:
-        """A rank that writes nothing still takes part in gathering the tensor- and expert-parallel shards."""
+        """A rank that writes nothing still takes part in gathering the tensor- and expert-parallel shards, and
+        with --use-distributed-optimizer the masters' ranges (``ShardedOptimizer.weights_as``)."""
         from megatron.core import parallel_state as ps
 
         from vime.backends.megatron_weights import gather_canonical
 
-        if (
+        split = (
             ps.get_tensor_model_parallel_world_size() > 1
             or ps.get_expert_tensor_and_model_parallel_world_size() > 1
             or self.pipeline is not None
-        ):
+        )
+        if split or self.spec.use_distributed_optimizer:
             with self.actor.weights_as(self.export_dtype):
-                gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
+                if split:
+                    gather_canonical(self.gpt, self.megatron.model, to_cpu=False)
 
     def hf_named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """HF-named full tensors on the model's device (every tensor-parallel rank calls it: it gathers)."""

@@ -16,7 +16,9 @@ checkpoint directory. Whatever ``--ckpt-format`` says, both formats load. With P
 with a value head, ``megatron_critic``) is a second step folder, ``critic/``, inside the actor's.
 
 ``optimizer`` is a torch optimizer (vime trains with torch's AdamW; Megatron's own optimizer
-hard-codes CUDA), so the optimizer part is not Megatron-LM's distributed-optimizer layout.
+hard-codes CUDA), so the optimizer part is not Megatron-LM's distributed-optimizer layout. With
+``--use-distributed-optimizer`` the ranks gather their parts into one such optimizer for a save and take their
+parts back after a load (``sharded_optimizer.ShardedOptimizer.whole_state``): the format is the same.
 """
 
 from __future__ import annotations

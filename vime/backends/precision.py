@@ -19,7 +19,9 @@ Weights leave the trainer from the masters (:meth:`MasterWeights.parameters_as`)
 checkpoints (a resume is exact), cast to the engines' dtype for publication (:func:`engine_dtype`).
 
 FSDP2 (``--use-distributed-optimizer`` on several ranks, vime/backends/fsdp.py) keeps float32 shards and
-gathers bf16 itself (``MixedPrecisionPolicy``): :func:`master_weights` builds nothing for a sharded module.
+gathers bf16 itself (``MixedPrecisionPolicy``): :func:`master_weights` builds nothing for a sharded module. The
+Megatron backend's sharded optimizer (vime/backends/sharded_optimizer.py) keeps masters of its own ranks' range
+only, and does not use :class:`MasterWeights`.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class TorchTrainerSpec:
     bf16: bool = False  # --bf16: bf16 model, float32 master weights (docs/real-models.md)
     # The engines' --vllm-dtype (None or "auto": the checkpoint's torch_dtype): the dtype a --bf16 run publishes in.
     engine_dtype: str | None = None
-    use_distributed_optimizer: bool = False  # --use-distributed-optimizer: FSDP2 over the ranks (torch backend)
+    # --use-distributed-optimizer: FSDP2 over the ranks (torch backend); ZeRO-1 (Megatron, sharded_optimizer.py)
+    use_distributed_optimizer: bool = False
     log_probs_chunk_size: int | None = None  # --log-probs-chunk-size: logits by chunks of N tokens (chunked_logits)
     recompute_granularity: str | None = None  # --recompute-granularity: 'full' checkpoints every decoder layer
     # Token budgets (vime.backends.micro_batches, docs/real-models.md): with use_dynamic_batch_size each step's
