@@ -190,3 +190,32 @@ def test_the_command_line_takes_the_flag_and_refuses_it_with_experts_spread_over
             parse_train_args(minimal_train_argv(model_dir, *megatron, flag, "2"))
     with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --use-distributed-optimizer"):
         parse_train_args(minimal_train_argv(model_dir, "--use-distributed-optimizer", "--balance-data"))
+
+
+def test_sgd_through_the_sharded_path_and_a_replicated_checkpoint_resumed_sharded(model_dir, tmp_path):
+    """--optimizer sgd (its momentum is the state) on one rank: the sharded path takes the replicated optimizer's
+    step; a checkpoint written without the flag resumes with it, momentum included (the same next metrics)."""
+    from vime.backends.megatron_backend import MegatronBackend
+
+    megatron_shim.install()
+
+    def sgd_backend(sharded: bool) -> MegatronBackend:
+        spec = trainer_spec(model_dir)
+        spec.optimizer, spec.use_distributed_optimizer = "sgd", sharded
+        return MegatronBackend(spec, megatron_spec(model_dir, ckpt_format="torch_dist"))
+
+    replicated, sharded = sgd_backend(False), sgd_backend(True)
+    assert_same_metrics(sharded.train_rollout(make_samples(0), 0), replicated.train_rollout(make_samples(0), 0))
+    for (name, ours), (_, theirs) in zip(sharded.hf_named_weights(), replicated.hf_named_weights()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=name)
+    replicated.save_training_state(str(tmp_path / "ckpt"))
+    momentum = [replicated.optimizer.state[p]["momentum_buffer"].clone() for p in replicated.gpt.parameters()]
+    after = replicated.train_rollout(make_samples(1), 1)
+    resumed = sgd_backend(True)
+    resumed.load_training_state(str(tmp_path / "ckpt"))
+    # One rank owns every parameter whole: piece i is parameter i, flattened.
+    pieces = resumed.optimizer.piece_params
+    assert len(pieces) == len(momentum) and any(torch.count_nonzero(m) for m in momentum)
+    for piece, saved in zip(pieces, momentum):
+        assert torch.equal(resumed.optimizer.state[piece]["momentum_buffer"], saved.flatten())
+    assert_same_metrics(resumed.train_rollout(make_samples(1), 1), after)
