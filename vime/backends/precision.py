@@ -77,10 +77,48 @@ def master_weights(module: torch.nn.Module, bf16: bool) -> MasterWeights | None:
     return MasterWeights(module)
 
 
-def _copy_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
+def copy_parameter_attributes(source: torch.Tensor, target: torch.Tensor) -> None:
     """The public attributes a framework keeps on a parameter, onto another tensor (private ones, such as
     torch's hooks, stay where they are)."""
     target.__dict__.update({key: value for key, value in vars(source).items() if not key.startswith("_")})
+
+
+def parameter_places(module: torch.nn.Module, params: list[torch.Tensor]) -> list[tuple[torch.nn.Module, str, int]]:
+    """Every place one of ``params`` sits in ``module`` (a tied parameter sits in two submodules), as
+    (submodule, attribute, index in ``params``): where :func:`installed` puts other tensors in their stead."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [
+        (sub, leaf, index[id(p)])
+        for sub in module.modules()
+        for leaf, p in sub._parameters.items()
+        if p is not None and id(p) in index
+    ]
+
+
+@contextlib.contextmanager
+def installed(places, tensors: list[torch.Tensor], originals: list[torch.Tensor]) -> Iterator[None]:
+    """``tensors[i]`` in the places of ``originals[i]`` (:func:`parameter_places`) for the time of the block."""
+    for sub, leaf, i in places:
+        sub._parameters[leaf] = tensors[i]
+    try:
+        yield
+    finally:
+        for sub, leaf, i in places:
+            sub._parameters[leaf] = originals[i]
+
+
+def accumulate_grad_into(target: torch.Tensor):
+    """A post-accumulate-grad hook for a bf16 parameter: its gradient is added, in float32, to ``target``'s
+    (micro-batches of one step add up there, not in bf16) and freed, so no bf16 gradient outlives its backward."""
+
+    def move(param: torch.Tensor) -> None:
+        if target.grad is None:
+            target.grad = param.grad.to(torch.float32)
+        else:
+            target.grad.add_(param.grad)
+        param.grad = None
+
+    return move
 
 
 class MasterWeights:
@@ -102,32 +140,13 @@ class MasterWeights:
         # partition_dim, sequence_parallel, shared, ...) describe the masters too: the gradient reductions and
         # the norm read them from what the optimizer steps. Private ones (torch's hooks) stay where they are.
         for p, master in zip(self.model_params, self.params):
-            _copy_attributes(p, master)
-        # Every place a parameter sits (a tied one sits in two modules): (module, attribute, index in params).
-        index = {id(p): i for i, p in enumerate(self.model_params)}
-        self._slots = [
-            (sub, leaf, index[id(p)])
-            for sub in module.modules()
-            for leaf, p in sub._parameters.items()
-            if p is not None and id(p) in index
-        ]
+            copy_parameter_attributes(p, master)
+        self._places = parameter_places(module, self.model_params)
         for p in self.model_params:
             p.data = p.data.to(dtype)
         for p, master in zip(self.model_params, self.params):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_hook(master))
-
-    @staticmethod
-    def _grad_hook(master: torch.Tensor):
-        def move_to_master(param: torch.Tensor) -> None:
-            # Accumulate in float32 (micro-batches of one step add up here, not in bf16) and free the bf16 grad.
-            if master.grad is None:
-                master.grad = param.grad.to(torch.float32)
-            else:
-                master.grad.add_(param.grad)
-            param.grad = None
-
-        return move_to_master
+                p.register_post_accumulate_grad_hook(accumulate_grad_into(master))
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -143,20 +162,17 @@ class MasterWeights:
         parameters under their names), in another dtype cast copies. HF's ``save_pretrained`` then writes that
         dtype and names it in config.json. On exit the module holds its bf16 parameters again, refreshed from
         the masters."""
-        installed = self.params if dtype == torch.float32 else [self._cast(master, dtype) for master in self.params]
-        for sub, leaf, i in self._slots:
-            sub._parameters[leaf] = installed[i]
+        tensors = self.params if dtype == torch.float32 else [self._cast(master, dtype) for master in self.params]
         try:
-            yield self.module
+            with installed(self._places, tensors, self.model_params):
+                yield self.module
         finally:
-            for sub, leaf, i in self._slots:
-                sub._parameters[leaf] = self.model_params[i]
             self.refresh()
 
     @staticmethod
     def _cast(master: torch.nn.Parameter, dtype: torch.dtype) -> torch.nn.Parameter:
         cast = torch.nn.Parameter(master.detach().to(dtype), requires_grad=False)
-        _copy_attributes(master, cast)  # e.g. megatron-core's gather of tensor-parallel shards reads them
+        copy_parameter_attributes(master, cast)  # e.g. megatron-core's gather of tensor-parallel shards reads them
         return cast
 
     def named_tensors(self, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

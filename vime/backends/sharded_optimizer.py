@@ -48,6 +48,7 @@ import torch
 
 from vime.backends.data_parallel import DataParallel
 from vime.backends.lr_schedule import LRSchedule
+from vime.backends.precision import accumulate_grad_into, copy_parameter_attributes, installed, parameter_places
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_optimizer
 from vime.config.roles import RoleOverrides
 
@@ -106,7 +107,7 @@ def gradient_slot(param: torch.Tensor) -> torch.nn.Parameter:
     (one element seen through zero strides: ``zeros_like`` still gives a full, ordinary tensor)."""
     holder = torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
     slot = torch.nn.Parameter(holder, requires_grad=param.requires_grad)
-    slot.__dict__.update({key: value for key, value in vars(param).items() if not key.startswith("_")})
+    copy_parameter_attributes(param, slot)
     return slot
 
 
@@ -134,14 +135,7 @@ class ShardedOptimizer:
     ):
         self.module, self.make_optimizer, self.dp, self.bf16 = module, make_optimizer, dp, bf16
         self.model_params = list(module.parameters())  # a tied parameter once, as the unsharded optimizer has it
-        index = {id(p): i for i, p in enumerate(self.model_params)}
-        # Every place a parameter sits (a tied one in two modules), to install other tensors in its place.
-        self._places = [
-            (sub, leaf, index[id(p)])
-            for sub in module.modules()
-            for leaf, p in sub._parameters.items()
-            if p is not None and id(p) in index
-        ]
+        self._places = parameter_places(module, self.model_params)  # where gathered tensors stand in (weights_as)
         self.layout = FlatLayout([p.numel() for p in self.model_params], dp.size)
         self.pieces = self.layout.pieces(dp.rank)
         if not self.pieces:
@@ -159,7 +153,7 @@ class ShardedOptimizer:
             for p, slot in zip(self.model_params, self.params):
                 p.data = p.data.to(torch.bfloat16)
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._move_grad_to(slot))
+                    p.register_post_accumulate_grad_hook(accumulate_grad_into(slot))
         else:
             self.piece_params = [
                 self._piece_param(_flat(self.model_params[s.index].data)[s.start : s.stop], s) for s in self.pieces
@@ -170,18 +164,6 @@ class ShardedOptimizer:
     def _piece_param(self, values: torch.Tensor, segment: Segment) -> torch.nn.Parameter:
         # nn.Parameter over a view shares the parameter's storage (the float32 case): the step updates it in place.
         return torch.nn.Parameter(values, requires_grad=self.model_params[segment.index].requires_grad)
-
-    @staticmethod
-    def _move_grad_to(slot: torch.Tensor):
-        def move(param: torch.Tensor) -> None:
-            # Micro-batches add up in float32, and no bf16 gradient outlives its backward.
-            if slot.grad is None:
-                slot.grad = param.grad.to(torch.float32)
-            else:
-                slot.grad.add_(param.grad)
-            param.grad = None
-
-        return move
 
     # ------------------------------------------------------------------ the optimizer's interface
     @property
@@ -247,7 +229,7 @@ class ShardedOptimizer:
             master = torch.nn.Parameter(
                 torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=p.requires_grad
             )
-            master.__dict__.update({key: value for key, value in vars(p).items() if not key.startswith("_")})
+            copy_parameter_attributes(p, master)
             whole.append(master)
         self._all_gather(lambda piece: piece, whole)
         return whole
@@ -284,13 +266,8 @@ class ShardedOptimizer:
     # ------------------------------------------------------------------ whole tensors: export and checkpoints
     @contextlib.contextmanager
     def _installed(self, tensors: list[torch.Tensor]) -> Iterator[torch.nn.Module]:
-        for sub, leaf, i in self._places:
-            sub._parameters[leaf] = tensors[i]
-        try:
+        with installed(self._places, tensors, self.model_params):
             yield self.module
-        finally:
-            for sub, leaf, i in self._places:
-                sub._parameters[leaf] = self.model_params[i]
 
     def weights_as(self, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """Context in which the module holds the master weights in ``dtype`` (float32 by default), for reading
