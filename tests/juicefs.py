@@ -147,7 +147,8 @@ class ClientNode:
                 ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
+                # Ray gives a raylet 30 s to register with the GCS, which a machine loaded by other jobs can exceed.
+                env={**os.environ, "RAY_raylet_start_wait_time_s": "120", **env},
                 start_new_session=True,
             )
         self.namespace: str | None = None
@@ -174,6 +175,11 @@ class ClientNode:
         [(device, fstype)] = _mount_devices(self.proc.pid, self.mount_point)
         ours = _mount_devices("self", self.mount_point)
         assert fstype == "fuse.juicefs" and (device, fstype) not in ours, (device, fstype, ours)
+
+    def check_alive(self) -> None:
+        """Raise, with the node's log, if its Ray node process has exited (e.g. its raylet never registered)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the second node's Ray node exited ({self.proc.returncode}): {_tail(self.log, 10)}")
 
     def processes(self) -> list[int]:
         """Every live process in the node's mount namespace."""

@@ -48,10 +48,12 @@ def accepted_by_worker(data_dir: str) -> dict[str, list[str]]:
     return found
 
 
-def wait_until(condition, timeout: float, what: str, job, proc) -> None:
+def wait_until(condition, timeout: float, what: str, job, proc, node=None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc.poll() is None, f"the run ended before {what}:\n{job.last_log()[-4000:]}"
+        if node is not None:
+            node.check_alive()
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s:\n{job.last_log()[-4000:]}"
         time.sleep(0.5)
 
@@ -78,14 +80,18 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
         wait_listening(head, port, tmp_path / "head.log")
         address = f"127.0.0.1:{port}"
         # The driver holds before step 2 (polling its nodes meanwhile) until node 2's worker generates: the run
-        # cannot run out of prompts before node 2 joins, however slow its start. Node 2 starts at the same time as
-        # the run (a node that joins mid-run is tests/e2e/test_elastic.py's subject; here, the seconds count).
+        # cannot run out of prompts before node 2 joins, however slow its start.
         proc = job.start(
             "--ray-address",
             address,
             "--no-rollout-elastic-node-engines",
             env={"VIME_FAULT_HOLDS": "driver.before_step=2", "VIME_FAULT_RELEASE": str(release)},
         )
+        # Node 2 joins once the run's own actors are placed: Ray may place an actor that asks for no CPU (the
+        # controller, the engine registry) on any node, and the kill of node 2 is meant to take its rollout worker
+        # only. (A controller on node 2 would die with it, and its restart would find the queue's fence still
+        # locked by the dead client's JuiceFS session: QueueBusy, the run fails. Not what this test is about.)
+        wait_until(lambda: "1 rollout worker(s) generating" in job.last_log(), 300, "the run's actors", job, proc)
         node_env = {
             "VIME_FAULT_HOLDS": f"{MID_WRITE}={HELD_PUBLICATION}",
             "VIME_FAULT_RELEASE": str(never),  # never released: the node dies held
@@ -95,7 +101,7 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
             juicefs_mount, address, root=str(tmp_path / "node2"), resources={"vime_rollout": 1}, env=node_env
         ) as node:
             generating = "rollout worker 1 generating on node"
-            wait_until(lambda: generating in job.last_log(), 300, "node 2's worker generating", job, proc)
+            wait_until(lambda: generating in job.last_log(), 300, "node 2's worker generating", job, proc, node)
             assert "joined with vime_rollout=1: starting a rollout worker there" in job.last_log()
             assert "at 127.0.0.2" in job.last_log()
             release.touch()
@@ -106,6 +112,7 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
                 "two groups of node 2 accepted and its third pack held mid-write",
                 job,
                 proc,
+                node,
             )
             assert int(held.read_text()) in node.processes()  # the writer held is node 2's worker
             accepted_from_node2 = accepted_by_worker(job.data_dir)["rollout-1"]
@@ -126,9 +133,16 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
 
     # From the files, read back through client 1: every prompt trained exactly once, every trained group readable
     # and whole (straw checks each record's checksum), no accepted group lost, the ledger closes.
-    check_invariants(job)
+    skipped = set(check_invariants(job)["state"].skipped)  # accepted, then passed over as too stale (regenerated)
     # Node 2 accepted nothing after the kill, and lost none of what it had: its packs were held by a dead client.
     assert accepted_by_worker(job.data_dir)["rollout-1"] == accepted_from_node2
+    from vime.queue.journal_view import JournalView
+
+    node2_positions = [
+        e["receipt"]["position"]
+        for e in JournalView.read(job.data_dir).of_type("Completed")
+        if e["lease"]["worker_id"] in accepted_from_node2
+    ]
     report = json.loads(
         subprocess.run(
             [sys.executable, "-m", "vime.cli", "queue", "inspect", "--rollout-data-dir", job.data_dir, "--json"],
@@ -145,7 +159,8 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
     assert report["counts"]["failed"] == 0 and report["ledger"]["closes"], report["ledger"]
     # Written by node 2, through client 2: accepted under its worker's lease, in packs of its own straw writer.
     from_node2 = [g for g in trained if g["written_by"] in accepted_from_node2]
-    assert len(from_node2) == len(accepted_from_node2) >= 2, trained
+    assert sorted(g["position"] for g in from_node2) == [p for p in sorted(node2_positions) if p not in skipped]
+    assert from_node2, trained  # (in practice both: a group of node 2's is too stale only on a very slow machine)
     node2_writers = {lease_id.split("@")[1] for lease_id in accepted_from_node2}
     assert all(g["pack"].split("/")[-2] in node2_writers for g in from_node2), from_node2
     assert all(g["readable"] and g["n_samples"] == 2 for g in trained)
