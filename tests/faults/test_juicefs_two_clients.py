@@ -89,8 +89,8 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
         )
         # Node 2 joins once the run's own actors are placed: Ray may place an actor that asks for no CPU (the
         # controller, the engine registry) on any node, and the kill of node 2 is meant to take its rollout worker
-        # only. (A controller placed on node 2 and killed with it was once refused by the queue's fence on its
-        # restart, and the run failed: docs/juicefs.md's known gap. Not what this test is about.)
+        # only. (A controller placed on node 2 and killed with it leaves the queue's fence locked by the dead
+        # client's JuiceFS session: its restart is refused, and the run fails. docs/juicefs.md's known gap.)
         wait_until(lambda: "1 rollout worker(s) generating" in job.last_log(), 300, "the run's actors", job, proc)
         node_env = {
             "VIME_FAULT_HOLDS": f"{MID_WRITE}={HELD_PUBLICATION}",
