@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from straw import Coordinator, RecordSetRef, SharedFilesystemStore, TaskSpec
@@ -56,22 +57,34 @@ class StoreOptions:
     profile: str = "local"  # local | juicefs
     declaration: dict | None = None  # what straw requires to trust a JuiceFS mount
 
-    def open(self) -> SharedFilesystemStore:
+    def open(self, fault: Callable[[str], None] | None = None) -> SharedFilesystemStore:
         return open_store(
-            self.data_dir, self.run_id, segment_mib=self.segment_mib, profile=self.profile, declaration=self.declaration
+            self.data_dir,
+            self.run_id,
+            segment_mib=self.segment_mib,
+            profile=self.profile,
+            declaration=self.declaration,
+            fault=fault,
         )
 
 
 def open_store(
-    data_dir: str, run_id: str, *, segment_mib: float = 64, profile: str = "local", declaration: dict | None = None
+    data_dir: str,
+    run_id: str,
+    *,
+    segment_mib: float = 64,
+    profile: str = "local",
+    declaration: dict | None = None,
+    fault: Callable[[str], None] | None = None,
 ) -> SharedFilesystemStore:
     """One writer/reader handle; each process opens its own (a handle must not cross a fork).
 
     straw's storage catalog is always on (``online_gc=True``): without it nothing can ever be
     reclaimed, not even by ``vime queue gc`` after the run (measured cost: ~0.5 ms per publication).
-    Whether the run itself collects is --rollout-queue-online-gc.
+    Whether the run itself collects is --rollout-queue-online-gc. ``fault``: straw's test hook, called with
+    the name of each phase of its writes (the fault tests' kills and holds, vime/recovery/faults.py).
     """
-    backend = FilesystemBackend(data_dir, profile=profile, declaration=declaration)
+    backend = FilesystemBackend(data_dir, profile=profile, declaration=declaration, fault=fault)
     return SharedFilesystemStore(
         data_dir,
         run_id,

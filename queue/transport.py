@@ -8,6 +8,7 @@ not cross processes, and allows one write at a time (callers serialise writes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from straw import RecordSetRef
@@ -25,8 +26,8 @@ class GroupTransport(Protocol):
 
 
 class StrawTransport:
-    def __init__(self, options: StoreOptions):
-        self.store = options.open()
+    def __init__(self, options: StoreOptions, fault: Callable[[str], None] | None = None):
+        self.store = options.open(fault)
 
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> RecordSetRef:
         owner = {"task_id": task_id, "attempt_id": attempt_id}
@@ -72,9 +73,10 @@ class ObjectStoreTransport:
         pass
 
 
-def make_transport(kind: str, store: StoreOptions) -> GroupTransport:
+def make_transport(kind: str, store: StoreOptions, fault: Callable[[str], None] | None = None) -> GroupTransport:
+    """``fault``: straw's hook at each phase of its writes (fault tests; see StoreOptions.open)."""
     if kind == "straw":
-        return StrawTransport(store)
+        return StrawTransport(store, fault)
     if kind == "object-store":
         return ObjectStoreTransport()
     raise ValueError(f"unknown transport {kind!r}")

@@ -22,6 +22,9 @@ driver: before each training step) and waits, still doing its other duties, whil
 the test creates the VIME_FAULT_RELEASE file once the event has happened, and may delete it again to hold
 the run at the next position for a later event (a hold stops training, and so generation once the
 staleness bound is reached: events that need generation happen between holds).
+A process can also hold itself at a point of its own (:func:`hold_point`, where the position counts its
+hits; e.g. a rollout worker in the middle of writing its third pack, :class:`StrawWriteFaults`): it writes
+``<VIME_FAULT_STATE>/<name>.held`` (its pid) when it starts to wait, so that a test can kill it right there.
 Without VIME_FAULTS / VIME_FAULT_DELAYS / VIME_FAULT_HOLDS every call is a dictionary lookup and nothing
 else.
 """
@@ -64,6 +67,45 @@ def held(name: str, position: int) -> bool:
     if start is None or position < start:
         return False
     return not os.path.exists(os.environ.get("VIME_FAULT_RELEASE", ""))
+
+
+def hold_point(name: str, position: int, *, poll_seconds: float = 0.05) -> None:
+    """Wait here while a test holds ``name`` at ``position`` (:func:`held`), saying so in
+    ``<VIME_FAULT_STATE>/<name>.held`` (this process's pid) once the wait begins."""
+    if not held(name, position):
+        return
+    state = os.environ.get("VIME_FAULT_STATE")
+    if state:
+        with open(os.path.join(state, f"{name}.held"), "w") as f:
+            f.write(str(os.getpid()))
+    while held(name, position):
+        time.sleep(poll_seconds)
+
+
+class StrawWriteFaults:
+    """straw's fault hook for one store handle (StoreOptions.open's ``fault``): each phase of its writes
+    (``before_publication_open``, ``after_payload_chunk``, ``before_footer``, ``before_file_sync``, ...) is the
+    point ``straw.<phase>``, where the phase's hold position is the number of the handle's publication it is
+    in. E.g. VIME_FAULT_HOLDS="straw.after_payload_chunk=3" holds the third publication's write with part of
+    its payload in the pack, before its footer and before any fsync: a pack that is not completely written."""
+
+    def __init__(self) -> None:
+        self.publications = 0
+
+    def __call__(self, phase: str) -> None:
+        if phase == "before_publication_open":
+            self.publications += 1
+        name = f"straw.{phase}"
+        hold_point(name, self.publications)
+        fault_point(name)
+
+    @classmethod
+    def if_enabled(cls) -> StrawWriteFaults | None:
+        """A hook when a test set a straw point (straw calls it at every phase otherwise for nothing)."""
+        for variable in ("VIME_FAULTS", "VIME_FAULT_DELAYS", "VIME_FAULT_HOLDS"):
+            if "straw." in os.environ.get(variable, ""):
+                return cls()
+        return None
 
 
 def fault_point(name: str, *, scope: str = "process") -> None:

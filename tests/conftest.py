@@ -40,6 +40,7 @@ def juicefs_mount(tmp_path_factory):
 LONGEST_FIRST = (
     "tests/faults/test_fault_injection.py",
     "tests/e2e/test_elastic.py",
+    "tests/faults/test_juicefs_two_clients.py",
     "tests/faults/test_trainer_restart.py",
     "tests/e2e/test_sessions_and_hooks.py",
     "tests/e2e/test_main_job.py",

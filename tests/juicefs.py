@@ -13,10 +13,14 @@ it: a test must never leave a mount behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +30,7 @@ import pytest
 # --writeback, no --open-cache): those vime requires (queue/juicefs_mount.py).
 QUIET_OPTIONS = ("--no-usage-report", "--backup-meta", "0")
 MOUNT_TIMEOUT_S = 60
+RAY_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_node.py")  # a Ray worker node's process
 
 
 def juicefs_binary() -> str:
@@ -92,3 +97,135 @@ def _unmount(juicefs: str, mount_point: str, log: str) -> None:
     if _mounted(mount_point):
         subprocess.run(["umount", "-l", mount_point], capture_output=True)
     assert not _mounted(mount_point), f"{mount_point} is still mounted: {_tail(log)}"
+
+
+def volume_meta(mount_point: str) -> str:
+    """The metadata URL of a volume that :func:`juicefs_volume` mounted at ``mount_point``."""
+    return f"sqlite3://{os.path.dirname(os.path.realpath(mount_point))}/meta.db"
+
+
+def _mount_namespace(pid: int) -> str | None:
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    return None
+
+
+def _mount_devices(pid: int | str, mount_point: str) -> list[tuple[str, str]]:
+    """(device, file system type) of every mount at ``mount_point`` in the mount namespace of ``pid``."""
+    found = []
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            separator = fields.index("-")
+            if fields[4] == mount_point:
+                found.append((fields[2], fields[separator + 1]))
+    return found
+
+
+class ClientNode:
+    """Another host on this machine: a mount namespace of its own (``unshare -m --propagation private``) in which
+    a second JuiceFS client mounts the volume at the same absolute path, and a Ray worker node started inside it
+    on its own loopback address joins the cluster at ``ray_address``. The namespace first drops the mount it
+    inherited (the first client's): everything the node writes to the volume goes through its own client.
+
+    Every process of the node (tests/ray_node.py, its raylet and workers, the JuiceFS client) lives in that namespace,
+    which is how :meth:`kill` finds them all; the namespace, and with it the second mount, is gone once they are.
+    Use :func:`client_node`, which always ends with nothing of the node left."""
+
+    def __init__(self, mount_point: str, ray_address: str, *, root: str, ip: str, resources: dict, env: dict):
+        self.mount_point = os.path.realpath(mount_point)
+        self.ip = ip
+        self.log = os.path.join(root, "node.log")
+        self.client_log = os.path.join(root, "juicefs-client-2.log")
+        juicefs = juicefs_binary()
+        mount = [juicefs, "mount", "-d", "--log", self.client_log, "--cache-dir", os.path.join(root, "cache")]
+        mount += [*QUIET_OPTIONS, volume_meta(self.mount_point), self.mount_point]
+        ray_node = [sys.executable, RAY_NODE, ray_address, ip, json.dumps(resources)]
+        script = f"set -e; umount -l {shlex.quote(self.mount_point)}; {shlex.join(mount)}; exec {shlex.join(ray_node)}"
+        with open(self.log, "w") as out:  # a file, not a pipe: the node's daemons outlive the shell that starts them
+            self.proc = subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # Ray gives a raylet 30 s to register with the GCS, which a machine loaded by other jobs can exceed.
+                env={**os.environ, "RAY_raylet_start_wait_time_s": "120", **env},
+                start_new_session=True,
+            )
+        self.namespace: str | None = None
+
+    def wait_started(self, timeout: float = MOUNT_TIMEOUT_S) -> None:
+        """Until the second client is mounted in the node's namespace and the Ray node starts there."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                said = f"{_tail(self.log, 10)} {_tail(self.client_log)}"
+                if "operation not permitted" in said.lower():  # no CAP_SYS_ADMIN: no mount namespace, no FUSE mount
+                    pytest.skip(f"this machine does not permit a second client's mount namespace: {said[-300:]}")
+                raise RuntimeError(f"the second node's start failed ({self.proc.returncode}): {said}")
+            namespace = _mount_namespace(self.proc.pid)
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{self.proc.pid}/cmdline", "rb") as f:  # the shell has exec'd the Ray node
+                    started = f.read().split(b"\0")[1:2] == [RAY_NODE.encode()]
+                if started and namespace != _mount_namespace(os.getpid()):
+                    self.namespace = namespace
+                    break
+            assert time.monotonic() < deadline, f"no second JuiceFS client and Ray node within {timeout:.0f}s"
+            time.sleep(0.1)
+        # One mount at the path there, the second client's: a FUSE connection (device) of its own.
+        [(device, fstype)] = _mount_devices(self.proc.pid, self.mount_point)
+        ours = _mount_devices("self", self.mount_point)
+        assert fstype == "fuse.juicefs" and (device, fstype) not in ours, (device, fstype, ours)
+
+    def check_alive(self) -> None:
+        """Raise, with the node's log, if its Ray node process has exited (e.g. its raylet never registered)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the second node's Ray node exited ({self.proc.returncode}): {_tail(self.log, 10)}")
+
+    def processes(self) -> list[int]:
+        """Every live process in the node's mount namespace."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and self.namespace and _mount_namespace(int(entry)) == self.namespace:
+                with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        found.append(int(entry))
+        return found
+
+    def kill(self, timeout: float = 30) -> list[str]:
+        """SIGKILL every process of the node at once (a host lost with its Ray node and its JuiceFS client);
+        returns each one's program and first argument, once none is left."""
+        killed = []
+        for pid in self.processes():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                # (program, first argument); a daemon may have rewritten its command line into one string
+                words = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+                killed.append(" ".join([os.path.basename(words[0]), *words[1:2]]) if words else f"pid {pid}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while left := self.processes():
+            assert time.monotonic() < deadline, f"processes of the killed node are still alive: {left}"
+            time.sleep(0.1)
+        return killed
+
+
+@contextlib.contextmanager
+def client_node(
+    mount_point: str, ray_address: str, *, root: str, resources: dict, env: dict | None = None, ip: str = "127.0.0.2"
+) -> Iterator[ClientNode]:
+    """A :class:`ClientNode` of the volume mounted at ``mount_point`` joining the Ray cluster at ``ray_address``
+    with ``resources``; ``env``: more environment for its processes (Ray's workers there inherit it). Whatever
+    the test did, the node ends killed with nothing of it left: no process, no mount namespace, no mount."""
+    os.makedirs(root, exist_ok=True)
+    node = ClientNode(mount_point, ray_address, root=root, ip=ip, resources=resources, env=env or {})
+    try:
+        node.wait_started()
+        yield node
+    finally:
+        if node.namespace is None:  # it never got as far as its namespace: only its shell is there to stop
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            node.proc.wait(timeout=30)
+        else:
+            node.kill()

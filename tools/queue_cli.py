@@ -181,6 +181,9 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
     counts["trained"] = sum(g.position not in skipped for g in passed)
     counts["rejected"] += sum(g.position in skipped for g in passed)  # too stale: prompt regenerated
     transport = StrawTransport(StoreOptions(data_dir, run_id))
+    # Who wrote each accepted group's payload: the lease it was accepted under, "<rollout worker>@<straw writer>"
+    # (a rollout worker leases under its own straw writer's id, and only that writer publishes its groups).
+    written_by = {e["receipt"]["position"]: e["lease"]["worker_id"] for e in view.of_type("Completed")}
     groups = []
     for group in accepted:
         if group.position >= cursor:
@@ -188,7 +191,13 @@ def inspect(data_dir: str, save: str | None, run_id: str) -> dict[str, Any]:
         if group.position in skipped:
             continue
         step = next((i + 1 for i, c in enumerate(step_cursors) if group.position < c), None)
-        entry: dict[str, Any] = {"step": step, "position": group.position, "task_id": group.task_id}
+        entry: dict[str, Any] = {
+            "step": step,
+            "position": group.position,
+            "task_id": group.task_id,
+            "written_by": written_by.get(group.position),
+            "pack": group.ref.manifest.segment.path,  # relative to --rollout-data-dir
+        }
         try:
             samples = transport.read(group.ref)
         except Exception as error:  # noqa: BLE001 - reclaimed by GC or unreadable: report, do not fail the listing

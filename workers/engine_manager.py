@@ -20,7 +20,8 @@ serve (what weight synchronisation updates). docs/elastic.md describes the behav
   return to the queue as continuations), then stop it (vime's own) or detach from it (external).
 - **nodes**: every ``NODE_POLL_SECONDS`` the alive Ray nodes are listed; a node with the
   ``--rollout-elastic-resource`` resource that hosts no engine of this run gets engines
-  (NodeAffinitySchedulingStrategy); a node that disappears takes its engines and its rollout
+  (NodeAffinitySchedulingStrategy), or, with ``--no-rollout-elastic-node-engines``, its ``ready`` event
+  at once (a rollout worker only); a node that disappears takes its engines and its rollout
   worker with it (``lost`` event).
 
 When no engine serves or is on its way any more although the run had some, :meth:`poll` raises
@@ -98,7 +99,9 @@ class EngineManager:
             on_dead=lambda url, _reason: self._unregister_quietly(url),
         )
         self.version = 0
-        self.node_watch = NodeWatch(config.rollout_elastic_resource, template.tensor_parallel_size)
+        self.node_watch = NodeWatch(
+            config.rollout_elastic_resource, template.tensor_parallel_size, config.rollout_elastic_node_engines
+        )
         self.events: list[NodeEvent] = []
         self.notes: list[str] = []  # engine faults since the driver last asked (take_notes)
         self._next_index = 0
@@ -592,9 +595,12 @@ class EngineManager:
             self.recovery.node_left(node_id)
             self.events.append(NodeEvent("lost", node_id))
         for node in joined:
-            self.say(
-                f"node {node.node_id[:12]} at {node.host} joined with {self.node_watch.resource}={node.amount:g}: "
-                f"starting {node.engines} engine(s) there at weight version {self.version}"
-            )
+            resource = f"{self.node_watch.resource}={node.amount:g}"
+            joined_as = f"node {node.node_id[:12]} at {node.host} joined with {resource}"
+            if not node.engines:  # --no-rollout-elastic-node-engines: its rollout worker needs no engine to wait for
+                self.say(f"{joined_as}: starting a rollout worker there (--no-rollout-elastic-node-engines)")
+                self.events.append(NodeEvent("ready", node.node_id, node.host))
+                continue
+            self.say(f"{joined_as}: starting {node.engines} engine(s) there at weight version {self.version}")
             for _ in range(node.engines):
                 self._spawn("node", node_id=node.node_id, host=node.host)

@@ -17,13 +17,14 @@ class JoinedNode:
     node_id: str
     host: str
     amount: float  # of the elastic resource
-    engines: int  # how many engines of the run's size fit the resource (at least one)
+    engines: int  # how many engines of the run's size fit the resource (at least one; 0: a worker only)
 
 
 @dataclasses.dataclass
 class NodeWatch:
     resource: str  # --rollout-elastic-resource
     tensor_parallel_size: int
+    node_engines: bool = True  # --rollout-elastic-node-engines (off: a joined node gets a rollout worker only)
     handled: set[str] = dataclasses.field(default_factory=set)
     lost: set[str] = dataclasses.field(default_factory=set)
 
@@ -44,5 +45,6 @@ class NodeWatch:
             if node_id in hosting:
                 continue  # it already hosts an engine of this run (e.g. one started at launch)
             host = node.get("NodeManagerAddress") or "127.0.0.1"
-            joined.append(JoinedNode(node_id, host, amount, max(1, int(amount) // self.tensor_parallel_size)))
+            engines = max(1, int(amount) // self.tensor_parallel_size) if self.node_engines else 0
+            joined.append(JoinedNode(node_id, host, amount, engines))
         return left, joined

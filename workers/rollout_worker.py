@@ -31,7 +31,7 @@ from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
-from vime.recovery.faults import fault_point
+from vime.recovery.faults import StrawWriteFaults, fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
 from vime.rollout.generate import GenerateError, SamplingParams, generate, sampling_params_from_rollout
 from vime.rollout.rewards import RewardOptions, resolve_reward
@@ -182,7 +182,8 @@ class RolloutWorker:
         while the trainer starts, and give it a queue writer only after recovery has dealt with the writers
         of earlier workers."""
         if self.transport is None:
-            self.transport = make_transport(self.spec.transport, self.spec.store)
+            # The fault tests' points in the middle of this worker's writes (None unless a test set one).
+            self.transport = make_transport(self.spec.transport, self.spec.store, StrawWriteFaults.if_enabled())
             # Leasing under "<name>@<straw writer id>" lets a later controller find, from the journal
             # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
             self.writer_id = getattr(self.transport, "writer_id", None)

@@ -146,7 +146,11 @@ def test_a_clean_run_closes_with_filtered_failed_and_waiting_groups(run, capsys)
     out = capsys.readouterr().out
     assert "ledger closes: 5 generated = 2 trained + 1 waiting + 2 discarded; none trained twice" in out
     assert queue_cli.main(["inspect", "--rollout-data-dir", run.data_dir, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ledger"] == books
+    report = json.loads(capsys.readouterr().out)
+    assert report["ledger"] == books
+    # each trained group names the lease it was accepted under (its writer) and the pack that holds its payload
+    assert [g["written_by"] for g in report["trained_groups"]] == [run.worker] * 2
+    assert all(os.path.isfile(os.path.join(run.data_dir, g["pack"])) for g in report["trained_groups"])
 
 
 def test_stale_groups_are_discarded_by_cause_and_their_prompts_trained_once(run):

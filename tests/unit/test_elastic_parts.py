@@ -131,6 +131,8 @@ def test_elastic_flags_parse_and_validate(tmp_path):
         e.rollout_elastic_resource,
     ) == (2, 3, 5, 0, "")
     assert parse_train_args(base).elastic.rollout_elastic_resource == "vime_rollout"
+    assert parse_train_args(base).elastic.rollout_elastic_node_engines is True
+    assert parse_train_args(base + ["--no-rollout-elastic-node-engines"]).elastic.rollout_elastic_node_engines is False
     with pytest.raises(ConfigError, match="--rollout-health-check-interval: must be > 0"):
         parse_train_args(base + ["--rollout-health-check-interval", "0"])
     with pytest.raises(ConfigError, match="--rollout-engine-restart-budget: must be >= 0"):
@@ -444,6 +446,21 @@ def test_node_watch_reports_each_join_and_each_departure_once():
     assert left == ["new", "small"]
     assert watch.scan([node("driver", rollout=2)], hosting=["driver"]) == ([], [])
     assert watch.lost == {"new", "small"}
+
+
+def test_node_watch_without_node_engines_reports_joins_that_get_a_worker_only():
+    from vime.workers.engine_nodes import NodeWatch
+
+    def node(node_id, alive=True, rollout=1.0):
+        return {"NodeID": node_id, "Alive": alive, "Resources": {"rollout": rollout}, "NodeManagerAddress": "127.0.0.2"}
+
+    # --no-rollout-elastic-node-engines (an engine-free --rollout-function-path): no engine, whatever the amount.
+    watch = NodeWatch("rollout", tensor_parallel_size=1, node_engines=False)
+    left, joined = watch.scan([node("a", rollout=4), node("b")], hosting=[])
+    assert left == [] and [(j.node_id, j.engines) for j in joined] == [("a", 0), ("b", 0)]
+    assert {j.host for j in joined} == {"127.0.0.2"}
+    assert watch.scan([node("a", rollout=4), node("b")], hosting=[]) == ([], [])  # each join once
+    assert watch.scan([node("a", rollout=4), node("b", alive=False)], hosting=[]) == (["b"], [])
 
 
 def test_failure_reasons_name_the_root_cause_and_fit_the_progress_line():

@@ -1,11 +1,13 @@
-"""The slow-component injection used by the staleness tests, the holds that keep a test's run open, and
-the tokens-per-version metric."""
+"""The slow-component injection used by the staleness tests, the holds that keep a test's run open (a driver's
+step, a rollout worker in the middle of writing a pack), and the tokens-per-version metric."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
-from vime.recovery.faults import fault_point, held
+from vime.recovery.faults import StrawWriteFaults, fault_point, held
 from vime.sample import Sample
 from vime.workers.trainer_worker import tokens_per_version
 
@@ -35,6 +37,42 @@ def test_a_hold_lasts_from_its_position_until_the_release_file_exists_and_can_be
     assert held("driver.before_step", 5)
     monkeypatch.delenv("VIME_FAULT_HOLDS")
     assert not held("driver.before_step", 5)
+
+
+def test_a_straw_write_is_held_mid_pack_at_the_publication_a_test_names(monkeypatch, tmp_path):
+    from straw import Record
+
+    from vime.queue.rollout_queue import StoreOptions
+
+    monkeypatch.delenv("VIME_FAULTS", raising=False)
+    monkeypatch.delenv("VIME_FAULT_DELAYS", raising=False)
+    monkeypatch.delenv("VIME_FAULT_HOLDS", raising=False)
+    assert StrawWriteFaults.if_enabled() is None  # no straw point set: straw gets no hook at all
+    release, state = tmp_path / "release", tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("VIME_FAULT_HOLDS", "driver.before_step=9,straw.after_payload_chunk=2")
+    monkeypatch.setenv("VIME_FAULT_RELEASE", str(release))
+    monkeypatch.setenv("VIME_FAULT_STATE", str(state))
+    store = StoreOptions(str(tmp_path / "queue")).open(StrawWriteFaults.if_enabled())
+    first = store.publish([Record("m", b"one" * 1000)], submission_id="one")  # publication 1: not held
+    marker = state / "straw.after_payload_chunk.held"
+    assert not marker.exists()
+    refs = []
+    second = [Record("m", b"two" * 1000)]
+    writer = threading.Thread(target=lambda: refs.append(store.publish(second, submission_id="two")))
+    writer.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the second publication was never held"
+        time.sleep(0.02)
+    assert marker.read_text() == str(os.getpid())
+    time.sleep(0.3)
+    assert writer.is_alive() and not refs  # held mid-write: its pack has no footer, no reference exists
+    release.touch()
+    writer.join(timeout=30)
+    assert not writer.is_alive()
+    assert [next(store.read(ref)).payload for ref in (first, refs[0])] == [b"one" * 1000, b"two" * 1000]
+    store.close()
 
 
 def test_tokens_per_version_counts_each_response_token_by_its_version():

@@ -44,6 +44,12 @@ class ElasticConfig:
         "engine of this run gets max(1, amount / --rollout-num-gpus-per-engine) engines and a rollout worker, "
         "while the run goes on. '' turns node watching off. vime-specific.",
     )
+    rollout_elastic_node_engines: bool = option(
+        True,
+        "Whether a node that joins with --rollout-elastic-resource gets engines. With "
+        "--no-rollout-elastic-node-engines it gets a rollout worker only, at once: for a --rollout-function-path "
+        "that generates without this run's engines. vime-specific.",
+    )
 
     def validate(self) -> None:
         require(self.rollout_health_check_interval > 0, "--rollout-health-check-interval", "must be > 0")
