@@ -158,10 +158,18 @@ class RunProcesses:
             refill_multiple=s.rollout.over_sampling_batch_size,
         )
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
-        # lease of the old one fenced) and calls in flight are retried against it.
-        self.controller = ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1, name=Controller.ACTOR_NAME)(
-            Controller
-        ).remote(controller_spec)
+        # lease of the old one fenced) and calls in flight are retried against it. It runs on the driver's node
+        # where it can: it holds the queue's lock through its node's mount of --rollout-data-dir, and on a
+        # JuiceFS volume a lock taken through the client of a lost node stays held by the dead client's session,
+        # so a restarted controller could not take it (docs/juicefs.md). Soft: a restart can go elsewhere.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        on_driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.controller = (
+            ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1, name=Controller.ACTOR_NAME)(Controller)
+            .options(scheduling_strategy=on_driver_node)
+            .remote(controller_spec)
+        )
         threads, affinity = trainer_cpus(s.cluster, s.train)
         trainer_spec = TrainerWorkerSpec.from_settings(
             s,
