@@ -95,13 +95,14 @@ def assert_nothing_left(run_dir: str, within: float = 15) -> None:
         raise AssertionError(f"{len(left)} process(es) of the run outlived it by {within:.0f}s: {described}")
 
 
-def read_accepted_groups(run_dir: str):
-    """Every accepted group in the run's straw queue, decoded from disk (read-only)."""
+def read_accepted_groups(run_dir: str, data_dir: str | None = None):
+    """Every accepted group in the run's straw queue (``data_dir``, by default the run's rollout_data/), decoded
+    from disk (read-only)."""
     from vime.queue.journal_view import JournalView
     from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
 
-    data_dir = os.path.join(run_dir, "rollout_data")
+    data_dir = data_dir or os.path.join(run_dir, "rollout_data")
     transport = StrawTransport(StoreOptions(data_dir, "vime"))
     return [transport.read(group.ref) for group in JournalView.read(data_dir).accepted()]
 
@@ -135,8 +136,11 @@ def continuation_prefixes(run_dir: str) -> list[tuple[str, list]]:
     ]
 
 
-def test_main_job_end_to_end(tmp_path, tiny_model_dir):
+def test_main_job_end_to_end(tmp_path, tiny_model_dir, juicefs_mount):
+    # The queue on the session's real JuiceFS volume (tests/juicefs.py), as on a cluster: every payload is
+    # written, made durable and read back through a JuiceFS client, and `vime train` checks the mount at start-up.
     run_dir = str(tmp_path / "run")
+    data_dir = os.path.join(juicefs_mount, tmp_path.name, "rollout_data")
     result = subprocess.run(
         vime_args(
             tiny_model_dir,
@@ -146,6 +150,10 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
             "--eval-prompt-data",
             "test",
             os.path.join(EXAMPLE, "test.jsonl"),
+            "--rollout-data-dir",
+            data_dir,
+            "--rollout-storage-profile",
+            "juicefs",
         ),
         cwd=REPO,
         capture_output=True,
@@ -168,7 +176,8 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir):
     assert on_policy and train[0].get("onpolicy_logprob_abs_diff") is not None
     assert max(on_policy) < 1e-4, on_policy
 
-    groups = read_accepted_groups(run_dir)
+    assert f"opening the straw queue in {data_dir}" in out
+    groups = read_accepted_groups(run_dir, data_dir)
     assert len(groups) >= 4 * 8
     served = {v for group in groups for sample in group for v in sample.weight_versions}
     assert len(served) >= 3 and max(served) >= 2, served

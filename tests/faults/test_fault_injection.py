@@ -15,6 +15,13 @@ import pytest
 from tests.conftest import REPO
 from tests.faults.conftest import NUM_PROMPTS, check_invariants
 
+# The SIGKILL tests of issue 18's list (trainer, rollout worker, controller, whole job, corrupted payload) run
+# their queue on the session's JuiceFS volume (tests/juicefs.py: a real FUSE mount of a real client): payloads
+# are made durable, released, journaled and read back through the JuiceFS client, with the same invariants read
+# from disk (the checkpoints stay in --save, on a local directory). The other fault tests keep their queue on a
+# local directory, so that both kinds of storage stay covered without running any test twice (CI's time).
+ON_JUICEFS = pytest.mark.parametrize("job", ["juicefs"], indirect=True)
+
 pytestmark = pytest.mark.integration
 
 
@@ -33,6 +40,7 @@ def test_clean_run_trains_every_prompt_once(job):
     assert "--rollout-queue-lease-seconds: the queue in" in log and "was created with 20.0" in log
 
 
+@ON_JUICEFS
 def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
     # Two data-parallel trainer ranks: one of them is killed (the first to reach the point) while the other
     # would wait for it in the step's gradient sum, so the run must stop at once, not at the collective
@@ -60,11 +68,7 @@ def test_trainer_killed_mid_step_resumes_from_the_checkpoint(job):
     check_invariants(job)
 
 
-# On JuiceFS (tests/juicefs.py): the payload is made durable through the JuiceFS client before the SIGKILL,
-# and the orphaned publication's release, the journal and every trained group are read back through it (the
-# checkpoints stay in --save, on a local directory). Only there: every other fault test runs its queue on a local
-# directory, and one more run of ~80 s would not fit CI's time budget (docs/juicefs.md).
-@pytest.mark.parametrize("job", ["juicefs"], indirect=True)
+@ON_JUICEFS
 def test_producer_killed_after_durable_publish_before_acceptance(job):
     code, log = job.run(faults="rollout.after_publish@3")
     assert code == 0, log[-3000:]
@@ -74,6 +78,7 @@ def test_producer_killed_after_durable_publish_before_acceptance(job):
     check_invariants(job)
 
 
+@ON_JUICEFS
 def test_rollout_worker_killed_mid_generation(job):
     code, log = job.run(faults="rollout.mid_generation@4")
     assert code == 0, log[-3000:]
@@ -81,6 +86,7 @@ def test_rollout_worker_killed_mid_generation(job):
     check_invariants(job)
 
 
+@ON_JUICEFS
 def test_controller_killed_mid_commit_is_restarted(job):
     code, log = job.run(faults="controller.mid_commit@2")
     assert code == 0, log[-3000:]
@@ -141,6 +147,7 @@ def last_step(log: str) -> int:
     return int(steps[-1]) if steps else 0
 
 
+@ON_JUICEFS
 def test_whole_job_killed_at_random_instants(job):
     # Each kill lands at a random instant of training, whatever the machine's speed: once the run has
     # reported a random step, plus up to 0.1 s (a kill timed from the start lands in the start-up, 10-30 s,
@@ -200,6 +207,7 @@ def test_whole_job_killed_at_random_instants(job):
     assert report["counts"]["trained"] == NUM_PROMPTS and report["counts"]["accepted"] == 0
 
 
+@ON_JUICEFS
 def test_a_corrupted_accepted_group_stops_the_run_naming_it(job):
     code, log = job.run("--num-rollout", "4")
     assert code == 0, log[-3000:]
