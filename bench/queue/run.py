@@ -5,6 +5,7 @@
     .venv/bin/python bench/queue/run.py --smoke         # seconds: the micro benchmark on the smallest sizes
     .venv/bin/python bench/queue/run.py --smoke --attach-engine HOST:PORT [--model DIR] [--skip-micro]
                                                         # + both main-job runs, 3 tiny steps each, on that engine
+    .venv/bin/python bench/queue/run.py --no-juicefs    # without the JuiceFS volume (it needs FUSE)
 
 ``--smoke`` runs the same code on the smallest sizes (2 groups x 16 tokens, then 1 group with 8-wide
 SC heads; the main job with 4 prompts x 2 samples a step, 1 warm-up step) to check that the benchmark
@@ -18,15 +19,24 @@ handed to both runs with --rollout-external-engine-addrs and gets their weights)
        then the trainer's read by reference, producer and consumer in separate processes;
    (b) Ray's object store: ray.put in a producer actor, ray.get by reference in the driver;
    (c) plain files: torch.save + fsync per group, torch.load.
-   Printed: samples/s and MiB/s of each, and the ratios straw / object store, straw / files.
+   (d) the straw queue again, its directory on a real JuiceFS volume (issue 18): a fresh volume in a
+       temporary folder (SQLite metadata, `--storage file` objects; tests/juicefs.py, the test suite's
+       volume) mounted by a real JuiceFS client with the options vime requires, the store opened with
+       --rollout-storage-profile juicefs's declaration, read from the mount as `vime train` reads it.
+   Printed: samples/s and MiB/s of each, and the ratios straw / object store, straw / files, and straw on
+   JuiceFS / straw on the local directory.
 2. The cost of durability on the main job: the digit-shift demo config, shortened, once with
    --rollout-data-transport straw and once with object-store; samples trained per second over the
-   steady-state steps, and the ratio (goal >= 0.95).
+   steady-state steps, and the ratio (goal >= 0.95). Outside smoke mode a third run keeps its straw queue
+   on the JuiceFS volume (--rollout-storage-profile juicefs): the ratio JuiceFS / local (goal >= 0.9).
+
+Without /dev/fuse or the right to mount, the JuiceFS parts are skipped, saying why (or with --no-juicefs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -83,14 +93,12 @@ def group_bytes(samples) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- straw
-def _straw_producer(data_dir: str, prompts: str, groups: int, tokens: int, sc_heads: int, ready, out) -> None:
+def _straw_producer(store, prompts: str, groups: int, tokens: int, sc_heads: int, ready, out) -> None:
     """Runs in its own process, like a rollout worker: publish each group, have it accepted."""
     from vime.data.source import DataKeys
-    from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
     from vime.workers.controller import Controller, ControllerSpec
 
-    store = StoreOptions(data_dir, "bench", 256.0)
     controller = Controller(
         ControllerSpec(
             transport="straw",
@@ -125,20 +133,27 @@ def _straw_producer(data_dir: str, prompts: str, groups: int, tokens: int, sc_he
     controller.shutdown()
 
 
-def bench_straw(root: str, groups: int, tokens: int, sc_heads: int) -> dict:
+def bench_straw(root: str, groups: int, tokens: int, sc_heads: int, *, juicefs: bool = False) -> dict:
+    """``juicefs``: ``root`` is on a JuiceFS mount, and the store is opened as --rollout-storage-profile juicefs
+    opens it (the declaration derived from the mount, after its checks)."""
     import multiprocessing as mp
 
+    from vime.queue.juicefs_mount import checked_declaration
     from vime.queue.rollout_queue import StoreOptions
     from vime.queue.transport import StrawTransport
 
     data_dir = os.path.join(root, "straw")
+    os.makedirs(data_dir, exist_ok=True)
+    store = StoreOptions(data_dir, "bench", 256.0)
+    if juicefs:
+        store = StoreOptions(data_dir, "bench", 256.0, profile="juicefs", declaration=checked_declaration(data_dir))
     prompts = os.path.join(root, "prompts.jsonl")
     with open(prompts, "w") as f:
         for i in range(groups):
             f.write(json.dumps({"prompt": str(i), "label": ""}) + "\n")
     ctx = mp.get_context("spawn")
     ready, out = ctx.Event(), ctx.Queue()
-    producer = ctx.Process(target=_straw_producer, args=(data_dir, prompts, groups, tokens, sc_heads, ready, out))
+    producer = ctx.Process(target=_straw_producer, args=(store, prompts, groups, tokens, sc_heads, ready, out))
     producer.start()
     results = []
     while len(results) < 2:
@@ -149,7 +164,7 @@ def bench_straw(root: str, groups: int, tokens: int, sc_heads: int) -> dict:
                 raise SystemExit("the straw producer process failed (see above)") from None
     publish_seconds, refs = results
     producer.join(timeout=600)
-    reader = StrawTransport(StoreOptions(data_dir, "bench"))
+    reader = StrawTransport(store)
     started = time.perf_counter()
     read = [reader.read(ref) for ref in refs]
     read_seconds = time.perf_counter() - started
@@ -208,8 +223,9 @@ def bench_files(root: str, groups: int, tokens: int, sc_heads: int) -> dict:
     return {"publish_s": publish_seconds, "consume_s": consume_seconds}
 
 
-def micro(groups: int, tokens: int, sc_heads: int) -> None:
-    """One micro comparison; Ray must be initialised (see main)."""
+def micro(groups: int, tokens: int, sc_heads: int, juicefs_root: str | None) -> None:
+    """One micro comparison; Ray must be initialised (see main). ``juicefs_root``: a folder on a JuiceFS mount
+    (None: that row is left out)."""
     mib = group_bytes(make_group(0, tokens=tokens, sc_heads=sc_heads)) * groups / 2**20
     label = f"{groups} groups x 8 samples x {tokens} tokens" + (f" + {sc_heads}-wide SC heads" if sc_heads else "")
     print(f"\n== {label}: {mib:.1f} MiB of payload", flush=True)
@@ -220,6 +236,9 @@ def micro(groups: int, tokens: int, sc_heads: int) -> None:
             "ray object store": bench_ray(groups, tokens, sc_heads),
             "torch.save + fsync": bench_files(root, groups, tokens, sc_heads),
         }
+        if juicefs_root is not None:
+            on_volume = tempfile.mkdtemp(prefix="micro-", dir=juicefs_root)
+            results["straw on JuiceFS"] = bench_straw(on_volume, groups, tokens, sc_heads, juicefs=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rates = {}
@@ -235,6 +254,8 @@ def micro(groups: int, tokens: int, sc_heads: int) -> None:
         f"  ratio straw / object store = {straw / rates['ray object store']:.2f}; "
         f"straw / torch.save+fsync = {straw / rates['torch.save + fsync']:.2f}"
     )
+    if "straw on JuiceFS" in rates:
+        print(f"  ratio straw on JuiceFS / straw on the local directory = {rates['straw on JuiceFS'] / straw:.2f}")
 
 
 # ---------------------------------------------------------------------------------------------- main job
@@ -250,11 +271,13 @@ def main_job(
     model: str | None = None,
     engine: str | None = None,
     overrides: dict[str, str] | None = None,
+    juicefs_root: str | None = None,
 ) -> float:
     """Samples trained per second over the steady-state steps (the first ``warmup`` are warm-up).
 
     ``engine``: host:port of a running vLLM server of ``model`` that the run attaches instead of
-    starting its own; ``overrides``: demo flags replaced by other values (smoke mode)."""
+    starting its own; ``overrides``: demo flags replaced by other values (smoke mode); ``juicefs_root``: the
+    straw queue in a folder of this JuiceFS mount (--rollout-storage-profile juicefs)."""
     sys.path.insert(0, os.path.join(REPO, "examples", "digit_shift"))
     from run_demo import demo_args
 
@@ -264,7 +287,8 @@ def main_job(
         model = os.path.join(out_dir, "model")
         if not os.path.exists(os.path.join(model, "config.json")):
             make_tiny_model(model)
-    run_dir = os.path.join(out_dir, transport)
+    label = f"{transport} on JuiceFS" if juicefs_root else transport
+    run_dir = os.path.join(out_dir, label.replace(" ", "-"))
     args = demo_args(run_dir, model)
     for flag, value in (
         ("--num-rollout", str(steps)),
@@ -277,16 +301,19 @@ def main_job(
         del args[i : i + (3 if flag == "--eval-prompt-data" else 2)]
     if engine is not None:
         args += ["--rollout-external-engine-addrs", engine]
+    if juicefs_root is not None:
+        queue_dir = os.path.join(tempfile.mkdtemp(prefix="main-job-", dir=juicefs_root), "rollout_data")
+        args += ["--rollout-data-dir", queue_dir, "--rollout-storage-profile", "juicefs"]
     if overrides:
         args.append("--no-save-hf")  # smoke: the final HF export is not what is measured
     # One process per run: each run owns its Ray instance, engine and router from start to end.
-    print(f"\n== main job with --rollout-data-transport {transport}", flush=True)
+    print(f"\n== main job with --rollout-data-transport {label}", flush=True)
     if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
-        raise SystemExit(f"main job with {transport} failed")
+        raise SystemExit(f"main job with {label} failed")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if '"kind": "train"' in line]
     if len(records) <= warmup:
-        raise SystemExit(f"main job with {transport}: only {len(records)} steps recorded; raise --main-job-steps")
+        raise SystemExit(f"main job with {label}: only {len(records)} steps recorded; raise --main-job-steps")
     steady = records[warmup:]
     seconds = steady[-1]["time"] - records[warmup - 1]["time"]
     return sum(r["samples"] for r in steady) / seconds
@@ -300,6 +327,7 @@ def main() -> int:
     parser.add_argument("--main-job-steps", type=int, default=30)
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--skip-micro", action="store_true", help="the main-job comparison only")
+    parser.add_argument("--no-juicefs", action="store_true", help="leave out the runs on a JuiceFS volume")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -323,6 +351,33 @@ def main() -> int:
         micro_runs, tokens, steps, warmup, overrides = [(2, 0), (1, 8)], 16, 3, 1, SMOKE_JOB
         args.skip_main_job = args.skip_main_job or args.attach_engine is None
 
+    with contextlib.ExitStack() as stack:
+        juicefs_root = None if args.no_juicefs else stack.enter_context(juicefs_volume_or_none())
+        return run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root)
+
+
+@contextlib.contextmanager
+def juicefs_volume_or_none():
+    """A fresh JuiceFS volume's mount point for the time of the benchmark (the test suite's, tests/juicefs.py),
+    or None, saying why, where this machine cannot mount one."""
+    import pytest
+
+    from tests.juicefs import juicefs_volume
+
+    root = tempfile.mkdtemp(prefix="vime-bench-juicefs-")
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                mount_point = stack.enter_context(juicefs_volume(root, name="vime-bench"))
+            except pytest.skip.Exception as skipped:  # no /dev/fuse, or mounting refused
+                print(f"(the JuiceFS runs are left out: {skipped})", flush=True)
+                mount_point = None
+            yield mount_point  # unmounted when the stack closes
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root) -> int:
     if not args.skip_micro:
         import ray
 
@@ -331,24 +386,27 @@ def main() -> int:
         )
         try:
             for groups, sc_heads in micro_runs:
-                micro(groups, tokens, sc_heads)
+                micro(groups, tokens, sc_heads, juicefs_root)
         finally:
             ray.shutdown()
     if args.skip_main_job:
         return 0
     out = tempfile.mkdtemp(prefix="vime-bench-mainjob-")
+    common = {"warmup": warmup, "model": args.model, "engine": args.attach_engine, "overrides": overrides}
     try:
-        rates = {
-            t: main_job(t, out, steps, warmup=warmup, model=args.model, engine=args.attach_engine, overrides=overrides)
-            for t in ("object-store", "straw")
-        }
+        rates = {t: main_job(t, out, steps, **common) for t in ("object-store", "straw")}
+        if juicefs_root is not None and not args.smoke:  # smoke: the two runs above check the code path's health
+            rates["straw on JuiceFS"] = main_job("straw", out, steps, juicefs_root=juicefs_root, **common)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     per_step = "4 prompts x 2 samples (smoke)" if args.smoke else "64 prompts x 8 samples"
     print(f"\n== main job (digit shift, {per_step} per step, steady-state steps)")
     for transport, rate in rates.items():
-        print(f"  {transport:13s} {rate:8.1f} samples trained / s")
+        print(f"  {transport:16s} {rate:8.1f} samples trained / s")
     print(f"  ratio straw / object-store = {rates['straw'] / rates['object-store']:.3f} (goal >= 0.95)")
+    if "straw on JuiceFS" in rates:
+        ratio = rates["straw on JuiceFS"] / rates["straw"]
+        print(f"  ratio straw on JuiceFS / straw local = {ratio:.3f} (goal >= 0.9)")
     return 0
 
 
