@@ -4,6 +4,13 @@ straw's Coordinator trusts its caller to be the only owner of the journal. vime 
 with an exclusive, non-blocking ``flock`` on a file in the queue directory, held for the
 controller's lifetime; the kernel releases it when the process dies, so a restarted controller
 can take over a crashed one's queue, but a second live run on the same queue is refused.
+
+A lock can outlive its holder where the file system keeps locks for its clients' sessions: on JuiceFS, a
+flock taken through a client that died before its holder (a lost host, a killed mount) stays with that client's
+session until JuiceFS expires the session (measured here: free 65 s after the volume was mounted again;
+docs/juicefs.md). A holder known to be dead (the record names this host and a process that is gone) is
+therefore waited out for up to :data:`STALE_HOLDER_WAIT_S`, saying so; a live holder, or one on another host
+(whose liveness this host cannot see), is refused at once.
 """
 
 from __future__ import annotations
@@ -13,12 +20,34 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
+
+import psutil
 
 from vime.errors import UserError
 
+STALE_HOLDER_WAIT_S = 180.0
+RETRY_S = 2.0
+
 
 class QueueBusy(UserError, RuntimeError):
-    """Another live controller holds the queue."""
+    """Another live controller holds the queue (or a dead one's lock did not come free in time)."""
+
+
+def holder_is_dead(holder: str) -> bool:
+    """Whether the holder record (``{"host", "pid", "since"}``) names a process of this host that is gone: no such
+    pid, or a pid reused by a process started after the holder took the lock."""
+    try:
+        record = json.loads(holder)
+        host, pid, since = record["host"], int(record["pid"]), float(record["since"])
+    except (ValueError, KeyError, TypeError):
+        return False  # unknown holder: assume it lives
+    if host != socket.gethostname():
+        return False
+    try:
+        return psutil.Process(pid).create_time() > since + 1.0
+    except psutil.NoSuchProcess:
+        return True
 
 
 class QueueFence:
@@ -26,22 +55,42 @@ class QueueFence:
         self._fd, self.path = fd, path
 
     @classmethod
-    def acquire(cls, data_dir: str) -> QueueFence:
+    def acquire(
+        cls, data_dir: str, *, stale_wait_s: float = STALE_HOLDER_WAIT_S, say: Callable[[str], None] = print
+    ) -> QueueFence:
         os.makedirs(data_dir, exist_ok=True)
         path = os.path.join(data_dir, "controller.lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = ""
+        deadline = None
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-            finally:
-                os.close(fd)
-            raise QueueBusy(
-                f"the queue in {data_dir} is driven by another live controller ({holder or 'unknown'}); "
-                "stop that run or use another --rollout-data-dir"
-            ) from None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = ""
+                try:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                finally:
+                    os.close(fd)
+            if not holder_is_dead(holder):
+                raise QueueBusy(
+                    f"the queue in {data_dir} is driven by another live controller ({holder or 'unknown'}); "
+                    "stop that run or use another --rollout-data-dir"
+                )
+            if deadline is None:
+                deadline = time.monotonic() + stale_wait_s
+                say(
+                    f"the queue in {data_dir} is still locked for a controller that is gone ({holder}): waiting up "
+                    f"to {stale_wait_s:.0f}s for the file system to release the lock (on JuiceFS: the session of "
+                    "a client that died expires)"
+                )
+            if time.monotonic() >= deadline:
+                raise QueueBusy(
+                    f"the queue in {data_dir} is still locked for a controller that is gone ({holder}) after "
+                    f"{stale_wait_s:.0f}s: its file system keeps the lock (on JuiceFS, for the session of a client "
+                    "that died, until the session expires; docs/juicefs.md); retry later"
+                )
+            time.sleep(RETRY_S)
         owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
         os.ftruncate(fd, 0)
         os.pwrite(fd, owner.encode(), 0)

@@ -1,4 +1,5 @@
-"""A volume that fills up while the run goes on (issue 23, point 3; docs/queue-and-recovery.md "Disk space").
+"""A volume that fills up, or whose file system goes away, while the run goes on (issue 23, point 3;
+docs/queue-and-recovery.md "Disk space"; issue 18's storage faults, docs/juicefs.md).
 
 Each durable write of the run (a straw publish or an acceptance commit on the queue, a checkpoint, a weight
 version, a debug archive) is made so that a failure leaves nothing half-written visible: a checkpoint and a
@@ -16,6 +17,11 @@ once one of its journal appends failed for want of space: that append raises ``I
 Those errors also come from failures that have nothing to do with space (a second owner of the queue, a
 torn journal), so they count as a full volume only when the queue's volume has less than
 :attr:`WrittenVolume.headroom` free when they arrive; otherwise they keep their own message.
+
+A volume whose file system went away answers ``ENOTCONN`` ("Transport endpoint is not connected", straw's
+``StorageUnavailable: ... (os error 107)``): a FUSE mount, such as a JuiceFS client's, whose client process died.
+The run then stops with :class:`VolumeLost`, naming the flag and directory and how to resume once the volume
+is mounted again, instead of a traceback of whichever call found it first.
 """
 
 from __future__ import annotations
@@ -42,11 +48,19 @@ DISK_FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceede
 STRAW_AFTER_A_FAILED_WRITE = ("IndeterminateCommit", "UnsafeRecovery", "StorageUnavailable")
 _STRAW_NAMED = re.compile(rf"\b({'|'.join(STRAW_AFTER_A_FAILED_WRITE)}): ([^\n]*)")
 MiB = 1 << 20
+# A mounted file system whose server side is gone (a FUSE client process killed): errno and the texts it leaves.
+LOST_ERRNOS = (errno.ENOTCONN,)
+LOST_TEXTS = ("Transport endpoint is not connected", "os error 107")
 
 
 class DiskFull(UserError, RuntimeError):
     """A write of the run failed because its volume is full: the run stops, saying where and how to resume.
     A one-argument exception: Ray and pickle rebuild it from its message."""
+
+
+class VolumeLost(UserError, RuntimeError):
+    """A write or read of the run failed because its volume's file system went away (a FUSE client killed): the
+    run stops, saying where and how to resume. A one-argument exception, as :class:`DiskFull`."""
 
 
 def _chain(error: BaseException | None) -> Iterator[BaseException]:
@@ -69,6 +83,19 @@ def disk_full_cause(error: BaseException | None) -> str | None:
             return os.strerror(link.errno)
         if type(link).__name__ == "QuotaExceeded" or any(text in str(link) for text in DISK_FULL_TEXTS):
             return next((text for text in DISK_FULL_TEXTS if text in str(link)), str(link).splitlines()[0])
+    return None
+
+
+def volume_lost_cause(error: BaseException | None) -> str | None:
+    """The lost file system's error text, when ``error`` (or what it wraps) says its volume is not connected any
+    more; None otherwise (and for a :class:`VolumeLost` or :class:`DiskFull`, already said)."""
+    for link in _chain(error):
+        if isinstance(link, VolumeLost | DiskFull):
+            return None
+        if isinstance(link, OSError) and link.errno in LOST_ERRNOS:
+            return os.strerror(link.errno)
+        if any(text in str(link) for text in LOST_TEXTS):
+            return LOST_TEXTS[0]
     return None
 
 
@@ -142,16 +169,29 @@ class WrittenVolume:
         cause = self.full_cause(error)
         return None if cause is None else self.full(operation, cause)
 
+    def lost_error(self, operation: str, error: BaseException) -> VolumeLost | None:
+        """The stop to raise instead of ``error``, when ``error`` means that this volume's file system is gone."""
+        cause = volume_lost_cause(error)
+        if cause is None:
+            return None
+        return VolumeLost(
+            f"the volume of {self.flag} {self.path} is not reachable any more: {operation} failed ({cause}: its "
+            f"file system's client, e.g. a JuiceFS mount's process, is gone). What the run committed before is "
+            f"intact; mount the volume again at the same path (`juicefs umount` the dead mount first), then "
+            f"{resume_hint(self.save)}"
+        )
+
     @contextlib.contextmanager
     def stop_when_full(self, operation: str) -> Iterator[None]:
-        """Turn a full volume during ``operation`` into :class:`DiskFull`; any other error passes unchanged."""
+        """Turn a full volume during ``operation`` into :class:`DiskFull`, and a volume whose file system went
+        away into :class:`VolumeLost`; any other error passes unchanged."""
         try:
             yield
         except Exception as error:
-            full = self.full_error(operation, error)
-            if full is None:
+            stop = self.full_error(operation, error) or self.lost_error(operation, error)
+            if stop is None:
                 raise
-            raise full from error
+            raise stop from error
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,6 +99,37 @@ def _unmount(juicefs: str, mount_point: str, log: str) -> None:
     assert not _mounted(mount_point), f"{mount_point} is still mounted: {_tail(log)}"
 
 
+def kill_client(mount_point: str) -> list[int]:
+    """SIGKILL the JuiceFS client processes of the mount at ``mount_point`` (a mount of :func:`juicefs_volume`),
+    as a lost client would die: the mount stays listed, and every call on it fails with ENOTCONN. The pids killed.
+    (Found by the log file of their command line: JuiceFS rewrites its argv, which can cut a long mount path.)"""
+    import psutil
+
+    log = os.path.join(os.path.dirname(os.path.realpath(mount_point)), "juicefs.log")
+    killed = []
+    for proc in psutil.process_iter(["cmdline"]):
+        command = " ".join(proc.info["cmdline"] or [])
+        if "juicefs" in command and " mount " in command and log in command:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+                killed.append(proc.pid)
+    return killed
+
+
+def mount_again(mount_point: str, *mount_options: str) -> None:
+    """Mount a volume of :func:`juicefs_volume` at ``mount_point`` again after its client died: the dead mount is
+    unmounted first (what an operator does: `juicefs umount`, then `juicefs mount`), and the new one gets
+    ``mount_options``. :func:`juicefs_volume`'s exit unmounts it."""
+    juicefs = juicefs_binary()
+    root = os.path.dirname(os.path.realpath(mount_point))
+    log = os.path.join(root, "juicefs.log")
+    _unmount(juicefs, mount_point, log)
+    mount = [juicefs, "mount", "-d", "--log", log, "--cache-dir", f"{root}/cache", *QUIET_OPTIONS, *mount_options]
+    mounted = _run([*mount, volume_meta(mount_point), mount_point], log)
+    if mounted.returncode != 0 or not _mounted(mount_point):
+        raise RuntimeError(f"juicefs mount (again) failed ({mounted.returncode}): {_tail(log, 10)}")
+
+
 def volume_meta(mount_point: str) -> str:
     """The metadata URL of a volume that :func:`juicefs_volume` mounted at ``mount_point``."""
     return f"sqlite3://{os.path.dirname(os.path.realpath(mount_point))}/meta.db"

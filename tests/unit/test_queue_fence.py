@@ -1,0 +1,89 @@
+"""The controller's fence (queue/fence.py) with a lock that outlived its holder, as JuiceFS keeps a flock taken
+through a client that died: a holder known dead (this host, its process gone) is waited out, bounded, saying so;
+a live holder is refused at once. The stale lock is made here by a live helper process that holds the flock while
+the lock file's record names a process that is gone (on a local file system the kernel would release a dead
+holder's lock at once, so this is how a unit test gets one; the real case is
+tests/faults/test_juicefs_storage_faults.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from vime.queue.fence import QueueBusy, QueueFence, holder_is_dead
+
+HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+HOLD += "print('held', flush=True); sys.stdin.readline()"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def record(pid: int, since: float, host: str | None = None) -> str:
+    return json.dumps({"host": host or socket.gethostname(), "pid": pid, "since": since})
+
+
+def test_holder_is_dead_only_for_a_gone_process_of_this_host():
+    assert holder_is_dead(record(dead_pid(), time.time()))
+    assert not holder_is_dead(record(os.getpid(), time.time()))  # alive
+    assert holder_is_dead(record(os.getpid(), 0.0))  # the pid now belongs to a process started after the holder
+    assert not holder_is_dead(record(dead_pid(), time.time(), host="another-host"))  # cannot be seen from here
+    assert not holder_is_dead("") and not holder_is_dead("not json") and not holder_is_dead('{"pid": 1}')
+
+
+class StaleLock:
+    """A flock held by a live helper process, under a record naming a process that is gone."""
+
+    def __init__(self, data_dir: str):
+        os.makedirs(data_dir, exist_ok=True)
+        path = os.path.join(data_dir, "controller.lock")
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout.readline().strip() == b"held"
+        self.record = record(dead_pid(), time.time())
+        with open(path, "w") as f:
+            f.write(self.record)
+
+    def release(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def test_a_dead_holders_lock_is_waited_out_and_then_taken(tmp_path):
+    stale = StaleLock(str(tmp_path))
+    said: list[str] = []
+    threading.Timer(1.0, stale.release).start()
+    started = time.monotonic()
+    fence = QueueFence.acquire(str(tmp_path), stale_wait_s=60, say=said.append)
+    assert 0.9 < time.monotonic() - started < 30
+    assert len(said) == 1 and "still locked for a controller that is gone" in said[0] and stale.record in said[0]
+    with open(fence.path) as f:
+        assert json.loads(f.read())["pid"] == os.getpid()
+    fence.release()
+
+
+def test_a_dead_holders_lock_that_stays_is_refused_after_the_bound_naming_it(tmp_path):
+    stale = StaleLock(str(tmp_path))
+    try:
+        with pytest.raises(QueueBusy, match="still locked for a controller that is gone .* after 1s"):
+            QueueFence.acquire(str(tmp_path), stale_wait_s=1, say=lambda _: None)
+    finally:
+        stale.release()
+
+
+def test_a_live_holder_is_refused_at_once(tmp_path):
+    fence = QueueFence.acquire(str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(QueueBusy, match="driven by another live controller"):
+        QueueFence.acquire(str(tmp_path), stale_wait_s=60)
+    assert time.monotonic() - started < 5
+    fence.release()
