@@ -16,7 +16,14 @@ from straw.errors import IndeterminateCommit, QuotaExceeded, UnsafeRecovery
 
 from tests.tmpfs import mounted_tmpfs
 from vime.recovery import checkpoint as ckpt
-from vime.recovery.disk_full import DiskFull, WrittenVolume, disk_full_cause, straw_failure_after_a_write
+from vime.recovery.disk_full import (
+    DiskFull,
+    VolumeLost,
+    WrittenVolume,
+    disk_full_cause,
+    straw_failure_after_a_write,
+    volume_lost_cause,
+)
 from vime.weights import disk as weights
 
 MiB = 1024**2
@@ -60,6 +67,24 @@ def test_a_full_volume_is_recognised_through_wrappers_and_nothing_else_is():
     assert disk_full_cause(RuntimeError("ray: ... straw.errors.QuotaExceeded: os error 28")) == "os error 28"
     for other in (OSError(errno.EACCES, "Permission denied"), ValueError("bad"), None):
         assert disk_full_cause(other) is None
+
+
+def test_a_volume_whose_file_system_went_away_stops_the_run_naming_it(tmp_path):
+    # What a killed FUSE client (a JuiceFS mount's process) leaves: ENOTCONN, or straw's text of it through Ray.
+    lost = OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+    assert volume_lost_cause(lost) == "Transport endpoint is not connected"
+    wrapped = RuntimeError("ray: straw.errors.StorageUnavailable: Transport endpoint is not connected (os error 107)")
+    assert volume_lost_cause(wrapped) == "Transport endpoint is not connected"
+    for other in (OSError(errno.ENOSPC, "No space left on device"), ValueError("bad"), None, VolumeLost("said")):
+        assert volume_lost_cause(other) is None
+    # The queue's volume (straw's errors are checked for a full volume first: its directory answers, not full).
+    queue = WrittenVolume.queue(str(tmp_path), 64, save="/data/save")
+    with pytest.raises(VolumeLost) as error:
+        with queue.stop_when_full("the queue's commit of step 4"):
+            raise wrapped
+    message = str(error.value)
+    assert message.startswith(f"the volume of --rollout-data-dir {tmp_path} is not reachable any more")
+    assert "the queue's commit of step 4 failed" in message and "resume with --load /data/save" in message
 
 
 def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass():
