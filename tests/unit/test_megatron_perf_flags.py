@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.train_args import minimal_train_argv as base
-from vime.backends.torch_backend import TorchTrainerSpec, _optimizer
+from vime.backends.torch_backend import TorchTrainerSpec, make_optimizer
 from vime.config import ConfigError, parse_train_args
 from vime.config.algorithm import AlgorithmConfig
 from vime.config.roles import RoleOverrides
@@ -119,7 +119,7 @@ def _spec(optimizer: str, **kw) -> TorchTrainerSpec:
 
 def test_optimizer_sgd_steps_with_momentum_and_l2_weight_decay():
     param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    opt = _optimizer([param], _spec("sgd", sgd_momentum=0.5, weight_decay=0.1), RoleOverrides("actor"))
+    opt = make_optimizer([param], _spec("sgd", sgd_momentum=0.5, weight_decay=0.1), RoleOverrides("actor"))
     assert isinstance(opt, torch.optim.SGD)
     grad = torch.tensor([0.2, 0.4])
     expected, velocity = param.detach().clone(), torch.zeros(2)
@@ -130,9 +130,9 @@ def test_optimizer_sgd_steps_with_momentum_and_l2_weight_decay():
         expected = expected - 0.1 * velocity
     torch.testing.assert_close(param.detach(), expected)
     # The default stays AdamW, and a role's lr still overrides the command line's.
-    opt = _optimizer([param], _spec("adam"), RoleOverrides("critic", values={"lr": 0.01}))
+    opt = make_optimizer([param], _spec("adam"), RoleOverrides("critic", values={"lr": 0.01}))
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["lr"] == 0.01
-    opt = _optimizer([param], _spec("sgd"), RoleOverrides("critic", values={"lr": 0.01}))
+    opt = make_optimizer([param], _spec("sgd"), RoleOverrides("critic", values={"lr": 0.01}))
     assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["momentum"] == 0.9
 
 
