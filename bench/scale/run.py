@@ -120,7 +120,8 @@ def make_worker_class():
             super().__init__(spec, TimedController(controller))
 
         def timings(self) -> dict[str, list]:
-            return self.controller.timings
+            # copies: the calls still in flight append to the lists while Ray serialises the answer
+            return {kind: list(values) for kind, values in self.controller.timings.items()}
 
         def pid(self) -> int:
             return os.getpid()
@@ -128,7 +129,62 @@ def make_worker_class():
     return TimedRolloutWorker
 
 
+# ---------------------------------------------------------------------------------------------- in the controller
+MEASURED_CONTROLLER_CALLS = ("lease", "complete", "heartbeat", "return_partial", "take_groups", "commit", "stats")
+
+
+def _measured(method, name: str):
+    def measured(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.bench_calls.append((name, time.time(), time.perf_counter() - started))
+
+    measured.__name__ = name
+    return measured
+
+
+def make_controller_class():
+    """The Controller, each call's time inside the actor recorded: (method, wall time at the end, seconds). Its
+    sum over the window is how busy the actor's one thread was; caller's latency minus this is waiting."""
+    from vime.workers.controller import Controller
+
+    class MeasuredController(Controller):
+        def __init__(self, spec):
+            self.bench_calls: list[tuple[str, float, float]] = []
+            super().__init__(spec)
+
+        def calls(self) -> list[tuple[str, float, float]]:
+            return list(self.bench_calls)
+
+    for name in MEASURED_CONTROLLER_CALLS:
+        setattr(MeasuredController, name, _measured(getattr(Controller, name), name))
+    return MeasuredController
+
+
 # ---------------------------------------------------------------------------------------------- measuring
+def start_profile(controller) -> None:
+    """--profile-controller: cProfile the controller actor's calls (they all run on one thread)."""
+    import cProfile
+
+    controller._bench_profile = cProfile.Profile()
+    controller._bench_profile.enable()
+
+
+def stop_profile(controller) -> str:
+    import io
+    import pstats
+
+    controller._bench_profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(controller._bench_profile, stream=text)
+    stats.sort_stats("tottime").print_stats(12)
+    # where the queue's time goes, by the controller's and the queue's methods
+    stats.sort_stats("cumulative").print_stats(r"controller.py|rollout_queue.py", 20)
+    return text.getvalue()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its waited-for children so far (0 once gone)."""
     try:
@@ -180,6 +236,8 @@ class Point:
     engine_cap_groups_per_s: float
     lease_ms: tuple[float, float]
     accept_ms: tuple[float, float]
+    accept_inside_ms: tuple[float, float]  # Controller.complete's own time, in the actor
+    controller_busy: float  # share of the window the controller actor's one thread spent in calls
     journal_bytes_per_10k: float
     store_bytes_per_10k: float
     controller_rss_mib: float
@@ -253,7 +311,7 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
     from vime.data.source import DataKeys
     from vime.engines.router import RouterClient, start_router
     from vime.queue.rollout_queue import StoreOptions
-    from vime.workers.controller import Controller, ControllerSpec
+    from vime.workers.controller import ControllerSpec
     from vime.workers.rollout_worker import RolloutWorkerSpec
 
     out = os.path.join(work, f"engines-{engines}")
@@ -275,7 +333,7 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
         data_dir = os.path.join(out, "straw")
         q = s.queue
         store = StoreOptions(data_dir, q.rollout_queue_run_id, q.rollout_queue_segment_mib, q.rollout_queue_online_gc)
-        controller = ray.remote(num_cpus=0)(Controller).remote(
+        controller = ray.remote(num_cpus=0)(make_controller_class()).remote(
             ControllerSpec(
                 transport="straw",
                 store=store,
@@ -304,6 +362,8 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
             "driver": [os.getpid()],
         }
         runs = [a.run.remote() for a in actors]
+        if options.profile_controller:
+            ray.get(controller.__ray_call__.remote(start_profile))
 
         consumer = Consumer(controller, in_flight_groups)
         thread = threading.Thread(target=consumer.loop, daemon=True)
@@ -313,18 +373,21 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
         time.sleep(options.seconds)
         end = snapshot(consumer, data_dir, pids)
         rss = rss_mib(pids["controller"][0])
+        if options.profile_controller:
+            print(ray.get(controller.__ray_call__.remote(stop_profile)), flush=True)
         consumer.stop = True
         thread.join(timeout=30)
         if consumer.error is not None:
             raise consumer.error
-        timings = ray.get([a.timings.remote() for a in actors])
         ray.get([a.stop.remote() for a in actors])
-        for stats in ray.get(runs, timeout=60):
+        for stats in ray.get(runs, timeout=120):
             if stats.errors or stats.engine_errors:
                 print(
                     f"  note: a worker had {stats.errors} group error(s), {stats.engine_errors} engine error(s): "
                     f"{stats.last_error or stats.last_engine_error}"
                 )
+        timings = ray.get([a.timings.remote() for a in actors])
+        controller_calls = ray.get(controller.calls.remote())
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -339,6 +402,8 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
         values = [d * 1e3 for worker in timings for t, d in worker[kind] if start["time"] <= t <= end["time"]]
         return percentile(values, 50), percentile(values, 99)
 
+    in_window = [(name, d) for name, t, d in controller_calls if start["time"] <= t <= end["time"]]
+    inside_complete = [d * 1e3 for name, d in in_window if name == "complete"]
     request_s = options.latency_s + options.response_tokens / options.tokens_per_s
     per_10k = 1e4 / groups if groups else float("nan")
     return Point(
@@ -350,6 +415,8 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
         engine_cap_groups_per_s=in_flight_groups / request_s,
         lease_ms=window_ms("lease"),
         accept_ms=window_ms("complete"),
+        accept_inside_ms=(percentile(inside_complete, 50), percentile(inside_complete, 99)),
+        controller_busy=sum(d for _, d in in_window) / window,
         journal_bytes_per_10k=(end["journal"] - start["journal"]) * per_10k,
         store_bytes_per_10k=(end["store"] - start["store"]) * per_10k,
         controller_rss_mib=rss,
@@ -391,7 +458,8 @@ class Consumer:
 
         try:
             while not self.stop:
-                taken = ray.get(self.controller.take_groups.remote(self.cursor, self.batch, 0, 0, allow_partial=True))
+                # full batches, as the driver takes them (a partial one only at the end of the data)
+                taken = ray.get(self.controller.take_groups.remote(self.cursor, self.batch, 0, 0))
                 if not taken.groups:
                     time.sleep(0.05)
                     continue
@@ -422,10 +490,21 @@ def report(points: list[Point], options) -> None:
             f"{p.accept_ms[0]:8.1f}/{p.accept_ms[1]:<8.1f} {p.journal_bytes_per_10k / 2**20:16.2f} "
             f"{p.store_bytes_per_10k / 2**20:14.1f} {p.controller_rss_mib:13.0f}"
         )
-    print("  CPU share over the window (100% = one core busy):")
+    print(
+        "  CPU share over the window (100% = one core busy) and CPU per accepted group; the controller actor's one "
+        "thread busy in calls:"
+    )
     for p in points:
-        shares = ", ".join(f"{name} {seconds / p.seconds:.0%}" for name, seconds in p.cpu_share.items())
-        print(f"  {p.engines:7d}: {shares}")
+        shares = ", ".join(
+            f"{name} {seconds / p.seconds:.0%}" + (f" ({seconds / p.groups * 1e3:.1f} ms/group)" if p.groups else "")
+            for name, seconds in p.cpu_share.items()
+            if name != "total"
+        )
+        shares += f", whole machine {p.cpu_share['total'] / p.seconds:.0%}"
+        print(
+            f"  {p.engines:7d}: {shares}; controller thread busy {p.controller_busy:.0%}, "
+            f"complete inside the actor p50/p99 {p.accept_inside_ms[0]:.1f}/{p.accept_inside_ms[1]:.1f} ms"
+        )
     last = points[-1]
     verdict = last.groups_per_s >= GOAL_GROUPS_PER_S and last.accept_ms[1] < GOAL_P99_ACCEPT_MS
     print(
@@ -446,6 +525,7 @@ def main() -> int:
     parser.add_argument("--response-tokens", type=int, default=64, help="tokens of every response")
     parser.add_argument("--tokens-per-s", type=float, default=400.0, help="a stand-in request's decode speed")
     parser.add_argument("--latency-s", type=float, default=0.05, help="a stand-in request's fixed time")
+    parser.add_argument("--profile-controller", action="store_true", help="print the controller's cProfile")
     parser.add_argument("--smoke", action="store_true", help="seconds-long check; its numbers mean nothing")
     options = parser.parse_args()
     if options.smoke:
