@@ -1,6 +1,6 @@
 """Benchmark: the control plane at scale, by simulation: 16, 64 and 256 stand-in engines (issue 20, point 5).
 
-    .venv/bin/python bench/scale/run.py [--engines 16 64 256] [--seconds 30] [--warmup-seconds 8]
+    .venv/bin/python bench/scale/run.py [--engines 16 64 256] [--seconds 20] [--warmup-seconds 8] [--profile-controller]
     .venv/bin/python bench/scale/run.py --smoke
 
 What runs is vime's real control plane, without the trainer and without real engines:
@@ -49,8 +49,9 @@ bench/queue's). So the payload bytes per 10k groups here are a 64-token figure.
 ``--smoke`` runs 2 stand-in engines, 1 worker, a 2-second window after 1 s: it checks that the benchmark works, its
 numbers mean nothing.
 
-Measured (2026-12-04, this 2-core / 24 GiB machine shared with another job; ``--seconds 30 --warmup-seconds
-8``, defaults otherwise): see docs/performance.md, "Control plane at scale".
+``--profile-controller`` prints the controller actor's cProfile over the window (where its thread's time goes).
+
+Measured: docs/scale.md (the table, the first bottleneck found and what moved it, what would move the next).
 """
 
 from __future__ import annotations
@@ -517,7 +518,7 @@ def report(points: list[Point], options) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", type=int, nargs="+", default=[16, 64, 256], help="stand-in engines per point")
-    parser.add_argument("--seconds", type=float, default=30.0, help="measured window per point")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window per point")
     parser.add_argument("--warmup-seconds", type=float, default=8.0, help="left out before each window")
     parser.add_argument("--engines-per-worker", type=int, default=64, help="one rollout worker per this many")
     parser.add_argument("--in-flight-per-engine", type=int, default=8, help="sample requests in flight per engine")
