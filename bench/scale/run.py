@@ -24,12 +24,15 @@ port, answering vime's /inference/v1/generate with ``--response-tokens`` token i
 that count here. Their capacity is known: in-flight samples / request time; the report prints it as
 "engine cap", and a rate well below it means the control plane, not the engines, is the limit.
 
-Reported per point, over ``--seconds`` after ``--warmup-seconds``: accepted groups/s (the consumer cursor's
-progress), p50/p99 of lease and accept latency (time.perf_counter around ``controller.lease.remote`` and
-``controller.complete.remote`` in each rollout worker, Ray round trip included: what a worker waits),
+Reported per point, over ``--seconds`` after ``--warmup-seconds``: accepted groups/s (Controller.complete calls
+in the window; the consumer keeps taking them, so nothing piles up), p50/p99 of lease and accept latency
+(time.perf_counter around ``controller.lease.remote`` and ``controller.complete.remote`` in each rollout
+worker, Ray round trip included: what a worker waits),
 the straw directory's growth per 10k accepted groups (journal files alone, and everything including the
-samples' payload), the controller's RSS, and the CPU share of each process (controller, router, stand-ins,
-rollout workers, this driver, Ray's own) over the window, which names the saturated component.
+samples' payload), the controller's RSS, the CPU share of each process (controller, router, stand-ins,
+rollout workers, this driver; "whole machine" includes Ray's own and anything else running) over the window
+and per accepted group, and how busy the controller actor's one thread was in calls: which names the
+saturated component.
 
 The goal (issue 20, point 5): at 256 stand-in engines, at least 10x the acceptance rate a 128-GPU fleet
 produces for a 7B model at 8k-token responses, with p99 accept latency under 100 ms. The estimate:
@@ -397,7 +400,9 @@ def run_point(engines: int, options, model: str, work: str) -> Point:
         standins.kill()
         standins.wait()
     window = end["time"] - start["time"]
-    groups = end["cursor"] - start["cursor"]
+    # acceptances the controller ran in the window (the consumer's cursor moves a whole batch at a time, which
+    # would round a 20 s window at batch 256 to a multiple of 12.8 groups/s)
+    groups = sum(1 for name, t, _ in controller_calls if name == "complete" and start["time"] <= t <= end["time"])
 
     def window_ms(kind: str) -> tuple[float, float]:
         values = [d * 1e3 for worker in timings for t, d in worker[kind] if start["time"] <= t <= end["time"]]

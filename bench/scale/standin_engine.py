@@ -1,6 +1,6 @@
 """A STAND-IN for vLLM engines, for bench/scale only: many fake OpenAI-compatible engines in one process.
 
-    .venv/bin/python bench/scale/standin_engine.py --engines 64 [--tokens-per-s 200] [--latency-s 0.05]
+    .venv/bin/python bench/scale/standin_engine.py --engines 64 --first-port 30000 [--tokens-per-s 400]
 
 This is not an engine. It exists because one machine cannot run 256 real vLLM engines, and bench/scale
 measures what stands around the engines (the controller, the straw queue journal, vllm-router and the
