@@ -3,9 +3,10 @@
 A smoke run goes through the benchmark's own code on the smallest sizes and prints its usual result
 line; the numbers mean nothing and are not checked. Here the parts that need no vLLM engine:
 bench/queue's micro benchmark (real straw queue and Controller, Ray object store, torch files), the
-calibration loop, the command lines bench/async, bench/elastic and bench/rollout hand to `vime train`
-(parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a real
-engine: tests/e2e/test_bench_smoke_engine.py.
+calibration loop, bench/scale's control plane on 2 stand-in engines (real controller, straw queue,
+vllm-router and rollout worker), the command lines bench/async, bench/elastic and bench/rollout hand to
+`vime train` (parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a
+real engine: tests/e2e/test_bench_smoke_engine.py.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
         pytest.param(
             "recovery/run.py", "== bench/recovery --smoke: the command lines of 3 runs checked", 1, id="recovery"
         ),
+        # real controller, straw queue, vllm-router and rollout worker on 2 stand-in engines
+        pytest.param("scale/run.py", "== bench/scale: the control plane with stand-in engines", 1, id="scale"),
     ],
 )
 def test_bench_smoke_without_engine(script, result_line, count):

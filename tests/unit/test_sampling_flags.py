@@ -237,6 +237,26 @@ def test_over_sampling_batch_size_sets_the_refill_granularity(tmp_path):
     assert fresh(chunked) == 13  # 7 left: 1 wanted, one more batch of 6
 
 
+def test_refill_tops_up_by_half_a_rollout_and_skips_its_scan_while_enough_are_pending(tmp_path):
+    # bench/scale: scanning every pending task and submitting one prompt at every lease made a lease cost
+    # O(batch) journal work; the controller now scans only when fresh tasks may have dropped below 2 rollouts.
+    controller = Controller(controller_spec(tmp_path, transport="straw"))  # 4 groups a rollout: 8 fresh pending
+    scan = controller.queue.pending
+    scans = []
+    controller.queue.pending = lambda: scans.append(1) or scan()
+    fresh_after = []
+    for _ in range(4):
+        controller.lease("w", 1)
+        fresh_after.append(sum(1 for task in scan() if task.stage == "fresh"))
+        assert controller.fresh_pending_floor <= fresh_after[-1]  # a lower bound, never more
+    # 8 -> 7 (no scan) -> 7 counted, 2 added, 1 leased: 8 -> 7 (no scan) -> scan, +2, -1: 8
+    assert fresh_after == [7, 8, 7, 8] and len(scans) == 2
+    item = controller.lease("w", 1)[0]  # scan-free lease: 7 fresh
+    controller.return_partial(item.assignment.lease, item.assignment.task, None)  # back: 8, the floor says 7
+    assert controller.fresh_pending_floor == 7 and sum(1 for t in scan() if t.stage == "fresh") == 8
+    controller.shutdown()
+
+
 def test_the_controller_opens_the_filtered_rows(tmp_path):
     controller = Controller(controller_spec(tmp_path, prompt_rows=[1, 5, 7], num_epoch=1))
     assert len(controller.dataset) == 3
