@@ -10,7 +10,8 @@ flock taken through a client that died before its holder (a lost host, a killed 
 session until JuiceFS expires the session (measured here: free 65 s after the volume was mounted again;
 docs/juicefs.md). A holder known to be dead (the record names this host and a process that is gone) is
 therefore waited out for up to :data:`STALE_HOLDER_WAIT_S`, saying so; a live holder, or one on another host
-(whose liveness this host cannot see), is refused at once.
+(whose liveness this host cannot see), is refused at once. The record names its process as the reaper's do
+(pid and start time, ``vime.runtime.reaper.owner_alive``), so a reused pid is not taken for the holder.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import socket
 import time
 from collections.abc import Callable
 
-import psutil
-
 from vime.errors import UserError
+from vime.runtime.reaper import owner_alive, process_start_time
 
 STALE_HOLDER_WAIT_S = 180.0
 RETRY_S = 2.0
@@ -35,19 +35,15 @@ class QueueBusy(UserError, RuntimeError):
 
 
 def holder_is_dead(holder: str) -> bool:
-    """Whether the holder record (``{"host", "pid", "since"}``) names a process of this host that is gone: no such
-    pid, or a pid reused by a process started after the holder took the lock."""
+    """Whether the holder record (``{"host", "pid", "pid_start", ...}``) names a process of this host that is gone
+    (no such process, a zombie, or its pid now another process's). An unreadable record, or one without
+    ``pid_start`` (written before it was recorded), names no process for sure: the holder is taken as alive."""
     try:
         record = json.loads(holder)
-        host, pid, since = record["host"], int(record["pid"]), float(record["since"])
+        host, pid, pid_start = record["host"], int(record["pid"]), float(record["pid_start"])
     except (ValueError, KeyError, TypeError):
-        return False  # unknown holder: assume it lives
-    if host != socket.gethostname():
         return False
-    try:
-        return psutil.Process(pid).create_time() > since + 1.0
-    except psutil.NoSuchProcess:
-        return True
+    return host == socket.gethostname() and not owner_alive(pid, pid_start)
 
 
 class QueueFence:
@@ -91,7 +87,10 @@ class QueueFence:
                     "that died, until the session expires; docs/juicefs.md); retry later"
                 )
             time.sleep(RETRY_S)
-        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+        pid = os.getpid()
+        owner = json.dumps(
+            {"host": socket.gethostname(), "pid": pid, "pid_start": process_start_time(pid), "since": time.time()}
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, owner.encode(), 0)
         return cls(fd, path)

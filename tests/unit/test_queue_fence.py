@@ -18,6 +18,7 @@ import time
 import pytest
 
 from vime.queue.fence import QueueBusy, QueueFence, holder_is_dead
+from vime.runtime.reaper import process_start_time
 
 HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
 HOLD += "print('held', flush=True); sys.stdin.readline()"
@@ -29,16 +30,19 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def record(pid: int, since: float, host: str | None = None) -> str:
-    return json.dumps({"host": host or socket.gethostname(), "pid": pid, "since": since})
+def record(pid: int, pid_start: float, host: str | None = None) -> str:
+    return json.dumps({"host": host or socket.gethostname(), "pid": pid, "pid_start": pid_start, "since": 0.0})
 
 
 def test_holder_is_dead_only_for_a_gone_process_of_this_host():
-    assert holder_is_dead(record(dead_pid(), time.time()))
-    assert not holder_is_dead(record(os.getpid(), time.time()))  # alive
-    assert holder_is_dead(record(os.getpid(), 0.0))  # the pid now belongs to a process started after the holder
-    assert not holder_is_dead(record(dead_pid(), time.time(), host="another-host"))  # cannot be seen from here
+    me = process_start_time(os.getpid())
+    assert holder_is_dead(record(dead_pid(), me))
+    assert not holder_is_dead(record(os.getpid(), me))  # alive
+    assert holder_is_dead(record(os.getpid(), me - 3600))  # the pid now belongs to a process started after the holder
+    assert not holder_is_dead(record(dead_pid(), me, host="another-host"))  # cannot be seen from here
     assert not holder_is_dead("") and not holder_is_dead("not json") and not holder_is_dead('{"pid": 1}')
+    # A record without the holder's start time (written before it was recorded) names no process for sure.
+    assert not holder_is_dead(json.dumps({"host": socket.gethostname(), "pid": dead_pid(), "since": 0.0}))
 
 
 class StaleLock:
@@ -49,7 +53,7 @@ class StaleLock:
         path = os.path.join(data_dir, "controller.lock")
         self.proc = subprocess.Popen([sys.executable, "-c", HOLD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdout.readline().strip() == b"held"
-        self.record = record(dead_pid(), time.time())
+        self.record = record(dead_pid(), time.time())  # a start time no live process has
         with open(path, "w") as f:
             f.write(self.record)
 
@@ -67,7 +71,8 @@ def test_a_dead_holders_lock_is_waited_out_and_then_taken(tmp_path):
     assert 0.9 < time.monotonic() - started < 30
     assert len(said) == 1 and "still locked for a controller that is gone" in said[0] and stale.record in said[0]
     with open(fence.path) as f:
-        assert json.loads(f.read())["pid"] == os.getpid()
+        taken = json.loads(f.read())
+    assert taken["pid"] == os.getpid() and not holder_is_dead(json.dumps(taken))
     fence.release()
 
 
