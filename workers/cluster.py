@@ -103,11 +103,12 @@ def trainer_cpus(cluster: ClusterConfig, train: TrainConfig) -> tuple[int, list[
     return max(1, len(spare) // cluster.num_trainers), spare
 
 
-def trainer_gpus_per_rank(cluster: ClusterConfig, train: TrainConfig) -> float:
-    """One GPU per rank when several Megatron ranks train on GPUs (Ray then shows each its own); a single
-    rank keeps today's placement (it uses the node's first GPU, beside the engines)."""
+def trainer_gpus_per_rank(cluster: ClusterConfig) -> float:
+    """One GPU per rank when several ranks train on GPUs (Ray then shows each its own); a single rank keeps
+    today's placement (it uses the node's first GPU, beside the engines). Both backends: the torch backend
+    trains on its rank's GPU too (vime.backends.torch_backend.training_device)."""
     import ray
 
-    if cluster.num_trainers == 1 or train.train_backend != "megatron":
+    if cluster.num_trainers == 1:
         return 0
     return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0

@@ -186,7 +186,7 @@ class RunProcesses:
             + (" each)" if ranks > 1 else ")")
         )
         self.trainer = TrainerGroup.start(
-            trainer_spec, ranks, gpus_per_rank=trainer_gpus_per_rank(s.cluster, s.train), timeout=600
+            trainer_spec, ranks, gpus_per_rank=trainer_gpus_per_rank(s.cluster), timeout=600
         )
 
     def _start_ray(self) -> None:

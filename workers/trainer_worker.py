@@ -164,9 +164,11 @@ class TrainerWorker:
         import torch
         import torch.distributed as dist
 
-        # The torch backend trains on the CPU whatever the node has; Megatron trains on the rank's GPU.
-        backend = "nccl" if self.spec.megatron is not None and torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        # Both backends train on the rank's GPU where it has one. Megatron's collectives are all on the GPU
+        # (NCCL); the torch backend also exchanges CPU tensors (metrics, the objective's terms): gloo for those.
+        backend = "gloo"
+        if torch.cuda.is_available():
+            backend = "nccl" if self.spec.megatron is not None else "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(_assigned_gpu())
         dist.init_process_group(
             backend,

@@ -1,8 +1,9 @@
-"""Benchmark: the trainer's peak memory per parameter, and the largest model a training step fits (CPU).
+"""Benchmark: the trainer's peak memory per parameter, and the largest model a training step fits.
 
     .venv/bin/python bench/memory/run.py                 # the measurement and the search (~30 min, 2 cores)
     .venv/bin/python bench/memory/run.py --no-search     # the measurement only (~5 min)
     .venv/bin/python bench/memory/run.py --smoke         # seconds: a tiny model, numbers meaningless
+    python bench/memory/run.py --device cuda --no-search # on GPUs: the CUDA allocator's peaks (no search)
 
 One training step (TorchBackend.train_rollout: GRPO, the old log-probs' forward, one optimizer step, in
 which AdamW allocates its state) of a random Qwen2-shaped model (32k vocabulary; 4 samples x 256 tokens), in
@@ -25,6 +26,12 @@ The search doubles a Qwen2 shape (layers, then hidden size) and runs (a) and (c)
 a step does not fit: the two ranks' resident sets together must stay below the memory available when the
 benchmark started, less a 1 GiB margin (a watchdog stops the ranks past it, so the machine never swaps or
 meets its OOM killer). Printed: the largest size that fits for each, and their ratio (goal >= 3).
+
+With ``--device cuda`` the ranks train on GPUs (one each, NCCL; a configuration runs on as many ranks as it
+asks for, at most the GPUs there are, and says how many) and memory is the CUDA allocator's: its peak during
+the step (``max_memory_allocated`` after a reset once the trainer was built), the same in bytes per parameter.
+The host's resident set is not counted then, and the search does not run (it sizes models to this machine's
+host memory).
 """
 
 from __future__ import annotations
@@ -163,22 +170,69 @@ def make_samples(count: int, tokens: int, vocab: int, seed: int):
     return samples
 
 
+class HostMemory:
+    """The rank's resident set (/proc/self/status), its peak reset by /proc/self/clear_refs."""
+
+    @staticmethod
+    def now() -> int:
+        return resident_bytes()
+
+    @staticmethod
+    def peak() -> int:
+        return resident_bytes("VmHWM")
+
+    @staticmethod
+    def reset_peak() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS: the peak from here on is what follows
+
+
+class CudaMemory:
+    """The CUDA allocator's bytes on this rank's GPU (tensors; not the CUDA context or the allocator's cache)."""
+
+    @staticmethod
+    def now() -> int:
+        import torch
+
+        return torch.cuda.memory_allocated()
+
+    @staticmethod
+    def peak() -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+
+    @staticmethod
+    def reset_peak() -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
 def rank_main(request: dict) -> dict:
-    """Build the trainer on this rank, reset the peak, train one step; the resident sets measured."""
+    """Build the trainer on this rank, reset the peak, train one step; the memory measured."""
     import torch
 
     torch.set_num_threads(1)
-    rank, world = request["rank"], request["world"]
+    rank, world, device = request["rank"], request["world"], request["device"]
+    memory = CudaMemory if device == "cuda" else HostMemory
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{request['port']}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{request['port']}",
+            rank=rank,
+            world_size=world,
+        )
     from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
     from vime.config.algorithm import AlgorithmConfig
 
     samples = make_samples(request["samples"], request["tokens"], request["vocab"], seed=0)
     load_model_code()
-    baseline = resident_bytes()
+    baseline = memory.now()
     algorithm = AlgorithmConfig()
     algorithm.validate()
     spec = TorchTrainerSpec(
@@ -195,18 +249,18 @@ def rank_main(request: dict) -> dict:
         algorithm=algorithm,
         seed=0,
         threads=1,
+        device=device,
         **request["flags"],
     )
     if request["baseline"]:
-        parameters, step_peak, built = plain_hf_step(request["model"], samples)
+        parameters, step_peak, built = plain_hf_step(request["model"], samples, memory, device)
     else:
         backend = TorchBackend(spec)
         parameters = sum(p.numel() for p in backend.model.parameters())  # a sharded DTensor counts its whole
-        built_peak, built = resident_bytes("VmHWM"), resident_bytes()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS: the peak from here on is the step's
+        built_peak, built = memory.peak(), memory.now()
+        memory.reset_peak()
         backend.train_rollout(samples, policy_version=0)
-        step_peak = resident_bytes("VmHWM")
+        step_peak = memory.peak()
         overall = max(built_peak, step_peak)
     if request["baseline"]:
         overall = step_peak
@@ -235,21 +289,20 @@ def load_model_code() -> None:
     from transformers.models.qwen2 import modeling_qwen2, tokenization_qwen2  # noqa: F401
 
 
-def plain_hf_step(model_dir: str, samples) -> tuple[int, int]:
+def plain_hf_step(model_dir: str, samples, memory, device: str) -> tuple[int, int, int]:
     """A plain HF float32 AdamW step on the batch (cross-entropy): the scale the others are read against."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.tensor([s.tokens for s in samples])
-    built = resident_bytes()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    ids = torch.tensor([s.tokens for s in samples], device=device)
+    built = memory.now()
+    memory.reset_peak()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
-    return sum(p.numel() for p in model.parameters()), resident_bytes("VmHWM"), built
+    return sum(p.numel() for p in model.parameters()), memory.peak(), built
 
 
 # ---------------------------------------------------------------------- the parent: ranks and the watchdog
@@ -281,14 +334,15 @@ def run_ranks(
     vocab: int,
     budget: int,
     timeout: float,
+    device: str = "cpu",
 ) -> dict:
-    """One step on ``config.ranks`` fresh processes (``config`` None: the plain HF baseline, one process).
-    Returns {"fits": bool, "ranks": [...]} or the reason it did not fit."""
+    """One step on ``config.ranks`` fresh processes (``config`` None: the plain HF baseline, one process;
+    on CUDA at most one rank per GPU). Returns {"fits": bool, "ranks": [...]} or the reason it did not fit."""
     import psutil
 
     from vime.runtime.ports import free_port
 
-    ranks = config.ranks if config else 1
+    ranks = rank_count(config, device)
     port = free_port()
     procs = []
     for rank in range(ranks):
@@ -303,6 +357,7 @@ def run_ranks(
             "vocab": vocab,
             "flags": config.flags if config else {},
             "baseline": config is None,
+            "device": device,
         }
         argv = [sys.executable, os.path.abspath(__file__), "--rank-request", json.dumps(request)]
         procs.append(
@@ -340,6 +395,16 @@ def run_ranks(
     return {"fits": True, "ranks": results, "peak_total": peak_total}
 
 
+def rank_count(config: Config | None, device: str) -> int:
+    if config is None:
+        return 1
+    if device == "cuda":
+        import torch
+
+        return max(1, min(config.ranks, torch.cuda.device_count()))
+    return config.ranks
+
+
 def per_parameter(result: dict, key: str = "step_peak") -> float:
     """The worst rank's peak (minus its baseline) per parameter of the whole model."""
     return max((r[key] - r["baseline"]) / r["parameters"] for r in result["ranks"])
@@ -356,11 +421,16 @@ def measure(options, cache: str, budget: int) -> dict:
         vocab=options.vocab,
         budget=budget,
         timeout=options.timeout,
+        device=options.device,
     )
     rows = {}
     for key, config in [("baseline", None)] + list(CONFIGS.items()):
+        if options.device == "cuda" and config and rank_count(config, "cuda") < config.ranks and key == "c4":
+            continue  # (c) on fewer GPUs than 4 repeats (c)
         result = run_ranks(model, config, **common)
         name = config.name if config else "baseline: plain HF float32 AdamW step"
+        if config and rank_count(config, options.device) != config.ranks:
+            name += f" [{rank_count(config, options.device)} rank(s)]"
         if not result["fits"]:
             print(f"  {name:45s} did not run: {result['reason']}", flush=True)
             rows[key] = None
@@ -376,7 +446,8 @@ def measure(options, cache: str, budget: int) -> dict:
     if rows.get("a") and rows.get("c"):
         ratio = per_parameter(rows["c"]) / per_parameter(rows["a"])
         print(
-            f"ratio (c) / (a) per rank: {ratio:.2f} on 2 ranks (goal <= 0.4)"
+            f"ratio (c) / (a) per rank: {ratio:.2f} on {rank_count(CONFIGS['c'], options.device)} rank(s)"
+            f" (goal <= 0.4 on 2)"
             + (f", {per_parameter(rows['c4']) / per_parameter(rows['a']):.2f} on 4 ranks" if rows.get("c4") else ""),
             flush=True,
         )
@@ -447,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="memory the ranks may use together (default: what is available at the start, less 1 GiB)",
     )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: train on GPUs, measure the CUDA allocator"
+    )
     parser.add_argument("--rank-request", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.rank_request:
@@ -455,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.smoke:
         options.hidden, options.layers, options.vocab, options.tokens = 64, 2, 512, 32
         options.no_search, options.timeout = True, 300
+    if options.device == "cuda" and not options.no_search:
+        parser.error("--device cuda measures only: add --no-search (the search sizes models to the host's memory)")
     cache = options.cache or tempfile.mkdtemp(prefix="vime-bench-memory-")
     budget = int(options.budget_gib * GIB) if options.budget_gib else available_bytes() - GIB
     print(f"memory available for the ranks: {budget / GIB:.1f} GiB", flush=True)

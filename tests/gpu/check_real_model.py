@@ -16,9 +16,9 @@ trainer/engine log-prob gap (train_rollout_logprob_abs_diff mean and max, printe
 fell asleep every step and that sleep freed GPU memory ("Sleep mode freed ... GiB"); the GPU memory in use,
 sampled with nvidia-smi while the run goes on, is reported (its peak, and its low while the engine sleeps).
 
-What it does not check: the torch backend trains on the host (its model is not moved to the GPU), so the
-trainer's own GPU memory is not part of this check, and neither is the Megatron backend's --bf16 or its
---use-distributed-optimizer (ZeRO-1), which are tested on CPU only (docs/real-models.md).
+The torch backend trains on the GPU beside the engine (vime.backends.torch_backend.training_device), so the
+sampled GPU memory is both's. What it does not check: the Megatron backend's --bf16 or its
+--use-distributed-optimizer (ZeRO-1); tests/gpu/check_torch_cuda.py checks the trainer alone on CUDA.
 
 Exit status: 0 all checks passed, 1 a check failed, 77 not runnable here (no GPU, no vLLM): the reason is printed.
 """
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-rollout", type=int, default=40)
     parser.add_argument("--min-gain", type=float, default=0.2, help="held-out reward rise required")
-    parser.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 ranks (host processes)")
+    parser.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 ranks (one GPU each)")
     parser.add_argument("--keep", help="run in this folder and keep it (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=1800)
     options = parser.parse_args(argv)

@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import warnings
 
-import numpy as np
 import torch
 
 from vime.backends.data_parallel import DataParallel
+from vime.backends.random_state import restore_rng_state, rng_state
 
 SHARDED_DIR = "sharded"  # the DCP checkpoint (every rank's shards and rank 0's metadata)
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -195,7 +194,7 @@ class Sharding:
         if write:
             state = dict(
                 trainer_state,
-                rng={"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                rng=rng_state(),
             )
             torch.save(state, os.path.join(path, TRAINER_STATE_FILE))
 
@@ -222,9 +221,7 @@ class Sharding:
                     optim_state_dict=state[role.name]["optimizer"],
                 )
         saved = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
-        random.setstate(saved["rng"]["python"])
-        np.random.set_state(saved["rng"]["numpy"])
-        torch.set_rng_state(saved["rng"]["torch"])
+        restore_rng_state(saved["rng"])
         return saved
 
 

@@ -1,4 +1,4 @@
-"""PyTorch training backend on a Hugging Face causal LM (CPU or a single device).
+"""PyTorch training backend on a Hugging Face causal LM, on the rank's GPU where it has one, else on the CPU.
 
 The backend owns the models (their precision, FSDP2 sharding, files); the RL objective is
 :class:`vime.rl.objective.RLObjective` and the loop over a rollout
@@ -19,9 +19,7 @@ import contextlib
 import dataclasses
 import math
 import os
-import random
 
-import numpy as np
 import torch
 
 from vime.backends.activation_checkpointing import enable_full_recompute
@@ -30,6 +28,7 @@ from vime.backends.data_parallel import DataParallel
 from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
+from vime.backends.random_state import restore_rng_state, rng_state
 from vime.backends.rollout_training import RolloutTraining, seed_everything
 from vime.backends.sequence_packing import all_packable, forward_layout
 from vime.backends.value_model import (
@@ -87,6 +86,23 @@ class TorchTrainerSpec:
     # keys of --custom-config-path: what the objective's user functions see in ``args``.
     hooks: HooksConfig | None = None
     custom_config: dict | None = None
+    # Where the models train: "cuda" (this rank's current CUDA device), "cpu", or None: CUDA where this process
+    # sees a GPU, else the CPU (training_device). The RL objective's per-token arithmetic stays on the CPU.
+    device: str | None = None
+
+
+def training_device(requested: str | None) -> torch.device:
+    """The device a rank trains on (``TorchTrainerSpec.device``); "cuda" is the rank's current CUDA device, the
+    one TrainerWorker.join selected for it."""
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("the torch backend was asked to train on CUDA, but this process sees no CUDA GPU")
+        return torch.device("cuda", torch.cuda.current_device())
+    if requested != "cpu":
+        raise ValueError(f"the torch backend trains on 'cpu' or 'cuda', not {requested!r}")
+    return torch.device("cpu")
 
 
 class ModelRole:
@@ -96,8 +112,7 @@ class ModelRole:
     offload forced) and take turns: ``wake()`` before a role's work, ``sleep()`` after it.
 
     - On an accelerator, ``sleep`` moves the parameters and the optimizer's moment estimates to host
-      memory and frees the cached device memory; ``wake`` moves them back. (Written for the device
-      case but not exercised yet: this backend trains on CPU.)
+      memory and frees the cached device memory; ``wake`` moves them back (tests/gpu/check_torch_cuda.py).
     - On CPU there is nowhere to move them: ``sleep`` releases the gradients (``set_to_none``), which
       is what a sleeping role would otherwise hold beyond its weights and optimizer state.
     """
@@ -261,7 +276,8 @@ class TorchBackend(RolloutTraining):
         self.dp = DataParallel()
         # --use-distributed-optimizer: FSDP2 over those ranks (vime/backends/fsdp.py); None: replicas.
         self.sharding = Sharding(self.dp, bf16=spec.bf16) if spec.use_distributed_optimizer else None
-        self.model = AutoModelForCausalLM.from_pretrained(spec.hf_checkpoint, dtype=torch.float32)
+        self.device = training_device(spec.device)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.hf_checkpoint, dtype=torch.float32).to(self.device)
         self.model.train()
         if spec.recompute_granularity == "full":
             enable_full_recompute(self.model)
@@ -286,7 +302,7 @@ class TorchBackend(RolloutTraining):
             # With --bf16 the frozen reference is bf16 too: no masters needed, it never changes.
             self.ref_model = AutoModelForCausalLM.from_pretrained(
                 algo.ref_load or spec.hf_checkpoint, dtype=torch.bfloat16 if spec.bf16 else torch.float32
-            )
+            ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
             if self.sharding is not None:
                 self.sharding.shard(self.ref_model)
@@ -305,7 +321,7 @@ class TorchBackend(RolloutTraining):
                 critic.load_head(folder)  # weights only: the optimizer starts fresh with this run's settings
         else:
             critic = ValueModel.from_pretrained(spec.hf_checkpoint)
-        critic.train()
+        critic.to(self.device).train()
         if spec.recompute_granularity == "full":
             enable_full_recompute(critic.body)
         if self.sharding is not None:
@@ -319,7 +335,15 @@ class TorchBackend(RolloutTraining):
 
         ``entropy``: None, 'metric' (computed without a graph) or 'loss' (differentiable).
         ``heads``: also the log-probs at the sampler's top-k head ids (score centering).
+
+        The model runs on the training device; the results come back to the CPU, where the objective reads them
+        beside the batch's own tensors (a differentiable copy: the gradients flow back to the device).
         """
+        return self._forward_on_device(model, batch.to(self.device), entropy=entropy, heads=heads).to(
+            batch.targets.device
+        )
+
+    def _forward_on_device(self, model, batch: PackedBatch, *, entropy: str | None, heads: bool) -> Forward:
         layout = forward_layout(batch, self.packing, self.model.config)
         targets = layout.gather(batch.targets)
         head_ids = layout.gather(batch.head_ids) if heads else None
@@ -354,22 +378,24 @@ class TorchBackend(RolloutTraining):
         return Forward(*map(layout.scatter, (out.log_probs, out.entropy, out.head_log_probs)))
 
     def critic_values(self, batch: PackedBatch) -> torch.Tensor:
-        """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs)."""
-        layout = forward_layout(batch, self.packing, self.model.config)
-        return batch.on_targets(layout.scatter(layout.predicting(self.critic.module(**layout.model_inputs()))))
+        """The critic's value of each target's prefix, [B, T-1] (aligned with the log-probs), on the CPU."""
+        on_device = batch.to(self.device)
+        layout = forward_layout(on_device, self.packing, self.model.config)
+        values = on_device.on_targets(layout.scatter(layout.predicting(self.critic.module(**layout.model_inputs()))))
+        return values.to(batch.targets.device)
 
     def owed_forwards(self, module, packed: list[PackedBatch]) -> None:
         """FSDP: as many dropped forwards of ``module`` as this rank owes to keep the all-gathers in lock step."""
         if self.sharding is not None:
             for _ in range(self.sharding.passes_owed(range(len(packed)))):
-                inputs = forward_layout(packed[0], self.packing, self.model.config).model_inputs()
+                inputs = forward_layout(packed[0].to(self.device), self.packing, self.model.config).model_inputs()
                 self.sharding.lockstep_forward(module, inputs)
 
     def owed_backwards(self, module, packed: list[PackedBatch], step: range) -> None:
         """FSDP: every rank runs as many backwards as the busiest one."""
         if self.sharding is not None:
             for _ in range(self.sharding.passes_owed(step)):
-                inputs = forward_layout(packed[step[0]], self.packing, self.model.config).model_inputs()
+                inputs = forward_layout(packed[step[0]].to(self.device), self.packing, self.model.config).model_inputs()
                 self.sharding.lockstep_backward(module, inputs)
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
@@ -447,7 +473,7 @@ class TorchBackend(RolloutTraining):
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "rng": rng_state(),
                 "rollouts_trained": self.rollouts_trained,
                 # The schedules' positions (a role may step several times per rollout, or not at all).
                 "optimizer_steps": {
@@ -520,9 +546,7 @@ class TorchBackend(RolloutTraining):
             self.model.load_state_dict(saved.state_dict())
         state = torch.load(os.path.join(path, "optimizer_and_rng.pt"), weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        restore_rng_state(state["rng"])
         self.rollouts_trained = int(state.get("rollouts_trained", 0))
         steps = state.get("optimizer_steps", {})
         self.actor.restore_steps(steps.get("actor"))

@@ -33,6 +33,17 @@ class PackedBatch:
     head_valid: torch.Tensor | None = None  # [B, T-1, k] top-p only: True on the support, False on padding
     teacher_log_probs: torch.Tensor | None = None  # [B, T-1] OPD teacher's log-probs of the targets
 
+    def to(self, device: torch.device) -> PackedBatch:
+        """This batch with its tensors on ``device`` (itself where they are there already: the CPU case)."""
+        if self.input_ids.device == device:
+            return self
+        moved = {
+            field.name: value.to(device)
+            for field in dataclasses.fields(self)
+            if isinstance(value := getattr(self, field.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
     def on_targets(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [B, T-1] with 0 where a position predicts no token (padding, each row's last position).
         Nothing trained reads those; zeroing them makes a backend's values the same whether its model ran the
@@ -206,6 +217,12 @@ class Forward:
     log_probs: torch.Tensor  # [B, T-1] of the target tokens
     entropy: torch.Tensor | None = None  # [B, T-1]
     head_log_probs: torch.Tensor | None = None  # [B, T-1, k] at the sampler's head ids
+
+    def to(self, device: torch.device) -> Forward:
+        """The same results on ``device``; differentiable (the gradients flow back to where they were computed)."""
+        return Forward(
+            *(None if t is None else t.to(device) for t in (self.log_probs, self.entropy, self.head_log_probs))
+        )
 
 
 def replay_support(batch: PackedBatch, out: Forward) -> Forward:
