@@ -123,15 +123,19 @@ def _rank(
             }
             _reset_megatron()
     else:  # experts spread (EP: 2 of the 4 on each rank) and maybe split (ETP) over ranks, in stages or TP groups
+        import dataclasses
+
         from vime.backends.megatron_backend import MegatronBackend
         from vime.backends.megatron_model import Parallelism
         from vime.backends.megatron_weights import local_expert_count
 
         for layout_id, layout in layouts.items():
-            parallel = Parallelism(**layout)
-            backend = MegatronBackend(
-                trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(model_dir, parallel=parallel)
+            layout = dict(layout)
+            trainer = dataclasses.replace(
+                trainer_spec(model_dir, **TORCH_RUNS["kl_loss_entropy"]), **layout.pop("trainer", {})
             )
+            parallel = Parallelism(**layout)
+            backend = MegatronBackend(trainer, megatron_spec(model_dir, parallel=parallel))
             assert local_expert_count(backend.gpt) == 4 // parallel.expert and backend.dp.size == 2
             assert len(backend.gpt.decoder.layers) == 2 // parallel.pipeline
             fc1 = next(
@@ -241,6 +245,20 @@ EXPERT_LAYOUTS = {
     "ep2_tp2_sp": {"expert": 2, "tensor": 2, "sequence_parallel": True},  # experts split over TP ranks
     "ep2_tp2_sp_etp1": {"expert": 2, "tensor": 2, "expert_tensor": 1, "sequence_parallel": True},  # ... or whole
     "ep2_cp2": {"expert": 2, "context": 2},  # over context-parallel ranks
+    # Token budgets and --balance-data: each step's micro-batches (and the forwards') split to an even count,
+    # each rank given as many as the other, balanced by tokens (vime.backends.micro_batches).
+    "ep2_tp2_sp_budgets": {
+        "expert": 2,
+        "tensor": 2,
+        "sequence_parallel": True,
+        "trainer": {
+            "use_dynamic_batch_size": True,
+            # Three micro-batches each pass by these budgets, split to four (so the ranks run two each).
+            "max_tokens_per_gpu": 25,
+            "log_probs_max_tokens_per_gpu": 30,
+            "balance_data": True,
+        },
+    },
 }
 
 
@@ -248,7 +266,9 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     """Expert parallelism 2 in four processes (one after another in the same processes): in each of two
     pipeline stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel
     ranks (expert tensor parallelism 2, Megatron's default) or whole on each (expert tensor parallelism 1); and
-    over two context-parallel ranks. Tokens are exchanged between the ranks inside every MoE layer; dense
+    over two context-parallel ranks; and under tensor parallelism with token budgets and --balance-data (each
+    pass's micro-batches split to an even count, as many for each rank). Tokens are exchanged between the ranks
+    inside every MoE layer; dense
     weights are data-parallel replicas or tensor shards. The torch backend's single-rank numbers on the same
     HF MoE model, the experts gathered back for export, and each torch_dist checkpoint resumed in one
     process."""
@@ -265,8 +285,16 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     # transformers fuses the experts in memory; its saved files name them one by one, as the export does.
     reference.save_weights(str(tmp_path / "reference"))
     expected_weights = read_hf_state_dict(str(tmp_path / "reference"))
-    for layout_id in EXPERT_LAYOUTS:
-        _assert_ranks_took_the_steps(ranks, layout_id, expected)
+    for layout_id, layout in EXPERT_LAYOUTS.items():
+        if "trainer" in layout:  # other micro-batches: the steps' numbers, not the per-micro-batch means
+            from tests.unit.test_dynamic_batching import assert_same_steps
+
+            for rank in ranks:
+                for got, reference in zip(rank[layout_id]["metrics"], expected, strict=True):
+                    assert_same_steps(got, reference)
+                    assert got["train_micro_batches"] == 4
+        else:
+            _assert_ranks_took_the_steps(ranks, layout_id, expected)
         for rank in ranks:
             assert rank[layout_id]["weights"].keys() == expected_weights.keys()
             for name, tensor in expected_weights.items():
@@ -458,4 +486,10 @@ def test_expert_parallel_ranks_refuse_a_rollout_they_cannot_share_evenly():
     )
     MegatronBackend._check_lockstep(backend, make_samples(0, groups=2))  # 2 micro-batches, one step: even
     with pytest.raises(ValueError, match="^--expert-model-parallel-size: 12 samples make 3 micro-batch"):
+        MegatronBackend._check_lockstep(backend, make_samples(0, groups=3))
+    # Token budgets: the layout gives each rank as many micro-batches; only a step of fewer samples than ranks
+    # cannot be shared (12 samples in steps of 11 leave one sample for the second step).
+    backend.spec = types.SimpleNamespace(micro_batch_size=4, global_batch_size=11, use_dynamic_batch_size=True)
+    MegatronBackend._check_lockstep(backend, make_samples(0, groups=3)[:10])  # one step of 10
+    with pytest.raises(ValueError, match="^--global-batch-size: 12 samples make optimizer steps of \\[11, 1\\]"):
         MegatronBackend._check_lockstep(backend, make_samples(0, groups=3))

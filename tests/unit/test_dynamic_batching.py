@@ -19,6 +19,7 @@ from vime.backends.micro_batches import (
     pack_by_tokens,
     pack_consecutive,
     regroup,
+    split_to_multiple,
 )
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config import ConfigError, parse_train_args
@@ -99,6 +100,44 @@ def test_ranks_get_micro_batches_balanced_by_tokens():
     assert loads == [15, 15]  # largest first: 10->0, 8->1, 7->1 (15), 3->0 (13), 2->0 (15)
     assert owners == [0, 0, 1, 0, 1]
     assert assign_to_ranks([5], 3) == [0]  # ranks 1 and 2 have nothing this step
+
+
+def test_equal_counts_give_every_rank_its_share_balanced_by_tokens():
+    counts = [10, 3, 8, 2, 7, 1]
+    owners = assign_to_ranks(counts, 2, equal_counts=True)
+    assert [owners.count(r) for r in range(2)] == [3, 3]
+    # largest first: 10->0, 8->1, 7->1 (15), 3->0 (13), 2->0 (15: rank 0 has its three), 1->1 (16)
+    assert owners == [0, 0, 1, 0, 1, 1]
+    assert assign_to_ranks(counts, 2) != owners  # unconstrained, rank 0 would take four
+    with pytest.raises(ValueError, match="5 micro-batches cannot be shared equally by 2 ranks"):
+        assign_to_ranks(counts[:5], 2, equal_counts=True)
+
+
+def test_micro_batches_split_to_a_multiple_of_the_ranks():
+    lengths = [5, 5, 5, 9]
+    assert split_to_multiple([[0, 1, 2], [3]], lengths, 2) == [[0, 1, 2], [3]]  # already even
+    # The largest splittable one (15 tokens) first, at its best halving point, in place; then again.
+    assert split_to_multiple([[0, 1, 2], [3]], lengths, 4) == [[0], [1], [2], [3]]
+    assert split_to_multiple([[0, 1, 2], [3]], lengths, 3) == [[0], [1, 2], [3]]
+    with pytest.raises(ValueError, match="2 sample\\(s\\) cannot make 4 micro-batches"):
+        split_to_multiple([[0], [1]], lengths, 4)
+
+
+@pytest.mark.parametrize("multiple", [2, 3, 4])
+def test_a_layout_of_equal_shares_keeps_every_sample_once_within_the_budgets(multiple):
+    rng = random.Random(multiple)
+    lengths = [rng.randint(3, 40) for _ in range(40)]  # steps of 12, 12, 12 and 4 samples
+    layout = dynamic_layout(lengths, 12, max_tokens=60, forward_max_tokens=90, multiple=multiple)
+    plain = dynamic_layout(lengths, 12, max_tokens=60, forward_max_tokens=90)
+    assert len(layout.forward) % multiple == 0 and all(len(step) % multiple == 0 for step in layout.steps)
+    assert sorted(i for b in layout.forward for i in b) == list(range(40))
+    assert [i for b in layout.forward for i in b] == list(range(40))  # still consecutive, in rollout order
+    for step, plain_step in zip(layout.steps, plain.steps, strict=True):
+        assert sorted(i for b in step for i in b) == sorted(i for b in plain_step for i in b)  # the same samples
+        for batch in step:  # a part of a micro-batch that met the budget meets it (or is a lone long sample)
+            assert sum(lengths[i] for i in batch) <= 60 or len(batch) == 1
+    for batch in layout.forward:
+        assert sum(lengths[i] for i in batch) <= 90 or len(batch) == 1
 
 
 def test_regroup_moves_items_between_layouts():
@@ -448,44 +487,46 @@ def test_token_budget_flags_reach_the_trainer(config_dir):
     assert backend.log_probs_max_tokens_per_gpu is None and backend.balance_data and backend.global_batch_size == 2
 
 
-def test_megatron_expert_parallelism_refuses_token_budgets(config_dir):
+def test_megatron_expert_parallelism_takes_token_budgets_with_a_sample_per_rank(config_dir):
+    """Expert-parallel ranks exchange tokens in every forward; with token budgets the backend gives each as many
+    micro-batches as the others (vime.backends.micro_batches.split_to_multiple), so the flags are accepted, as
+    long as every optimizer step has a sample for each data-parallel rank."""
     from vime.config import check_trainer_parallelism
 
-    s = parse_train_args(
-        base(
-            config_dir,
-            "--actor-num-gpus-per-node",
-            "2",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "2",
-            "--micro-batch-size",
-            "1",
-            "--use-dynamic-batch-size",
-            "--max-tokens-per-gpu",
-            "256",
+    def settings(*extra):
+        s = parse_train_args(
+            base(
+                config_dir,
+                "--actor-num-gpus-per-node",
+                "2",
+                "--rollout-batch-size",
+                "4",
+                "--n-samples-per-prompt",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--use-dynamic-batch-size",
+                "--max-tokens-per-gpu",
+                "256",
+                *extra,
+            )
         )
-    )
-    s.train.train_backend = "megatron"  # Megatron needs CUDA at parse time: its settings are made here
-    check_trainer_parallelism(s)  # data parallelism: fine
+        s.train.train_backend = "megatron"  # Megatron needs CUDA at parse time: its settings are made here
+        return s
+
+    s = settings("--balance-data")
     s.megatron.expert_model_parallel_size = 2
-    with pytest.raises(
-        ConfigError, match="^--use-dynamic-batch-size: cannot be combined with --expert-model-parallel-size 2"
-    ):
-        check_trainer_parallelism(s)
-    s.train.use_dynamic_batch_size, s.train.balance_data = False, True
-    with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --expert-model-parallel-size"):
+    check_trainer_parallelism(s)
+    s = settings("--n-samples-per-prompt", "1", "--global-batch-size", "1", "--num-steps-per-rollout", "4")
+    check_trainer_parallelism(s)  # data parallelism alone: a rank without a micro-batch still joins the sums
+    s.megatron.expert_model_parallel_size = 2
+    with pytest.raises(ConfigError, match="^--global-batch-size: 1 is fewer samples than the 2 data-parallel ranks"):
         check_trainer_parallelism(s)
     # Experts split over fewer ranks than a tensor-parallel group (the reference scripts' --expert-tensor-parallel-size
     # 1 under --tensor-model-parallel-size 2): no token leaves the group, whose ranks share their micro-batches.
     s.megatron.expert_model_parallel_size, s.megatron.tensor_model_parallel_size = 1, 2
     s.megatron.expert_tensor_parallel_size = 1
     check_trainer_parallelism(s)
-    # Split over more ranks than the group: tokens cross data-parallel replicas.
-    s.megatron.tensor_model_parallel_size, s.megatron.expert_tensor_parallel_size = 1, 2
-    with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --expert-tensor-parallel-size 2"):
-        check_trainer_parallelism(s)
 
 
 # ---------------------------------------------------------------------- the Megatron backend (CPU shim)

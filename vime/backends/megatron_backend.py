@@ -365,18 +365,25 @@ class MegatronBackend(RolloutTraining):
 
     def _check_lockstep(self, samples: list[Sample]) -> None:
         """Expert-parallel ranks exchange tokens in every forward, so each must run as many micro-batches as
-        the others, in every pass and every optimizer step: a rank left without one would wait forever."""
+        the others, in every pass and every optimizer step: a rank left without one would wait forever. With
+        token budgets the layout is made so (:meth:`micro_batch_multiple`); fixed micro-batches must fall so."""
         if self.expert_dp is None:
             return
-        spec = self.spec  # start-up validation refuses these too (vime.config.check_trainer_parallelism)
-        if getattr(spec, "use_dynamic_batch_size", False) or getattr(spec, "balance_data", False):
-            raise ConfigError(  # a user's error: restarting the trainer would meet it again
-                "--use-dynamic-batch-size",
-                "and --balance-data cannot run with expert parallelism yet: its ranks need the same number "
-                "of micro-batches in every step",
-            )
-        size, replicas = self.spec.micro_batch_size, self.dp.size
-        per_step = max(1, self.spec.global_batch_size // size)
+        replicas, spec = self.dp.size, self.spec
+        if getattr(spec, "use_dynamic_batch_size", False):
+            step_sizes = [
+                min(spec.global_batch_size, len(samples) - first)
+                for first in range(0, len(samples), spec.global_batch_size)
+            ]
+            if min(step_sizes, default=0) < replicas:
+                raise ConfigError(  # a user's error: restarting the trainer would meet it again
+                    "--global-batch-size",
+                    f"{len(samples)} samples make optimizer steps of {step_sizes} samples; under expert "
+                    f"parallelism each must hold at least one sample per data-parallel rank ({replicas})",
+                )
+            return
+        size = spec.micro_batch_size
+        per_step = max(1, spec.global_batch_size // size)
         micro_batches = -(-len(samples) // size)
         if micro_batches % replicas or per_step % replicas or micro_batches % per_step:
             raise ConfigError(
@@ -386,6 +393,10 @@ class MegatronBackend(RolloutTraining):
                 f"must be multiples of the {replicas} data-parallel ranks (and the rollout a whole "
                 "number of steps)",
             )
+
+    def micro_batch_multiple(self) -> int:
+        """Under expert parallelism every data-parallel rank runs as many micro-batches as the others."""
+        return self.dp.size if self.expert_dp is not None else 1
 
     def micro_batch_tokens(self, per_gpu: int) -> int:
         """Context-parallel ranks each hold 1/N of every sequence: a micro-batch holds N x the per-GPU budget."""

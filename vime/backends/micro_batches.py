@@ -10,6 +10,10 @@ the backends decide only how to pack the tensors.
   most ``--max-tokens-per-gpu`` tokens (a longer sample gets a micro-batch of its own). The no-gradient
   forwards (old and reference log-probs, critic values) pack consecutive samples up to
   ``--log-probs-max-tokens-per-gpu``: the advantages are computed in rollout order (group baselines).
+- Equal shares (``multiple``): ranks that exchange tokens inside every forward (the Megatron backend's expert
+  parallelism) must each run as many micro-batches as the others in every pass. Each step's micro-batches and
+  the forwards' are then split further (:func:`split_to_multiple`) until their count is a multiple of the
+  data-parallel ranks, and ``--balance-data`` gives every rank the same number (:func:`assign_to_ranks`).
 
 The loss does not depend on the packing: ``reduce_loss`` divides by the whole step's totals.
 """
@@ -89,18 +93,50 @@ def pack_consecutive(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return batches
 
 
+def split_to_multiple(batches: list[list[int]], lengths: Sequence[int], multiple: int) -> list[list[int]]:
+    """``batches`` (lists of sample positions) with the largest ones cut in two until their count is a multiple of
+    ``multiple``: the one of most tokens among those of two samples or more, at the sample that best halves its
+    tokens, its two parts in its place (consecutive micro-batches stay consecutive and in order). A smaller
+    micro-batch never exceeds the budget its parent met. ValueError if there are fewer samples than the count
+    needs (a step of fewer samples than ranks)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    batches = [list(b) for b in batches]
+    target = -(-max(len(batches), 1) // multiple) * multiple
+    while len(batches) < target:
+        splittable = [i for i, b in enumerate(batches) if len(b) > 1]
+        if not splittable:
+            samples = sum(len(b) for b in batches)
+            raise ValueError(f"{samples} sample(s) cannot make {target} micro-batches (a multiple of {multiple})")
+        index = max(splittable, key=lambda i: (sum(lengths[j] for j in batches[i]), -i))
+        batch = batches[index]
+        tokens = [lengths[j] for j in batch]
+        total, running, cut = sum(tokens), 0, 1
+        best = None
+        for position in range(1, len(batch)):
+            running += tokens[position - 1]
+            imbalance = abs(total - 2 * running)
+            if best is None or imbalance < best:
+                best, cut = imbalance, position
+        batches[index : index + 1] = [batch[:cut], batch[cut:]]
+    return batches
+
+
 def dynamic_layout(
-    lengths: Sequence[int], global_batch_size: int, max_tokens: int, forward_max_tokens: int
+    lengths: Sequence[int], global_batch_size: int, max_tokens: int, forward_max_tokens: int, multiple: int = 1
 ) -> BatchLayout:
     """Optimizer steps of ``global_batch_size`` consecutive samples (the last may be short), each packed by
-    :func:`pack_by_tokens`; the no-gradient forwards by :func:`pack_consecutive`."""
+    :func:`pack_by_tokens`; the no-gradient forwards by :func:`pack_consecutive`; with ``multiple`` > 1 each
+    step's micro-batches and the forwards' made a multiple of it in number (:func:`split_to_multiple`)."""
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be >= 1, got {global_batch_size}")
     steps = []
     for first in range(0, len(lengths), global_batch_size):
         part = lengths[first : first + global_batch_size]
-        steps.append([[first + i for i in micro_batch] for micro_batch in pack_by_tokens(part, max_tokens)])
-    return BatchLayout(forward=pack_consecutive(lengths, forward_max_tokens), steps=steps)
+        packed = split_to_multiple(pack_by_tokens(part, max_tokens), part, multiple)
+        steps.append([[first + i for i in micro_batch] for micro_batch in packed])
+    forward = split_to_multiple(pack_consecutive(lengths, forward_max_tokens), lengths, multiple)
+    return BatchLayout(forward=forward, steps=steps)
 
 
 def over_budget(lengths: Sequence[int], budget: int) -> list[int]:
@@ -108,17 +144,23 @@ def over_budget(lengths: Sequence[int], budget: int) -> list[int]:
     return [i for i, length in enumerate(lengths) if length > budget]
 
 
-def assign_to_ranks(token_counts: Sequence[int], ranks: int) -> list[int]:
+def assign_to_ranks(token_counts: Sequence[int], ranks: int, *, equal_counts: bool = False) -> list[int]:
     """The rank of each micro-batch: largest first, each to the rank with the fewest tokens so far (ties: the
-    lowest rank). Every rank computes the same answer from the same counts."""
+    lowest rank). Every rank computes the same answer from the same counts. ``equal_counts``: every rank gets
+    ``len(token_counts) / ranks`` micro-batches (a rank that has its share takes no more), for ranks that must
+    run as many forwards as each other; the count must then be a multiple of ``ranks``."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
-    loads = [0] * ranks
+    if equal_counts and len(token_counts) % ranks:
+        raise ValueError(f"{len(token_counts)} micro-batches cannot be shared equally by {ranks} ranks")
+    share = len(token_counts) // ranks if equal_counts else len(token_counts)
+    loads, taken = [0] * ranks, [0] * ranks
     owner = [0] * len(token_counts)
     for index in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        rank = min((r for r in range(ranks) if taken[r] < share), key=lambda r: (loads[r], r))
         owner[index] = rank
         loads[rank] += token_counts[index]
+        taken[rank] += 1
     return owner
 
 

@@ -101,6 +101,12 @@ class RolloutTraining:
     def before_step(self, role, step_id: int, micro_batches: int) -> None:
         """Called before each optimizer step's micro-batches (the Megatron backend runs its hooks here)."""
 
+    def micro_batch_multiple(self) -> int:
+        """With token budgets, the number every pass's micro-batch count is made a multiple of, and with
+        --balance-data every rank gets as many micro-batches as the others: 1 (no constraint) unless the
+        data-parallel ranks exchange tokens inside the model (the Megatron backend's expert parallelism)."""
+        return 1
+
     def owed_forwards(self, module, packed: list[PackedBatch]) -> None:
         """Ranks that keep no collectives in lock step owe nothing (FSDP does: the torch backend)."""
 
@@ -184,7 +190,9 @@ class RolloutTraining:
                 spec.max_tokens_per_gpu,
                 max(lengths[i] for i in longer),
             )
-        return dynamic_layout(lengths, spec.global_batch_size, budget, forward_budget)
+        return dynamic_layout(
+            lengths, spec.global_batch_size, budget, forward_budget, multiple=self.micro_batch_multiple()
+        )
 
     def _training_batches(
         self,
@@ -213,7 +221,11 @@ class RolloutTraining:
         by token count (every rank computes the same assignment; one left without any still joins the sums)."""
         if not self.spec.balance_data or self.dp.size == 1:
             return self.dp.share(step)
-        owners = assign_to_ranks([int(packed[i].attention_mask.sum()) for i in step], self.dp.size)
+        owners = assign_to_ranks(
+            [int(packed[i].attention_mask.sum()) for i in step],
+            self.dp.size,
+            equal_counts=self.micro_batch_multiple() > 1,
+        )
         return [i for i, owner in zip(step, owners) if owner == self.dp.rank]
 
     # ------------------------------------------------------------------ one rollout

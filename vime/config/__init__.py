@@ -354,18 +354,18 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
         )
     dynamic = settings.train.use_dynamic_batch_size
     # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
-    # An expert split over fewer ranks than a tensor-parallel group (the reference's --expert-tensor-parallel-size 1
-    # under --tensor-model-parallel-size 2) stays within that group, whose ranks run the same micro-batches anyway.
-    exchanging = [(flag, size) for flag, size in spread if flag == "--expert-model-parallel-size" or size > tp]
-    if settings.train.train_backend == "megatron" and exchanging:
-        for flag, on in (("--use-dynamic-batch-size", dynamic), ("--balance-data", settings.train.balance_data)):
-            require(
-                not on,
-                flag,
-                f"cannot be combined with {exchanging[0][0]} {exchanging[0][1]} yet: expert-parallel ranks "
-                "need the same number of micro-batches in every step (fixed --micro-batch-size)",
-            )
+    # With token budgets the backend makes every pass's count a multiple of the data-parallel ranks, and
+    # --balance-data gives each rank the same number (vime.backends.micro_batches); fixed sizes are checked below.
     replicas = ranks // (tp * pp * cp)
+    # Experts spread over data-parallel replicas (not only within a tensor-parallel group): tokens cross them.
+    exchanging = [(flag, size) for flag, size in spread if flag == "--expert-model-parallel-size" or size > tp]
+    require(
+        not (exchanging and dynamic) or settings.global_batch_size >= replicas,
+        "--global-batch-size",
+        f"{settings.global_batch_size} is fewer samples than the {replicas} data-parallel ranks: under "
+        f"{exchanging[0][0] if exchanging else ''} {exchanging[0][1] if exchanging else ''} each rank needs a "
+        "micro-batch in every optimizer step",
+    )
     per_step = settings.train.micro_batch_size * replicas
     # Token budgets pack each step's samples afresh: ranks short of a micro-batch still join the gradient sum.
     require(
