@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 
-import numpy as np
 import torch
 
 from vime.backends.megatron_convert import from_te_names, to_te_names
+from vime.backends.random_state import restore_rng_state, rng_state
 from vime.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -107,22 +106,6 @@ def checkpoint_io_on_cpu():
         yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = saved
-
-
-# ---------------------------------------------------------------------------------------------- RNG
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
@@ -360,7 +343,7 @@ def _load_torch(folder: str, model, optimizer, restore_rng: bool, skip: tuple[st
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if restore_rng and state.get("rng_state"):
-        set_rng_state(state["rng_state"][0])
+        restore_rng_state(state["rng_state"][0])
     return {k: state.get(k) for k in ("iteration", "args", "checkpoint_version", "vime")}
 
 
@@ -390,5 +373,5 @@ def _load_torch_dist(folder: str, model, optimizer, restore_rng: bool, skip: tup
                 param_state["step"] = step.clone()
         optimizer.load_state_dict(state)
     if restore_rng and common.get("rng_state"):
-        set_rng_state(common["rng_state"])
+        restore_rng_state(common["rng_state"])
     return {k: common.get(k) for k in ("iteration", "args", "checkpoint_version", "vime")}
