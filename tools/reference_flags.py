@@ -20,8 +20,9 @@ Each argument list goes through ``vime.config.parse_train_args`` (parsing, start
 ``check_against_vllm`` (forwarded ``--vllm-*`` flags against the installed vLLM's parser), the checks
 `vime train` makes before it starts anything. Absolute paths become placeholders under a temporary folder
 (``--hf-checkpoint``: a folder with a config.json). The scripts target GPU nodes, so the checks that this
-machine has CUDA (``--train-backend megatron``, ``--update-weight-transport nccl``) are skipped unless
-``--check-local-cuda`` is given. A flag that a check refuses (argparse's error or a ``ConfigError`` naming it)
+machine has CUDA (``--train-backend megatron``, ``--update-weight-transport nccl``) are skipped and the default
+trainer is the one a GPU node gets (Megatron, where megatron-core is installed) unless ``--check-local-cuda`` is
+given. A flag that a check refuses (argparse's error or a ``ConfigError`` naming it)
 is recorded with the reason and removed, and the list is checked again, until it passes: the uses removed are
 the refused ones. A run script's uses are its own; its preset's MODEL_ARGS count once, in the preset.
 
@@ -437,10 +438,20 @@ def check_argv(argv: list[str], *, check_local_cuda: bool = False) -> None:
     """What `vime train` checks before it starts anything: parse, validate, resolve defaults, forwarded vLLM
     flags. Raises ConfigError or SystemExit (argparse) naming the flag."""
     import vime.config as config
+    from vime.config.training import megatron_core_installed
     from vime.config.vllm import check_against_vllm
 
+    # As on a GPU node (unless --check-local-cuda): no check of this machine's CUDA, and the default trainer is
+    # the one a GPU node gets, Megatron (vime.config.training.default_train_backend).
     patches = (
-        [] if check_local_cuda else [unittest.mock.patch.object(config, "check_local_cuda", lambda settings: None)]
+        []
+        if check_local_cuda
+        else [
+            unittest.mock.patch.object(config, "check_local_cuda", lambda settings: None),
+            unittest.mock.patch.object(
+                config, "default_train_backend", lambda: "megatron" if megatron_core_installed() else "torch"
+            ),
+        ]
     )
     with contextlib.ExitStack() as stack:
         for patch in patches:

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from vime.backends import ref_load_conversion
 from vime.config import SECTIONS, ConfigError, TrainSettings
 from vime.config.evaluation import EvalDataset, resolve_eval_datasets
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
@@ -77,6 +78,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
     dataset = open_prompt_source(s.data.prompt_data, keys, data_source_path=s.data.data_source_path, args=s.args)
     eval_sets = load_eval_sets(s, say)
     reward = resolve_reward(RewardOptions.from_config(s.rollout))  # fails early on a bad path
+    report_train_backend(s, say)
     report_megatron_lm_flags(s, say)
     report_megatron_perf_flags(s, say)
     report_hook_flags(s, say)
@@ -91,6 +93,12 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         QueueFence.acquire(s.rollout_data_dir).release()  # a live run on this queue fails us now
         check_queue_identity(s)
     resume = checkpoint_to_resume(s, say)
+    if s.train.train_backend == "torch" and ref_load_conversion.needs_conversion(s.algorithm.ref_load):
+        # The torch trainer reads HF folders: it gets the Megatron checkpoint converted (also on a resume: the
+        # KL reference still comes from it).
+        s.algorithm.ref_load = ref_load_conversion.hf_folder(
+            s.algorithm.ref_load, s.train.hf_checkpoint, s.run_dir, say
+        )
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
@@ -279,7 +287,8 @@ def checkpoint_to_resume(s: TrainSettings, say: Callable[[str], None]) -> tuple[
         return None
     if ckpt.latest_step(s.checkpoint.load) is None and s.checkpoint.ckpt_step is None:
         # As the reference framework does: a --load without a checkpoint starts afresh.
-        say(f"--load {s.checkpoint.load} holds no checkpoint yet: starting from --hf-checkpoint")
+        start = "--ref-load" if s.algorithm.ref_load else "--hf-checkpoint"
+        say(f"--load {s.checkpoint.load} holds no checkpoint yet: starting from {start}")
         return None
     resume = ckpt.load_state(s.checkpoint.load, s.checkpoint.ckpt_step)
     ckpt.check_run_options(resume[1].run_options, run_options(s))
@@ -303,6 +312,18 @@ def run_options(s: TrainSettings) -> dict[str, Any]:
         "rollout_max_prompt_len": s.rollout.rollout_max_prompt_len,
         "rollout_seed": s.rollout.rollout_seed,
     }
+
+
+def report_train_backend(s: TrainSettings, say: Callable[[str], None]) -> None:
+    """Which trainer the run uses, and why when --train-backend was not given (it depends on the machine)."""
+    if not s.backend_by_default:
+        return
+    why = (
+        "the default where this machine has CUDA GPUs and megatron-core"
+        if s.train.train_backend == "megatron"
+        else "the default on a machine without CUDA GPUs or without megatron-core, which Megatron needs"
+    )
+    say(f"training backend: {s.train.train_backend} ({why})")
 
 
 def report_megatron_lm_flags(s: TrainSettings, say: Callable[[str], None]) -> None:

@@ -180,6 +180,12 @@ class TrainingRun:
         import ray
 
         if self.resume is None:
+            if self._actor_starts_from_ref_load():
+                # The engines loaded --hf-checkpoint; the trainer holds --ref-load's weights (the seeds: the actor
+                # starts from --ref-load when --load holds no checkpoint). Version 0 must be what the trainer
+                # holds before anything is generated with it, as the reference syncs its engines at start.
+                self.log.say("the actor starts from --ref-load: publishing its weights to the engines as version 0")
+                self._publish(0, sync_number=1)
             return 0, 0
         folder, state = self.resume
         self.log.say(
@@ -200,6 +206,14 @@ class TrainingRun:
         version = self._resumed_version(state)
         self._publish(version, sync_number=1)
         return state.step, version
+
+    def _actor_starts_from_ref_load(self) -> bool:
+        """Whether a fresh run's actor holds other weights than the engines' --hf-checkpoint: --ref-load given
+        (a Megatron checkpoint, or its conversion for the torch trainer, or another HF folder)."""
+        ref_load = self.s.algorithm.ref_load
+        if ref_load is None or "://" in ref_load:
+            return False
+        return os.path.realpath(ref_load) != os.path.realpath(self.s.train.hf_checkpoint)
 
     def _resumed_version(self, state) -> int:
         """The version to publish the checkpoint's weights under (sets the lineage): versions the run before

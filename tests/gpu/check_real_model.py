@@ -38,6 +38,8 @@ import threading
 from gpu_common import REPO, demo_args, missing_gpu_stack, run_vime_train, set_flag, skip
 
 FEATURES = [
+    "--train-backend",
+    "torch",  # the default on a GPU machine is Megatron; this check is the torch trainer's (FSDP2, chunks)
     "--colocate",
     "--bf16",
     "--use-distributed-optimizer",

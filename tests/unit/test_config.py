@@ -41,6 +41,53 @@ def test_cuda_is_required_of_this_machine_unless_the_trainer_runs_on_a_ray_clust
         assert parse_train_args(base(model_dir, *flags, "--ray-address", "10.0.0.1:6379")).cluster.ray_address
 
 
+@pytest.mark.parametrize(
+    ("driver", "cuda", "megatron_core", "expected"),
+    [
+        (True, True, True, "megatron"),
+        (True, True, False, "torch"),
+        (True, False, True, "torch"),  # a driver, but no GPU torch can use
+        (False, True, True, "torch"),  # no NVIDIA driver: decided without asking torch
+    ],
+)
+def test_the_default_trainer_is_megatron_where_it_can_run(monkeypatch, driver, cuda, megatron_core, expected):
+    """The seeds: vime trains with Megatron-LM; --train-backend megatron is a compatibility option. Megatron
+    needs CUDA and megatron-core: without them the default is the torch trainer."""
+    import torch
+
+    from vime.config import training
+
+    monkeypatch.setattr(training, "nvidia_driver_present", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(training, "megatron_core_installed", lambda: megatron_core)
+    assert training.default_train_backend() == expected
+
+
+def test_the_run_says_which_trainer_it_chose_when_not_told(model_dir, monkeypatch):
+    from vime import preflight
+
+    lines = []
+    s = parse_train_args(base(model_dir))
+    if s.train.train_backend == "torch":  # this machine: no CUDA GPU (or no megatron-core)
+        assert s.backend_by_default and s.args.train_backend == "torch"
+        preflight.report_train_backend(s, lines.append)
+        assert lines == [
+            "training backend: torch (the default on a machine without CUDA GPUs or without megatron-core, "
+            "which Megatron needs)"
+        ]
+    told = parse_train_args(base(model_dir, "--train-backend", "torch"))
+    assert told.train.train_backend == "torch" and not told.backend_by_default
+    preflight.report_train_backend(told, lines.append)
+    assert len(lines) <= 1  # nothing said for a backend the command line chose
+    # Where Megatron is the default, its start-up checks apply as if it had been given.
+    import vime.config as config
+
+    monkeypatch.setattr(config, "default_train_backend", lambda: "megatron")
+    monkeypatch.setattr(config, "check_local_cuda", lambda settings: None)
+    with pytest.raises(ConfigError, match="^--log-probs-chunk-size: applies to --train-backend torch only"):
+        parse_train_args(base(model_dir, "--log-probs-chunk-size", "64"))
+
+
 def test_colocate_is_synchronous(model_dir):
     assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
 

@@ -181,3 +181,39 @@ def test_each_flag_is_said_once_at_start_up_with_what_it_does_on_the_backend(mod
     assert any(n.startswith("--attention-softmax-in-fp32: the Megatron backend's attention") for n in notes)
     # Left at their defaults the flags say nothing.
     assert parse_train_args(base(model_dir)).perf.startup_notes("megatron") == []
+
+
+def test_flash_attention_and_permute_fusion_flags_say_what_they_do(model_dir):
+    """Megatron-LM's --use-flash-attn is its older spelling of --attention-backend flash; --moe-permute-fusion asks
+    for a fused kernel vime's Megatron backend does not build."""
+    pytest.importorskip("megatron.core")
+    s = parse_train_args(base(model_dir, "--use-flash-attn", "--moe-permute-fusion"))
+    assert s.perf.effective_attention_backend() == "flash"
+    from megatron.core.transformer.enums import AttnBackend
+
+    assert s.perf.transformer_fields()["attention_backend"] == AttnBackend.flash
+    megatron = s.perf.startup_notes("megatron")
+    assert "--use-flash-attn: taken as --attention-backend flash" in megatron
+    assert any(n.startswith("--moe-permute-fusion: vime's Megatron backend builds") for n in megatron)
+    torch_notes = s.perf.startup_notes("torch")
+    assert "--use-flash-attn: no effect on the torch backend, which runs HF's attention" in torch_notes
+    # An explicit --attention-backend decides.
+    told = parse_train_args(base(model_dir, "--use-flash-attn", "--attention-backend", "fused"))
+    assert told.perf.effective_attention_backend() == "fused"
+    assert "--use-flash-attn: --attention-backend fused decides the kernel" in told.perf.startup_notes("megatron")
+
+
+def test_position_embedding_flags_are_checked(model_dir, tmp_path):
+    """The reference's presets say --position-embedding-type rope and --rotary-percent (1.0, or a partial rotary
+    factor): rope is what vime's models take, and the fraction must be config.json's."""
+    from transformers import Glm4Config, Qwen2Config
+
+    s = parse_train_args(base(model_dir, "--position-embedding-type", "rope", "--rotary-percent", "1.0"))
+    s.megatron.check_against_hf(Qwen2Config(), "torch")  # no partial_rotary_factor: 1.0
+    with pytest.raises(ConfigError, match="^--rotary-percent: 1.0 disagrees with .*partial_rotary_factor 0.5"):
+        s.megatron.check_against_hf(Glm4Config(), "torch")
+    parse_train_args(base(model_dir, "--rotary-percent", "0.5")).megatron.check_against_hf(Glm4Config(), "torch")
+    with pytest.raises(ConfigError, match="^--position-embedding-type: 'yarn': vime's models take rotary"):
+        parse_train_args(base(model_dir, "--position-embedding-type", "yarn"))
+    with pytest.raises(ConfigError, match="^--rotary-percent: must be in \\(0, 1\\], got 0.0"):
+        parse_train_args(base(model_dir, "--rotary-percent", "0"))

@@ -104,8 +104,15 @@ def test_ref_load_must_be_a_model_folder_and_defaults_to_none(model_dir, tmp_pat
     assert parse_train_args(base(model_dir, "--use-kl-loss")).algorithm.ref_load is None
     settings = parse_train_args(base(model_dir, "--use-kl-loss", "--ref-load", model_dir))
     assert settings.algorithm.needs_reference_model and settings.algorithm.ref_load == model_dir
-    with pytest.raises(ConfigError, match="^--ref-load: .*no config.json"):
+    with pytest.raises(ConfigError, match="^--ref-load: .*is neither an HF model folder .* nor a Megatron checkpoint"):
         parse_train_args(base(model_dir, "--use-kl-loss", "--ref-load", str(tmp_path / "nowhere")))
+    # Without a KL term it is still where the actor starts (the seeds), on either backend.
+    assert parse_train_args(base(model_dir, "--ref-load", model_dir)).algorithm.ref_load == model_dir
+    # A Megatron checkpoint directory (latest_checkpointed_iteration.txt): the torch trainer reads it converted.
+    megatron = tmp_path / "megatron_ckpt"
+    megatron.mkdir()
+    (megatron / "latest_checkpointed_iteration.txt").write_text("0")
+    assert parse_train_args(base(model_dir, "--ref-load", str(megatron))).algorithm.ref_load == str(megatron)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +155,7 @@ def test_ref_load_must_be_a_model_folder_and_defaults_to_none(model_dir, tmp_pat
             ],
             "--kl-coef",
         ),  # both KL penalties
-        (["--ref-load", "somewhere"], "--ref-load"),  # nothing uses the reference
+        (["--ref-load", "somewhere"], "--ref-load"),  # neither an HF folder nor a Megatron checkpoint
         (["--tis-clip", "0"], "--tis-clip"),
         (["--tis-clip-low", "3"], "--tis-clip-low"),
         (["--use-tis", "--use-rollout-logprobs"], "--use-tis"),

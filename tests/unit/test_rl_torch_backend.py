@@ -140,18 +140,24 @@ def test_kl_loss_against_the_reference_model(model_dir, model):
         make_samples(model), policy_version=0
     )
     assert abs(metrics["kl"]) < 1e-6 and abs(metrics["kl_loss"]) < 1e-6
-    # A reference that differs from the policy has a positive k3 KL.
+    # --ref-load: the actor starts from it as the reference does (the seeds: when --load holds no checkpoint);
+    # once the policy has moved away from it, the k3 KL is positive and enters the loss.
     import tempfile
+
+    from transformers import AutoModelForCausalLM
 
     from vime.tools.make_tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as other:
         make_tiny_model(other, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, seed=5)
-        metrics = backend(
-            model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", ref_load=other
-        ).train_rollout(make_samples(model), policy_version=0)
-    assert metrics["kl"] > 1e-3 and metrics["loss"] == pytest.approx(
-        metrics["pg_loss"] + 0.1 * metrics["kl_loss"], rel=1e-4, abs=1e-6
+        trainer = backend(model_dir, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", ref_load=other)
+        expected = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).state_dict()
+        assert all(torch.equal(p, expected[n]) for n, p in trainer.model.named_parameters())
+        first = trainer.train_rollout(make_samples(model), policy_version=0)
+        moved = trainer.train_rollout(make_samples(model, seed=1), policy_version=0)
+    assert abs(first["kl"]) < 1e-6
+    assert moved["kl"] > 1e-7 and moved["loss"] == pytest.approx(
+        moved["pg_loss"] + 0.1 * moved["kl_loss"], rel=1e-4, abs=1e-6
     )
 
 

@@ -91,6 +91,13 @@ class TorchTrainerSpec:
     device: str | None = None
 
 
+def initial_weights(spec: TorchTrainerSpec) -> str:
+    """The HF folder the actor starts from (a checkpoint resumed loads over it): --ref-load when given, as the
+    seeds say (the actor is initialised from --ref-load when --load holds no checkpoint), else --hf-checkpoint.
+    A Megatron --ref-load reaches the torch trainer converted (vime.preflight.prepare_ref_load)."""
+    return spec.algorithm.ref_load or spec.hf_checkpoint
+
+
 def training_device(requested: str | None) -> torch.device:
     """The device a rank trains on (``TorchTrainerSpec.device``); "cuda" is the rank's current CUDA device, the
     one TrainerWorker.join selected for it."""
@@ -277,7 +284,7 @@ class TorchBackend(RolloutTraining):
         # --use-distributed-optimizer: FSDP2 over those ranks (vime/backends/fsdp.py); None: replicas.
         self.sharding = Sharding(self.dp, bf16=spec.bf16) if spec.use_distributed_optimizer else None
         self.device = training_device(spec.device)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.hf_checkpoint, dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(initial_weights(spec), dtype=torch.float32).to(self.device)
         self.model.train()
         if spec.recompute_granularity == "full":
             enable_full_recompute(self.model)
@@ -301,7 +308,7 @@ class TorchBackend(RolloutTraining):
         if algo.needs_reference_model:
             # With --bf16 the frozen reference is bf16 too: no masters needed, it never changes.
             self.ref_model = AutoModelForCausalLM.from_pretrained(
-                algo.ref_load or spec.hf_checkpoint, dtype=torch.bfloat16 if spec.bf16 else torch.float32
+                initial_weights(spec), dtype=torch.bfloat16 if spec.bf16 else torch.float32
             ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
             if self.sharding is not None:
@@ -320,7 +327,7 @@ class TorchBackend(RolloutTraining):
             if is_checkpoint:
                 critic.load_head(folder)  # weights only: the optimizer starts fresh with this run's settings
         else:
-            critic = ValueModel.from_pretrained(spec.hf_checkpoint)
+            critic = ValueModel.from_pretrained(initial_weights(spec))  # the body of the actor's first weights
         critic.to(self.device).train()
         if spec.recompute_granularity == "full":
             enable_full_recompute(critic.body)

@@ -26,7 +26,7 @@ from vime.config.megatron_perf import FUSION_DESTINATIONS, MegatronPerfConfig
 from vime.config.passthrough import split_prefixed
 from vime.config.run import DebugConfig, RunConfig
 from vime.config.tracking import TrackingConfig
-from vime.config.training import TrainConfig
+from vime.config.training import TrainConfig, default_train_backend
 from vime.config.weight_sync import WeightSyncConfig
 from vime.rl.algorithm_checks import algorithm_engine_args, check_algorithm_with_run
 
@@ -75,6 +75,7 @@ class TrainSettings:
     megatron: MegatronConfig
     args: argparse.Namespace
     megatron_lm: Passthrough = dataclasses.field(default_factory=Passthrough)  # Megatron-LM's own flags given
+    backend_by_default: bool = False  # --train-backend not given: chosen by default_train_backend
 
     @property
     def run_dir(self) -> str:
@@ -164,6 +165,9 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
         args=args,
         megatron_lm=passthrough,
     )
+    if settings.train.train_backend is None:  # before the checks: many depend on the backend
+        settings.train.train_backend = args.train_backend = default_train_backend()
+        settings.backend_by_default = True
     validate(settings)
     finalize(settings)
     return settings

@@ -102,8 +102,10 @@ class AlgorithmConfig:
     )
     ref_load: str | None = option(
         None,
-        "Reference model for the KL terms: an HF model folder, loaded frozen (default: --hf-checkpoint, "
-        "the initial policy).",
+        "Where the actor starts when --load holds no checkpoint, and the frozen reference model of the KL "
+        "terms: an HF model folder or a Megatron checkpoint directory (the torch trainer reads one converted to "
+        "HF at start-up, in <run dir>/ref_load_hf/). The engines then get its weights as version 0 before "
+        "anything is generated. Default: --hf-checkpoint.",
     )
     entropy_coef: float = option(0.0, "Entropy bonus: the loss is reduced by this times the mean token entropy.")
     calculate_per_token_loss: bool = option(

@@ -36,6 +36,16 @@ class MegatronConfig:
     normalization: str | None = option(None, "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float | None = option(None, "Normalisation epsilon.")
     use_rotary_position_embeddings: bool = option(False, "Rotary position embeddings.")
+    position_embedding_type: str | None = option(
+        None,
+        "Position embeddings (Megatron-LM): vime's models take rotary ones, 'rope'; the others are refused.",
+        choices=["learned_absolute", "rope", "mrope", "yarn", "none"],
+    )
+    rotary_percent: float | None = option(
+        None,
+        "Fraction of each attention head's dimensions that RoPE rotates (Megatron-LM); must agree with "
+        "config.json's partial_rotary_factor (1.0 where config.json has none).",
+    )
     rotary_base: float | None = option(None, "RoPE base.")
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
@@ -199,6 +209,13 @@ class MegatronConfig:
         from vime.backends.megatron_args import check_flags_against_hf
 
         check_flags_against_hf(self, hf_config)
+        rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5 keeps it there too
+        rotary = getattr(hf_config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+        require(
+            self.rotary_percent is None or abs(self.rotary_percent - rotary) < 1e-9,
+            "--rotary-percent",
+            f"{self.rotary_percent} disagrees with --hf-checkpoint's config.json (partial_rotary_factor {rotary})",
+        )
         if self.use_rollout_routing_replay and train_backend not in (None, "megatron"):
             raise ConfigError(
                 "--use-rollout-routing-replay",
@@ -228,6 +245,16 @@ class MegatronConfig:
         )
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError("--make-vocab-size-divisible-by", "must be >= 1")
+        require(
+            self.position_embedding_type in (None, "rope"),
+            "--position-embedding-type",
+            f"{self.position_embedding_type!r}: vime's models take rotary position embeddings ('rope') only",
+        )
+        require(
+            self.rotary_percent is None or 0 < self.rotary_percent <= 1,
+            "--rotary-percent",
+            f"must be in (0, 1], got {self.rotary_percent}",
+        )
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:
             raise ConfigError("--rope-scaling-factor", "needs --use-rope-scaling")
         for name in ("attention_dropout", "hidden_dropout"):

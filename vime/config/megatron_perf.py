@@ -59,6 +59,18 @@ class MegatronPerfConfig:
         "float32.",
         choices=["fp32", "fp64"],
     )
+    use_flash_attn: bool = option(
+        False,
+        "FlashAttention (Megatron-LM's older switch, which Megatron-LM turns into --attention-backend flash). The "
+        "Megatron backend then asks for Transformer Engine's flash kernel where --attention-backend is left at "
+        "auto (on CUDA with Transformer Engine; without it megatron-core's own attention runs); the torch "
+        "backend runs HF's attention.",
+    )
+    moe_permute_fusion: bool = option(
+        False,
+        "Fuse the MoE tokens' permutation and unpermutation (Megatron-LM; Transformer Engine's kernels). vime's "
+        "Megatron backend builds its models with the fusions off on every device: no effect.",
+    )
     no_rope_fusion: bool = option(
         False, "Disable the fused RoPE kernel (Megatron-LM). vime's Megatron backend never uses it."
     )
@@ -133,13 +145,17 @@ class MegatronPerfConfig:
         fields: dict = {}
         if self.attention_softmax_in_fp32:
             fields["attention_softmax_in_fp32"] = True
-        if self.attention_backend not in ("auto", "local"):
+        if self.effective_attention_backend() not in ("auto", "local"):
             # Transformer Engine reads the kernel choice from NVTE_* variables that megatron-core sets from this
             # field when it builds the model; 'local' would switch every TE kernel off under TE's layers.
             from megatron.core.transformer.enums import AttnBackend
 
-            fields["attention_backend"] = AttnBackend[self.attention_backend]
+            fields["attention_backend"] = AttnBackend[self.effective_attention_backend()]
         return fields
+
+    def effective_attention_backend(self) -> str:
+        """--attention-backend, or flash where only Megatron-LM's older --use-flash-attn asked for a kernel."""
+        return "flash" if self.use_flash_attn and self.attention_backend == "auto" else self.attention_backend
 
     def router_dtype(self) -> str:
         """The Megatron backend's MoE routing dtype: the flag's, else fp32 (HF's routers compute in float32)."""
@@ -162,6 +178,19 @@ class MegatronPerfConfig:
                 if megatron
                 else "--attention-softmax-in-fp32: no effect on the torch backend (HF's attention chooses its own "
                 "softmax precision); it acts with --train-backend megatron"
+            )
+        if self.use_flash_attn:
+            notes.append(
+                "--use-flash-attn: no effect on the torch backend, which runs HF's attention"
+                if not megatron
+                else "--use-flash-attn: taken as --attention-backend flash"
+                if self.attention_backend == "auto"
+                else f"--use-flash-attn: --attention-backend {self.attention_backend} decides the kernel"
+            )
+        if self.moe_permute_fusion:
+            notes.append(
+                "--moe-permute-fusion: vime's Megatron backend builds its models with the fusions off, so the flag "
+                "changes nothing" + ("" if megatron else "; the torch backend has no such fusion either")
             )
         if self.attention_backend != "auto":
             if not megatron:

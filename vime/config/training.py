@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 from vime.config.base import option, require
 
 
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
-    train_backend: str = option(
-        "torch",
-        "Training backend. 'torch' trains the HF model from --hf-checkpoint "
-        "(the default, and the one for machines without GPUs); 'megatron' trains a "
-        "megatron-core GPTModel built from the Megatron flags (Qwen2, Qwen3, Llama; needs "
-        "megatron-core and CUDA; see docs/megatron.md).",
+    train_backend: str | None = option(
+        None,
+        "Training backend. 'megatron' trains a megatron-core GPTModel built from the Megatron flags (Qwen2, "
+        "Qwen3, Llama and their MoE variants; needs megatron-core and CUDA; see docs/megatron.md); 'torch' "
+        "trains the HF model from --hf-checkpoint (FSDP2; the one for machines without GPUs). Default: "
+        "megatron where this machine has CUDA GPUs and megatron-core (the reference framework's backend), "
+        "torch otherwise; the start-up output says which.",
         choices=["torch", "megatron"],
     )
     hf_checkpoint: str | None = option(
@@ -128,13 +130,11 @@ class TrainConfig:
             f"{self.hf_checkpoint!r} is not an HF model folder (no config.json)",
         )
         if self.train_backend == "megatron":
-            import importlib.util
-
-            try:
-                found = importlib.util.find_spec("megatron.core") is not None
-            except ModuleNotFoundError:  # no `megatron` package at all
-                found = False
-            require(found, "--train-backend", "'megatron' needs megatron-core (pip install megatron-core==0.16.1)")
+            require(
+                megatron_core_installed(),
+                "--train-backend",
+                "'megatron' needs megatron-core (pip install megatron-core==0.16.1)",
+            )
             # CUDA: vime.config.check_local_cuda (this machine's, unless the trainer runs on a Ray cluster's).
         require(
             self.optimizer in ("adam", "sgd"),
@@ -228,3 +228,34 @@ class TrainConfig:
             require(
                 self.lr_wsd_decay_iters is None, "--lr-wsd-decay-iters", "has no effect without --lr-decay-style WSD"
             )
+
+
+def megatron_core_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no `megatron` package at all
+        return False
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this machine shows an NVIDIA driver (its GPUs in /proc, a device node, nvidia-smi): cheap, so that a
+    CPU machine decides without importing torch (flag errors stay fast)."""
+    try:
+        if os.listdir("/proc/driver/nvidia/gpus"):
+            return True
+    except OSError:
+        pass
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def default_train_backend() -> str:
+    """The backend a run without --train-backend trains with: the reference framework's, Megatron, where it can
+    run (CUDA GPUs on this machine and megatron-core installed), else torch. A driver attached to a Ray
+    cluster (--ray-address) decides by its own machine: on a CPU-only head node, give --train-backend megatron."""
+    if not nvidia_driver_present() or not megatron_core_installed():
+        return "torch"
+    import torch
+
+    return "megatron" if torch.cuda.is_available() else "torch"

@@ -218,29 +218,29 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
 
 
 def _check_ref_load(algo: AlgorithmConfig, *, megatron: bool) -> None:
-    """The torch backend reads --ref-load only as the KL reference (an HF folder); the Megatron
-    backend also starts the actor from it when --load has no checkpoint (the seeds' workflow)."""
-    if algo.ref_load is None:
-        return
-    require(
-        megatron or algo.needs_reference_model,
-        "--ref-load",
-        "the reference model is only used with --use-kl-loss or --kl-coef",
-    )
-    if "://" in algo.ref_load:
+    """--ref-load is where the actor starts when --load holds no checkpoint, and the KL reference (the seeds'
+    workflow), with or without a KL term: an HF model folder or a Megatron checkpoint directory, on either
+    backend (the torch backend reads a Megatron one converted at start-up: vime.preflight.prepare_ref_load)."""
+    if algo.ref_load is None or "://" in algo.ref_load:
         return
     if os.path.isfile(os.path.join(algo.ref_load, "config.json")):
         return
-    if megatron:
-        from vime.backends.megatron_checkpoint import is_checkpoint_root
+    from vime.backends.megatron_checkpoint import is_checkpoint_root
+
+    require(
+        is_checkpoint_root(algo.ref_load),
+        "--ref-load",
+        f"{algo.ref_load!r} is neither an HF model folder (config.json) nor a Megatron checkpoint",
+    )
+    if not megatron:
+        from vime.config.training import megatron_core_installed
 
         require(
-            is_checkpoint_root(algo.ref_load),
+            megatron_core_installed(),
             "--ref-load",
-            f"{algo.ref_load!r} is neither an HF model folder (config.json) nor a Megatron checkpoint",
+            f"{algo.ref_load!r} is a Megatron checkpoint: the torch trainer reads it converted to HF at start-up, "
+            "which needs megatron-core (pip install megatron-core==0.16.1); or give an HF model folder",
         )
-        return
-    require(False, "--ref-load", f"{algo.ref_load!r} is not an HF model folder (no config.json)")
 
 
 def check_algorithm_with_run(settings: TrainSettings) -> None:
