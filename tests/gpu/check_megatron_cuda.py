@@ -1,0 +1,153 @@
+"""GPU check of the Megatron backend training on CUDA (megatron-core's real CUDA paths; no vLLM, no Ray). Not a
+pytest file.
+
+    python tests/gpu/check_megatron_cuda.py [--device cuda]
+
+Needs one CUDA GPU and megatron-core (``pip install megatron-core==0.16.1``; wheels can be carried to a machine
+without the package). On the tiny random models and samples of the unit tests, it trains MegatronBackend on the
+GPU and checks, each against a run it can be compared with:
+
+  1. float32 (TF32 off) takes the torch backend's first two steps on the CPU: loss, gradient norm and the
+     trainer/rollout log-prob gap within 1e-4 relative (dense Qwen2, then a Qwen3-MoE model);
+  2. --bf16: bf16 model and float32 masters, gradient norms within 10% of float32's; the log-prob gap printed;
+  3. --use-distributed-optimizer (vime's ZeRO-1, one rank here) takes the plain optimizer's steps;
+  4. a torch_dist checkpoint written on the GPU resumes in a fresh trainer with the same next step;
+  5. --use-dynamic-batch-size with a token budget takes the fixed micro-batches' steps.
+
+The unit tests run the same backend on CPU under a test-only shim (tests/megatron_shim.py), which this check does
+not install on CUDA: what it adds is megatron-core's own CUDA code (its RNG tracker, its kernels, device
+placement). ``--device cpu`` runs the same comparisons under the shim: a dry run of the script itself.
+
+Exit status: 0 all checks passed, 1 a check failed, 77 not runnable here (no GPU, no megatron-core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from gpu_common import missing_gpu_stack, skip
+
+COMPARED = ("loss", "grad_norm", "train_rollout_logprob_abs_diff")
+# SGD, not AdamW, where two different arithmetics are compared: AdamW's first step moves a weight by +-lr whatever
+# its gradient's size, so float rounding on a ~0 gradient would decide the second step (tests/gpu/check_torch_cuda.py).
+EXACT_ARITHMETIC = {"optimizer": "sgd", "lr": 0.1}
+
+
+def compare(name: str, got: list[dict], want: list[dict], tolerance: float, failures: list[str], keys=COMPARED):
+    worst = 0.0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for key in keys:
+            a, b = float(g[key]), float(w[key])
+            difference = abs(a - b) / max(abs(b), 1e-6 / tolerance)
+            worst = max(worst, difference)
+            if not math.isfinite(a) or difference > tolerance:
+                failures.append(f"{name}: step {step + 1} {key} {a:.6g}, expected {b:.6g} (tolerance {tolerance})")
+    norms = ", ".join(f"{float(m['grad_norm']):.6g}" for m in got)
+    print(f"  {name}: worst relative difference {worst:.2e} (tolerance {tolerance}); grad norms {norms}", flush=True)
+
+
+def specs(model_dir: str, **fields):
+    from tests.unit.test_megatron_backend import megatron_spec, trainer_spec
+
+    spec = trainer_spec(model_dir, use_kl_loss=True, kl_loss_coef=0.1)
+    return dataclasses.replace(spec, device="cpu", **fields), megatron_spec(model_dir)
+
+
+def steps(backend, rollouts) -> list[dict]:
+    return [backend.train_rollout(samples, 0) for samples in rollouts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a dry run under the shim")
+    options = parser.parse_args(argv)
+    if options.device == "cuda" and (reason := missing_gpu_stack("megatron.core")):
+        return skip(reason)
+    import torch
+
+    from tests import megatron_shim
+
+    if options.device == "cpu":
+        megatron_shim.install()
+    from tests.unit.test_megatron_backend import make_samples
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.torch_backend import TorchBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    started = time.monotonic()
+    work = tempfile.mkdtemp(prefix="vime-megatron-cuda-check-")
+    failures: list[str] = []
+    try:
+        dense = megatron_shim.tiny_qwen2_with_tokenizer(os.path.join(work, "dense"))
+        moe = megatron_shim.tiny_moe_hf_model(
+            os.path.join(work, "moe"), with_tokenizer=True, **megatron_shim.MOE_VARIANTS["qwen3_moe"]
+        )
+        rollouts = [make_samples(seed) for seed in (0, 1)]
+        print(f"device {options.device}: {torch.cuda.get_device_name() if options.device == 'cuda' else 'CPU'}")
+
+        print("1. float32 on the device vs the torch backend on the CPU", flush=True)
+        plain = {}
+        for name, model_dir in (("dense", dense), ("moe", moe)):
+            reference = steps(TorchBackend(specs(model_dir, **EXACT_ARITHMETIC)[0]), rollouts)
+            megatron = MegatronBackend(*specs(model_dir, **EXACT_ARITHMETIC))
+            where = {p.device.type for p in megatron.gpt.parameters()}
+            print(f"  {name}: Megatron parameters on {sorted(where)}", flush=True)
+            plain[name] = steps(megatron, rollouts)
+            compare(f"float32 {name}", plain[name], reference, 1e-4, failures)
+
+        print("2. --bf16", flush=True)
+        bf16 = MegatronBackend(*specs(dense, bf16=True, **EXACT_ARITHMETIC))
+        got = steps(bf16, rollouts)
+        for step, (g, w) in enumerate(zip(got, plain["dense"])):
+            print(
+                f"  bf16 step {step + 1}: grad norm {g['grad_norm']:.5f} (float32 {w['grad_norm']:.5f}), log-prob "
+                f"gap mean {g['train_rollout_logprob_abs_diff']:.2e}, "
+                f"worst {g['train_rollout_logprob_abs_diff_max']:.2e}",
+                flush=True,
+            )
+            if abs(g["grad_norm"] - w["grad_norm"]) > 0.1 * abs(w["grad_norm"]):
+                failures.append(f"bf16 step {step + 1} grad norm {g['grad_norm']:.5f} vs {w['grad_norm']:.5f}")
+        dtypes = {p.dtype for p in bf16.gpt.parameters()}
+        if dtypes != {torch.bfloat16}:
+            failures.append(f"bf16: the Megatron model's parameters are {dtypes}")
+
+        print("3. --use-distributed-optimizer (one rank)", flush=True)
+        zero = steps(MegatronBackend(*specs(dense, use_distributed_optimizer=True, **EXACT_ARITHMETIC)), rollouts)
+        compare("ZeRO-1 vs plain", zero, plain["dense"], 1e-5, failures)
+
+        print("4. torch_dist checkpoint and resume", flush=True)
+        first = MegatronBackend(*specs(dense))
+        first.train_rollout(rollouts[0], 0)
+        first.save_training_state(os.path.join(work, "checkpoint"))
+        want = [first.train_rollout(rollouts[1], 0)]
+        resumed = MegatronBackend(*specs(dense))
+        resumed.load_training_state(os.path.join(work, "checkpoint"))
+        compare("resume", [resumed.train_rollout(rollouts[1], 0)], want, 1e-5, failures)
+
+        print("5. token budgets vs fixed micro-batches", flush=True)
+        budgets = MegatronBackend(
+            *specs(dense, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **EXACT_ARITHMETIC)
+        )
+        compare("dynamic batch", steps(budgets, rollouts), plain["dense"], 1e-4, failures, keys=("loss", "grad_norm"))
+        if options.device == "cuda":
+            print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"checks took {time.monotonic() - started:.0f}s", flush=True)
+    if failures:
+        print("FAIL:\n  " + "\n  ".join(failures), flush=True)
+        return 1
+    print("PASS: the Megatron backend trains on the device as the torch backend does on the CPU", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
