@@ -133,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         compare("resume", [resumed.train_rollout(rollouts[1], 0)], want, 1e-5, failures)
 
         print("5. token budgets vs fixed micro-batches", flush=True)
-        budgets = MegatronBackend(
-            *specs(dense, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **EXACT_ARITHMETIC)
-        )
+        budgets = MegatronBackend(*specs(dense, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **EXACT_ARITHMETIC))
         compare("dynamic batch", steps(budgets, rollouts), plain["dense"], 1e-4, failures, keys=("loss", "grad_norm"))
         if options.device == "cuda":
             print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)

@@ -217,3 +217,25 @@ def test_position_embedding_flags_are_checked(model_dir, tmp_path):
         parse_train_args(base(model_dir, "--position-embedding-type", "yarn"))
     with pytest.raises(ConfigError, match="^--rotary-percent: must be in \\(0, 1\\], got 0.0"):
         parse_train_args(base(model_dir, "--rotary-percent", "0"))
+
+
+def test_other_reference_preset_flags(model_dir):
+    """--max-position-embeddings is checked against config.json; --moe-token-drop-policy only matters with a capacity
+    factor (vime's MoE is dropless); --seq-length is said not to be read; --rollout-backend names vLLM."""
+    from transformers import Qwen2Config
+
+    s = parse_train_args(
+        base(
+            model_dir,
+            *("--max-position-embeddings", "32768", "--moe-token-drop-policy", "probs"),
+            *("--seq-length", "4096", "--rollout-backend", "vllm"),
+        )
+    )
+    s.megatron.check_against_hf(Qwen2Config(max_position_embeddings=32768), "torch")
+    with pytest.raises(ConfigError, match="^--max-position-embeddings: 32768 disagrees with .*config.json \\(4096\\)"):
+        s.megatron.check_against_hf(Qwen2Config(max_position_embeddings=4096), "torch")
+    assert any(n.startswith("--seq-length 4096: not read") for n in s.perf.startup_notes("megatron"))
+    with pytest.raises(ConfigError, match="^--rollout-backend: 'sglang': vime's engines are vLLM's"):
+        parse_train_args(base(model_dir, "--rollout-backend", "sglang"))
+    with pytest.raises(SystemExit):
+        parse_train_args(base(model_dir, "--moe-token-drop-policy", "random"))

@@ -194,6 +194,10 @@ class RolloutConfig:
     rollout_temperature: float = option(1.0, "Sampling temperature.")
     rollout_top_p: float = option(1.0, "Top-p sampling.")
     rollout_top_k: int = option(-1, "Top-k sampling (-1 disables).")
+    rollout_backend: str = option(
+        "vllm",
+        "The inference engines (the reference's scripts name them): vLLM is vime's only one; any other is refused.",
+    )
     rollout_function_path: str | None = option(
         None,
         "Replace the default fully-async rollout with generate_rollout(args, rollout_id, data_source, "
@@ -317,6 +321,11 @@ class RolloutConfig:
         require(self.rollout_temperature >= 0, "--rollout-temperature", "must be >= 0")
         require(0 < self.rollout_top_p <= 1, "--rollout-top-p", "must be in (0, 1]")
         require(self.rollout_top_k == -1 or self.rollout_top_k >= 1, "--rollout-top-k", "must be -1 or >= 1")
+        require(
+            self.rollout_backend == "vllm",
+            "--rollout-backend",
+            f"{self.rollout_backend!r}: vime's engines are vLLM's ('vllm')",
+        )
         require(
             self.rm_type is not None or self.custom_rm_path is not None or self.rollout_function_path is not None,
             "--rm-type",

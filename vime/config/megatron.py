@@ -41,6 +41,9 @@ class MegatronConfig:
         "Position embeddings (Megatron-LM): vime's models take rotary ones, 'rope'; the others are refused.",
         choices=["learned_absolute", "rope", "mrope", "yarn", "none"],
     )
+    max_position_embeddings: int | None = option(
+        None, "Longest position the model takes (Megatron-LM); must agree with config.json's max_position_embeddings."
+    )
     rotary_percent: float | None = option(
         None,
         "Fraction of each attention head's dimensions that RoPE rotates (Megatron-LM); must agree with "
@@ -109,6 +112,12 @@ class MegatronConfig:
         None,
         "Which layers are MoE: N (every N-th layer, from the first) or a list of 0/1 per layer such as "
         "'[1]*48' or '[0]+[1]*23' (default: config.json's decoder_sparse_step / mlp_only_layers).",
+    )
+    moe_token_drop_policy: str = option(
+        "probs",
+        "Which tokens an expert over its capacity drops (Megatron-LM): 'probs' or 'position'. Only read with a "
+        "capacity factor; vime's MoE models are dropless, as HF's and the engines' are, so no token is dropped.",
+        choices=["probs", "position"],
     )
     moe_router_load_balancing_type: str = option(
         "aux_loss",
@@ -209,6 +218,12 @@ class MegatronConfig:
         from vime.backends.megatron_args import check_flags_against_hf
 
         check_flags_against_hf(self, hf_config)
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        require(
+            self.max_position_embeddings is None or positions is None or self.max_position_embeddings == positions,
+            "--max-position-embeddings",
+            f"{self.max_position_embeddings} disagrees with --hf-checkpoint's config.json ({positions})",
+        )
         rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5 keeps it there too
         rotary = getattr(hf_config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
         require(

@@ -71,6 +71,12 @@ class MegatronPerfConfig:
         "Fuse the MoE tokens' permutation and unpermutation (Megatron-LM; Transformer Engine's kernels). vime's "
         "Megatron backend builds its models with the fusions off on every device: no effect.",
     )
+    seq_length: int | None = option(
+        None,
+        "Megatron-LM's training sequence length (pretraining's fixed-length samples). RL samples keep their own "
+        "lengths (--rollout-max-response-len bounds them, --max-tokens-per-gpu packs them): vime's trainers do "
+        "not read it.",
+    )
     no_rope_fusion: bool = option(
         False, "Disable the fused RoPE kernel (Megatron-LM). vime's Megatron backend never uses it."
     )
@@ -186,6 +192,11 @@ class MegatronPerfConfig:
                 else "--use-flash-attn: taken as --attention-backend flash"
                 if self.attention_backend == "auto"
                 else f"--use-flash-attn: --attention-backend {self.attention_backend} decides the kernel"
+            )
+        if self.seq_length is not None:
+            notes.append(
+                f"--seq-length {self.seq_length}: not read (RL samples keep their own lengths, bounded by "
+                "--rollout-max-response-len; --max-tokens-per-gpu packs them)"
             )
         if self.moe_permute_fusion:
             notes.append(
