@@ -25,32 +25,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-from gpu_common import missing_gpu_stack, skip
-
-COMPARED = ("loss", "grad_norm", "train_rollout_logprob_abs_diff")
-# SGD, not AdamW, where two different arithmetics are compared: AdamW's first step moves a weight by +-lr whatever
-# its gradient's size, so float rounding on a ~0 gradient would decide the second step (tests/gpu/check_torch_cuda.py).
-EXACT_ARITHMETIC = {"optimizer": "sgd", "lr": 0.1}
-
-
-def compare(name: str, got: list[dict], want: list[dict], tolerance: float, failures: list[str], keys=COMPARED):
-    worst = 0.0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        for key in keys:
-            a, b = float(g[key]), float(w[key])
-            difference = abs(a - b) / max(abs(b), 1e-6 / tolerance)
-            worst = max(worst, difference)
-            if not math.isfinite(a) or difference > tolerance:
-                failures.append(f"{name}: step {step + 1} {key} {a:.6g}, expected {b:.6g} (tolerance {tolerance})")
-    norms = ", ".join(f"{float(m['grad_norm']):.6g}" for m in got)
-    print(f"  {name}: worst relative difference {worst:.2e} (tolerance {tolerance}); grad norms {norms}", flush=True)
+from gpu_common import EXACT_ARITHMETIC, compare_bf16_steps, compare_steps, exact_float32, missing_gpu_stack, skip
 
 
 def specs(model_dir: str, **fields):
@@ -80,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from vime.backends.megatron_backend import MegatronBackend
     from vime.backends.torch_backend import TorchBackend
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    exact_float32()
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="vime-megatron-cuda-check-")
     failures: list[str] = []
@@ -101,27 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             where = {p.device.type for p in megatron.gpt.parameters()}
             print(f"  {name}: Megatron parameters on {sorted(where)}", flush=True)
             plain[name] = steps(megatron, rollouts)
-            compare(f"float32 {name}", plain[name], reference, 1e-4, failures)
+            compare_steps(f"float32 {name}", plain[name], reference, 1e-4, failures)
 
         print("2. --bf16", flush=True)
         bf16 = MegatronBackend(*specs(dense, bf16=True, **EXACT_ARITHMETIC))
         got = steps(bf16, rollouts)
-        for step, (g, w) in enumerate(zip(got, plain["dense"])):
-            print(
-                f"  bf16 step {step + 1}: grad norm {g['grad_norm']:.5f} (float32 {w['grad_norm']:.5f}), log-prob "
-                f"gap mean {g['train_rollout_logprob_abs_diff']:.2e}, "
-                f"worst {g['train_rollout_logprob_abs_diff_max']:.2e}",
-                flush=True,
-            )
-            if abs(g["grad_norm"] - w["grad_norm"]) > 0.1 * abs(w["grad_norm"]):
-                failures.append(f"bf16 step {step + 1} grad norm {g['grad_norm']:.5f} vs {w['grad_norm']:.5f}")
+        compare_bf16_steps(got, plain["dense"], failures)
         dtypes = {p.dtype for p in bf16.gpt.parameters()}
         if dtypes != {torch.bfloat16}:
             failures.append(f"bf16: the Megatron model's parameters are {dtypes}")
 
         print("3. --use-distributed-optimizer (one rank)", flush=True)
         zero = steps(MegatronBackend(*specs(dense, use_distributed_optimizer=True, **EXACT_ARITHMETIC)), rollouts)
-        compare("ZeRO-1 vs plain", zero, plain["dense"], 1e-5, failures)
+        compare_steps("ZeRO-1 vs plain", zero, plain["dense"], 1e-5, failures)
 
         print("4. torch_dist checkpoint and resume", flush=True)
         first = MegatronBackend(*specs(dense))
@@ -130,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         want = [first.train_rollout(rollouts[1], 0)]
         resumed = MegatronBackend(*specs(dense))
         resumed.load_training_state(os.path.join(work, "checkpoint"))
-        compare("resume", [resumed.train_rollout(rollouts[1], 0)], want, 1e-5, failures)
+        compare_steps("resume", [resumed.train_rollout(rollouts[1], 0)], want, 1e-5, failures)
 
         print("5. token budgets vs fixed micro-batches", flush=True)
         budgets = MegatronBackend(*specs(dense, use_dynamic_batch_size=True, max_tokens_per_gpu=20, **EXACT_ARITHMETIC))
-        compare("dynamic batch", steps(budgets, rollouts), plain["dense"], 1e-4, failures, keys=("loss", "grad_norm"))
+        compare_steps(
+            "dynamic batch", steps(budgets, rollouts), plain["dense"], 1e-4, failures, keys=("loss", "grad_norm")
+        )
         if options.device == "cuda":
             print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
     finally:

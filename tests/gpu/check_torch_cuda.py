@@ -38,13 +38,7 @@ import sys
 import tempfile
 import time
 
-from gpu_common import REPO, missing_gpu_stack, skip
-
-COMPARED = ("loss", "grad_norm", "train_rollout_logprob_abs_diff")
-# The comparisons of two layouts of the same arithmetic step with SGD: AdamW's first step divides each gradient
-# by its own magnitude, so a gradient of ~1e-9 (float rounding) moves its weight by a full +-lr either way, and
-# the second step would compare rounding noise. The exact comparisons (resume, sleep) keep AdamW.
-EXACT_ARITHMETIC = {"optimizer": "sgd", "lr": 0.1}
+from gpu_common import EXACT_ARITHMETIC, REPO, compare_bf16_steps, compare_steps, exact_float32, missing_gpu_stack, skip
 
 
 def spec_for(model_dir: str, device: str, **fields):
@@ -80,20 +74,6 @@ def two_steps(model_dir: str, device: str, rollouts: list, **fields) -> list[dic
     return [backend.train_rollout(samples, policy_version=0) for samples in rollouts]
 
 
-def compare(name: str, got: list[dict], want: list[dict], tolerance: float, failures: list[str], keys=COMPARED) -> None:
-    worst = 0.0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        for key in keys:
-            a, b = float(g[key]), float(w[key])
-            # Relative, but GRPO's first on-policy loss is ~0 (its advantages sum to zero): 1e-6 absolute floor.
-            difference = abs(a - b) / max(abs(b), 1e-6 / tolerance)
-            worst = max(worst, difference)
-            if not math.isfinite(a) or difference > tolerance:
-                failures.append(f"{name}: step {step + 1} {key} {a:.6g}, expected {b:.6g} (tolerance {tolerance})")
-    steps = ", ".join(f"grad norm {float(m['grad_norm']):.6g}" for m in got)
-    print(f"  {name}: worst relative difference {worst:.2e} (tolerance {tolerance}); {steps}", flush=True)
-
-
 def held_bytes(role) -> int:
     """Bytes of the role's parameters, gradients and optimizer state that live on an accelerator."""
     import torch
@@ -124,7 +104,7 @@ def check_sleep(model_dir: str, device: str, rollouts: list, failures: list[str]
             failures.append(f"sleep freed {before - after} bytes of the GPU, the actor held {held}")
         backend.actor.wake()
     got.append(backend.train_rollout(rollouts[1], policy_version=0))
-    compare("sleep, wake, next step vs no sleep", got, want, 1e-5, failures)
+    compare_steps("sleep, wake, next step vs no sleep", got, want, 1e-5, failures)
 
 
 def check_resume(model_dir: str, device: str, rollouts: list, work: str, failures: list[str]) -> None:
@@ -140,7 +120,7 @@ def check_resume(model_dir: str, device: str, rollouts: list, work: str, failure
         resumed = TorchBackend(spec_for(model_dir, device, **fields))
         resumed.load_training_state(path)
         got = [resumed.train_rollout(rollouts[1], policy_version=0)]
-        compare(f"resume from a {'sharded ' if sharded else ''}checkpoint", got, want, 1e-5, failures)
+        compare_steps(f"resume from a {'sharded ' if sharded else ''}checkpoint", got, want, 1e-5, failures)
 
 
 def check_bf16(model_dir: str, device: str, rollouts: list, float32: list[dict], work: str, failures: list[str]):
@@ -156,16 +136,7 @@ def check_bf16(model_dir: str, device: str, rollouts: list, float32: list[dict],
     print(f"  bf16: model {sorted(map(str, dtypes))}, masters {sorted(map(str, masters))}", flush=True)
     if dtypes != {(torch.bfloat16, device)} or masters != {(torch.float32, device)}:
         failures.append(f"bf16: model {dtypes}, masters {masters}; expected bf16 and float32 on {device}")
-    for step, (g, w) in enumerate(zip(got, float32)):
-        print(
-            f"  bf16 step {step + 1}: grad norm {g['grad_norm']:.5f} (float32 {w['grad_norm']:.5f}), log-prob "
-            f"gap mean {g['train_rollout_logprob_abs_diff']:.2e}, "
-            f"worst token {g['train_rollout_logprob_abs_diff_max']:.2e}",
-            flush=True,
-        )
-        # bf16 keeps ~3 significant digits: the gradient of the same step agrees with float32's to a few percent.
-        if abs(g["grad_norm"] - w["grad_norm"]) > 0.1 * abs(w["grad_norm"]):
-            failures.append(f"bf16 step {step + 1} grad norm {g['grad_norm']:.5f} vs float32 {w['grad_norm']:.5f}")
+    compare_bf16_steps(got, float32, failures)
     exported = os.path.join(work, "exported")
     backend.save_weights(exported)
     loaded = AutoModelForCausalLM.from_pretrained(exported)
@@ -208,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.unit.test_rl_torch_backend import make_samples
     from vime.tools.make_tiny_model import make_tiny_model
 
-    # float32 must mean float32 on the GPU too: TF32 matmuls would differ from the CPU by ~1e-3.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    exact_float32()
     started = time.monotonic()
     work = tempfile.mkdtemp(prefix="vime-torch-cuda-check-")
     failures: list[str] = []
@@ -226,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print("1. float32 on the device vs the CPU", flush=True)
         cpu = two_steps(model_dir, "cpu", rollouts, **EXACT_ARITHMETIC)
         plain = two_steps(model_dir, device, rollouts, **EXACT_ARITHMETIC)
-        compare("float32", plain, cpu, 1e-4, failures)
+        compare_steps("float32", plain, cpu, 1e-4, failures)
 
         print("2. token budgets, chunked log-probs, recompute vs plain", flush=True)
         budgets = two_steps(
@@ -240,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             **EXACT_ARITHMETIC,
         )
         # The log-prob gap is a mean of the micro-batches' means: other micro-batches, another mean.
-        compare("dynamic batch + chunked + recompute", budgets, plain, 1e-4, failures, keys=("loss", "grad_norm"))
+        compare_steps("dynamic batch + chunked + recompute", budgets, plain, 1e-4, failures, keys=("loss", "grad_norm"))
 
         print("3. bf16 and its export", flush=True)
         check_bf16(model_dir, device, rollouts, plain, work, failures)
