@@ -94,7 +94,7 @@ class TorchTrainerSpec:
 def initial_weights(spec: TorchTrainerSpec) -> str:
     """The HF folder the actor starts from (a checkpoint resumed loads over it): --ref-load when given, as the
     seeds say (the actor is initialised from --ref-load when --load holds no checkpoint), else --hf-checkpoint.
-    A Megatron --ref-load reaches the torch trainer converted (vime.preflight.prepare_ref_load)."""
+    A Megatron --ref-load reaches the torch trainer converted (vime.backends.ref_load_conversion)."""
     return spec.algorithm.ref_load or spec.hf_checkpoint
 
 

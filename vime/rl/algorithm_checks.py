@@ -220,7 +220,7 @@ def check_algorithm_flags(algo: AlgorithmConfig) -> None:
 def _check_ref_load(algo: AlgorithmConfig, *, megatron: bool) -> None:
     """--ref-load is where the actor starts when --load holds no checkpoint, and the KL reference (the seeds'
     workflow), with or without a KL term: an HF model folder or a Megatron checkpoint directory, on either
-    backend (the torch backend reads a Megatron one converted at start-up: vime.preflight.prepare_ref_load)."""
+    backend (the torch backend reads a Megatron one converted at start-up: vime.backends.ref_load_conversion)."""
     if algo.ref_load is None or "://" in algo.ref_load:
         return
     if os.path.isfile(os.path.join(algo.ref_load, "config.json")):
