@@ -88,6 +88,20 @@ def test_the_run_says_which_trainer_it_chose_when_not_told(model_dir, monkeypatc
         parse_train_args(base(model_dir, "--log-probs-chunk-size", "64"))
 
 
+def test_server_concurrency_bounds_the_groups_in_flight(model_dir):
+    """The reference's --vllm-server-concurrency (requests per engine in flight) is vime's, not vLLM's: it sets
+    how many groups a rollout worker generates at once unless --rollout-max-concurrent-groups says."""
+    s = parse_train_args(base(model_dir, "--vllm-server-concurrency", "16", "--n-samples-per-prompt", "4"))
+    assert s.cluster.num_engines == 1 and s.rollout.max_concurrent_groups == 4  # 16 requests = 4 groups of 4
+    assert not any("server-concurrency" in arg for arg in s.vllm.vllm_args)  # not forwarded to vLLM
+    s = parse_train_args(base(model_dir, "--vllm-server-concurrency", "2", "--n-samples-per-prompt", "8"))
+    assert s.rollout.max_concurrent_groups == 1  # at least one group
+    told = ("--vllm-server-concurrency", "16", "--rollout-max-concurrent-groups", "2")
+    assert parse_train_args(base(model_dir, *told)).rollout.max_concurrent_groups == 2
+    with pytest.raises(ConfigError, match="^--vllm-server-concurrency: must be >= 1"):
+        parse_train_args(base(model_dir, "--vllm-server-concurrency", "0"))
+
+
 def test_colocate_is_synchronous(model_dir):
     assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
 

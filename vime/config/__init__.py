@@ -401,6 +401,11 @@ def finalize(settings: TrainSettings) -> None:
     for name in ("prompt_data", "hf_checkpoint", "save", "load", "eval_prompt_data", "eval_config"):
         section = next(getattr(settings, s) for s, cls, _ in SECTIONS if name in cls.__dataclass_fields__)
         setattr(settings.args, name, getattr(section, name))
+    rollout = settings.rollout
+    if rollout.vllm_server_concurrency and rollout.rollout_max_concurrent_groups is None:
+        # The reference's in-flight pool is concurrency x engines requests; vime's workers take whole groups.
+        in_flight = rollout.vllm_server_concurrency * max(1, settings.cluster.num_engines)
+        rollout.rollout_max_concurrent_groups = max(1, in_flight // rollout.n_samples_per_prompt)
     run = settings.run
     if run.run_dir is None:
         run.run_dir = settings.checkpoint.save or os.path.join(

@@ -303,7 +303,16 @@ class RolloutConfig:
     )
     rollout_request_timeout: float = option(120.0, "Seconds before one generate request to the router fails.")
     rollout_max_concurrent_groups: int | None = option(
-        None, "Groups one rollout worker generates at once (default: --rollout-batch-size). vime-specific."
+        None,
+        "Groups one rollout worker generates at once (default: --rollout-batch-size, or what "
+        "--vllm-server-concurrency allows). vime-specific.",
+    )
+    vllm_server_concurrency: int | None = option(
+        None,
+        "Generate requests each engine is sent at once, at most (the reference's; SGLang's spelling is "
+        "--sglang-server-concurrency): the rollout keeps at most this times the engines vime starts in flight. "
+        "vime bounds whole groups, so without --rollout-max-concurrent-groups a rollout worker generates "
+        "max(1, this x engines // --n-samples-per-prompt) groups at once. Not a vLLM flag: not forwarded.",
     )
 
     def __post_init__(self) -> None:
@@ -334,6 +343,11 @@ class RolloutConfig:
         check_reward_flags(self)
         require(self.rollout_request_timeout > 0, "--rollout-request-timeout", "must be > 0")
         check_sampling_controls(self)
+        require(
+            self.vllm_server_concurrency is None or self.vllm_server_concurrency >= 1,
+            "--vllm-server-concurrency",
+            "must be >= 1",
+        )
         require(
             self.rollout_max_concurrent_groups is None or self.rollout_max_concurrent_groups >= 1,
             "--rollout-max-concurrent-groups",

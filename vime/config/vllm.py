@@ -31,7 +31,7 @@ DERIVED = {
     "port": "(vime picks a free port)",
     "tensor-parallel-size": "--rollout-num-gpus-per-engine",
 }
-VIME_OWNED = {"--vllm-router-ip", "--vllm-router-port", "--vllm-config"}
+VIME_OWNED = {"--vllm-router-ip", "--vllm-router-port", "--vllm-config", "--vllm-server-concurrency"}
 
 
 @dataclasses.dataclass(kw_only=True)
