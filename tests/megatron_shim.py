@@ -178,6 +178,22 @@ MOE_VARIANTS = {
         family="qwen2_moe", norm_topk_prob=False, shared_expert_intermediate_size=40, mlp_only_layers=[1]
     ),
     "mixtral": dict(family="mixtral"),
+    # GLM-4.5: sigmoid routing with a (random, nonzero) expert bias within the best of 2 groups, weights scaled
+    # by 2.5, an ungated shared expert, a dense first layer, QKV bias, QK norm and RoPE on half of each head.
+    "glm4_moe": dict(
+        family="glm4_moe",
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        head_dim=16,
+    ),
 }
 
 
@@ -220,6 +236,9 @@ def tiny_moe_hf_model(
         for name, param in model.named_parameters():
             router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
             param.add_(torch.randn_like(param) * (1.0 if router else 0.05))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert bias: zero from from_config
+                buffer.copy_(torch.randn_like(buffer) * 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

@@ -54,6 +54,20 @@ def test_architecture_from_config_json(tiny):
             add_qkv_bias=True,
         ),
         "mixtral": dict(moe_ffn_hidden_size=48, moe_layers=(0, 1), moe_router_pre_softmax=False),
+        "glm4_moe": dict(
+            moe_ffn_hidden_size=24,
+            moe_layers=(1,),
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_gate=False,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=2.5,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            rotary_percent=0.5,
+            add_qkv_bias=True,
+            qk_layernorm=True,
+        ),
     }[name]
     assert {k: getattr(args, k) for k in expected} == expected
 
@@ -71,8 +85,9 @@ def test_expert_names_and_shapes(tiny):
     name, folder, args = tiny
     hf = read_hf_state_dict(folder)
     mcore = hf_to_mcore(hf, args)
-    layer = "decoder.layers.0.mlp."
-    hf_block = "model.layers.0." + ("block_sparse_moe." if name == "mixtral" else "mlp.")
+    first = args.moe_layers[0]
+    layer = f"decoder.layers.{first}.mlp."
+    hf_block = f"model.layers.{first}." + ("block_sparse_moe." if name == "mixtral" else "mlp.")
     assert torch.equal(mcore[layer + "router.weight"], hf[hf_block + "gate.weight"])
     fc1 = mcore[layer + "experts.local_experts.3.linear_fc1.weight"]
     gate, up = ("w1", "w3") if name == "mixtral" else ("gate_proj", "up_proj")
@@ -85,17 +100,25 @@ def test_expert_names_and_shapes(tiny):
         assert mcore[layer + "shared_experts.linear_fc1.weight"].shape == (80, args.hidden_size)
         assert "decoder.layers.1.mlp.linear_fc1.weight" in mcore  # the dense layer (mlp_only_layers)
         assert "decoder.layers.1.mlp.router.weight" not in mcore
+    if name == "glm4_moe":
+        assert torch.equal(mcore[layer + "router.expert_bias"], hf[hf_block + "gate.e_score_correction_bias"])
+        assert mcore[layer + "router.expert_bias"].abs().min() > 0  # the fixture's bias is random
+        shared_down = hf[hf_block + "shared_experts.down_proj.weight"]
+        assert torch.equal(mcore[layer + "shared_experts.linear_fc2.weight"], shared_down)
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in mcore  # the dense layer (first_k_dense_replace)
+        assert "decoder.layers.0.mlp.router.weight" not in mcore
 
 
 def test_transformer_engine_names(tiny):
     _, folder, args = tiny
     mcore = hf_to_mcore(read_hf_state_dict(folder), args)
+    first = args.moe_layers[0]
     for grouped in (False, True):
         te = to_te_names(mcore, grouped_gemm=grouped)
         assert from_te_names(te).keys() == mcore.keys()
         # an MoE layer's pre-MLP norm is its own module in Transformer Engine specs too
-        assert "decoder.layers.0.pre_mlp_layernorm.weight" in te
-    assert "decoder.layers.0.mlp.experts.linear_fc2.weight3" in to_te_names(mcore, grouped_gemm=True)
+        assert f"decoder.layers.{first}.pre_mlp_layernorm.weight" in te
+    assert f"decoder.layers.{first}.mlp.experts.linear_fc2.weight3" in to_te_names(mcore, grouped_gemm=True)
 
 
 def test_tensor_parallel_torch_shards_merge_back():
@@ -204,6 +227,16 @@ def dense_dir(tmp_path_factory):
         (["--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
         (["--moe-router-load-balancing-type", "sinkhorn"], "--moe-router-load-balancing-type"),
         (["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff"),
+        (["--moe-router-bias-update-rate", "-0.001"], "--moe-router-bias-update-rate"),
+        (["--moe-router-topk-scaling-factor", "0"], "--moe-router-topk-scaling-factor"),
+        (["--moe-router-num-groups", "2"], "--moe-router-group-topk"),
+        (["--moe-router-group-topk", "1"], "--moe-router-num-groups"),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "3"], "--moe-router-group-topk"),
+        (["--moe-router-num-groups", "0", "--moe-router-group-topk", "1"], "--moe-router-num-groups"),
+        (
+            ["--moe-router-enable-expert-bias", "--moe-router-score-function", "softmax"],
+            "--moe-router-enable-expert-bias",
+        ),
     ],
 )
 def test_bad_moe_flags_name_the_flag(qwen3_moe_dir, extra, flag):
@@ -222,6 +255,9 @@ def test_bad_moe_flags_name_the_flag(qwen3_moe_dir, extra, flag):
         (["--moe-shared-expert-intermediate-size", "40"], "--moe-shared-expert-intermediate-size"),
         (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function"),
         (["--moe-layer-freq", "[0]+[1]*1"], "--moe-layer-freq"),
+        (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
+        (["--moe-router-topk-scaling-factor", "2.5"], "--moe-router-topk-scaling-factor"),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"], "--moe-router-num-groups"),
     ],
 )
 def test_moe_flags_are_checked_against_config_json(qwen3_moe_dir, extra, flag):
@@ -231,9 +267,85 @@ def test_moe_flags_are_checked_against_config_json(qwen3_moe_dir, extra, flag):
     assert str(error.value).startswith(flag), str(error.value)
 
 
+@pytest.fixture(scope="module")
+def glm4_moe_dir(tmp_path_factory):
+    return tiny_moe_hf_model(str(tmp_path_factory.mktemp("glm4_moe_flags")), **MOE_VARIANTS["glm4_moe"])
+
+
+# The reference's GLM-4.5 preset's routing flags (scripts/models/glm4.5-106B-A12B.sh), the tiny model's numbers.
+GLM_ROUTING = [
+    "--moe-router-pre-softmax",  # meaningless for a sigmoid router (megatron-core reads it for softmax only)
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "0",
+    "--moe-router-topk-scaling-factor",
+    "2.5",
+    "--moe-router-num-groups",
+    "2",
+    "--moe-router-group-topk",
+    "1",
+    "--rotary-percent",
+    "0.5",
+    "--moe-shared-expert-intermediate-size",
+    "24",
+    "--moe-layer-freq",
+    "[0]*1+[1]*1",
+]
+
+
+def test_glm_routing_flags_agree_with_config_json(glm4_moe_dir):
+    settings = parse_train_args(_args(glm4_moe_dir, *GLM_ROUTING))
+    settings.megatron.check_against_hf(AutoConfig.from_pretrained(glm4_moe_dir), "megatron")
+    settings.megatron.check_against_hf(AutoConfig.from_pretrained(glm4_moe_dir), "torch")  # rate 0: frozen
+    assert settings.megatron.moe_router_bias_update_rate == 0
+    # a moving bias needs the Megatron backend: the torch backend's HF model keeps it as loaded
+    moving = parse_train_args(_args(glm4_moe_dir, "--moe-router-enable-expert-bias"))
+    moving.megatron.check_against_hf(AutoConfig.from_pretrained(glm4_moe_dir), "megatron")
+    with pytest.raises(ConfigError, match="^--moe-router-bias-update-rate: 0.001: the torch backend keeps"):
+        moving.megatron.check_against_hf(AutoConfig.from_pretrained(glm4_moe_dir), "torch")
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--moe-router-score-function", "softmax"], "--moe-router-score-function"),
+        (["--moe-router-topk-scaling-factor", "1.0"], "--moe-router-topk-scaling-factor"),
+        (["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"], "--moe-router-num-groups"),
+        (["--moe-router-num-groups", "2", "--moe-router-group-topk", "2"], "--moe-router-group-topk"),
+        (["--rotary-percent", "1.0"], "--rotary-percent"),
+    ],
+)
+def test_glm_routing_flags_that_disagree_are_refused(glm4_moe_dir, extra, flag):
+    settings = parse_train_args(_args(glm4_moe_dir, *extra))
+    with pytest.raises(ConfigError) as error:
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(glm4_moe_dir))
+    assert str(error.value).startswith(flag), str(error.value)
+
+
+def test_glm_configs_megatron_cannot_route_the_same_way_are_refused(tmp_path):
+    import json
+
+    folder = tiny_moe_hf_model(str(tmp_path / "glm"), **MOE_VARIANTS["glm4_moe"])
+    config = json.load(open(os.path.join(folder, "config.json")))
+    for change, said in [
+        ({"norm_topk_prob": False}, "norm_topk_prob false"),
+        ({"num_experts_per_tok": 3, "n_group": 2, "topk_group": 2}, "group-limited routing"),
+    ]:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, **change}, f)
+        with pytest.raises(ConfigError, match="^--hf-checkpoint: .*" + said):
+            model_args_from_hf(AutoConfig.from_pretrained(folder))
+
+
 def test_moe_flags_on_a_dense_model_are_refused(dense_dir):
     settings = parse_train_args(_args(dense_dir, "--num-experts", "4"))
     with pytest.raises(ConfigError, match="^--num-experts: .*not a mixture-of-experts"):
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
+    bias = ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
+    settings = parse_train_args(_args(dense_dir, *bias))
+    with pytest.raises(ConfigError, match="^--moe-router-enable-expert-bias: .*not a mixture-of-experts"):
         settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
 
 

@@ -1,15 +1,23 @@
 """The architecture a Megatron GPTModel is built with, resolved from the Megatron flags and config.json.
 
 Supported HF families: Qwen2 (QKV bias), Qwen3 (QK RMSNorm, explicit head_dim) and Llama (optionally
-Llama 3.x RoPE scaling), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert) and
-Mixtral. Each model flag, when given, must agree with the HF config the engines serve; a flag left out
-takes the HF value. Nothing here imports megatron-core.
+Llama 3.x RoPE scaling), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral
+and GLM-4.5 (``glm4_moe``: sigmoid routing with an expert bias, see below). Each model flag, when given,
+must agree with the HF config the engines serve; a flag left out takes the HF value. Nothing here imports
+megatron-core.
 
-MoE routing: all three HF families take a softmax over the router logits and keep the top k. With
+MoE routing: Qwen3-MoE, Qwen2-MoE and Mixtral take a softmax over the router logits and keep the top k. With
 renormalisation (Qwen3-MoE's usual ``norm_topk_prob: true``, Mixtral always) the kept weights equal a
 softmax over the top-k logits alone, which is megatron-core's default router; without it (Qwen2-MoE's
 ``norm_topk_prob: false``) they are the full softmax's values, megatron-core's
 ``--moe-router-pre-softmax``.
+
+GLM-4.5 (``glm4_moe``) routes as DeepSeek-V3 does, which is megatron-core's sigmoid router with an expert
+bias: each expert's score is the sigmoid of its logit; the top k are chosen by score plus the expert's bias
+(HF ``e_score_correction_bias``, Megatron ``router.expert_bias``; optionally only within the best
+``n_group``/``topk_group`` groups), weighted by their scores renormalised over the k, times
+``routed_scaling_factor``. Its first ``first_k_dense_replace`` layers are dense, its shared experts ungated, and
+RoPE rotates the first ``partial_rotary_factor`` of each head (``--rotary-percent``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import math
 from vime.config.base import ConfigError
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 
@@ -44,6 +52,7 @@ class ModelArgs:
     tie_embeddings: bool
     rope_scaling_factor: float | None = None  # Llama 3.x scaling (low 1, high 4, original 8192)
     max_position_embeddings: int = 4096
+    rotary_percent: float = 1.0  # the fraction of each head's dimensions RoPE rotates (the first ones)
     swiglu: bool = True
     normalization: str = "RMSNorm"
     # Mixture of experts (num_experts None: a dense model; ffn_hidden_size is then every layer's MLP).
@@ -54,6 +63,11 @@ class ModelArgs:
     moe_shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x . w) scales the shared expert
     moe_router_pre_softmax: bool = False  # top-k weights from the softmax over all experts (no renormalisation)
     moe_layers: tuple[int, ...] = ()  # 0-based indices of the MoE layers; the others are dense
+    moe_router_score_function: str = "softmax"  # "sigmoid": GLM-4.5 / DeepSeek-V3 routing
+    moe_router_enable_expert_bias: bool = False  # the top k chosen by score + a per-expert bias
+    moe_router_topk_scaling_factor: float | None = None  # the k weights are multiplied by it
+    moe_router_num_groups: int | None = None  # group-limited routing: experts in this many groups...
+    moe_router_group_topk: int | None = None  # ...of which this many are kept per token
 
     @property
     def is_moe(self) -> bool:
@@ -115,6 +129,15 @@ def model_args_from_hf(hf_config) -> ModelArgs:
                 "context of 8192",
             )
         factor = float(scaling["factor"])
+    rotary_percent = float(
+        getattr(hf_config, "partial_rotary_factor", None)
+        or (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+        or 1.0
+    )
+    if family != "glm4_moe" and rotary_percent != 1.0:
+        raise ConfigError(
+            "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
+        )
     if family == "qwen2":
         qkv_bias = True
     elif family == "qwen2_moe":
@@ -133,18 +156,21 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         norm_epsilon=float(hf_config.rms_norm_eps),
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+        rotary_percent=rotary_percent,
         **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
     )
 
 
 def _moe_from_hf(hf_config) -> dict:
-    """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE or Mixtral config."""
+    """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE, Mixtral or GLM-4.5 config."""
     family = hf_config.model_type
     layers = hf_config.num_hidden_layers
+    if family == "glm4_moe":
+        return _glm4_moe_from_hf(hf_config)
     if family == "mixtral":
         if getattr(hf_config, "sliding_window", None):
             raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
@@ -179,6 +205,44 @@ def _moe_from_hf(hf_config) -> dict:
         moe_shared_expert_gate=bool(shared),
         moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
         moe_layers=moe_layers,
+    )
+
+
+def _glm4_moe_from_hf(hf_config) -> dict:
+    """GLM-4.5's MoE fields: sigmoid scores, the expert bias, optional group-limited routing, scaled weights."""
+    layers = hf_config.num_hidden_layers
+    experts, topk = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    if topk > 1 and not getattr(hf_config, "norm_topk_prob", True):
+        raise ConfigError(
+            "--hf-checkpoint",
+            "glm4_moe with norm_topk_prob false is not supported: megatron-core's sigmoid router always "
+            "renormalises the top-k weights",
+        )
+    groups, group_topk = int(getattr(hf_config, "n_group", 1) or 1), int(getattr(hf_config, "topk_group", 1) or 1)
+    if groups > 1 and topk // group_topk != 2:
+        # HF ranks a group by its two best experts; megatron-core by its best topk / group_topk.
+        raise ConfigError(
+            "--hf-checkpoint",
+            f"group-limited routing with num_experts_per_tok {topk} and topk_group {group_topk} is not supported: "
+            "megatron-core ranks groups by their best num_experts_per_tok / topk_group experts, HF by the best 2",
+        )
+    dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    if dense >= layers:
+        raise ConfigError("--hf-checkpoint", f"glm4_moe config with no MoE layer (first_k_dense_replace {dense})")
+    shared = int(getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
+    scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+    return dict(
+        num_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=False,
+        moe_layers=tuple(range(dense, layers)),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=group_topk if groups > 1 else None,
     )
 
 
@@ -283,6 +347,10 @@ MOE_MODEL_FLAGS = (
     "moe_shared_expert_intermediate_size",
     "moe_router_pre_softmax",
     "moe_layer_freq",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
 )
 
 
@@ -358,14 +426,38 @@ def _check_moe_flags(flags, hf: ModelArgs) -> None:
             "--moe-shared-expert-intermediate-size",
             f"is given but --hf-checkpoint's config.json ({hf.family}) has no shared expert",
         )
-    if getattr(flags, "moe_router_pre_softmax", False) and not hf.moe_router_pre_softmax:
+    if (
+        getattr(flags, "moe_router_pre_softmax", False)
+        and hf.moe_router_score_function == "softmax"
+        and not hf.moe_router_pre_softmax
+    ):
         raise ConfigError(
             "--moe-router-pre-softmax",
             f"is given but --hf-checkpoint's config.json ({hf.family}) renormalises the top-k weights (norm_topk_prob)",
         )
     score = getattr(flags, "moe_router_score_function", None)
-    if score is not None and score != "softmax":
-        raise ConfigError("--moe-router-score-function", f"{score}: {hf.family} routes with a softmax")
+    if score is not None and score != hf.moe_router_score_function:
+        raise ConfigError(
+            "--moe-router-score-function", f"{score}: {hf.family} routes with a {hf.moe_router_score_function}"
+        )
+    if getattr(flags, "moe_router_enable_expert_bias", False) and not hf.moe_router_enable_expert_bias:
+        raise ConfigError(
+            "--moe-router-enable-expert-bias",
+            f"is given but --hf-checkpoint's config.json ({hf.family}) routes without an expert bias",
+        )
+    scaling = getattr(flags, "moe_router_topk_scaling_factor", None)
+    if scaling is not None and not math.isclose(scaling, hf.moe_router_topk_scaling_factor or 1.0, rel_tol=1e-9):
+        raise ConfigError(
+            "--moe-router-topk-scaling-factor",
+            f"{scaling} disagrees with --hf-checkpoint's config.json ({hf.moe_router_topk_scaling_factor or 1.0})",
+        )
+    groups = {"moe_router_num_groups": hf.moe_router_num_groups, "moe_router_group_topk": hf.moe_router_group_topk}
+    for name, hf_value in groups.items():
+        given = getattr(flags, name, None)
+        if given is not None and given != (hf_value or 1):  # 1: no group limit
+            raise ConfigError(
+                _flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({hf_value or 'no groups'})"
+            )
     freq = getattr(flags, "moe_layer_freq", None)
     if freq is not None and parse_moe_layer_freq(freq, hf.num_layers) != hf.moe_layer_pattern():
         raise ConfigError(

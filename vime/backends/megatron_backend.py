@@ -408,6 +408,13 @@ class MegatronBackend(RolloutTraining):
             self.train_step_hook(self.user_args, self.rollouts_trained, step_id, [self.gpt], role.optimizer, None)
         self._scale_moe_aux_loss(micro_batches)
 
+    def after_backward(self, role) -> None:
+        """The MoE routers' expert biases take their step (vime.backends.megatron_expert_bias)."""
+        if self.megatron.model.moe_router_enable_expert_bias:
+            from vime.backends.megatron_expert_bias import update_expert_bias
+
+            update_expert_bias(role.module, self.megatron.moe.bias_update_rate)
+
     def _scale_moe_aux_loss(self, micro_batches: int) -> None:
         """The routers' load-balancing losses add their gradients in the backward pass (megatron-core's
         MoEAuxLossAutoScaler), once per micro-batch: average them over the optimizer step, as the policy

@@ -26,6 +26,13 @@ An MoE layer (``ModelArgs.moe_layers``) has instead of ``mlp.linear_fc1/2`` (HF 
     decoder.layers.N.mlp.shared_experts.linear_fc2.weight             <- shared_expert.down_proj
     decoder.layers.N.mlp.shared_experts.gate_weight                   <- shared_expert_gate.weight [1, hidden]
 
+GLM-4.5 (``glm4_moe``) names its shared experts ``mlp.shared_experts.`` (no gate) and adds the router's bias::
+
+    decoder.layers.N.mlp.router.expert_bias                           <- mlp.gate.e_score_correction_bias [experts]
+
+Its checkpoints also hold the multi-token-prediction layers after the last decoder layer
+(``num_nextn_predict_layers``), which HF's model ignores as well: they are left out.
+
 Megatron fuses Q, K and V group by group: for each of the ``num_query_groups`` key/value heads, the
 rows of its ``heads / groups`` query heads, then its key head, then its value head. Transformer
 Engine layer specs fold the two pre-norms into the following linear layer
@@ -122,6 +129,8 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
     else:
         block, gate, up, down = "mlp.", "gate_proj", "up_proj", "down_proj"
     names: list[tuple[str, str | tuple[str, str]]] = [("mlp.router.weight", block + "gate.weight")]
+    if args.moe_router_enable_expert_bias:
+        names.append(("mlp.router.expert_bias", block + "gate.e_score_correction_bias"))
     for e in range(args.num_experts):
         expert = f"{block}experts.{e}."
         names.append(
@@ -129,12 +138,10 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
         )
         names.append((f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"{expert}{down}.weight"))
     if args.moe_shared_expert_intermediate_size:
+        shared = "mlp.shared_experts." if args.family == "glm4_moe" else "mlp.shared_expert."
         names += [
-            (
-                "mlp.shared_experts.linear_fc1.weight",
-                ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-            ),
-            ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
+            ("mlp.shared_experts.linear_fc1.weight", (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")),
+            ("mlp.shared_experts.linear_fc2.weight", f"{shared}down_proj.weight"),
         ]
         if args.moe_shared_expert_gate:
             names.append(("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"))
@@ -142,6 +149,15 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
 
 
 # ---------------------------------------------------------------------------------------------- HF -> Megatron
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_layer(hf_name: str, args: ModelArgs) -> bool:
+    """A GLM-4.5 multi-token-prediction layer (numbered after the decoder's last layer)."""
+    layer = _HF_LAYER.match(hf_name)
+    return args.family == "glm4_moe" and layer is not None and int(layer.group(1)) >= args.num_layers
+
+
 def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """The canonical Megatron state dict of an HF state dict (every tensor accounted for)."""
     used: set[str] = set()
@@ -179,7 +195,7 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         out["output_layer.weight"] = take("lm_head.weight")
     elif "lm_head.weight" in hf:
         used.add("lm_head.weight")  # a tied checkpoint may store the shared tensor twice
-    left = sorted(set(hf) - used - {n for n in hf if n.endswith("rotary_emb.inv_freq")})
+    left = sorted(set(hf) - used - {n for n in hf if n.endswith("rotary_emb.inv_freq") or _is_mtp_layer(n, args)})
     if left:
         raise ValueError(f"HF tensors with no Megatron counterpart ({args.family}): {left[:8]}")
     return out

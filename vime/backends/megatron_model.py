@@ -53,6 +53,7 @@ class MoeOptions:
     grouped_gemm: bool = False  # only with Transformer Engine (TEGroupedMLP)
     routing_replay: bool = False  # R3: routers accept forced top-k indices (megatron_routing)
     router_dtype: str = "fp32"  # --moe-router-dtype; fp32 by default, as HF's routers compute
+    bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: an expert bias's step after each optimizer step
 
 
 def te_usable() -> bool:
@@ -146,7 +147,12 @@ def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_score_function="softmax",
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.bias_update_rate,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
         moe_layer_freq=args.moe_layer_pattern(),
         moe_router_dtype=moe.router_dtype,  # fp32 unless --moe-router-dtype fp64: HF routes in float32
         moe_router_load_balancing_type=moe.load_balancing_type,
@@ -201,6 +207,11 @@ VIME_TRANSFORMER_FIELDS = frozenset(
         "moe_shared_expert_gate",
         "moe_router_pre_softmax",
         "moe_router_score_function",
+        "moe_router_enable_expert_bias",
+        "moe_router_bias_update_rate",
+        "moe_router_topk_scaling_factor",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
         "moe_layer_freq",
         "moe_router_dtype",
         "moe_router_load_balancing_type",
@@ -345,6 +356,7 @@ def build_gpt_model(
         parallel_output=False,
         share_embeddings_and_output_weights=args.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=args.rotary_percent,
         rotary_base=int(args.rotary_base) if float(args.rotary_base).is_integer() else args.rotary_base,
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
@@ -355,4 +367,8 @@ def build_gpt_model(
         from vime.backends.megatron_routing import detach_from_global_replay
 
         detach_from_global_replay(model)
+    if args.moe_router_enable_expert_bias:
+        from vime.backends.megatron_expert_bias import count_loads
+
+        count_loads(model)
     return model.to(device())

@@ -86,6 +86,8 @@ class MegatronBackendSpec:
                 grouped_gemm=m.moe_grouped_gemm,
                 routing_replay=m.use_rollout_routing_replay,
                 router_dtype=s.perf.router_dtype(),
+                # The bias is config.json's whenever it has one; it moves only when asked (as in Megatron-LM).
+                bias_update_rate=m.moe_router_bias_update_rate if m.moe_router_enable_expert_bias else 0.0,
             ),
             init_hook_path=m.custom_megatron_init_path,
             before_log_prob_hook_path=m.custom_megatron_before_log_prob_hook_path,

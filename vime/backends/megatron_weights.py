@@ -74,6 +74,13 @@ def _is_tied_copy(param) -> bool:
     return getattr(param, "shared", False)
 
 
+def _model_tensors(model):
+    """(name, tensor) of what the canonical state dict holds: every parameter, then the MoE routers' expert
+    biases (buffers: the optimizer never steps them; vime.backends.megatron_expert_bias updates them)."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias"))
+
+
 def _canonical_names(model) -> dict[str, str]:
     """Model parameter name -> canonical (local-spec) name, layers and experts numbered globally: a
     pipeline stage's layer i is layer ``first layer of the stage + i``, and under expert parallelism rank
@@ -81,14 +88,14 @@ def _canonical_names(model) -> dict[str, str]:
     embedding."""
     from vime.backends.megatron_pipeline import stage_layers
 
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, _ in _model_tensors(model)]
     canonical = dict(zip(names, from_te_names(dict.fromkeys(names)).keys()))
     offset = stage_layers(model).start
     if offset:
         canonical = {
             n: _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", c) for n, c in canonical.items()
         }
-    for name, param in model.named_parameters():
+    for name, param in _model_tensors(model):
         if _is_tied_copy(param):
             canonical[name] = VOCAB_PARAMS[0]
     ep_rank, ep_size, _ = _ep()
@@ -125,7 +132,7 @@ def load_canonical(model, canonical: dict[str, torch.Tensor], args: ModelArgs) -
     if missing or unused:
         raise ValueError(f"state dict does not fit the model: missing {missing[:6]}, unused {unused[:6]}")
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in _model_tensors(model):
             full = canonical[names[name]].to(torch.float32)
             rank, size, _ = _tensor_split(names[name])
             if names[name] in VOCAB_PARAMS:
@@ -165,7 +172,7 @@ def gather_canonical(model, args: ModelArgs, *, to_cpu: bool = True) -> dict[str
     names = _canonical_names(model)
     out = {}
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in _model_tensors(model):
             if _is_tied_copy(param):
                 continue  # the first stage holds the embedding
             tensor = param.detach()

@@ -52,6 +52,10 @@ class TrainerBackend(Protocol):
     def owed_backwards(self, module, packed: list[PackedBatch], step: range) -> None:
         """The same for an optimizer step's backward passes."""
 
+    def after_backward(self, role) -> None:
+        """After an optimizer step's backward passes, before its gradients are summed: update what those passes
+        measured that is not a gradient (the Megatron backend: the MoE routers' expert bias)."""
+
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
         """Add up the step's gradients over the ranks that trained the same parameters on other data."""
 

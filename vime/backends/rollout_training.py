@@ -113,6 +113,9 @@ class RolloutTraining:
     def owed_backwards(self, module, packed: list[PackedBatch], step: range) -> None:
         """As :meth:`owed_forwards`, for a step's backward passes."""
 
+    def after_backward(self, role) -> None:
+        """Nothing but gradients to update after a step's backward passes (the Megatron backend: expert biases)."""
+
     # The names the tests (and older callers) use for the model ops and the objective's advantages.
     def _forward(self, model, batch: PackedBatch, **kwargs) -> Forward:
         return self.forward(model, batch, **kwargs)
@@ -386,6 +389,7 @@ class RolloutTraining:
                 loss.backward()
                 step_terms[loss_key] += float(loss.detach())
             self.owed_backwards(role.module, packed, steps)
+            self.after_backward(role)
             step_terms = self.dp.sum_terms(step_terms)
             params = [p for p in role.parameters() if p.requires_grad]
             self.sum_gradients(params)

@@ -89,7 +89,7 @@ class MegatronConfig:
         "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size): each expert's "
         "MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).",
     )
-    num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral).")
+    num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5).")
     moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
     moe_ffn_hidden_size: int | None = option(
         None,
@@ -106,7 +106,35 @@ class MegatronConfig:
         "(config.json norm_topk_prob: false).",
     )
     moe_router_score_function: str | None = option(
-        None, "Router score function; the supported models use softmax.", choices=["softmax", "sigmoid"]
+        None,
+        "Router score function: softmax (Qwen*-MoE, Mixtral) or sigmoid (GLM-4.5); must agree with config.json.",
+        choices=["softmax", "sigmoid"],
+    )
+    moe_router_enable_expert_bias: bool = option(
+        False,
+        "Choose the top-k experts by sigmoid score plus a per-expert bias (aux-loss-free load balancing; "
+        "config.json's e_score_correction_bias, GLM-4.5). The bias is a model tensor: loaded from and exported "
+        "to the HF weights and checkpointed. With this flag it is also updated after each optimizer step "
+        "(--moe-router-bias-update-rate; Megatron backend); without it a model whose config.json has the bias "
+        "routes with it, kept as loaded.",
+    )
+    moe_router_bias_update_rate: float = option(
+        1e-3,
+        "With an expert bias: after each optimizer step every MoE layer's bias moves by this much toward "
+        "balance (+rate for each expert that got fewer tokens than the mean over the step's tokens on all ranks, "
+        "-rate for one that got more; megatron-core's rule). 0 keeps the checkpoint's bias.",
+    )
+    moe_router_topk_scaling_factor: float | None = option(
+        None, "The top-k weights are multiplied by this (config.json's routed_scaling_factor); must agree with it."
+    )
+    moe_router_num_groups: int | None = option(
+        None,
+        "Group-limited routing: the experts form this many groups (config.json's n_group); must agree with it.",
+    )
+    moe_router_group_topk: int | None = option(
+        None,
+        "Group-limited routing: the top-k experts come from this many groups per token (config.json's "
+        "topk_group); must agree with it.",
     )
     moe_layer_freq: str | None = option(
         None,
@@ -211,6 +239,29 @@ class MegatronConfig:
             )
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError("--moe-aux-loss-coeff", "must be >= 0")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigError("--moe-router-bias-update-rate", f"must be >= 0, got {self.moe_router_bias_update_rate}")
+        if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
+            raise ConfigError(
+                "--moe-router-topk-scaling-factor", f"must be > 0, got {self.moe_router_topk_scaling_factor}"
+            )
+        for name in ("moe_router_num_groups", "moe_router_group_topk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError("--" + name.replace("_", "-"), "must be >= 1")
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ConfigError(
+                "--moe-router-group-topk" if self.moe_router_group_topk is None else "--moe-router-num-groups",
+                "group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk",
+            )
+        if None not in (self.moe_router_num_groups, self.moe_router_group_topk) and (
+            self.moe_router_group_topk > self.moe_router_num_groups
+        ):
+            raise ConfigError(
+                "--moe-router-group-topk",
+                f"{self.moe_router_group_topk} is more than --moe-router-num-groups {self.moe_router_num_groups}",
+            )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+            raise ConfigError("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid")
 
     def check_against_hf(self, hf_config, train_backend: str | None = None) -> None:
         """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag.
@@ -231,6 +282,12 @@ class MegatronConfig:
             "--rotary-percent",
             f"{self.rotary_percent} disagrees with --hf-checkpoint's config.json (partial_rotary_factor {rotary})",
         )
+        if self.moe_router_enable_expert_bias and self.moe_router_bias_update_rate > 0 and train_backend == "torch":
+            raise ConfigError(
+                "--moe-router-bias-update-rate",
+                f"{self.moe_router_bias_update_rate}: the torch backend keeps the HF model's expert bias "
+                "(e_score_correction_bias) as loaded; pass 0, or use --train-backend megatron",
+            )
         if self.use_rollout_routing_replay and train_backend not in (None, "megatron"):
             raise ConfigError(
                 "--use-rollout-routing-replay",
