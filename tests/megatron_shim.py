@@ -194,6 +194,50 @@ MOE_VARIANTS = {
         use_qk_norm=True,
         head_dim=16,
     ),
+    # DeepSeek-V3: GLM-4.5's routing (with 2.0 scaling) and multi-latent attention (query latent 12, key/value
+    # latent 8, heads of 8 + 4 RoPE dimensions and 6 value dimensions) with YaRN RoPE (factor 4 over a 16-token
+    # original context, mscale 1 and 0.8: the softmax scale changes too).
+    "deepseek_v3": dict(
+        family="deepseek_v3",
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        norm_topk_prob=True,
+        q_lora_rank=12,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "rope_theta": 10000.0,
+        },
+    ),
+    # Moonlight: DeepSeek-V3's architecture with one query projection (no query latent) and no RoPE scaling.
+    "moonlight": dict(
+        family="deepseek_v3",
+        n_routed_experts=4,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        norm_topk_prob=True,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+    ),
 }
 
 
@@ -211,14 +255,13 @@ def tiny_moe_hf_model(
 
     tokenizer = build_tokenizer() if with_tokenizer else None
     experts = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4, "moe_intermediate_size": 24}
-    config = AutoConfig.for_model(
-        family,
+    fields = dict(
         vocab_size=len(tokenizer) if tokenizer else 16,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4 if overrides.get("kv_lora_rank") else 2,  # MLA: keys and values per head
         num_experts_per_tok=2,
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
@@ -228,8 +271,8 @@ def tiny_moe_hf_model(
         pad_token_id=0,
         dtype="float32",
         **experts,
-        **overrides,
     )
+    config = AutoConfig.for_model(family, **{**fields, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -351,6 +351,13 @@ def report_megatron_perf_flags(s: TrainSettings, say: Callable[[str], None]) -> 
     read at start-up rather than find out from a profile."""
     for note in s.perf.startup_notes(s.train.train_backend):
         say(note)
+    if s.megatron.moe_token_dispatcher_type == "flex":
+        say(
+            "--moe-token-dispatcher-type flex: DeepEP's kernels where the trainer's GPUs have the deep_ep package, "
+            "else alltoall, which sends the same tokens to the same experts (the same results)"
+            if s.train.train_backend == "megatron"
+            else "--moe-token-dispatcher-type flex: no effect on the torch backend (HF's MoE layers route in place)"
+        )
 
 
 def report_hook_flags(s: TrainSettings, say: Callable[[str], None]) -> None:
@@ -360,6 +367,11 @@ def report_hook_flags(s: TrainSettings, say: Callable[[str], None]) -> None:
             f"--multimodal-keys {json.dumps(s.data.multimodal_keys)}: vime's engines and trainers are text-only; "
             "the media fields are not read from the records nor sent to the model (hooks see the mapping as "
             "args.multimodal_keys)"
+        )
+    if s.algorithm.loss_mask_type is not None:
+        say(
+            f"--loss-mask-type {s.algorithm.loss_mask_type}: SFT's assistant turns are located from the "
+            "tokenizer's own chat template, whatever the family (vime.data.prompt.sft_tokens)"
         )
     if s.hooks.custom_config_path:
         from vime.config.base import flag_name

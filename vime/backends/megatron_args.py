@@ -1,8 +1,9 @@
 """The architecture a Megatron GPTModel is built with, resolved from the Megatron flags and config.json.
 
 Supported HF families: Qwen2 (QKV bias), Qwen3 (QK RMSNorm, explicit head_dim) and Llama (optionally
-Llama 3.x RoPE scaling), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral
-and GLM-4.5 (``glm4_moe``: sigmoid routing with an expert bias, see below). Each model flag, when given,
+Llama 3.x RoPE scaling), and the mixture-of-experts Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral,
+GLM-4.5 (``glm4_moe``: sigmoid routing with an expert bias, see below) and DeepSeek-V3 (``deepseek_v3``, also
+Moonlight: that routing with multi-latent attention and YaRN RoPE). Each model flag, when given,
 must agree with the HF config the engines serve; a flag left out takes the HF value. Nothing here imports
 megatron-core.
 
@@ -28,7 +29,9 @@ import math
 from vime.config.base import ConfigError
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
+MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 
@@ -68,6 +71,17 @@ class ModelArgs:
     moe_router_topk_scaling_factor: float | None = None  # the k weights are multiplied by it
     moe_router_num_groups: int | None = None  # group-limited routing: experts in this many groups...
     moe_router_group_topk: int | None = None  # ...of which this many are kept per token
+    # Multi-latent attention (DeepSeek-V3): queries through a low-rank q_lora_rank bottleneck (None: one
+    # projection), keys and values from a shared kv_lora_rank latent; each head's query/key is qk_head_dim
+    # dimensions without RoPE plus qk_pos_emb_head_dim with it (kv_channels is qk_head_dim), values v_head_dim.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN RoPE (rope_scaling type yarn; multi-latent attention only): its factor, original context and mscales.
+    yarn: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -84,6 +98,10 @@ class ModelArgs:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def yarn_fields(self) -> dict[str, float]:
+        """megatron-core's YaRN fields (MLATransformerConfig), {} without YaRN."""
+        return dict(self.yarn)
+
 
 def _rope(hf_config) -> tuple[float, dict]:
     """(rope theta, scaling parameters or {}) across transformers' old and new config layouts."""
@@ -95,6 +113,12 @@ def _rope(hf_config) -> tuple[float, dict]:
     merged = {**scaling, **params}
     kind = merged.get("rope_type", merged.get("type", "default"))
     return float(theta), (merged if kind not in (None, "default") else {})
+
+
+def rope_scaling_factor(hf_config) -> float:
+    """config.json's RoPE scaling factor (Llama 3.x, YaRN, ...); 1.0 without scaling."""
+    _, scaling = _rope(hf_config)
+    return float(scaling.get("factor", 1.0)) if scaling else 1.0
 
 
 def model_args_from_hf(hf_config) -> ModelArgs:
@@ -117,6 +141,9 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, scaling = _rope(hf_config)
     factor = None
+    mla = _mla_from_hf(hf_config, scaling) if family == "deepseek_v3" else {}
+    if mla:
+        head_dim, scaling = mla["qk_head_dim"], {}  # Megatron-LM's kv_channels; YaRN is in mla["yarn"]
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -142,6 +169,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         qkv_bias = True
     elif family == "qwen2_moe":
         qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+    elif mla and getattr(hf_config, "attention_bias", False):
+        raise ConfigError("--hf-checkpoint", "multi-latent attention with attention_bias is not supported")
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
     return ModelArgs(
@@ -150,17 +179,20 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        # (MLA: every head has its keys and values, up-projected from the shared latent)
+        num_query_groups=heads if mla else getattr(hf_config, "num_key_value_heads", None) or heads,
         kv_channels=head_dim,
         vocab_size=hf_config.vocab_size,
         norm_epsilon=float(hf_config.rms_norm_eps),
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=family in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
+        # (MLA: the query and key/value latents' norms, q_a_layernorm and kv_a_layernorm, megatron-core's qk_layernorm)
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3") or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
         rotary_percent=rotary_percent,
+        **mla,
         **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
     )
 
@@ -169,8 +201,8 @@ def _moe_from_hf(hf_config) -> dict:
     """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE, Mixtral or GLM-4.5 config."""
     family = hf_config.model_type
     layers = hf_config.num_hidden_layers
-    if family == "glm4_moe":
-        return _glm4_moe_from_hf(hf_config)
+    if family in SIGMOID_ROUTED:
+        return _sigmoid_routed_moe_from_hf(hf_config)
     if family == "mixtral":
         if getattr(hf_config, "sliding_window", None):
             raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
@@ -208,14 +240,50 @@ def _moe_from_hf(hf_config) -> dict:
     )
 
 
-def _glm4_moe_from_hf(hf_config) -> dict:
-    """GLM-4.5's MoE fields: sigmoid scores, the expert bias, optional group-limited routing, scaled weights."""
+def _mla_from_hf(hf_config, scaling: dict) -> dict:
+    """DeepSeek-V3's multi-latent attention fields, and its YaRN RoPE scaling (the only scaling it takes)."""
+    yarn = ()
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "yarn":
+            raise ConfigError(
+                "--hf-checkpoint", f"RoPE scaling {scaling} is not supported with multi-latent attention (only yarn)"
+            )
+        yarn = (
+            ("rotary_scaling_factor", float(scaling["factor"])),
+            (
+                "original_max_position_embeddings",
+                float(scaling.get("original_max_position_embeddings") or hf_config.max_position_embeddings),
+            ),
+            ("beta_fast", float(scaling.get("beta_fast", 32))),
+            ("beta_slow", float(scaling.get("beta_slow", 1))),
+            ("mscale", float(scaling.get("mscale", 1.0))),
+            ("mscale_all_dim", float(scaling.get("mscale_all_dim", 0.0))),
+        )
+    if not getattr(hf_config, "rope_interleave", True):
+        raise ConfigError(
+            "--hf-checkpoint", "rope_interleave false is not supported: megatron-core's MLA rotates interleaved pairs"
+        )
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=getattr(hf_config, "q_lora_rank", None) or None,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        yarn=yarn,
+    )
+
+
+def _sigmoid_routed_moe_from_hf(hf_config) -> dict:
+    """GLM-4.5's and DeepSeek-V3's MoE fields: sigmoid scores, the expert bias, optional group-limited routing,
+    scaled weights."""
     layers = hf_config.num_hidden_layers
     experts, topk = hf_config.n_routed_experts, hf_config.num_experts_per_tok
     if topk > 1 and not getattr(hf_config, "norm_topk_prob", True):
         raise ConfigError(
             "--hf-checkpoint",
-            "glm4_moe with norm_topk_prob false is not supported: megatron-core's sigmoid router always "
+            f"{hf_config.model_type} with norm_topk_prob false is not supported: megatron-core's sigmoid router always "
             "renormalises the top-k weights",
         )
     groups, group_topk = int(getattr(hf_config, "n_group", 1) or 1), int(getattr(hf_config, "topk_group", 1) or 1)
@@ -228,7 +296,9 @@ def _glm4_moe_from_hf(hf_config) -> dict:
         )
     dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
     if dense >= layers:
-        raise ConfigError("--hf-checkpoint", f"glm4_moe config with no MoE layer (first_k_dense_replace {dense})")
+        raise ConfigError(
+            "--hf-checkpoint", f"{hf_config.model_type} config with no MoE layer (first_k_dense_replace {dense})"
+        )
     shared = int(getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
     scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
     return dict(
@@ -267,6 +337,11 @@ def check_flags_against_hf(flags, hf_config) -> None:
                 "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
                 "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
                 "norm_epsilon": getattr(hf_config, "rms_norm_eps", None),
+                "q_lora_rank": getattr(hf_config, "q_lora_rank", None),
+                "kv_lora_rank": getattr(hf_config, "kv_lora_rank", None),
+                "qk_head_dim": getattr(hf_config, "qk_nope_head_dim", None),
+                "qk_pos_emb_head_dim": getattr(hf_config, "qk_rope_head_dim", None),
+                "v_head_dim": getattr(hf_config, "v_head_dim", None),
             },
         )
         if getattr(flags, "use_rollout_routing_replay", False):
@@ -319,7 +394,9 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
             "--group-query-attention",
             f"config.json has as many key/value heads as heads ({hf.num_attention_heads}): not grouped-query attention",
         )
+    _check_mla_flags(flags, hf)
     switches = {
+        "multi_latent_attention": hf.multi_latent_attention,
         "qk_layernorm": hf.qk_layernorm,
         "add_qkv_bias": hf.add_qkv_bias,
         "swiglu": hf.swiglu,
@@ -338,6 +415,29 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
         )
     _check_moe_flags(flags, hf)
     return hf
+
+
+def _check_mla_flags(flags, hf: ModelArgs) -> None:
+    """The multi-latent attention flags given must describe config.json's (a model without MLA takes none)."""
+    numbers = {
+        "q_lora_rank": hf.q_lora_rank,
+        "kv_lora_rank": hf.kv_lora_rank,
+        "qk_head_dim": hf.qk_head_dim,
+        "qk_pos_emb_head_dim": hf.qk_pos_emb_head_dim,
+        "v_head_dim": hf.v_head_dim,
+    }
+    for name, hf_value in numbers.items():
+        given = getattr(flags, name, None)
+        if given is None:
+            continue
+        if not hf.multi_latent_attention or given != hf_value:
+            said = hf_value if hf.multi_latent_attention and hf_value else f"{hf.family}, no such latent or head"
+            raise ConfigError(_flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({said})")
+    yarn = hf.yarn_fields()
+    for name in ("mscale", "mscale_all_dim"):
+        given = getattr(flags, name, None)
+        if given is not None and yarn and not math.isclose(given, yarn[name], rel_tol=1e-9):
+            raise ConfigError(_flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({yarn[name]})")
 
 
 MOE_MODEL_FLAGS = (

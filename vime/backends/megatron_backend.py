@@ -50,6 +50,7 @@ from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_gradients import global_norm, routed_expert_param_ids, tensor_parallel_partial_param_ids
 from vime.backends.megatron_setup import (
     check_expert_parallelism,
+    check_mla_parallelism,
     check_moe_tensor_parallelism,
     check_roles,
     context_split,
@@ -136,6 +137,7 @@ class MegatronBackend(RolloutTraining):
         # Context parallelism runs megatron-core's own attention over padded rows (megatron_context).
         self.packing = packing_mode(megatron.packing, mm.te_usable() and self.context is None)
         check_moe_tensor_parallelism(megatron)
+        check_mla_parallelism(megatron)
         source = initial_canonical_source(spec, megatron)
         self.gpt = self._build_and_load(source)
         self.model = self._language_model(self.gpt, megatron.model.vocab_size)

@@ -30,8 +30,22 @@ GLM-4.5 (``glm4_moe``) names its shared experts ``mlp.shared_experts.`` (no gate
 
     decoder.layers.N.mlp.router.expert_bias                           <- mlp.gate.e_score_correction_bias [experts]
 
-Its checkpoints also hold the multi-token-prediction layers after the last decoder layer
-(``num_nextn_predict_layers``), which HF's model ignores as well: they are left out.
+DeepSeek-V3 (``deepseek_v3``, also Moonlight) routes and names its experts as GLM-4.5 does; its
+multi-latent attention maps one to one (megatron-core's MLA keeps HF's per-head layouts)::
+
+    decoder.layers.N.self_attention.linear_q_down_proj.weight  <- self_attn.q_a_proj.weight
+    decoder.layers.N.self_attention.q_layernorm.weight         <- self_attn.q_a_layernorm.weight
+    decoder.layers.N.self_attention.linear_q_up_proj.weight    <- self_attn.q_b_proj.weight
+    decoder.layers.N.self_attention.linear_q_proj.weight       <- self_attn.q_proj.weight (no q_lora_rank)
+    decoder.layers.N.self_attention.linear_kv_down_proj.weight <- self_attn.kv_a_proj_with_mqa.weight
+    decoder.layers.N.self_attention.kv_layernorm.weight        <- self_attn.kv_a_layernorm.weight
+    decoder.layers.N.self_attention.linear_kv_up_proj.weight   <- self_attn.kv_b_proj.weight
+    decoder.layers.N.self_attention.linear_proj.weight         <- self_attn.o_proj.weight
+
+In Transformer Engine specs the latents' norms fold into the up projections (``layer_norm_weight``) and the
+input norm stays its own module. GLM-4.5's and DeepSeek-V3's checkpoints also hold the multi-token-prediction
+layers after the last decoder layer (``num_nextn_predict_layers``), which HF's model ignores as well: they are
+left out.
 
 Megatron fuses Q, K and V group by group: for each of the ``num_query_groups`` key/value heads, the
 rows of its ``heads / groups`` query heads, then its key head, then its value head. Transformer
@@ -50,11 +64,14 @@ from collections.abc import Iterator
 
 import torch
 
-from vime.backends.megatron_args import ModelArgs
+from vime.backends.megatron_args import MTP_FAMILIES, SIGMOID_ROUTED, ModelArgs
 
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    # multi-latent attention: the latents' norms fold into the up projections (its input norm stays apart)
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SEQUENTIAL_EXPERT = re.compile(
@@ -66,10 +83,18 @@ _GROUPED_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc
 def to_te_names(state: dict[str, torch.Tensor], *, grouped_gemm: bool = False) -> dict[str, torch.Tensor]:
     """Canonical names -> a Transformer Engine model's (``grouped_gemm``: TE's grouped experts)."""
     dense = {m.group(1) for m in map(_LAYER.match, state) if m and m.group(2) == "mlp.linear_fc1.weight"}
+    mla = {m.group(1) for m in map(_LAYER.match, state) if m and m.group(2).startswith("self_attention.linear_kv_")}
     out = {}
     for name, value in state.items():
         m = _LAYER.match(name)
-        if m and m.group(2) in _TE_NAMES and (m.group(2) != "pre_mlp_layernorm.weight" or m.group(1) in dense):
+        folded = m and m.group(2) in _TE_NAMES
+        if folded and m.group(2) == "pre_mlp_layernorm.weight":
+            folded = m.group(1) in dense  # an MoE layer's pre-MLP norm is its own module
+        elif folded and m.group(2) == "input_layernorm.weight":
+            folded = m.group(1) not in mla  # MLA's input norm is its own module
+        elif folded and m.group(2).startswith(("self_attention.q_layernorm", "self_attention.kv_layernorm")):
+            folded = m.group(1) in mla  # (a Qwen3 query norm is its own module)
+        if folded:
             name = f"decoder.layers.{m.group(1)}.{_TE_NAMES[m.group(2)]}"
         elif grouped_gemm and (e := _SEQUENTIAL_EXPERT.match(name)):
             name = f"{e.group(1)}.{e.group(3)}.weight{e.group(2)}"
@@ -115,6 +140,25 @@ def split_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch
     )
 
 
+# ---------------------------------------------------------------------------------------------- MLA
+def _mla_names(args: ModelArgs) -> list[tuple[str, str]]:
+    """(Megatron suffix after ``decoder.layers.N.``, HF name after ``self_attn.``) of a multi-latent attention,
+    the output projection excepted (which every attention has)."""
+    if args.q_lora_rank:
+        query = [
+            ("self_attention.linear_q_down_proj.weight", "q_a_proj.weight"),
+            ("self_attention.q_layernorm.weight", "q_a_layernorm.weight"),
+            ("self_attention.linear_q_up_proj.weight", "q_b_proj.weight"),
+        ]
+    else:
+        query = [("self_attention.linear_q_proj.weight", "q_proj.weight")]
+    return query + [
+        ("self_attention.linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+        ("self_attention.kv_layernorm.weight", "kv_a_layernorm.weight"),
+        ("self_attention.linear_kv_up_proj.weight", "kv_b_proj.weight"),
+    ]
+
+
 # ---------------------------------------------------------------------------------------------- MLPs
 def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, str]]]:
     """(Megatron suffix after ``decoder.layers.N.``, HF name after ``model.layers.N.``) of one layer's MLP;
@@ -138,7 +182,7 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
         )
         names.append((f"mlp.experts.local_experts.{e}.linear_fc2.weight", f"{expert}{down}.weight"))
     if args.moe_shared_expert_intermediate_size:
-        shared = "mlp.shared_experts." if args.family == "glm4_moe" else "mlp.shared_expert."
+        shared = "mlp.shared_experts." if args.family in SIGMOID_ROUTED else "mlp.shared_expert."
         names += [
             ("mlp.shared_experts.linear_fc1.weight", (f"{shared}gate_proj.weight", f"{shared}up_proj.weight")),
             ("mlp.shared_experts.linear_fc2.weight", f"{shared}down_proj.weight"),
@@ -153,9 +197,9 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_layer(hf_name: str, args: ModelArgs) -> bool:
-    """A GLM-4.5 multi-token-prediction layer (numbered after the decoder's last layer)."""
+    """A GLM-4.5 / DeepSeek-V3 multi-token-prediction layer (numbered after the decoder's last layer)."""
     layer = _HF_LAYER.match(hf_name)
-    return args.family == "glm4_moe" and layer is not None and int(layer.group(1)) >= args.num_layers
+    return args.family in MTP_FAMILIES and layer is not None and int(layer.group(1)) >= args.num_layers
 
 
 def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -173,14 +217,18 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         attn = p + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args
-        )
+        if args.multi_latent_attention:
+            for suffix, hf_name in _mla_names(args):
+                out[m + suffix] = take(attn + hf_name)
+        else:
+            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+                take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args
+            )
         if args.add_qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), args
             )
-        if args.qk_layernorm:
+        if args.qk_layernorm and not args.multi_latent_attention:
             out[m + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
             out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
@@ -211,16 +259,20 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = p + "self_attn."
         yield p + "input_layernorm.weight", mcore[m + "input_layernorm.weight"]
-        q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.weight"], args)
-        yield attn + "q_proj.weight", q
-        yield attn + "k_proj.weight", k
-        yield attn + "v_proj.weight", v
+        if args.multi_latent_attention:
+            for suffix, hf_name in _mla_names(args):
+                yield attn + hf_name, mcore[m + suffix]
+        else:
+            q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.weight"], args)
+            yield attn + "q_proj.weight", q
+            yield attn + "k_proj.weight", k
+            yield attn + "v_proj.weight", v
         if args.add_qkv_bias:
             q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.bias"], args)
             yield attn + "q_proj.bias", q
             yield attn + "k_proj.bias", k
             yield attn + "v_proj.bias", v
-        if args.qk_layernorm:
+        if args.qk_layernorm and not args.multi_latent_attention:
             yield attn + "q_norm.weight", mcore[m + "self_attention.q_layernorm.weight"]
             yield attn + "k_norm.weight", mcore[m + "self_attention.k_layernorm.weight"]
         yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]

@@ -56,6 +56,19 @@ class MoeOptions:
     bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: an expert bias's step after each optimizer step
 
 
+def deepep_usable() -> bool:
+    """Whether megatron-core's flex dispatcher can run DeepEP's kernels here (the deep_ep package, CUDA)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None
+
+
+def token_dispatcher(requested: str) -> str:
+    """megatron-core's dispatcher for --moe-token-dispatcher-type: 'flex' (DeepEP's kernels) where DeepEP can
+    run, else 'alltoall', which sends the same tokens to the same experts (only the kernels differ)."""
+    if requested == "flex" and not deepep_usable():
+        return "alltoall"
+    return requested
+
+
 def te_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
@@ -157,7 +170,7 @@ def _moe_config(args: ModelArgs, moe: MoeOptions, use_te: bool) -> dict:
         moe_router_dtype=moe.router_dtype,  # fp32 unless --moe-router-dtype fp64: HF routes in float32
         moe_router_load_balancing_type=moe.load_balancing_type,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_token_dispatcher_type=moe.token_dispatcher_type,
+        moe_token_dispatcher_type=token_dispatcher(moe.token_dispatcher_type),
         moe_grouped_gemm=moe.grouped_gemm and use_te,
         moe_enable_routing_replay=moe.routing_replay,
     )
@@ -213,6 +226,21 @@ VIME_TRANSFORMER_FIELDS = frozenset(
         "moe_router_num_groups",
         "moe_router_group_topk",
         "moe_layer_freq",
+        "multi_latent_attention",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "rope_type",
+        "rotary_base",
+        "rotary_percent",
+        "rotary_scaling_factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
         "moe_router_dtype",
         "moe_router_load_balancing_type",
         "moe_aux_loss_coeff",
@@ -288,12 +316,39 @@ def transformer_config(
         **_moe_config(args, moe or MoeOptions(), use_te),
         **(recompute or {}),
     )
+    config_class = TransformerConfig
+    if args.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        fields.update(_mla_config(args))
     unlisted = set(fields) - VIME_TRANSFORMER_FIELDS
     assert not unlisted, f"VIME_TRANSFORMER_FIELDS misses {sorted(unlisted)}"
     clash = sorted(set(overrides or {}) & VIME_TRANSFORMER_FIELDS)
     if clash:
         raise ValueError(f"TransformerConfig fields {clash} are vime's to set, not a passed-through flag's")
-    return TransformerConfig(**fields, **(overrides or {}))
+    return config_class(**fields, **(overrides or {}))
+
+
+def _mla_config(args: ModelArgs) -> dict:
+    """MLATransformerConfig's fields: the latent ranks, the head sizes and the RoPE (YaRN where config.json
+    scales it; MLA applies RoPE itself, so the GPT's own rotary embedding is off)."""
+    yarn = args.yarn_fields()
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        **{
+            **yarn,
+            **({"original_max_position_embeddings": int(yarn["original_max_position_embeddings"])} if yarn else {}),
+        },
+    )
 
 
 def _megatron_without_te() -> None:
@@ -327,11 +382,19 @@ def build_gpt_model(
         # initialisation code, and the gathers, shards and gradient norm here rely on those marks.
         config_kwargs["initialize"] = True
     config = transformer_config(args, parallel, use_te=use_te, **config_kwargs)
+    if args.multi_latent_attention:
+        from vime.backends.megatron_mla import allow_mla_without_te
+
+        allow_mla_without_te()
     if args.is_moe:
         # MoE and dense layers mixed as config.moe_layer_freq says; without Transformer Engine the experts
         # are megatron-core's SequentialMLP (one MLP per expert; no grouped GEMM, runs on CPU).
         _megatron_without_te()
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization)
+        if args.multi_latent_attention and not use_te:
+            from vime.backends.megatron_mla import with_latent_core_attention
+
+            with_latent_core_attention(spec)
     elif use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:

@@ -47,6 +47,23 @@ def check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
         )
 
 
+def check_mla_parallelism(megatron: MegatronBackendSpec) -> None:
+    """Multi-latent attention is built for tensor and context parallelism 1 only yet: its replicated
+    down-projections and latent norms get partial gradients under tensor parallelism, which vime's gradient
+    reduction (vime.backends.megatron_gradients) does not sum yet."""
+    if not megatron.model.multi_latent_attention:
+        return
+    for flag, size in (
+        ("--tensor-model-parallel-size", megatron.parallel.tensor),
+        ("--context-parallel-size", megatron.parallel.context),
+    ):
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size}: multi-latent attention ({megatron.model.family}) trains with 1 only yet; "
+                "spread the model with --pipeline-model-parallel-size and --expert-model-parallel-size"
+            )
+
+
 def check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
     """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
     ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model

@@ -27,6 +27,14 @@ class AlgorithmConfig:
         "response tokens (rewards are ignored); custom_loss: the function of --custom-loss-function-path.",
         choices=["policy_loss", "sft_loss", "custom_loss"],
     )
+    loss_mask_type: str | None = option(
+        None,
+        "The reference's choice of the chat-template family whose markers locate an SFT conversation's "
+        "assistant turns (qwen, qwen3, qwen3_5, distill_qwen, gemma4). vime locates them from the tokenizer's own chat "
+        "template for any family (vime.data.prompt.sft_tokens: growing prefixes rendered), so every choice gives "
+        "the same loss mask; a conversation the template cannot render prefix by prefix is refused naming it.",
+        choices=["qwen", "qwen3", "qwen3_5", "distill_qwen", "gemma4"],
+    )
     custom_loss_function_path: str | None = option(
         None,
         "With --loss-type custom_loss: the loss, called per micro-batch as loss_fn(args, batch, logits, "

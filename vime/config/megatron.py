@@ -50,8 +50,40 @@ class MegatronConfig:
         "config.json's partial_rotary_factor (1.0 where config.json has none).",
     )
     rotary_base: float | None = option(None, "RoPE base.")
+    no_position_embedding: bool = option(
+        False,
+        "No learned absolute position embedding (Megatron-LM): vime's models never have one (they take RoPE).",
+    )
+    multi_latent_attention: bool = option(
+        False,
+        "Multi-latent attention (DeepSeek-V3, Moonlight: config.json's kv_lora_rank); the numbers below must agree "
+        "with config.json. The Megatron backend builds it with tensor and context parallelism 1.",
+    )
+    q_lora_rank: int | None = option(
+        None, "Rank of the query latent (config.json's q_lora_rank; none: one projection)."
+    )
+    kv_lora_rank: int | None = option(None, "Rank of the shared key/value latent (config.json's kv_lora_rank).")
+    qk_head_dim: int | None = option(
+        None, "Each head's query/key dimensions without RoPE (config.json's qk_nope_head_dim)."
+    )
+    qk_pos_emb_head_dim: int | None = option(
+        None, "Each head's query/key dimensions with RoPE (config.json's qk_rope_head_dim)."
+    )
+    v_head_dim: int | None = option(None, "Each head's value dimensions (config.json's v_head_dim).")
+    mscale: float | None = option(
+        None, "YaRN's attention scale (config.json's rope_scaling mscale); moot without RoPE scaling."
+    )
+    mscale_all_dim: float | None = option(
+        None, "YaRN's attention scale over all dimensions (config.json's rope_scaling mscale_all_dim); moot without it."
+    )
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
+    rotary_scaling_factor: float | None = option(
+        None,
+        "RoPE's context-extension factor (Megatron-LM's name, used with YaRN and by the reference's Llama 3.1 "
+        "preset with --use-rope-scaling); must agree with config.json's rope_scaling factor (1.0 where "
+        "config.json has no scaling).",
+    )
     untie_embeddings_and_output_weights: bool = option(
         False, "Separate output layer (lm_head) instead of the tied input embedding."
     )
@@ -166,9 +198,20 @@ class MegatronConfig:
     )
     moe_token_dispatcher_type: str = option(
         "allgather",
-        "How tokens reach their experts: 'allgather' or 'alltoall' (CUDA streams; the usual "
-        "choice with expert parallelism).",
-        choices=["allgather", "alltoall"],
+        "How tokens reach their experts: 'allgather', 'alltoall' (CUDA streams; the usual choice with expert "
+        "parallelism) or 'flex' (megatron-core's dispatcher for DeepEP's kernels, --moe-enable-deepep). Where the "
+        "trainer has no DeepEP (the deep_ep package on CUDA), 'flex' dispatches by alltoall, which sends the same "
+        "tokens to the same experts: the results are the same, only the kernels differ.",
+        choices=["allgather", "alltoall", "flex"],
+    )
+    use_mcore_models: bool = option(
+        False,
+        "Megatron-LM's switch to its megatron-core models; vime's Megatron backend builds only those, so there is "
+        "nothing to switch.",
+    )
+    moe_enable_deepep: bool = option(
+        False,
+        "DeepEP's kernels for the flex dispatcher (Megatron-LM); needs --moe-token-dispatcher-type flex.",
     )
     use_rollout_routing_replay: bool = option(
         False,
@@ -239,6 +282,11 @@ class MegatronConfig:
             )
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError("--moe-aux-loss-coeff", "must be >= 0")
+        if self.moe_enable_deepep and self.moe_token_dispatcher_type != "flex":
+            raise ConfigError(
+                "--moe-enable-deepep",
+                f"needs --moe-token-dispatcher-type flex (got {self.moe_token_dispatcher_type})",
+            )
         if self.moe_router_bias_update_rate < 0:
             raise ConfigError("--moe-router-bias-update-rate", f"must be >= 0, got {self.moe_router_bias_update_rate}")
         if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
@@ -288,6 +336,16 @@ class MegatronConfig:
                 f"{self.moe_router_bias_update_rate}: the torch backend keeps the HF model's expert bias "
                 "(e_score_correction_bias) as loaded; pass 0, or use --train-backend megatron",
             )
+        if self.rotary_scaling_factor is not None:
+            from vime.backends.megatron_args import rope_scaling_factor
+
+            factor = rope_scaling_factor(hf_config)
+            require(
+                abs(self.rotary_scaling_factor - factor) < 1e-9,
+                "--rotary-scaling-factor",
+                f"{self.rotary_scaling_factor} disagrees with --hf-checkpoint's config.json (RoPE scaling factor "
+                f"{factor})",
+            )
         if self.use_rollout_routing_replay and train_backend not in (None, "megatron"):
             raise ConfigError(
                 "--use-rollout-routing-replay",
@@ -326,6 +384,16 @@ class MegatronConfig:
             self.rotary_percent is None or 0 < self.rotary_percent <= 1,
             "--rotary-percent",
             f"must be in (0, 1], got {self.rotary_percent}",
+        )
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            require(value is None or value >= 1, flag, f"must be >= 1, got {value}")
+            require(value is None or self.multi_latent_attention, flag, "needs --multi-latent-attention")
+        require(
+            self.rotary_scaling_factor is None or self.rotary_scaling_factor > 0,
+            "--rotary-scaling-factor",
+            f"must be > 0, got {self.rotary_scaling_factor}",
         )
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:
             raise ConfigError("--rope-scaling-factor", "needs --use-rope-scaling")
