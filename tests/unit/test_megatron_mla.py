@@ -144,3 +144,17 @@ def test_mla_under_tensor_parallelism_is_refused_naming_the_flag(model_dir):
     spread = MegatronBackendSpec(model=model, parallel=mm.Parallelism(tensor=2, sequence_parallel=True))
     with pytest.raises(ValueError, match="^--tensor-model-parallel-size 2: multi-latent attention"):
         check_mla_parallelism(spread)
+
+
+def test_a_torch_dist_checkpoint_round_trips(model_dir, tmp_path):
+    from vime.backends import megatron_checkpoint as mc, megatron_weights as mw
+    from vime.backends.megatron_convert import hf_to_mcore
+
+    args = model_args_from_hf(AutoConfig.from_pretrained(model_dir))
+    gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(model_dir), args), args)
+    mc.save(str(tmp_path / "iter_0000001"), gpt, None, fmt="torch_dist", iteration=1, args=args.to_dict())
+    again = mm.build_gpt_model(args, mm.Parallelism(), initialize=True)
+    mc.load(str(tmp_path / "iter_0000001"), again)
+    expected, got = mw.gather_canonical(gpt, args), mw.gather_canonical(again, args)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)

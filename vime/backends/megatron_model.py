@@ -53,7 +53,9 @@ class MoeOptions:
     grouped_gemm: bool = False  # only with Transformer Engine (TEGroupedMLP)
     routing_replay: bool = False  # R3: routers accept forced top-k indices (megatron_routing)
     router_dtype: str = "fp32"  # --moe-router-dtype; fp32 by default, as HF's routers compute
-    bias_update_rate: float = 1e-3  # --moe-router-bias-update-rate: an expert bias's step after each optimizer step
+    # An expert bias's step after each optimizer step: --moe-router-bias-update-rate with
+    # --moe-router-enable-expert-bias, else 0 (the bias stays as loaded)
+    bias_update_rate: float = 0.0
 
 
 def deepep_usable() -> bool:

@@ -5,10 +5,11 @@ the float32 master weights only for its own part of the parameters, as megatron-
 
 Why not megatron-core's DistributedOptimizer: it allocates on CUDA and runs on megatron-core's own
 DistributedDataParallel (contiguous gradient buffers in CUDA memory, bucketed reduce-scatters), which vime does not
-use: vime reduces the gradients itself (``MegatronBackend.sum_gradients`` / ``finish_gradients``), and on CPU the
-backend runs over gloo, which has all_reduce, broadcast and all_gather but no reduce_scatter. So the gradients are
-all-reduced exactly as without the flag (every rank holds the whole summed gradient, and clipping by the global
-norm is unchanged), and only the optimizer's step and state are split.
+use: vime reduces the gradients itself (``MegatronBackend.sum_gradients`` / ``finish_gradients``), on gloo over CPU
+as on NCCL. Here the gradients are all-reduced exactly as without the flag (every rank holds the whole summed
+gradient, and clipping by the global norm is unchanged), and only the optimizer's step and state are split. (gloo
+does reduce-scatter too, ``reduce_scatter_tensor``, checked with torch 2.x here: summing each rank's range only,
+megatron-core's way, would also shard the float32 gradients of --bf16's stand-ins; not done yet.)
 
 The split (:class:`FlatLayout`): the model's parameters, in ``module.parameters()`` order, flattened end to end,
 padded to a multiple of the N ranks and cut into N equal contiguous ranges; rank r owns range r. A parameter's
