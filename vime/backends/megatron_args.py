@@ -122,7 +122,7 @@ def rope_scaling_factor(hf_config) -> float:
 
 
 def model_args_from_hf(hf_config) -> ModelArgs:
-    """The Megatron architecture of an HF Qwen2 / Qwen3 / Llama config; anything else is refused."""
+    """The Megatron architecture of an HF config of a family in FAMILIES; anything else is refused."""
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
         raise ConfigError(
@@ -198,7 +198,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
 
 
 def _moe_from_hf(hf_config) -> dict:
-    """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE, Mixtral or GLM-4.5 config."""
+    """The MoE fields of ModelArgs for a Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 or DeepSeek-V3 config."""
     family = hf_config.model_type
     layers = hf_config.num_hidden_layers
     if family in SIGMOID_ROUTED:

@@ -336,6 +336,8 @@ def _mla_config(args: ModelArgs) -> dict:
     """MLATransformerConfig's fields: the latent ranks, the head sizes and the RoPE (YaRN where config.json
     scales it; MLA applies RoPE itself, so the GPT's own rotary embedding is off)."""
     yarn = args.yarn_fields()
+    if yarn:  # a context length: megatron-core takes an int
+        yarn["original_max_position_embeddings"] = int(yarn["original_max_position_embeddings"])
     return dict(
         multi_latent_attention=True,
         q_lora_rank=args.q_lora_rank,
@@ -346,10 +348,7 @@ def _mla_config(args: ModelArgs) -> dict:
         rope_type="yarn" if yarn else "rope",
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
-        **{
-            **yarn,
-            **({"original_max_position_embeddings": int(yarn["original_max_position_embeddings"])} if yarn else {}),
-        },
+        **yarn,
     )
 
 
