@@ -422,12 +422,16 @@ def test_moe_presets(qwen3_moe_dir):
 
 
 @MEGATRON_WARNINGS
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_conversion_commands_round_trip(tmp_path, ckpt_format):
+@pytest.mark.parametrize(
+    "family, ckpt_format",
+    [("qwen2_moe", "torch"), ("qwen2_moe", "torch_dist"), ("glm4_moe", "torch"), ("deepseek_v3", "torch_dist")],
+)
+def test_conversion_commands_round_trip(tmp_path, family, ckpt_format):
+    """HF -> Megatron -> HF is exact, the expert bias and MLA's latents included."""
     from vime.cli import main
 
     _megatron()
-    hf = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS["qwen2_moe"])
+    hf = tiny_moe_hf_model(str(tmp_path / "hf"), **MOE_VARIANTS[family])
     assert (
         main(
             [
