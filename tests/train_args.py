@@ -14,3 +14,17 @@ def minimal_train_argv(model_dir: str, *extra: str) -> list[str]:
         "/tmp/vime-test-run",
         *extra,
     ]
+
+
+def refused_against_config_json(model_dir: str, *extra: str) -> str:
+    """The message of the ConfigError with which the Megatron model flags ``extra`` are refused against
+    ``model_dir``'s config.json (the flags parse; the cross-check refuses them). Fails if nothing is refused."""
+    import pytest
+    from transformers import AutoConfig
+
+    from vime.config import ConfigError, parse_train_args
+
+    settings = parse_train_args(minimal_train_argv(model_dir, *extra))
+    with pytest.raises(ConfigError) as error:
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(model_dir))
+    return str(error.value)
