@@ -121,7 +121,9 @@ class MegatronConfig:
         "Tensor parallelism inside each MoE expert (default: --tensor-model-parallel-size): each expert's "
         "MLP is split over this many ranks (Megatron backend, torch_dist checkpoints).",
     )
-    num_experts: int | None = option(None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5).")
+    num_experts: int | None = option(
+        None, "Routed experts per MoE layer (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, DeepSeek-V3)."
+    )
     moe_router_topk: int | None = option(None, "Experts each token is routed to (config.json: num_experts_per_tok).")
     moe_ffn_hidden_size: int | None = option(
         None,
@@ -139,14 +141,15 @@ class MegatronConfig:
     )
     moe_router_score_function: str | None = option(
         None,
-        "Router score function: softmax (Qwen*-MoE, Mixtral) or sigmoid (GLM-4.5); must agree with config.json.",
+        "Router score function: softmax (Qwen*-MoE, Mixtral) or sigmoid (GLM-4.5, DeepSeek-V3); must agree with "
+        "config.json.",
         choices=["softmax", "sigmoid"],
     )
     moe_router_enable_expert_bias: bool = option(
         False,
         "Choose the top-k experts by sigmoid score plus a per-expert bias (aux-loss-free load balancing; "
-        "config.json's e_score_correction_bias, GLM-4.5). The bias is a model tensor: loaded from and exported "
-        "to the HF weights and checkpointed. With this flag it is also updated after each optimizer step "
+        "config.json's e_score_correction_bias: GLM-4.5, DeepSeek-V3). The bias is a model tensor: loaded from "
+        "and exported to the HF weights and checkpointed. With this flag it is also updated after each optimizer step "
         "(--moe-router-bias-update-rate; Megatron backend); without it a model whose config.json has the bias "
         "routes with it, kept as loaded.",
     )
