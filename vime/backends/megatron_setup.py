@@ -48,9 +48,9 @@ def check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
 
 
 def check_mla_parallelism(megatron: MegatronBackendSpec) -> None:
-    """Multi-latent attention is built for tensor and context parallelism 1 only yet: its replicated
-    down-projections and latent norms get partial gradients under tensor parallelism, which vime's gradient
-    reduction (vime.backends.megatron_gradients) does not sum yet."""
+    """Multi-latent attention is built for tensor and context parallelism 1 only yet: at tensor parallelism 2,
+    megatron-core's own MLA layers under vime's gradient reduction (vime.backends.megatron_gradients) gave wrong
+    gradients (docs/megatron.md, "Multi-latent attention"), and context parallelism was not tried."""
     if not megatron.model.multi_latent_attention:
         return
     for flag, size in (
