@@ -12,7 +12,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
 )
 
-from test_megatron_backend import trainer_spec  # noqa: E402
+from test_megatron_backend import assert_same_metrics, trainer_spec  # noqa: E402
 from test_megatron_moe_r3 import make_samples  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -50,9 +50,7 @@ def test_an_rl_step_matches_the_torch_backend(model_dir):
     before = {n: p.detach().clone() for n, p in backend.gpt.named_parameters()}
     ours = backend.train_rollout(make_samples(0), 0)
     theirs = TorchBackend(trainer_spec(model_dir)).train_rollout(make_samples(0), 0)
-    for name, value in theirs.items():
-        if name != "train_seconds":
-            assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert_same_metrics(ours, theirs)
     changed = {n for n, p in backend.gpt.named_parameters() if not torch.equal(p, before[n])}
     assert {"decoder.layers.0.self_attention.linear_kv_down_proj.weight"} <= changed  # the latents train
     # the engines get every HF tensor, the attention's latents included

@@ -14,7 +14,11 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron", "ignore::FutureWarning"
 )
 
-from test_megatron_backend import make_samples as backend_samples, trainer_spec  # noqa: E402
+from test_megatron_backend import (  # noqa: E402
+    assert_same_metrics,
+    make_samples as backend_samples,
+    trainer_spec,
+)
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from tests import megatron_shim  # noqa: E402
@@ -240,10 +244,7 @@ def test_an_rl_step_on_an_moe_model_matches_the_torch_backend(model_dir):
     spec, megatron_spec = _specs(model_dir)
     ours = MegatronBackend(spec, megatron_spec).train_rollout(make_samples(0), 0)
     theirs = TorchBackend(_specs(model_dir)[0]).train_rollout(make_samples(0), 0)
-    assert set(ours) == set(theirs)
-    for name, value in theirs.items():
-        if name != "train_seconds":
-            assert ours[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert_same_metrics(ours, theirs)
 
 
 def test_an_rl_step_with_routing_replay_and_aux_loss(model_dir):

@@ -121,6 +121,12 @@ def rope_scaling_factor(hf_config) -> float:
     return float(scaling.get("factor", 1.0)) if scaling else 1.0
 
 
+def rotary_fraction(hf_config) -> float:
+    """config.json's partial_rotary_factor (transformers 5 may keep it in rope_parameters); 1.0 without one."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    return float(getattr(hf_config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0)
+
+
 def model_args_from_hf(hf_config) -> ModelArgs:
     """The Megatron architecture of an HF config of a family in FAMILIES; anything else is refused."""
     family = getattr(hf_config, "model_type", None)
@@ -156,11 +162,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
                 "context of 8192",
             )
         factor = float(scaling["factor"])
-    rotary_percent = float(
-        getattr(hf_config, "partial_rotary_factor", None)
-        or (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor")
-        or 1.0
-    )
+    rotary_percent = rotary_fraction(hf_config)
     if family != "glm4_moe" and rotary_percent != 1.0:
         raise ConfigError(
             "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
@@ -433,11 +435,9 @@ def _check_mla_flags(flags, hf: ModelArgs) -> None:
         if not hf.multi_latent_attention or given != hf_value:
             said = hf_value if hf.multi_latent_attention and hf_value else f"{hf.family}, no such latent or head"
             raise ConfigError(_flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({said})")
-    yarn = hf.yarn_fields()
-    for name in ("mscale", "mscale_all_dim"):
-        given = getattr(flags, name, None)
-        if given is not None and yarn and not math.isclose(given, yarn[name], rel_tol=1e-9):
-            raise ConfigError(_flag(name), f"{given} disagrees with --hf-checkpoint's config.json ({yarn[name]})")
+    yarn = hf.yarn_fields()  # without RoPE scaling the mscales are moot
+    if yarn:
+        _compare_numbers(flags, {"mscale": yarn["mscale"], "mscale_all_dim": yarn["mscale_all_dim"]})
 
 
 MOE_MODEL_FLAGS = (
@@ -545,12 +545,7 @@ def _check_moe_flags(flags, hf: ModelArgs) -> None:
             "--moe-router-enable-expert-bias",
             f"is given but --hf-checkpoint's config.json ({hf.family}) routes without an expert bias",
         )
-    scaling = getattr(flags, "moe_router_topk_scaling_factor", None)
-    if scaling is not None and not math.isclose(scaling, hf.moe_router_topk_scaling_factor or 1.0, rel_tol=1e-9):
-        raise ConfigError(
-            "--moe-router-topk-scaling-factor",
-            f"{scaling} disagrees with --hf-checkpoint's config.json ({hf.moe_router_topk_scaling_factor or 1.0})",
-        )
+    _compare_numbers(flags, {"moe_router_topk_scaling_factor": hf.moe_router_topk_scaling_factor or 1.0})
     groups = {"moe_router_num_groups": hf.moe_router_num_groups, "moe_router_group_topk": hf.moe_router_group_topk}
     for name, hf_value in groups.items():
         given = getattr(flags, name, None)

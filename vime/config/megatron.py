@@ -326,8 +326,9 @@ class MegatronConfig:
             "--max-position-embeddings",
             f"{self.max_position_embeddings} disagrees with --hf-checkpoint's config.json ({positions})",
         )
-        rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5 keeps it there too
-        rotary = getattr(hf_config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+        from vime.backends.megatron_args import rotary_fraction
+
+        rotary = rotary_fraction(hf_config)
         require(
             self.rotary_percent is None or abs(self.rotary_percent - rotary) < 1e-9,
             "--rotary-percent",
