@@ -11,6 +11,7 @@ queue as well, so releasing their staging frees nothing that is still needed.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 
 from straw.errors import StorageUnavailable, UnsafeRecovery, WriterBusy
@@ -64,6 +65,25 @@ def never_registered(data_dir: str, writer: str) -> bool:
     return not os.path.isdir(os.path.join(data_dir, "control", "writers", writer[:2], writer))
 
 
+# How long one reap waits, in all, for dead writers' gates still held (see publication_receipt).
+GATE_WAIT_SECONDS = 30.0
+
+
+def publication_receipt(store, writer: str, submission: str, deadline: float, poll: float = 0.5):
+    """straw's receipt of ``writer``'s publication ``submission``, waiting (until the monotonic ``deadline``)
+    while straw answers WriterBusy. A SIGKILLed writer's mutation gate can stay held a moment after its
+    retirement: seen on JuiceFS (tests/faults/test_fault_injection.py, a rollout worker killed mid-generation),
+    whose client lets go of a killed process's lock later than a local file system does. Raises WriterBusy
+    past the deadline."""
+    while True:
+        try:
+            return store.publication_receipt(writer, api="publish", submission_id=submission)
+        except WriterBusy:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(poll)
+
+
 def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
     attempts: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for event in view.of_type("Leased"):
@@ -79,13 +99,15 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
 
     A group publication is adopted when its attempt completed; a continuation prefix when a
     Yielded event names it as the task's input. A writer that is still busy raises WriterBusy
-    inside straw and is skipped.
+    inside straw and is skipped (a later reap, or ``vime queue gc``, retires it); so is one whose gate stays
+    held past :data:`GATE_WAIT_SECONDS` after its retirement (``writers_busy``).
     """
     view = JournalView.read(data_dir)
     attempts = attempts_by_writer(view)
     completed = {(e["lease"]["task_id"], e["lease"]["attempt_id"]) for e in view.of_type("Completed")}
     inputs = {e["input_ref"]["digest"] for e in view.of_type("Yielded") if e.get("input_ref")}
-    retired = released = unstarted = 0
+    retired = released = unstarted = busy = 0
+    deadline = time.monotonic() + GATE_WAIT_SECONDS
     for writer in dead:
         try:
             store.retire_writer(writer, policy="recover")
@@ -97,16 +119,24 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
             unstarted += 1  # killed while it was being created (seen after a SIGKILL of the whole job)
             continue
         retired += 1
-        for task_id, attempt_id in attempts.get(writer, []):
-            candidates = [] if (task_id, attempt_id) in completed else [group_submission_id(task_id, attempt_id)]
-            candidates.append(partial_submission_id(task_id, attempt_id))
-            for submission in candidates:
-                refs = store.publication_receipt(writer, api="publish", submission_id=submission)
-                orphans = [r for r in refs or [] if r.digest not in inputs]
-                if orphans:
-                    store.release_publications(orphans)
-                    released += len(orphans)
-    return {"writers_retired": retired, "publications_released": released, "writers_never_started": unstarted}
+        try:
+            for task_id, attempt_id in attempts.get(writer, []):
+                candidates = [] if (task_id, attempt_id) in completed else [group_submission_id(task_id, attempt_id)]
+                candidates.append(partial_submission_id(task_id, attempt_id))
+                for submission in candidates:
+                    refs = publication_receipt(store, writer, submission, deadline)
+                    orphans = [r for r in refs or [] if r.digest not in inputs]
+                    if orphans:
+                        store.release_publications(orphans)
+                        released += len(orphans)
+        except WriterBusy:
+            busy += 1
+    return {
+        "writers_retired": retired,
+        "publications_released": released,
+        "writers_never_started": unstarted,
+        "writers_busy": busy,
+    }
 
 
 def collect_stopped(data_dir: str, run_id: str, declaration: dict | None = None) -> dict[str, int]:
