@@ -34,8 +34,10 @@ lint: setup
 # were busy ~36% of the suite's wall time), so three run side by side on two cores in less wall time.
 # The longest files start first (tests/conftest.py, LONGEST_FIRST). README, Tests.
 TEST_WORKERS ?= 3
+# tools/cpu_account.py reaps every process the tests start, orphans included, and prints the CPU time they
+# took (by program) at the end; `time make test` then counts them too.
 test: setup lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
+	$(PY) tools/cpu_account.py -- $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 test-fast: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests -m "not e2e"

@@ -1,0 +1,60 @@
+"""tools/cpu_account.py: orphaned descendants' CPU time reaches the total; the exit status is the command's."""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "cpu_account.py"
+# Burns about 0.8 s of CPU in a process started in its own session, after its parent has exited: without the
+# wrapper's subreaper it is reparented to init and its time is lost to whoever waits for the command.
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8: pass\n"
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_an_orphan_s_cpu_time_is_counted_and_the_command_s_status_returned(tmp_path):
+    report = tmp_path / "report.txt"
+    command = f"(setsid {sys.executable} -c '{BURN}' &); exit 3"
+    before = children_cpu()
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--interval", "0.1", "--report", str(report), "--", "bash", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    counted = children_cpu() - before
+    assert done.returncode == 3, done.stderr
+    assert counted >= 0.7, f"only {counted:.2f} s counted: the orphan's 0.8 s did not reach the total"
+    text = report.read_text()
+    assert "python -c" in text and "still alive" not in text, text
+
+
+def test_a_descendant_outliving_the_linger_is_listed_not_waited_for(tmp_path):
+    report = tmp_path / "report.txt"
+    # Its output goes to a file: the leaked sleep keeps whatever it inherited open.
+    with (tmp_path / "stderr").open("w") as stderr:
+        done = subprocess.run(
+            [sys.executable, str(TOOL), "--linger", "0.3", "--report", str(report), "--", "bash", "-c", "(sleep 30 &)"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            timeout=20,
+        )
+    text = report.read_text()
+    leaked = [int(line.split()[1]) for line in text.splitlines() if line.strip().startswith("pid ")]
+    for pid in leaked:
+        os.kill(pid, signal.SIGKILL)
+    assert done.returncode == 0
+    assert "1 process(es) still alive" in text and "sleep" in text and len(leaked) == 1, text
+
+
+def test_bad_input_names_the_flag():
+    done = subprocess.run([sys.executable, str(TOOL), "--interval", "0"], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2 and "--interval" in done.stderr
+    done = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2 and "no command" in done.stderr
