@@ -53,8 +53,9 @@ def _read_stat(pid: int) -> tuple[int, float] | None:
     return ppid, (utime + stime) / CLOCK_TICKS
 
 
-def program_name(pid: int) -> str:
-    """A short label: the executable's name, or for Python the script or ``-m`` module it runs."""
+def program_name(pid: int) -> str | None:
+    """A short label: the executable's name, or for Python the script or ``-m`` module it runs (None once
+    the process is a zombie)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         comm = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -62,7 +63,7 @@ def program_name(pid: int) -> str:
         return "?"
     args = [a.decode(errors="replace") for a in argv if a]
     if not args:
-        return comm
+        return None  # a zombie (or a kernel thread): the caller keeps what it saw before
     if not Path(args[0]).name.startswith("python"):
         # Ray and vLLM rename their processes (ray::TrainerWorker, VLLM::EngineCore): keep that title.
         return comm if ":" in comm else Path(args[0]).name
@@ -105,7 +106,12 @@ class Sampler:
     def sample(self) -> None:
         live = self.descendants()
         for pid, seconds in live.items():
-            name = self.latest[pid][0] if pid in self.latest else program_name(pid)
+            # Read again each time: a Ray worker retitles itself once it holds an actor (ray::IDLE ->
+            # ray::TrainerWorker), and its time counts under the last title seen.
+            name = program_name(pid)
+            if pid in self.latest and (name is None or name == "?"):
+                name = self.latest[pid][0]  # a zombie has no command line left: keep the title it had
+            name = name or "?"
             self.latest[pid] = (name, seconds)
         for pid in [p for p in self.latest if p not in live]:
             self.retire(pid)
@@ -132,15 +138,17 @@ def report(sampler: Sampler, wall: float, leaked: list[str]) -> str:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     total = usage.ru_utime + usage.ru_stime
     cores = os.cpu_count() or 1
+    sampled = sum(sampler.by_program.values())
     lines = [
         f"cpu_account: wall {wall:.0f} s, user {usage.ru_utime:.0f} s + sys {usage.ru_stime:.0f} s "
-        f"= {total:.0f} s of every process the command started, {100 * total / (cores * wall):.1f}% of "
-        f"{cores} cores x wall",
+        f"= {total:.0f} s reaped, {100 * total / (cores * wall):.1f}% of {cores} cores x wall",
+        f"cpu_account: sampled from /proc, {sampled:.0f} s, {100 * sampled / (cores * wall):.1f}% (it also counts "
+        "processes whose parent let the kernel reap them, e.g. with SIGCHLD ignored: their time reaches no "
+        "parent's total)",
         "cpu_account: by program (sampled; processes shorter than the interval are missed):",
     ]
-    sampled = sum(sampler.by_program.values())
     for name, seconds in sorted(sampler.by_program.items(), key=lambda kv: -kv[1])[:25]:
-        lines.append(f"  {seconds:9.0f} s  {100 * seconds / max(total, sampled, 1e-9):5.1f}%  {name}")
+        lines.append(f"  {seconds:9.1f} s  {100 * seconds / max(total, sampled, 1e-9):5.1f}%  {name}")
     if leaked:
         lines.append(f"cpu_account: {len(leaked)} process(es) still alive when the command ended:")
         lines.extend(f"  {line}" for line in leaked[:40])

@@ -90,6 +90,8 @@ class TrainerWorkerSpec:
             balance_data=s.train.balance_data,
             optimizer=s.train.optimizer,
             sgd_momentum=s.train.sgd_momentum,
+            exp_avg_dtype=s.perf.exp_avg_dtype,
+            exp_avg_sq_dtype=s.perf.exp_avg_sq_dtype,
             hooks=s.hooks,
             custom_config=load_custom_config(s.hooks.custom_config_path),
         )

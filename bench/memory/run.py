@@ -1,7 +1,8 @@
 """Benchmark: the trainer's peak memory per parameter, and the largest model a training step fits.
 
     .venv/bin/python bench/memory/run.py                 # the measurement and the search (~30 min, 2 cores)
-    .venv/bin/python bench/memory/run.py --no-search     # the measurement only (~5 min)
+    .venv/bin/python bench/memory/run.py --no-search     # the measurement only (~7 min)
+    .venv/bin/python bench/memory/run.py --configs a,d   # some configurations only (baseline always)
     .venv/bin/python bench/memory/run.py --smoke         # seconds: a tiny model, numbers meaningless
     python bench/memory/run.py --device cuda --no-search # on GPUs: the CUDA allocator's peaks (no search)
 
@@ -12,20 +13,22 @@ fresh processes, one per trainer rank (gloo), for:
   baseline  a plain HF float32 AdamW step (cross-entropy over the same batch), one process: the scale;
   (a)       today's default: float32, a full replica of parameters, gradients and AdamW state per rank;
   (b)       --bf16 --use-distributed-optimizer on 2 ranks (FSDP2: float32 shards, bf16 compute);
-  (c)       (b) + --recompute-granularity full + --log-probs-chunk-size 256 (and the same on 4 ranks).
+  (c)       (b) + --recompute-granularity full + --log-probs-chunk-size 256 (and the same on 4 ranks);
+  (d)       (c) + --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (AdamW's
+            moments stored in bf16: 12 / R bytes of optimizer state per parameter instead of 16 / R).
 
 Memory is the rank's resident set: its peak during the step (VmHWM after /proc/self/clear_refs reset it
 once the trainer was built) minus its resident set before the model existed (with the model's code already
 imported); "overall" also counts building the trainer (loading the checkpoint, sharding). The ranks run with
 glibc's mmap threshold fixed (rank_environment), so that a freed tensor leaves the resident set. Printed per
-rank in bytes per parameter, and the ratio (c) / (a) per rank (goal <= 0.4). Sharded over R ranks, float32
-masters, their gradients and AdamW's two moments hold 16 / R bytes per parameter on each rank: 8 on 2 ranks,
-the floor (c) approaches there.
+rank in bytes per parameter, and the ratios (c) / (a) (goal <= 0.4) and (d) / (a) per rank. Sharded over R
+ranks, float32 masters, their gradients and AdamW's two moments hold 16 / R bytes per parameter on each rank: 8
+on 2 ranks, the floor (c) approaches there; (d)'s is 6.
 
-The search doubles a Qwen2 shape (layers, then hidden size) and runs (a) and (c) on 2 ranks at each size until
+The search doubles a Qwen2 shape (layers, then hidden size) and runs (a), (c) and (d) on 2 ranks at each size until
 a step does not fit: the two ranks' resident sets together must stay below the memory available when the
 benchmark started, less a 1 GiB margin (a watchdog stops the ranks past it, so the machine never swaps or
-meets its OOM killer). Printed: the largest size that fits for each, and their ratio (goal >= 3).
+meets its OOM killer). Printed: the largest size that fits for each, and the ratios to (a) (goal >= 3).
 
 With ``--device cuda`` the ranks train on GPUs (one each, NCCL; a configuration runs on as many ranks as it
 asks for, at most the GPUs there are, and says how many) and memory is the CUDA allocator's: its peak during
@@ -91,6 +94,18 @@ CONFIGS = {
         "(c) (b) + recompute + chunked log-probs",
         2,
         {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full", "log_probs_chunk_size": 256},
+    ),
+    "d": Config(
+        "(d) (c) + AdamW's moments in bf16",
+        2,
+        {
+            "bf16": True,
+            "use_distributed_optimizer": True,
+            "recompute_granularity": "full",
+            "log_probs_chunk_size": 256,
+            "exp_avg_dtype": "bf16",
+            "exp_avg_sq_dtype": "bf16",
+        },
     ),
     "c4": Config(
         "(c) on 4 ranks",
@@ -424,7 +439,8 @@ def measure(options, cache: str, budget: int) -> dict:
         device=options.device,
     )
     rows = {}
-    for key, config in [("baseline", None)] + list(CONFIGS.items()):
+    chosen = [("baseline", None)] + [(key, config) for key, config in CONFIGS.items() if key in options.configs]
+    for key, config in chosen:
         if options.device == "cuda" and config and rank_count(config, "cuda") < config.ranks and key == "c4":
             continue  # (c) on fewer GPUs than 4 repeats (c)
         result = run_ranks(model, config, **common)
@@ -450,6 +466,11 @@ def measure(options, cache: str, budget: int) -> dict:
             f" (goal <= 0.4 on 2)"
             + (f", {per_parameter(rows['c4']) / per_parameter(rows['a']):.2f} on 4 ranks" if rows.get("c4") else ""),
             flush=True,
+        )
+    if rows.get("a") and rows.get("d"):
+        ratio = per_parameter(rows["d"]) / per_parameter(rows["a"])
+        print(
+            f"ratio (d) / (a) per rank: {ratio:.2f} on {rank_count(CONFIGS['d'], options.device)} rank(s)", flush=True
         )
     return rows
 
@@ -479,7 +500,7 @@ def search(options, cache: str, budget: int) -> None:
         timeout=options.timeout,
     )
     largest = {}
-    for key in ("a", "c"):
+    for key in [k for k in ("a", "c", "d") if k in options.configs]:
         config = CONFIGS[key]
         for shape in shapes:
             result = run_ranks(model_folder(cache, shape), config, **common)
@@ -491,13 +512,14 @@ def search(options, cache: str, budget: int) -> None:
             if not result["fits"]:
                 break
             largest[key] = shape
-    if "a" in largest and "c" in largest:
-        ratio = largest["c"].parameters() / largest["a"].parameters()
-        print(
-            f"largest step that fits in {budget / GIB:.1f} GiB with 2 ranks: (a) {largest['a'].label()}, "
-            f"(c) {largest['c'].label()}: {ratio:.1f}x the parameters (goal >= 3)",
-            flush=True,
-        )
+    if "a" in largest:
+        for key in [k for k in ("c", "d") if k in largest]:
+            ratio = largest[key].parameters() / largest["a"].parameters()
+            print(
+                f"largest step that fits in {budget / GIB:.1f} GiB with 2 ranks: (a) {largest['a'].label()}, "
+                f"({key}) {largest[key].label()}: {ratio:.1f}x the parameters (goal >= 3)",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,8 +543,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: train on GPUs, measure the CUDA allocator"
     )
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"the configurations to run, comma-separated (default: all of {','.join(CONFIGS)}; the baseline always)",
+    )
     parser.add_argument("--rank-request", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
+    options.configs = [key.strip() for key in options.configs.split(",") if key.strip()]
+    unknown = [key for key in options.configs if key not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     if options.rank_request:
         print(json.dumps(rank_main(json.loads(options.rank_request))), flush=True)
         os._exit(0)  # the result is out; gloo's threads have aborted interpreter teardown now and then

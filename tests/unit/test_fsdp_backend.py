@@ -71,6 +71,11 @@ def spec(model_dir: str, *, sharded: bool, bf16: bool = False, **algorithm) -> T
     )
 
 
+def bf16_moments_spec(model_dir: str) -> TorchTrainerSpec:
+    """Float32 compute with AdamW's moments stored in bf16: what differs from the float32 run is their rounding."""
+    return dataclasses.replace(spec(model_dir, sharded=True, **KL), exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+
+
 def local_numel(backend: TorchBackend) -> dict[str, int]:
     """This rank's elements of the policy's parameters and of AdamW's moments."""
 
@@ -132,6 +137,15 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
         {str(p.dtype) for p in bf16.model.parameters()}
         | {str(v.dtype) for s in bf16.optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")}
     )
+    # AdamW's moments in bf16 (--exp-avg-dtype / --exp-avg-sq-dtype bf16), sharded like float32 ones
+    moments = TorchBackend(bf16_moments_spec(model_dir))
+    results["bf16_moments"] = moments.train_rollout(make_samples(0), 0)
+    results["bf16_moments_numel"] = local_numel(moments)
+    results["bf16_moments_dtypes"] = sorted(
+        {str(v.dtype) for s in moments.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")}
+    )
+    moments.save_training_state(os.path.join(work, "ckpt_bf16_moments"))
+    results["bf16_moments_second"] = moments.train_rollout(make_samples(1), 0)
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -300,3 +314,30 @@ def test_one_rank_bf16_sharded_format_checkpoint_resumes_exactly(model_dir, tmp_
     got = resumed.train_rollout(make_samples(1), 0)
     for name in ("loss", "grad_norm", "kl_loss"):
         assert got[name] == expected[name], name
+
+
+def test_bf16_moments_are_sharded_and_resume_on_one_rank(work, model_dir, reference):
+    folder, ranks = work
+    for rank in ranks:
+        assert rank["bf16_moments_dtypes"] == ["torch.bfloat16"]
+        assert rank["bf16_moments_numel"] == rank["numel"]  # each rank holds half of the moments, as in float32
+        # The first optimizer step's loss and gradients do not depend on the moments; the rounding shows after it.
+        assert rank["bf16_moments"]["loss"] == pytest.approx(reference["first"]["loss"], rel=1e-3)
+    resumed = TorchBackend(bf16_moments_spec(model_dir))
+    resumed.load_training_state(os.path.join(folder, "ckpt_bf16_moments"))
+    state = [v for s in resumed.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")]
+    assert state and {v.dtype for v in state} == {torch.bfloat16}  # the moments were loaded in their dtype
+    assert_same_metrics(resumed.train_rollout(make_samples(1), 0), ranks[0]["bf16_moments_second"])
+
+
+def test_the_input_embeddings_are_a_group_of_their_own_unless_tied():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vime.backends.fsdp import separate_embedding_groups
+
+    shape = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    untied = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
+    assert separate_embedding_groups(untied) == [untied.get_input_embeddings()]
+    tied = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    assert separate_embedding_groups(tied) == []  # the head needs the shared weight where the root gathers it

@@ -52,6 +52,22 @@ def _layer_class_names(module: torch.nn.Module) -> set[str]:
     return names
 
 
+def separate_embedding_groups(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embeddings as an FSDP group of their own, unless the LM head shares their weight. With a
+    large vocabulary they are a large share of the model (a 32k x 1024 table is 16% of a 200M model); in the
+    root's group their gathered weights and unsharded gradients would add to the head's at the end of the
+    backward pass. The head stays in the root's group: the chunked log-probs read its weight after the root's
+    forward (vime.backends.chunked_logits.final_hidden_states)."""
+    getter = getattr(module, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
+    if embeddings is None or embeddings is module:
+        return []
+    head = module.get_output_embeddings() if callable(getattr(module, "get_output_embeddings", None)) else None
+    if head is not None and getattr(head, "weight", None) is getattr(embeddings, "weight", None):
+        return []  # tied: one tensor, which the head needs where the root has it gathered
+    return [embeddings]
+
+
 def is_sharded(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -79,13 +95,14 @@ class Sharding:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         layer_names = _layer_class_names(module)
         layers = [sub for sub in module.modules() if type(sub).__name__ in layer_names and sub is not module]
-        for layer in layers:
-            fully_shard(layer, **kwargs)
+        groups = [*layers, *separate_embedding_groups(module)]
+        for group in groups:
+            fully_shard(group, **kwargs)
         fully_shard(module, **kwargs)
         # A micro-batch's loss is already its share of the step's loss (reduce_loss divides by the step's
         # totals): the ranks' gradients add up, they are not averaged (FSDP's default divides by N). A plain
         # SUM reduction: FSDP would otherwise pre-multiply by 1/factor (PREMUL_SUM), which gloo lacks.
-        for sub in [*layers, module]:
+        for sub in [*groups, module]:
             sub.set_gradient_divide_factor(1.0)
             sub.set_force_sum_reduction_for_comms(True)
         return module

@@ -23,6 +23,7 @@ import os
 import torch
 
 from vime.backends.activation_checkpointing import enable_full_recompute
+from vime.backends.adamw_state_dtype import STATE_DTYPES, AdamWWithStateDtype
 from vime.backends.chunked_logits import chunked_forward
 from vime.backends.data_parallel import DataParallel
 from vime.backends.fsdp import Sharding, save_value_model
@@ -81,6 +82,9 @@ class TorchTrainerSpec:
     log_probs_max_tokens_per_gpu: int | None = None  # the no-gradient forwards' budget (None: max_tokens_per_gpu)
     balance_data: bool = False  # --balance-data: data-parallel ranks get a step's micro-batches by token count
     optimizer: str = "adam"  # --optimizer: adam (torch AdamW) or sgd (torch SGD with sgd_momentum)
+    # --exp-avg-dtype / --exp-avg-sq-dtype: AdamW's moments' storage dtypes (vime.backends.adamw_state_dtype)
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
     sgd_momentum: float = 0.9  # --sgd-momentum
     # --custom-convert-samples-to-train-data-path, --save-debug-train-data & co. (vime.config.hooks), and the
     # keys of --custom-config-path: what the objective's user functions see in ``args``.
@@ -245,6 +249,16 @@ def make_optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch
         raise ValueError(f"--optimizer {spec.optimizer!r}: vime has adam and sgd")
     betas = (role.get("adam_beta1", spec.adam_betas[0]), role.get("adam_beta2", spec.adam_betas[1]))
     eps = role.get("adam_eps", spec.adam_eps)
+    if (spec.exp_avg_dtype, spec.exp_avg_sq_dtype) != ("fp32", "fp32"):
+        return AdamWWithStateDtype(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            exp_avg_dtype=STATE_DTYPES[spec.exp_avg_dtype],
+            exp_avg_sq_dtype=STATE_DTYPES[spec.exp_avg_sq_dtype],
+        )
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 

@@ -196,6 +196,7 @@ def validate(settings: TrainSettings) -> None:
     resolve_eval_datasets(settings.eval, rollout, settings.data)  # --eval-config read and checked now
     check_trainer_parallelism(settings)
     check_torch_recompute(settings)
+    check_optimizer_state_dtypes(settings)
     check_local_cuda(settings)
     if settings.megatron_lm.values and settings.train.train_backend == "megatron":
         transformer_overrides(settings.megatron_lm)  # a flag setting a field vime decides fails now
@@ -263,6 +264,24 @@ def check_local_cuda(settings: TrainSettings) -> None:
             "--update-weight-transport",
             "'nccl' needs CUDA GPUs (torch.cuda.is_available() is False here); use 'disk'",
         )
+
+
+def check_optimizer_state_dtypes(settings: TrainSettings) -> None:
+    """AdamW's moments in bf16 (--exp-avg-dtype, --exp-avg-sq-dtype; vime.backends.adamw_state_dtype): an AdamW
+    state, built by the torch backend's optimizer. The Megatron backend's checkpoints (torch_dist) load the state
+    into float32 tensors, so it is refused there rather than silently widened."""
+    perf = settings.perf
+    if not perf.bf16_moments:
+        return
+    flag = "--exp-avg-dtype" if perf.exp_avg_dtype == "bf16" else "--exp-avg-sq-dtype"
+    require(
+        settings.train.optimizer == "adam", flag, f"bf16 is AdamW's state; --optimizer is {settings.train.optimizer}"
+    )
+    require(
+        settings.train.train_backend == "torch",
+        flag,
+        "bf16 moments are implemented on the torch backend only (--train-backend torch)",
+    )
 
 
 def check_torch_recompute(settings: TrainSettings) -> None:

@@ -18,6 +18,14 @@ import dataclasses
 
 from vime.config.base import option, require
 
+# Why each precision-aware optimizer dtype flag takes only the values it does (MegatronPerfConfig.validate).
+UNIMPLEMENTED_DTYPES = {
+    "--exp-avg-dtype": "moments are stored in fp32 or bf16 (fp16 and fp8 need per-tensor scaling)",
+    "--exp-avg-sq-dtype": "moments are stored in fp32 or bf16 (fp16 and fp8 need per-tensor scaling)",
+    "--main-grads-dtype": "gradients are accumulated and reduced in fp32",
+    "--main-params-dtype": "master weights are fp32",
+}
+
 ATTENTION_BACKENDS = ["flash", "fused", "unfused", "local", "auto"]  # megatron.core.transformer.enums.AttnBackend
 
 # Megatron-LM's ``--no-*-fusion`` flags store False into these destinations of ``args``; vime's fields are named
@@ -111,7 +119,33 @@ class MegatronPerfConfig:
         False,
         "Transformer Engine's precision-aware optimizer, which may keep master weights and optimizer state in "
         "lower precision (Megatron-LM). With Megatron-LM's default dtypes (fp32) that is what vime does: float32 "
-        "master weights and optimizer state.",
+        "master weights and optimizer state; --exp-avg-dtype / --exp-avg-sq-dtype bf16 store AdamW's moments in "
+        "bf16 (torch backend).",
+    )
+    exp_avg_dtype: str = option(
+        "fp32",
+        "Storage dtype of AdamW's first moment, with --use-precision-aware-optimizer (Megatron-LM). vime: fp32 or "
+        "bf16 on the torch backend (the update is computed in float32; docs/real-models.md); fp16 and fp8, which "
+        "need per-tensor scaling, are not implemented.",
+        choices=["fp32", "fp16", "bf16", "fp8"],
+    )
+    exp_avg_sq_dtype: str = option(
+        "fp32",
+        "Storage dtype of AdamW's second moment, with --use-precision-aware-optimizer (Megatron-LM); as "
+        "--exp-avg-dtype.",
+        choices=["fp32", "fp16", "bf16", "fp8"],
+    )
+    main_grads_dtype: str = option(
+        "fp32",
+        "Dtype of the gradients the optimizer reads, with --use-precision-aware-optimizer (Megatron-LM). vime "
+        "accumulates and reduces them in float32 (fp32); bf16 is not implemented.",
+        choices=["fp32", "bf16"],
+    )
+    main_params_dtype: str = option(
+        "fp32",
+        "Dtype of the master weights, with --use-precision-aware-optimizer (Megatron-LM). vime keeps float32 "
+        "masters (fp32); fp16 is not implemented.",
+        choices=["fp32", "fp16"],
     )
     train_memory_margin_bytes: int = option(
         1024**3,
@@ -128,6 +162,17 @@ class MegatronPerfConfig:
     )
 
     def validate(self) -> None:
+        for flag, value in self._optimizer_dtypes().items():
+            if value == "fp32":
+                continue
+            # Megatron-LM's rule (OptimizerConfig): other dtypes than fp32 belong to the precision-aware optimizer.
+            require(
+                self.use_precision_aware_optimizer,
+                flag,
+                f"{value} needs --use-precision-aware-optimizer (as in Megatron-LM)",
+            )
+            implemented = flag in ("--exp-avg-dtype", "--exp-avg-sq-dtype") and value == "bf16"
+            require(implemented, flag, f"{value} is not implemented in vime: {UNIMPLEMENTED_DTYPES[flag]}")
         # Megatron-LM's rule (validate_args): its CPU optimizer reuses the precision-aware optimizer's code path.
         require(
             not self.optimizer_cpu_offload or self.use_precision_aware_optimizer,
@@ -144,6 +189,19 @@ class MegatronPerfConfig:
             "--train-memory-margin-bytes",
             f"must be >= 0, got {self.train_memory_margin_bytes}",
         )
+
+    def _optimizer_dtypes(self) -> dict[str, str]:
+        return {
+            "--exp-avg-dtype": self.exp_avg_dtype,
+            "--exp-avg-sq-dtype": self.exp_avg_sq_dtype,
+            "--main-grads-dtype": self.main_grads_dtype,
+            "--main-params-dtype": self.main_params_dtype,
+        }
+
+    @property
+    def bf16_moments(self) -> bool:
+        """AdamW's moments (either) stored in bf16 (vime.backends.adamw_state_dtype)."""
+        return "bf16" in (self.exp_avg_dtype, self.exp_avg_sq_dtype)
 
     def transformer_fields(self) -> dict:
         """The TransformerConfig fields these flags set on the Megatron backend's models (the MoE router's dtype
@@ -248,7 +306,7 @@ class MegatronPerfConfig:
                 "already); on GPUs its state is not offloaded during the step (--offload-train moves it to host "
                 "memory between steps, --use-distributed-optimizer shards it)"
             )
-        if self.use_precision_aware_optimizer:
+        if self.use_precision_aware_optimizer and not self.bf16_moments:
             notes.append(
                 "--use-precision-aware-optimizer: vime's optimizer is torch's, with float32 master weights and "
                 "state (Megatron-LM's default dtypes for this optimizer)"
