@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     start = time.monotonic()
     child = subprocess.Popen(command)
-    # Ctrl-C reaches the whole foreground group; the wrapper itself waits for the command to end.
+    # Ctrl-C reaches the whole foreground group; the wrapper itself waits for the command to end. A SIGTERM
+    # sent to the wrapper alone (a CI job's timeout) is passed on to the command.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     sampler = Sampler(os.getpid())
     status = None
     while status is None:

@@ -3,6 +3,7 @@
     .venv/bin/python bench/memory/run.py                 # the measurement and the search (~30 min, 2 cores)
     .venv/bin/python bench/memory/run.py --no-search     # the measurement only (~7 min)
     .venv/bin/python bench/memory/run.py --configs a,d   # some configurations only (baseline always)
+    .venv/bin/python bench/memory/run.py --search-only   # the largest model only (~30 min)
     .venv/bin/python bench/memory/run.py --smoke         # seconds: a tiny model, numbers meaningless
     python bench/memory/run.py --device cuda --no-search # on GPUs: the CUDA allocator's peaks (no search)
 
@@ -28,7 +29,9 @@ on 2 ranks, the floor (c) approaches there; (d)'s is 6.
 The search doubles a Qwen2 shape (layers, then hidden size) and runs (a), (c) and (d) on 2 ranks at each size until
 a step does not fit: the two ranks' resident sets together must stay below the memory available when the
 benchmark started, less a 1 GiB margin (a watchdog stops the ranks past it, so the machine never swaps or
-meets its OOM killer). Printed: the largest size that fits for each, and the ratios to (a) (goal >= 3).
+meets its OOM killer). The doublings bracket the largest size; ``--refine-steps`` bisections of the layer count
+at the last hidden size that fit narrow it (a doubling ladder alone can only answer 1x, 2x or 4x). Printed: the
+largest size that fits for each, and the ratios to (a) (goal >= 3).
 
 With ``--device cuda`` the ranks train on GPUs (one each, NCCL; a configuration runs on as many ranks as it
 asks for, at most the GPUs there are, and says how many) and memory is the CUDA allocator's: its peak during
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -501,17 +505,15 @@ def search(options, cache: str, budget: int) -> None:
     )
     largest = {}
     for key in [k for k in ("a", "c", "d") if k in options.configs]:
-        config = CONFIGS[key]
+        fits = functools.partial(step_fits, CONFIGS[key], cache, common)
+        too_large = None
         for shape in shapes:
-            result = run_ranks(model_folder(cache, shape), config, **common)
-            verdict = "fits" if result["fits"] else f"does not fit: {result['reason']}"
-            print(
-                f"  {config.name:45s} {shape.label():40s} {verdict} (peak {result['peak_total'] / GIB:.1f} GiB)",
-                flush=True,
-            )
-            if not result["fits"]:
+            if not fits(shape):
+                too_large = shape
                 break
             largest[key] = shape
+        if key in largest and too_large is not None:
+            largest[key] = refine(largest[key], too_large, options.refine_steps, fits)
     if "a" in largest:
         for key in [k for k in ("c", "d") if k in largest]:
             ratio = largest[key].parameters() / largest["a"].parameters()
@@ -522,10 +524,35 @@ def search(options, cache: str, budget: int) -> None:
             )
 
 
+def step_fits(config: Config, cache: str, common: dict, shape: Shape) -> bool:
+    result = run_ranks(model_folder(cache, shape), config, **common)
+    verdict = "fits" if result["fits"] else f"does not fit: {result['reason']}"
+    print(f"  {config.name:45s} {shape.label():40s} {verdict} (peak {result['peak_total'] / GIB:.1f} GiB)", flush=True)
+    return result["fits"]
+
+
+def refine(fitting: Shape, too_large: Shape, steps: int, fits) -> Shape:
+    """Bisect the layer count at ``fitting``'s hidden size, between it and as many layers as ``too_large``'s
+    parameters: a doubling ladder alone can only say 1x, 2x or 4x."""
+    low, high = fitting.layers, fitting.layers
+    while Shape(fitting.hidden, high, fitting.vocab).parameters() < too_large.parameters():
+        high += 1
+    for _ in range(steps):
+        if high - low <= 1:
+            break
+        middle = (low + high) // 2
+        if fits(Shape(fitting.hidden, middle, fitting.vocab)):
+            low = middle
+        else:
+            high = middle
+    return Shape(fitting.hidden, low, fitting.vocab)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="seconds, on a tiny model; the numbers mean nothing")
     parser.add_argument("--no-search", action="store_true", help="the per-parameter measurement only")
+    parser.add_argument("--search-only", action="store_true", help="the search only (no per-parameter measurement)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -533,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--search-steps", type=int, default=5, help="doublings the search tries at most")
+    parser.add_argument(
+        "--refine-steps", type=int, default=3, help="bisections of the layer count after the doublings (0: none)"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--cache", help="where the random models are kept (default: a temporary folder)")
     parser.add_argument(
@@ -560,13 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     if options.smoke:
         options.hidden, options.layers, options.vocab, options.tokens = 64, 2, 512, 32
         options.no_search, options.timeout = True, 300
+    if options.search_only and options.no_search:
+        parser.error("--search-only and --no-search leave nothing to run")
     if options.device == "cuda" and not options.no_search:
         parser.error("--device cuda measures only: add --no-search (the search sizes models to the host's memory)")
     cache = options.cache or tempfile.mkdtemp(prefix="vime-bench-memory-")
     budget = int(options.budget_gib * GIB) if options.budget_gib else available_bytes() - GIB
     print(f"memory available for the ranks: {budget / GIB:.1f} GiB", flush=True)
     try:
-        rows = measure(options, cache, budget)
+        rows = {} if options.search_only else measure(options, cache, budget)
         if any(row is None for row in rows.values()):
             return 1
         if not options.no_search:

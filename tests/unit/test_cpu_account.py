@@ -58,3 +58,32 @@ def test_bad_input_names_the_flag():
     assert done.returncode == 2 and "--interval" in done.stderr
     done = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=20)
     assert done.returncode == 2 and "no command" in done.stderr
+
+
+def test_a_sigterm_to_the_wrapper_reaches_the_command(tmp_path):
+    report = tmp_path / "report.txt"
+    with (tmp_path / "stderr").open("w") as stderr:
+        wrapper = subprocess.Popen(
+            [sys.executable, str(TOOL), "--linger", "0", "--report", str(report), "--", "sleep", "60"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        deadline = 50
+        while deadline and not any(
+            p.read_text().split("\0")[0] == "sleep"
+            for p in Path("/proc").glob("[0-9]*/cmdline")
+            if _is_child(p.parent.name, wrapper.pid)
+        ):
+            deadline -= 1
+            subprocess.run(["sleep", "0.1"])
+        wrapper.send_signal(signal.SIGTERM)
+        assert wrapper.wait(timeout=20) == 128 + signal.SIGTERM  # the command's status, killed by SIGTERM
+    assert "cpu_account: wall" in report.read_text()
+
+
+def _is_child(pid: str, parent: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat[stat.rindex(")") + 2 :].split()[1]) == parent
