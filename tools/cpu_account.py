@@ -64,6 +64,10 @@ def program_name(pid: int) -> str | None:
     args = [a.decode(errors="replace") for a in argv if a]
     if not args:
         return None  # a zombie (or a kernel thread): the caller keeps what it saw before
+    if args[0].startswith("[pytest-xdist"):
+        return "pytest-xdist worker"  # retitled with the test it runs: one label for all of them
+    if "from multiprocessing.spawn import spawn_main" in " ".join(args):
+        return "python multiprocessing child"
     if not Path(args[0]).name.startswith("python"):
         # Ray and vLLM rename their processes (ray::TrainerWorker, VLLM::EngineCore): keep that title.
         return comm if ":" in comm else Path(args[0]).name
@@ -174,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
 
     become_subreaper()
     start = time.monotonic()
+    # A SIGTERM sent to the wrapper alone (a CI job's timeout) is passed on to the command: its handler is set
+    # before the command starts (exec resets a handler to the default in the command).
+    started: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: [process.send_signal(signum) for process in started])
     child = subprocess.Popen(command)
-    # Ctrl-C reaches the whole foreground group; the wrapper itself waits for the command to end. A SIGTERM
-    # sent to the wrapper alone (a CI job's timeout) is passed on to the command.
+    started.append(child)
+    # Ctrl-C reaches the whole foreground group; the wrapper waits for the command to end. Ignored only now:
+    # an ignored signal stays ignored across exec, and the command must see its Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     sampler = Sampler(os.getpid())
     status = None
     while status is None:

@@ -5,6 +5,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "cpu_account.py"
@@ -71,22 +72,37 @@ def test_a_sigterm_to_the_wrapper_reaches_the_command(tmp_path):
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-        deadline = 50
-        while deadline and not any(
-            p.read_text().split("\0")[0] == "sleep"
-            for p in Path("/proc").glob("[0-9]*/cmdline")
-            if _is_child(p.parent.name, wrapper.pid)
-        ):
-            deadline -= 1
-            subprocess.run(["sleep", "0.1"])
+        wait_for_child(wrapper.pid, "sleep")
         wrapper.send_signal(signal.SIGTERM)
         assert wrapper.wait(timeout=20) == 128 + signal.SIGTERM  # the command's status, killed by SIGTERM
     assert "cpu_account: wall" in report.read_text()
 
 
-def _is_child(pid: str, parent: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return int(stat[stat.rindex(")") + 2 :].split()[1]) == parent
+def test_ctrl_c_reaches_the_command_and_the_wrapper_still_reports(tmp_path):
+    report = tmp_path / "report.txt"
+    with (tmp_path / "stderr").open("w") as stderr:
+        wrapper = subprocess.Popen(
+            [sys.executable, str(TOOL), "--linger", "0", "--report", str(report), "--", "sleep", "60"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        wait_for_child(wrapper.pid, "sleep")
+        os.killpg(wrapper.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
+        assert wrapper.wait(timeout=20) == 128 + signal.SIGINT  # sleep got it (not left ignoring it)
+    assert "cpu_account: wall" in report.read_text()
+
+
+def wait_for_child(parent: int, program: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                stat = (entry / "stat").read_text()
+                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == parent and Path(argv0).name == program:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{program} did not start under pid {parent} within {timeout} s")
