@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -48,9 +49,7 @@ TIMEOUT_S = 300
 def start_ray_head(log_path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     """A Ray head of this module's own (``ray start --block``: SIGTERM stops it and its processes); ``env``:
     its environment (default: this process's), which its workers inherit."""
-    from vime.runtime.ports import free_port
-
-    port = free_port()
+    port = quiet_port()
     with open(log_path, "w") as log:
         head = subprocess.Popen(
             [
@@ -67,13 +66,28 @@ def start_ray_head(log_path, env: dict[str, str] | None = None) -> tuple[subproc
                 "--include-dashboard",
                 "false",
                 "--ray-client-server-port",
-                str(free_port()),
+                str(quiet_port()),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
     return head, port
+
+
+def quiet_port() -> int:
+    """A free port below the kernel's ephemeral range (32768-60999) and above Ray's worker ports (10002-19999).
+    The head binds its ports seconds after they are chosen, on a loaded machine tens of seconds: a port from the
+    ephemeral range (what binding port 0 returns) was once taken meanwhile by another process's connection, the
+    head's client server failed to bind it and `ray start --block` stopped the whole head mid-run."""
+    from vime.runtime.ports import port_is_free
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port_is_free("127.0.0.1", port):
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def stop_ray_head(head: subprocess.Popen) -> None:

@@ -86,6 +86,9 @@ def test_ctrl_c_reaches_the_command_and_the_wrapper_still_reports(tmp_path):
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=True,  # its own process group, as a terminal's foreground job
+            # A terminal's job starts with SIGINT at its default; the suite may run with it ignored (a background
+            # job), which exec would pass on to the wrapper and to sleep.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         wait_for_child(wrapper.pid, "sleep")
         os.killpg(wrapper.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
