@@ -64,36 +64,39 @@ def test_bad_input_names_the_flag():
     assert done.returncode == 2 and "no command" in done.stderr
 
 
-def test_a_sigterm_to_the_wrapper_reaches_the_command(tmp_path):
+def signalled_wrapper_status(tmp_path, send, **popen_options) -> int:
+    """Start the wrapper over ``sleep 60``, call ``send(wrapper)`` once sleep runs; the wrapper's exit status,
+    after checking that it still wrote its report."""
     report = tmp_path / "report.txt"
     with (tmp_path / "stderr").open("w") as stderr:
         wrapper = subprocess.Popen(
             [sys.executable, str(TOOL), "--linger", "0", "--report", str(report), "--", "sleep", "60"],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            **popen_options,
         )
         wait_for_child(wrapper.pid, "sleep")
-        wrapper.send_signal(signal.SIGTERM)
-        assert wrapper.wait(timeout=20) == 128 + signal.SIGTERM  # the command's status, killed by SIGTERM
+        send(wrapper)
+        status = wrapper.wait(timeout=20)
     assert "cpu_account: wall" in report.read_text()
+    return status
+
+
+def test_a_sigterm_to_the_wrapper_reaches_the_command(tmp_path):
+    status = signalled_wrapper_status(tmp_path, lambda wrapper: wrapper.send_signal(signal.SIGTERM))
+    assert status == 128 + signal.SIGTERM  # the command's status, killed by SIGTERM
 
 
 def test_ctrl_c_reaches_the_command_and_the_wrapper_still_reports(tmp_path):
-    report = tmp_path / "report.txt"
-    with (tmp_path / "stderr").open("w") as stderr:
-        wrapper = subprocess.Popen(
-            [sys.executable, str(TOOL), "--linger", "0", "--report", str(report), "--", "sleep", "60"],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,  # its own process group, as a terminal's foreground job
-            # A terminal's job starts with SIGINT at its default; the suite may run with it ignored (a background
-            # job), which exec would pass on to the wrapper and to sleep.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        wait_for_child(wrapper.pid, "sleep")
-        os.killpg(wrapper.pid, signal.SIGINT)  # what Ctrl-C does: the whole group
-        assert wrapper.wait(timeout=20) == 128 + signal.SIGINT  # sleep got it (not left ignoring it)
-    assert "cpu_account: wall" in report.read_text()
+    status = signalled_wrapper_status(
+        tmp_path,
+        lambda wrapper: os.killpg(wrapper.pid, signal.SIGINT),  # what Ctrl-C does: the whole group
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        # A terminal's job starts with SIGINT at its default; the suite may run with it ignored (a background
+        # job), which exec would pass on to the wrapper and to sleep.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert status == 128 + signal.SIGINT  # sleep got it (not left ignoring it)
 
 
 def wait_for_child(parent: int, program: str, timeout: float = 30.0) -> None:
