@@ -198,7 +198,9 @@ class TrainingRun:
                 "--rollout-queue-online-gc; only the latest checkpoint can be resumed "
                 f"(see {ckpt.LATEST} in {self.s.checkpoint.load})"
             )
-        self.processes.trainer.load_checkpoint(folder)
+        if self.s.checkpoint.no_load_optim:
+            self.log.say("--no-load-optim: the trainer loads the checkpoint's weights; its optimizer starts afresh")
+        self.processes.trainer.load_checkpoint(folder, optimizer=not self.s.checkpoint.no_load_optim)
         # The checkpoint's cursor is authoritative: the queue's committed cursor may lag behind it
         # (a crash between the two writes) and may be ahead of it (resuming an older --ckpt-step).
         self.cursor, self.step_cursors = state.consumer_cursor, list(state.step_cursors)
@@ -327,12 +329,24 @@ class TrainingRun:
     def _publish(self, version: int, *, sync_number: int) -> dict[str, float]:
         """Publish ``version`` and load it into every engine; returns the step record's sync metrics:
         ``weight_sync_seconds`` (all of it), ``weight_sync_publish_s`` (the trainer writing the
-        version) and ``weight_sync_pause_s`` (the longest time an engine generated nothing)."""
+        version) and ``weight_sync_pause_s`` (the longest time an engine generated nothing). With
+        --debug-train-only there is no engine: the version moves on and nothing is written."""
         import ray
 
         started = time.monotonic()
+        report = {} if self.s.debug.debug_train_only else self._sync_engines(version, sync_number)
+        self.version = version
+        ray.get(self.processes.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
+        return {
+            "weight_sync_seconds": time.monotonic() - started,
+            "weight_sync_publish_s": float(report.get("weight_publish_seconds", 0.0)),
+            "weight_sync_pause_s": float(report.get("weight_pause_seconds", 0.0)),
+        }
+
+    def _sync_engines(self, version: int, sync_number: int) -> dict[str, Any]:
+        """The trainer publishes ``version`` and every engine loads it (vime.workers.engines.WeightSync;
+        docs/weights.md); returns the synchronisation's report, also written as a ``weight_sync`` record."""
         serving = self.processes.serving
-        # -- weight synchronisation (vime.workers.engines.WeightSync; docs/weights.md) --
         if self.weight_sync is None:
             from vime.workers.engines import WeightSync
 
@@ -345,14 +359,7 @@ class TrainingRun:
         ):
             report = self.weight_sync.sync(version, flush=flush)
         self.log.write({"kind": "weight_sync", "step": self.step + 1, **report})  # the step being trained
-        # --
-        self.version = version
-        ray.get(self.processes.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
-        return {
-            "weight_sync_seconds": time.monotonic() - started,
-            "weight_sync_publish_s": float(report.get("weight_publish_seconds", 0.0)),
-            "weight_sync_pause_s": float(report.get("weight_pause_seconds", 0.0)),
-        }
+        return report
 
     def _train(self, start_step: int, version: int) -> int:
         from vime.workers.trainer_group import TrainerDied
@@ -447,6 +454,7 @@ class TrainingRun:
             budget=self.s.checkpoint.trainer_restart_budget,
             save_dir=self.s.checkpoint.save,
             resumed=self.resume,
+            resumed_optimizer=not self.s.checkpoint.no_load_optim,
         )
 
     def _restart_trainer(self, error: Exception, step: int, colocation) -> int:

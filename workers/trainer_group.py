@@ -95,8 +95,13 @@ class TrainerGroup:
             f"training step {rollout_id + 1}",
         )
 
-    def load_checkpoint(self, folder: str, *, timeout: float = 3600.0) -> None:
-        self._wait([rank.load_checkpoint.remote(folder) for rank in self.ranks], timeout, f"loading {folder}")
+    def load_checkpoint(self, folder: str, *, optimizer: bool = True, timeout: float = 3600.0) -> None:
+        """Every rank loads its part of ``folder``; ``optimizer=False`` (--no-load-optim): not the optimizers."""
+        self._wait(
+            [rank.load_checkpoint.remote(folder, optimizer=optimizer) for rank in self.ranks],
+            timeout,
+            f"loading {folder}",
+        )
 
     def save_checkpoint(self, folder: str, *, timeout: float = 3600.0) -> None:
         """Every rank writes its part of the training state (rank 0 the shared files) into ``folder``."""

@@ -73,7 +73,8 @@ class Restored:
 
 class TrainerRestarter:
     """Restarts ``trainer`` at most ``budget`` times in a run. ``resumed``: the (folder, state) the run was
-    started from with --load, restored while this run has saved nothing of its own."""
+    started from with --load, restored while this run has saved nothing of its own, as the run loaded it:
+    without its optimizer state when ``resumed_optimizer`` is False (--no-load-optim)."""
 
     def __init__(
         self,
@@ -82,8 +83,10 @@ class TrainerRestarter:
         budget: int,
         save_dir: str | None,
         resumed: tuple[str, ckpt.CheckpointState] | None,
+        resumed_optimizer: bool = True,
     ):
         self.trainer, self.budget, self.save_dir, self.resumed = trainer, budget, save_dir, resumed
+        self.resumed_optimizer = resumed_optimizer
         self.used = 0
 
     @property
@@ -97,12 +100,12 @@ class TrainerRestarter:
         self.used += 1
         self.trainer.restart()
         if saved_step is not None:
-            folder, state = ckpt.load_state(self.save_dir, saved_step)
+            (folder, state), optimizer = ckpt.load_state(self.save_dir, saved_step), True
         elif self.resumed is not None:
-            folder, state = self.resumed
+            (folder, state), optimizer = self.resumed, self.resumed_optimizer
         else:
             return Restored(step=0, weight_version=0, consumer_cursor=0, step_cursors=[], skipped=[], folder=None)
-        self.trainer.load_checkpoint(folder)
+        self.trainer.load_checkpoint(folder, optimizer=optimizer)
         return Restored(
             step=state.step,
             weight_version=state.weight_version,

@@ -321,8 +321,8 @@ class TrainerWorker:
         fault_point("trainer.mid_save")  # tests: a slow checkpoint write, for kills to land in
         self.backend.save_training_state(path)
 
-    def load_checkpoint(self, path: str) -> None:
-        self.backend.load_training_state(path)
+    def load_checkpoint(self, path: str, *, optimizer: bool = True) -> None:
+        self.backend.load_training_state(path, optimizer=optimizer)
 
     def save_hf(self, path: str) -> None:
         self.backend.save_hf(path)

@@ -102,6 +102,46 @@ def test_server_concurrency_bounds_the_groups_in_flight(model_dir):
         parse_train_args(base(model_dir, "--vllm-server-concurrency", "0"))
 
 
+def test_vllm_weight_sync_mode_is_vime_s_and_reload_is_refused(model_dir):
+    """The reference's Ascend scripts pass --vllm-weight-sync-mode native: vime's own flag (vLLM has none), never
+    forwarded; 'native' and 'auto' are the in-place update vime does, 'reload' is refused naming the flag."""
+    assert parse_train_args(base(model_dir)).weights.vllm_weight_sync_mode == "native"
+    for mode in ("native", "auto"):
+        s = parse_train_args(base(model_dir, "--vllm-weight-sync-mode", mode))
+        assert s.weights.vllm_weight_sync_mode == mode
+        assert not any("sync-mode" in arg for arg in s.vllm.vllm_args)  # not forwarded to vLLM
+    with pytest.raises(ConfigError, match="^--vllm-weight-sync-mode: 'reload' .* not implemented"):
+        parse_train_args(base(model_dir, "--vllm-weight-sync-mode", "reload"))
+    with pytest.raises(SystemExit):
+        parse_train_args(base(model_dir, "--vllm-weight-sync-mode", "hot"))
+
+
+SFT_ROLLOUT = ("--rollout-function-path", "vime.rollout.sft_rollout.generate_rollout")
+
+
+def test_debug_train_only_starts_no_engine_and_refuses_what_needs_one(model_dir):
+    """--debug-train-only (the reference's SFT scripts): no engine, and a node that joins gets none either."""
+    s = parse_train_args(base(model_dir, "--debug-train-only", *SFT_ROLLOUT))
+    assert s.cluster.num_engines == 0 and s.args.rollout_num_gpus == 0
+    assert s.elastic.rollout_elastic_node_engines is False
+    assert parse_train_args(base(model_dir, "--debug-train-only", "--rollout-num-gpus", "0", *SFT_ROLLOUT))
+    assert parse_train_args(base(model_dir, *SFT_ROLLOUT)).cluster.num_engines == 1  # without it: as before
+    refused = {
+        "--rollout-num-gpus asks for 2 engine GPU": ("--rollout-num-gpus", "2"),
+        "--colocate shares": ("--colocate",),
+        "--rollout-external-engine-addrs attaches": ("--rollout-external-engine-addrs", "127.0.0.1:8000"),
+        "--prefill-num-servers describes": ("--prefill-num-servers", "1"),
+        "the built-in evaluation": ("--eval-prompt-data", "held_out", "data.jsonl"),
+    }
+    for reason, flags in refused.items():
+        with pytest.raises(ConfigError, match=f"^--debug-train-only: .*{reason}"):
+            parse_train_args(base(model_dir, "--debug-train-only", *SFT_ROLLOUT, *flags))
+    with pytest.raises(ConfigError, match="^--debug-train-only: .*the built-in rollout generates"):
+        parse_train_args(base(model_dir, "--debug-train-only"))
+    with pytest.raises(ConfigError, match="^--debug-train-only: cannot be combined with --debug-rollout-only"):
+        parse_train_args(base(model_dir, "--debug-train-only", "--debug-rollout-only", *SFT_ROLLOUT))
+
+
 def test_colocate_is_synchronous(model_dir):
     assert parse_train_args(base(model_dir, "--colocate")).max_staleness == 0
 

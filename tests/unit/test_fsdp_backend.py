@@ -311,6 +311,12 @@ def test_one_rank_bf16_sharded_format_checkpoint_resumes_exactly(model_dir, tmp_
     resumed = TorchBackend(spec(model_dir, sharded=True, bf16=True, **KL))
     resumed.load_training_state(str(tmp_path / "ckpt"))
     assert {p.dtype for p in resumed.actor.parameters()} == {torch.float32}  # the masters were loaded
+    # --no-load-optim: the same masters, AdamW without moments (loaded before `resumed` trains on).
+    fresh = TorchBackend(spec(model_dir, sharded=True, bf16=True, **KL))
+    fresh.load_training_state(str(tmp_path / "ckpt"), optimizer=False)
+    assert not fresh.optimizer.state and fresh.actor.optimizer_steps == 0 and fresh.rollouts_trained == 1
+    for a, b in zip(resumed.actor.parameters(), fresh.actor.parameters()):
+        assert torch.equal(a, b)
     got = resumed.train_rollout(make_samples(1), 0)
     for name in ("loss", "grad_norm", "kl_loss"):
         assert got[name] == expected[name], name

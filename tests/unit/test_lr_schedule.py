@@ -311,6 +311,24 @@ def test_checkpoint_continues_the_schedule_exactly(model_dir, model, tmp_path):
     assert old.actor.optimizer_steps == 2
 
 
+def test_no_load_optim_takes_the_weights_and_starts_the_optimizer_and_schedule_afresh(model_dir, model, tmp_path):
+    """--no-load-optim (Megatron-LM's): the checkpoint's weights and position in the run, a fresh AdamW and the
+    schedule from its start (warm-up included), as Megatron-LM's scheduler without its saved state."""
+    trainer = TorchBackend(spec(model_dir))
+    trainer.train_rollout(make_samples(model), policy_version=0)
+    trainer.save_training_state(str(tmp_path / "ckpt"))
+    fresh = TorchBackend(spec(model_dir))
+    fresh.load_training_state(str(tmp_path / "ckpt"), optimizer=False)
+    assert not fresh.optimizer.state  # no moments until its first step
+    assert fresh.actor.optimizer_steps == 0 and fresh.optimizer.param_groups[0]["lr"] == 0.0
+    assert fresh.rollouts_trained == trainer.rollouts_trained == 1
+    for a, b in zip(trainer.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    first = fresh.train_rollout(make_samples(model, seed=1), policy_version=0)
+    assert first["lr"] == pytest.approx(2.5e-4)  # the first rollout's rates again (a full load: 7.75e-4)
+    assert fresh.optimizer.state  # and AdamW has moments now
+
+
 def test_ppo_critic_has_its_own_scaled_schedule_and_step_count(model_dir, model, tmp_path):
     roles = tmp_path / "roles.yaml"
     roles.write_text("megatron:\n  - role: critic\n    overrides:\n      lr: 1e-2\n")
@@ -363,5 +381,12 @@ def test_megatron_backend_steps_and_checkpoints_the_schedule(tmp_path):
         resumed = build()
         resumed.load_training_state(str(tmp_path / "ckpt"))
         assert resumed.actor.optimizer_steps == 2
+        fresh = build()  # --no-load-optim: the weights, not the optimizer nor the schedule's position
+        fresh.load_training_state(str(tmp_path / "ckpt"), optimizer=False)
+        assert fresh.actor.optimizer_steps == 0 and fresh.rollouts_trained == 1
+        for a, b in zip(resumed.gpt.parameters(), fresh.gpt.parameters()):
+            assert torch.equal(a, b)
         again = resumed.train_rollout(make_samples(hf, seed=1), policy_version=0)
+        afresh = fresh.train_rollout(make_samples(hf, seed=1), policy_version=0)
     assert again["lr"] == after["lr"] == pytest.approx(7.75e-4)
+    assert afresh["lr"] == first["lr"] == pytest.approx(2.5e-4)

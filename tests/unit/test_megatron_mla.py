@@ -117,6 +117,19 @@ def test_mla_flags_that_disagree_are_refused(model_dir, extra, flag):
     assert said.startswith(flag), said
 
 
+def test_rope_type_must_be_config_jsons(model_dir, tmp_path):
+    """--rope-type (Megatron-LM's; the reference's GLM-4.7 NPU script passes 'rope' to undo MLA's default yarn):
+    vime reads the variant from config.json, and the flag is checked against it."""
+    plain = megatron_shim.tiny_moe_hf_model(str(tmp_path / "qwen"), **megatron_shim.MOE_VARIANTS["qwen3_moe"])
+    for folder, agrees, disagrees, said in [(model_dir, "yarn", "rope", "yarn"), (plain, "rope", "yarn", "none")]:
+        settings = parse_train_args(_args(folder, "--rope-type", agrees))
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(folder), "megatron")
+        message = refused_against_config_json(folder, "--rope-type", disagrees)
+        assert message.startswith(f"--rope-type: '{disagrees}' disagrees") and f"RoPE scaling: {said}" in message
+    with pytest.raises(SystemExit):
+        parse_train_args(_args(model_dir, "--rope-type", "llama3"))
+
+
 def test_mla_flags_on_a_model_without_it_are_refused(tmp_path):
     folder = megatron_shim.tiny_moe_hf_model(str(tmp_path / "qwen"), **megatron_shim.MOE_VARIANTS["qwen3_moe"])
     for extra, flag in [

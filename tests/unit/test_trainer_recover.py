@@ -5,6 +5,8 @@ loop's bookkeeping, which those runs cannot provoke on demand (a rank dying agai
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vime.errors import UserError
@@ -75,3 +77,32 @@ def test_with_no_budget_an_internal_step_failure_is_reported_as_itself():
     failure.__cause__ = cause
     with pytest.raises(ValueError, match="a broken invariant"):
         restarter.recover(failure, 2, saved_step=None, serve=lambda restored: 1, log=Log())
+
+
+class LoadingTrainer(CountingTrainer):
+    def __init__(self):
+        super().__init__()
+        self.loads = []
+
+    def load_checkpoint(self, folder: str, *, optimizer: bool = True) -> None:
+        self.loads.append((folder, optimizer))
+
+
+def test_the_resumed_checkpoint_is_restored_as_the_run_loaded_it_and_its_own_ones_whole(tmp_path):
+    """--no-load-optim: a trainer restored from the checkpoint the run resumed from (nothing saved since) loads it
+    without the optimizer, as the run did; one this run saved (with its fresh optimizer's state) is loaded whole."""
+    from vime.recovery import checkpoint as ckpt
+
+    def state(step: int) -> ckpt.CheckpointState:
+        return ckpt.CheckpointState(schema=1, step=step, weight_version=step, consumer_cursor=4 * step, run_options={})
+
+    resumed = (str(tmp_path / "old" / "iter_0000003"), state(3))
+    saved = ckpt.save_checkpoint(str(tmp_path / "save"), state(5), lambda staging: os.makedirs(staging))
+    for resumed_optimizer in (False, True):
+        trainer = LoadingTrainer()
+        restarter = TrainerRestarter(
+            trainer, budget=3, save_dir=str(tmp_path / "save"), resumed=resumed, resumed_optimizer=resumed_optimizer
+        )
+        assert restarter.restore(saved_step=None).step == 3
+        assert restarter.restore(saved_step=5).step == 5
+        assert trainer.loads == [(resumed[0], resumed_optimizer), (saved, True)]

@@ -181,13 +181,18 @@ class Sharding:
             yield
 
     @staticmethod
-    def _state_dicts(roles) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _state_dicts(roles, *, optimizer: bool = True) -> dict:
+        """{role: {"model": ..., "optimizer": ...}}; without ``optimizer``, the models' only (getting an optimizer's
+        state dict initialises its state, which a fresh optimizer must not have)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         state = {}
         for role in roles:
-            model, optimizer = get_state_dict(role.module, role.optimizer)
-            state[role.name] = {"model": model, "optimizer": optimizer}
+            if optimizer:
+                model, optimizer_state = get_state_dict(role.module, role.optimizer)
+                state[role.name] = {"model": model, "optimizer": optimizer_state}
+            else:
+                state[role.name] = {"model": get_model_state_dict(role.module)}
         return state
 
     @staticmethod
@@ -215,11 +220,11 @@ class Sharding:
             )
             torch.save(state, os.path.join(path, TRAINER_STATE_FILE))
 
-    def load_checkpoint(self, path: str, roles) -> dict:
-        """Load the ``roles``' models and optimizers from ``path`` (written at any rank count), restore the
-        RNG and return the trainer state rank 0 saved."""
+    def load_checkpoint(self, path: str, roles, *, optimizer: bool = True) -> dict:
+        """Load the ``roles``' models and optimizers (``optimizer=False``: the models only) from ``path``
+        (written at any rank count), restore the RNG and return the trainer state rank 0 saved."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         sharded = os.path.join(path, SHARDED_DIR)
         if not os.path.isdir(sharded):
@@ -228,9 +233,12 @@ class Sharding:
                 "--use-distributed-optimizer, which this run sets; resume it with the same setting"
             )
         with self._one_process(), self._masters_in_place(roles):
-            state = self._state_dicts(roles)  # the layout to load into: this run's shards
+            state = self._state_dicts(roles, optimizer=optimizer)  # the layout to load into: this run's shards
             dcp.load(state, checkpoint_id=sharded, no_dist=not self.active)
             for role in roles:
+                if not optimizer:
+                    set_model_state_dict(role.module, state[role.name]["model"])
+                    continue
                 set_state_dict(
                     role.module,
                     role.optimizer,

@@ -121,6 +121,12 @@ def rope_scaling_factor(hf_config) -> float:
     return float(scaling.get("factor", 1.0)) if scaling else 1.0
 
 
+def rope_scaling_kind(hf_config) -> str | None:
+    """config.json's RoPE scaling type ('yarn', 'llama3', ...); None without scaling."""
+    _, scaling = _rope(hf_config)
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
 def rotary_fraction(hf_config) -> float:
     """config.json's partial_rotary_factor (transformers 5 may keep it in rope_parameters); 1.0 without one."""
     rope = getattr(hf_config, "rope_parameters", None) or {}

@@ -563,15 +563,16 @@ class MegatronBackend(RolloutTraining):
         with self.critic.whole_state(StateAccess.READ) as optimizer:
             megatron_critic.export(self.critic_save, self.critic_gpt, optimizer, **self._critic_checkpoint())
 
-    def load_training_state(self, path: str) -> None:
+    def load_training_state(self, path: str, *, optimizer: bool = True) -> None:
         from vime.backends import megatron_checkpoint as mc
 
         folder = mc.resolve_step_folder(path)
         # --bf16: into the float32 masters (the bf16 model is refreshed from them); sharded: each rank keeps its part.
-        with self.actor.whole_state(StateAccess.WRITE) as optimizer:
-            common = mc.load(folder, self.gpt, optimizer, restore_rng=True)
+        with self.actor.whole_state(StateAccess.WRITE) as actor_optimizer:
+            common = mc.load(folder, self.gpt, actor_optimizer if optimizer else None, restore_rng=True)
         self.rollouts_trained = int(common.get("iteration") or 0)
-        self.actor.restore_steps(self._saved_steps(common))
+        if optimizer:
+            self.actor.restore_steps(self._saved_steps(common))
         if self.critic is not None:
             critic = os.path.join(folder, megatron_critic.CHECKPOINT_DIR)
             if not megatron_critic.is_critic_checkpoint(critic):
@@ -579,9 +580,10 @@ class MegatronBackend(RolloutTraining):
                     f"{folder} holds no critic state (it was saved by a run without "
                     "--advantage-estimator ppo); a PPO run cannot resume from it"
                 )
-            with self.critic.whole_state(StateAccess.WRITE) as optimizer:
-                common = mc.load(critic, self.critic_gpt, optimizer)
-            self.critic.restore_steps(self._saved_steps(common))
+            with self.critic.whole_state(StateAccess.WRITE) as critic_optimizer:
+                common = mc.load(critic, self.critic_gpt, critic_optimizer if optimizer else None)
+            if optimizer:
+                self.critic.restore_steps(self._saved_steps(common))
 
     @staticmethod
     def _saved_steps(common: dict) -> int | None:

@@ -81,8 +81,9 @@ class TrainerBackend(Protocol):
     def save_training_state(self, path: str) -> None:
         """Everything a resume needs: models, optimizers, RNG, counters."""
 
-    def load_training_state(self, path: str) -> None:
-        """Restore what :meth:`save_training_state` wrote."""
+    def load_training_state(self, path: str, *, optimizer: bool = True) -> None:
+        """Restore what :meth:`save_training_state` wrote. ``optimizer=False`` (--no-load-optim): the models,
+        RNG and rollout count only; the optimizers keep their fresh state and the schedules start over."""
 
     def offload(self) -> None:
         """Release the trainer's device memory while the engines generate (--offload-train)."""

@@ -553,24 +553,26 @@ class TorchBackend(RolloutTraining):
             "optimizer_steps": {role.name: role.optimizer_steps for role in self._trained_roles()},
         }
 
-    def load_training_state(self, path: str) -> None:
+    def load_training_state(self, path: str, *, optimizer: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         if self.sharding is not None:
-            saved = self.sharding.load_checkpoint(path, self._trained_roles())
+            saved = self.sharding.load_checkpoint(path, self._trained_roles(), optimizer=optimizer)
             self.rollouts_trained = int(saved["rollouts_trained"])
-            for role in self._trained_roles():
+            for role in self._trained_roles() if optimizer else ():
                 role.restore_steps(saved["optimizer_steps"].get(role.name))
             return
         saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "model"), dtype=torch.float32)
         with self.actor.weights_as():  # --bf16: into the float32 masters (the bf16 copy is refreshed from them)
             self.model.load_state_dict(saved.state_dict())
         state = torch.load(os.path.join(path, "optimizer_and_rng.pt"), weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
         restore_rng_state(state["rng"])
         self.rollouts_trained = int(state.get("rollouts_trained", 0))
         steps = state.get("optimizer_steps", {})
-        self.actor.restore_steps(steps.get("actor"))
+        if optimizer:
+            self.actor.restore_steps(steps.get("actor"))
         if self.critic is not None:
             critic = os.path.join(path, "critic")
             if not is_critic_checkpoint(critic):
@@ -580,7 +582,8 @@ class TorchBackend(RolloutTraining):
                 )
             with self.critic.weights_as():
                 self.critic.module.load_weights(critic)
-            self.critic.optimizer.load_state_dict(
-                torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False)
-            )
-            self.critic.restore_steps(steps.get("critic"))
+            if optimizer:
+                self.critic.optimizer.load_state_dict(
+                    torch.load(os.path.join(critic, CRITIC_OPTIMIZER_FILE), weights_only=False)
+                )
+                self.critic.restore_steps(steps.get("critic"))

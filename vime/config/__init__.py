@@ -210,6 +210,7 @@ def validate(settings: TrainSettings) -> None:
 
     lr_schedule_from_settings(settings)  # schedule checks that need the run's length or the role file
     settings.vllm.vllm_args.update(algorithm_engine_args(settings))  # score centering's, R3's engine flags
+    check_train_only(settings)  # before the topology: --debug-train-only starts no engine
     vllm_args.resolve_topology(settings)  # --vllm-config & co.; sets args.vllm_deployment
     require(
         not (
@@ -219,6 +220,40 @@ def validate(settings: TrainSettings) -> None:
         "--update-weight-transport",
         "external engines (--rollout-external-engine-addrs) receive weights from disk; use 'disk'",
     )
+
+
+def check_train_only(settings: TrainSettings) -> None:
+    """--debug-train-only (the reference's): no engine is started, so nothing that needs one may be asked for.
+    The run then has no engine (as --rollout-num-gpus 0) and a node that joins gets a rollout worker only."""
+    if not settings.debug.debug_train_only:
+        return
+    args, rollout, cluster = settings.args, settings.rollout, settings.cluster
+    external = bool(getattr(args, "rollout_external_engine_addrs", None))
+    engine_flags = (
+        ("--rollout-num-gpus", bool(cluster.rollout_num_gpus), f"asks for {cluster.rollout_num_gpus} engine GPU(s)"),
+        ("--colocate", cluster.colocate, "shares the trainer's GPUs with engines"),
+        ("--rollout-external-engine-addrs", external, "attaches engines"),
+        ("--vllm-config", bool(getattr(args, "vllm_config", None)), "describes engines"),
+        ("--prefill-num-servers", getattr(args, "prefill_num_servers", None) is not None, "describes engines"),
+    )
+    for flag, given, what in engine_flags:
+        require(not given, "--debug-train-only", f"starts no engine, but {flag} {what}")
+    require(
+        rollout.rollout_function_path is not None or settings.debug.load_debug_rollout_data is not None,
+        "--debug-train-only",
+        "starts no engine, and the built-in rollout generates with one: give a --rollout-function-path that reads "
+        "its samples (e.g. vime.rollout.sft_rollout.generate_rollout) or --load-debug-rollout-data",
+    )
+    evaluation = settings.eval
+    require(
+        not (evaluation.eval_prompt_data or evaluation.eval_config) or evaluation.eval_function_path is not None,
+        "--debug-train-only",
+        "starts no engine, and the built-in evaluation of --eval-prompt-data / --eval-config generates with one "
+        "(give an --eval-function-path that does not, or leave the held-out sets out)",
+    )
+    cluster.rollout_num_gpus = 0
+    args.rollout_num_gpus = 0  # hooks read args as the run uses it
+    settings.elastic.rollout_elastic_node_engines = False
 
 
 def check_steps_per_rollout(settings: TrainSettings) -> None:

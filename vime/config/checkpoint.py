@@ -26,6 +26,13 @@ class CheckpointConfig:
     )
     load: str | None = option(None, "Resume from this checkpoint directory.")
     ckpt_step: int | None = option(None, "Step to load from --load (default: latest_checkpointed_iteration.txt).")
+    no_load_optim: bool = option(
+        False,
+        "Resuming from --load, do not load the optimizer's state (Megatron-LM's flag): the trainer takes the "
+        "checkpoint's weights, RNG and position in the run, while AdamW's moments start at zero and the learning-"
+        "rate schedule (warm-up included) starts over, as Megatron-LM's scheduler does without its state. A "
+        "trainer restarted in place later loads everything (it restores the run's own checkpoint).",
+    )
     save_hf: bool = option(True, "Save the final model as an HF checkpoint in <run-dir>/hf_final. vime-specific.")
     trainer_restart_budget: int = option(
         3,

@@ -84,6 +84,13 @@ class MegatronConfig:
         "preset with --use-rope-scaling); must agree with config.json's rope_scaling factor (1.0 where "
         "config.json has no scaling).",
     )
+    rope_type: str | None = option(
+        None,
+        "Megatron-LM's RoPE variant, 'rope' or 'yarn' (its default: yarn with --multi-latent-attention, else rope). "
+        "vime takes the variant from config.json (YaRN where its rope_scaling is yarn, plain RoPE otherwise, Llama "
+        "3.x scaling included); the flag must agree with it.",
+        choices=["rope", "yarn"],
+    )
     untie_embeddings_and_output_weights: bool = option(
         False, "Separate output layer (lm_head) instead of the tied input embedding."
     )
@@ -339,6 +346,16 @@ class MegatronConfig:
                 "--moe-router-bias-update-rate",
                 f"{self.moe_router_bias_update_rate}: the torch backend keeps the HF model's expert bias "
                 "(e_score_correction_bias) as loaded; pass 0, or use --train-backend megatron",
+            )
+        if self.rope_type is not None:
+            from vime.backends.megatron_args import rope_scaling_kind
+
+            kind = rope_scaling_kind(hf_config)
+            require(
+                (kind == "yarn") == (self.rope_type == "yarn"),
+                "--rope-type",
+                f"{self.rope_type!r} disagrees with --hf-checkpoint's config.json (RoPE scaling: {kind or 'none'}; "
+                f"give {'yarn' if kind == 'yarn' else 'rope'} or leave the flag out)",
             )
         if self.rotary_scaling_factor is not None:
             from vime.backends.megatron_args import rope_scaling_factor

@@ -58,8 +58,21 @@ class DebugConfig:
         "rollout stays --max-staleness steps ahead of the steps, as in training. Measures the rollout path "
         "alone (bench/rollout).",
     )
+    debug_train_only: bool = option(
+        False,
+        "Only train (the reference's SFT scripts pass it): no engine is started and no weight version is "
+        "published to one; the rollout function fills the queue and the trainers train, checkpoint and save as "
+        "usual. The rollout must not generate: a --rollout-function-path that reads its samples (e.g. "
+        "vime.rollout.sft_rollout.generate_rollout) or --load-debug-rollout-data. A node that joins with "
+        "--rollout-elastic-resource gets a rollout worker and no engine.",
+    )
 
     def validate(self) -> None:
+        require(
+            not (self.debug_rollout_only and self.debug_train_only),
+            "--debug-train-only",
+            "cannot be combined with --debug-rollout-only (one trains nothing, the other generates nothing)",
+        )
         for flag, value in (
             ("--save-debug-rollout-data", self.save_debug_rollout_data),
             ("--load-debug-rollout-data", self.load_debug_rollout_data),

@@ -31,7 +31,14 @@ DERIVED = {
     "port": "(vime picks a free port)",
     "tensor-parallel-size": "--rollout-num-gpus-per-engine",
 }
-VIME_OWNED = {"--vllm-router-ip", "--vllm-router-port", "--vllm-config", "--vllm-server-concurrency"}
+# vime's own --vllm-* flags (parsed by vime, never forwarded to vLLM).
+VIME_OWNED = {
+    "--vllm-router-ip",
+    "--vllm-router-port",
+    "--vllm-config",
+    "--vllm-server-concurrency",
+    "--vllm-weight-sync-mode",
+}
 
 
 @dataclasses.dataclass(kw_only=True)

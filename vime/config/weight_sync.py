@@ -83,8 +83,25 @@ class WeightSyncConfig:
         "<update-weight-disk-dir>/.engine_<N>/); optional in delta mode. No effect with "
         "--update-weight-transport nccl (said at start-up).",
     )
+    vllm_weight_sync_mode: str = option(
+        "native",
+        "How an engine takes a new weight version (the reference's flag, from its Ascend scripts). 'native': "
+        "vLLM's own in-place update (its reload_weights, or the NCCL receive), the only way vime updates an "
+        "engine. 'auto' (try in place, else restart the engine on the new weights) is the same in vime: an "
+        "engine whose update fails is dropped and, when vime started it, restarted on the current version "
+        "(--rollout-engine-restart-budget), whichever mode is given. 'reload' (a new engine process for every "
+        "version) is refused.",
+        choices=["native", "auto", "reload"],
+    )
 
     def validate(self) -> None:
+        require(
+            self.vllm_weight_sync_mode != "reload",
+            "--vllm-weight-sync-mode",
+            "'reload' (a new engine process for every weight version) is not implemented: vime updates its engines "
+            "in place ('native'); an engine whose update fails is restarted on the current weights, which is "
+            "'auto''s fallback",
+        )
         require(self.keep_weight_versions >= 1, "--keep-weight-versions", "must be >= 1")
         require(self.update_weight_full_interval >= 1, "--update-weight-full-interval", "must be >= 1")
         require(
