@@ -52,44 +52,16 @@ def conversations(path: str, n: int) -> str:
 
 def test_sft_with_debug_train_only_trains_without_engines_or_weight_publication(tmp_path, chat_model_dir):
     run_dir, save = str(tmp_path / "run"), str(tmp_path / "ckpt")
-    args = [
-        sys.executable,
-        "-m",
-        "vime.cli",
-        "train",
-        "--hf-checkpoint",
-        chat_model_dir,
-        "--prompt-data",
-        conversations(str(tmp_path / "chats.jsonl"), 12),
-        "--input-key",
-        "messages",
-        "--apply-chat-template",
-        "--rollout-function-path",
-        "vime.rollout.sft_rollout.generate_rollout",
-        "--loss-type",
-        "sft_loss",
-        "--calculate-per-token-loss",
-        "--disable-compute-advantages-and-returns",
-        "--debug-train-only",
-        "--rollout-batch-size",
-        "2",
-        "--n-samples-per-prompt",
-        "1",
-        "--num-rollout",
-        "3",
-        "--lr",
-        "1e-3",
-        "--lr-warmup-iters",
-        "4",
-        "--lr-decay-iters",
-        "10",
-        "--save",
-        save,
-        "--save-interval",
-        "3",
-        "--run-dir",
-        run_dir,
-    ]
+    # As the reference's SFT scripts: vime's SFT rollout, SFT's loss, no engine; a warm-up the resume can show.
+    sft = (
+        "--input-key messages --apply-chat-template --rollout-function-path vime.rollout.sft_rollout.generate_rollout "
+        "--loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only "
+        "--rollout-batch-size 2 --n-samples-per-prompt 1 --num-rollout 3 --lr 1e-3 --lr-warmup-iters 4 "
+        "--lr-decay-iters 10 --save-interval 3"
+    ).split()
+    chats = conversations(str(tmp_path / "chats.jsonl"), 12)
+    args = [sys.executable, "-m", "vime.cli", "train", "--hf-checkpoint", chat_model_dir, "--prompt-data", chats]
+    args += [*sft, "--save", save, "--run-dir", run_dir]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
