@@ -115,16 +115,21 @@ def test_the_flags_reach_the_torch_backend_s_optimizer(tmp_path):
             ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--optimizer", "sgd"],
             "^--exp-avg-dtype: bf16 is AdamW's state; --optimizer is sgd",
         ),
-        (
-            ["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "bf16", "--train-backend", "megatron"],
-            "^--exp-avg-sq-dtype: bf16 moments are implemented on the torch backend only",
-        ),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flag(tmp_path, flags, message):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=message):
         parse_train_args(base(str(tmp_path), *flags))
+
+
+def test_the_megatron_backend_takes_bf16_moments_too(tmp_path):
+    """Its trainer steps vime's AdamW as well (tests/unit/test_megatron_distributed_optimizer.py trains and resumes
+    it); --ray-address: the Megatron backend needs CUDA where its trainer runs, which is then not this machine."""
+    (tmp_path / "config.json").write_text("{}")
+    flags = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    settings = parse_train_args(base(str(tmp_path), *flags, "--train-backend", "megatron", "--ray-address", "auto"))
+    assert (settings.perf.exp_avg_dtype, settings.perf.exp_avg_sq_dtype) == ("bf16", "bf16")
 
 
 def test_the_update_by_slices_equals_the_whole_tensor_s(monkeypatch):

@@ -9,6 +9,7 @@ chunks of 1000 elements per rank here, so a chunk ends inside a parameter and a 
 """
 
 import datetime
+import glob
 import os
 
 import pytest
@@ -218,4 +219,46 @@ def test_sgd_through_the_sharded_path_and_a_replicated_checkpoint_resumed_sharde
     assert len(pieces) == len(momentum) and any(torch.count_nonzero(m) for m in momentum)
     for piece, saved in zip(pieces, momentum):
         assert torch.equal(resumed.optimizer.state[piece]["momentum_buffer"], saved.flatten())
+    assert_same_metrics(resumed.train_rollout(make_samples(1), 1), after)
+
+
+def moment_dtypes(backend) -> set[torch.dtype]:
+    """The dtypes of the actor's AdamW moments: the whole parameters' or, sharded, this rank's pieces'."""
+    optimizer = backend.optimizer
+    inner = optimizer.optimizer if hasattr(optimizer, "piece_params") else optimizer
+    return {v.dtype for state in inner.state.values() for k, v in state.items() if k.startswith("exp_avg")}
+
+
+@pytest.mark.parametrize("ckpt_format, resume_sharded", [("torch_dist", False), ("torch", True)])
+def test_bf16_moments_on_the_megatron_backend_stay_bf16_through_a_checkpoint(
+    model_dir, tmp_path, ckpt_format, resume_sharded
+):
+    """--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 with --train-backend megatron (vime's AdamW steps the Megatron
+    backend's parameters too), replicated and sharded on one rank: both take the same step, their moments are
+    bf16, and a checkpoint of either format resumes with bf16 moments (not widened to float32 by the load) into
+    the continuous run's next step, with or without the sharding."""
+    from vime.backends.megatron_backend import MegatronBackend
+
+    megatron_shim.install()
+
+    def backend(sharded: bool) -> MegatronBackend:
+        spec = trainer_spec(model_dir)
+        spec.exp_avg_dtype = spec.exp_avg_sq_dtype = "bf16"
+        spec.use_distributed_optimizer = sharded
+        return MegatronBackend(spec, megatron_spec(model_dir, ckpt_format=ckpt_format))
+
+    replicated, sharded = backend(False), backend(True)
+    assert_same_metrics(sharded.train_rollout(make_samples(0), 0), replicated.train_rollout(make_samples(0), 0))
+    for (name, ours), (_, theirs) in zip(sharded.hf_named_weights(), replicated.hf_named_weights()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=name)
+    assert moment_dtypes(replicated) == moment_dtypes(sharded) == {torch.bfloat16}
+    sharded.save_training_state(str(tmp_path / "ckpt"))
+    if ckpt_format == "torch":  # the sharded state was gathered and written in bf16, not widened to float32
+        [saved] = glob.glob(str(tmp_path / "ckpt" / "**" / "model_optim_rng.pt"), recursive=True)
+        state = torch.load(saved, map_location="cpu", weights_only=False)["optimizer"]["state"]
+        assert {v.dtype for s in state.values() for k, v in s.items() if k.startswith("exp_avg")} == {torch.bfloat16}
+    after = sharded.train_rollout(make_samples(1), 1)
+    resumed = backend(resume_sharded)
+    resumed.load_training_state(str(tmp_path / "ckpt"))
+    assert moment_dtypes(resumed) == {torch.bfloat16}
     assert_same_metrics(resumed.train_rollout(make_samples(1), 1), after)

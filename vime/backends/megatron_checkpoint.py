@@ -111,9 +111,15 @@ def checkpoint_io_on_cpu():
 # ---------------------------------------------------------------------------------------------- optimizer
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's (empty) per-parameter state so that a checkpoint can be loaded into it: AdamW's
-    step and moments, or SGD's momentum buffer (--optimizer sgd; none without momentum)."""
+    step and moments (in their storage dtypes: bf16 with --exp-avg-dtype bf16, which a load keeps), or SGD's
+    momentum buffer (--optimizer sgd; none without momentum)."""
+    from vime.backends.adamw_state_dtype import AdamWWithStateDtype
+
     for group in optimizer.param_groups:
         for param in group["params"]:
+            if isinstance(optimizer, AdamWWithStateDtype):
+                optimizer.init_state(param)
+                continue
             state = optimizer.state[param]
             if state:
                 continue

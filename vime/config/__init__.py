@@ -303,19 +303,13 @@ def check_local_cuda(settings: TrainSettings) -> None:
 
 def check_optimizer_state_dtypes(settings: TrainSettings) -> None:
     """AdamW's moments in bf16 (--exp-avg-dtype, --exp-avg-sq-dtype; vime.backends.adamw_state_dtype): an AdamW
-    state, built by the torch backend's optimizer. The Megatron backend's checkpoints (torch_dist) load the state
-    into float32 tensors, so it is refused there rather than silently widened."""
+    state, built by vime's optimizer on either backend (the Megatron backend steps vime's optimizer too)."""
     perf = settings.perf
     if not perf.bf16_moments:
         return
     flag = "--exp-avg-dtype" if perf.exp_avg_dtype == "bf16" else "--exp-avg-sq-dtype"
     require(
         settings.train.optimizer == "adam", flag, f"bf16 is AdamW's state; --optimizer is {settings.train.optimizer}"
-    )
-    require(
-        settings.train.train_backend == "torch",
-        flag,
-        "bf16 moments are implemented on the torch backend only (--train-backend torch)",
     )
 
 

@@ -125,7 +125,7 @@ class MegatronPerfConfig:
     exp_avg_dtype: str = option(
         "fp32",
         "Storage dtype of AdamW's first moment, with --use-precision-aware-optimizer (Megatron-LM). vime: fp32 or "
-        "bf16 on the torch backend (the update is computed in float32; docs/real-models.md); fp16 and fp8, which "
+        "bf16, on either backend (the update is computed in float32; docs/real-models.md); fp16 and fp8, which "
         "need per-tensor scaling, are not implemented.",
         choices=["fp32", "fp16", "bf16", "fp8"],
     )
