@@ -31,7 +31,7 @@ class CheckpointConfig:
         "Resuming from --load, do not load the optimizer's state (Megatron-LM's flag): the trainer takes the "
         "checkpoint's weights, RNG and position in the run, while AdamW's moments start at zero and the learning-"
         "rate schedule (warm-up included) starts over, as Megatron-LM's scheduler does without its state. A "
-        "trainer restarted in place later loads everything (it restores the run's own checkpoint).",
+        "trainer restored in place loads that checkpoint the same way, and a checkpoint this run saved whole.",
     )
     save_hf: bool = option(True, "Save the final model as an HF checkpoint in <run-dir>/hf_final. vime-specific.")
     trainer_restart_budget: int = option(
