@@ -175,8 +175,8 @@ def _replay(s, log) -> int:
     trainer = _replay_trainer_class()(spec)
     results: list[dict[str, Any]] = []
     try:
-        if checkpoint:
-            trainer.load_checkpoint(checkpoint)
+        if checkpoint:  # --no-load-optim as the recorded run resumed
+            trainer.load_checkpoint(checkpoint, optimizer=not s.checkpoint.no_load_optim)
             log.say(f"trainer state from {checkpoint} (step {start})")
         for rollout_id in range(start, s.train.num_rollout):
             path = archive_path(template, rollout_id)

@@ -358,6 +358,14 @@ def test_replay_reproduces_the_recording_without_any_engine(tiny_model, tmp_path
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(m["loss"], m["grad_norm"]) for m in recorded[1:]]
     assert ckpt_steps(save) == ["iter_0000001"]  # the replay wrote no checkpoint
 
+    # --no-load-optim reaches the replay's trainer: a fresh AdamW steps otherwise than the recording (which kept
+    # its optimizer), and the replay says so.
+    fresh = [*flags, "--run-dir", str(tmp_path / "fresh"), "--load", save, "--no-load-optim"]
+    settings = parse_train_args([*fresh, "--load-debug-rollout-data", template])
+    replay(settings, MetricsLog(settings.run_dir, stream=io.StringIO()))
+    rows = [json.loads(line) for line in open(tmp_path / "fresh" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [2, 3] and not all(r["replay_matches"] for r in rows)
+
     # A replay never writes into a run directory that holds metrics.
     settings = parse_train_args([*flags, "--run-dir", str(tmp_path / "replay"), "--load-debug-rollout-data", template])
     with pytest.raises(ConfigError, match="^--run-dir: .*already holds"):
