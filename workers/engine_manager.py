@@ -331,6 +331,11 @@ class EngineManager:
         """A join / restart / catch-up finished: catch up again, or register and serve."""
         m.url, m.version = info["url"], info["version"]
         m.node_id = info.get("node_id") or m.node_id
+        if info.get("found_paused"):
+            self.say(
+                f"{m.name} ({m.origin}) at {m.url} was paused, as a run stopped during a weight update leaves "
+                "an engine; resumed, and its weights reloaded"
+            )
         m.gpus, m.worker_type = info.get("gpus") or m.gpus, info.get("worker_type") or "regular"
         if m.version != self.version and self.template.weight_transport != "disk":
             self._await_broadcast(m)

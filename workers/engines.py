@@ -121,9 +121,11 @@ class EngineActor:
         """Make this engine serve ``version`` before anyone routes to it: start its process (vime's
         own) or check the external one (/health, /server_info), load the version, label it, read
         the label back and probe a real generation with it (vime.engines.probe: an engine that
-        cannot serve a rollout is refused with the cause). Returns :meth:`info`."""
+        cannot serve a rollout is refused with the cause). Returns :meth:`info`, with ``found_paused``: an
+        external engine that was found paused and resumed."""
         fault_point(f"engine.join.{self.spec.index}")  # tests: an engine that is slow to start
         started = time.monotonic()
+        found_paused = False
         if self.client is None:
             if self.owned:
                 self._start_server()
@@ -133,12 +135,23 @@ class EngineActor:
                 )
                 self.client = EngineClient(self.spec.external_url, timeout=self.spec.http_timeout)
                 self.version = -1  # unknown: whatever it served before, it is (re)loaded below
+                found_paused = self._resume_if_left_paused()
                 if self.generates:  # refused before any weight is loaded into it when it cannot serve
                     self.client.probe()
         self.load_version(weight_dir, version)
         self._probe()
         self.startup_seconds = time.monotonic() - started
-        return self.info()
+        return {**self.info(), "found_paused": found_paused}
+
+    def _resume_if_left_paused(self) -> bool:
+        """An external engine outlives the runs that drive it: one stopped during a weight update (killed,
+        its machine lost) leaves it paused, and a paused vLLM holds every new request, the probe included,
+        until someone resumes it. Only the run that attaches it sends it pauses, so a pause found here is a
+        stopped run's: resume it (the weights are reloaded below anyway). True when it was paused."""
+        if not self.client.is_paused():
+            return False
+        self.client.resume()
+        return True
 
     @property
     def generates(self) -> bool:

@@ -338,6 +338,37 @@ def test_failed_update_leaves_engine_resumed_and_serving(vllm_engine, tmp_path: 
 
 
 @pytest.mark.e2e
+def test_an_external_engine_a_stopped_run_left_paused_is_resumed_when_attached(vllm_engine, tmp_path: Path):
+    """A run killed during a weight update leaves the engine it attached paused (vLLM then holds every new
+    request); the next run that attaches it resumes it instead of timing out on its generation probe."""
+    from workers.engines import EngineActor, EngineSpec
+
+    client = vllm_engine.client()
+    client.pause(mode="abort")  # what the killed run's weight update did before it died
+    spec = EngineSpec(
+        index=0,
+        model=vllm_engine.model_dir,
+        vllm_args={},
+        tensor_parallel_size=1,
+        run_token="unused",
+        log_path=str(tmp_path / "unused.log"),
+        startup_timeout=30,
+        http_timeout=15,  # the probe of a paused engine fails after this without the resume
+        external_url=vllm_engine.url,
+    )
+    try:
+        info = EngineActor(spec).join(str(tmp_path / "weights"), 0)
+        assert info["found_paused"] and not client.is_paused()
+        assert info["version"] == 0 and client.weight_version() == "0"
+        assert len(_greedy(client, PROMPT, 4)["token_ids"]) == 4
+        assert not EngineActor(spec).join(str(tmp_path / "weights"), 0)["found_paused"]
+    finally:
+        if client.is_paused():
+            client.resume()
+        client.update_weight_version("default")  # as the other tests expect it
+
+
+@pytest.mark.e2e
 def test_errors_name_the_engine_and_the_call(vllm_engine):
     client = EngineClient(vllm_engine.url, timeout=30)
     client.pause(mode="keep")
