@@ -56,6 +56,27 @@ def test_logits_match_hf(tiny):
     torch.testing.assert_close(ours[real], theirs[real], rtol=1e-4, atol=1e-4)
 
 
+def test_data_pad_size_multiplier_pads_the_sequence_and_changes_no_logit(tiny, monkeypatch):
+    """--data-pad-size-multiplier 8 pads the 10 positions to 16 (x TP 1), and the real logits are the same."""
+    folder, args = tiny
+    gpt = mm.build_gpt_model(args, mm.Parallelism(), initialize=False)
+    mw.load_canonical(gpt, hf_to_mcore(read_hf_state_dict(folder), args), args)
+    ids, mask = _batch()
+    seen = []
+    forward = gpt.forward
+    monkeypatch.setattr(
+        gpt, "forward", lambda input_ids, *a, **k: seen.append(input_ids.shape[1]) or forward(input_ids, *a, **k)
+    )
+    with torch.no_grad():
+        plain = mf.MegatronLM(gpt.eval(), args.vocab_size)(input_ids=ids, attention_mask=mask).logits
+        padded = mf.MegatronLM(gpt.eval(), args.vocab_size, pad_size_multiplier=8)(
+            input_ids=ids, attention_mask=mask
+        ).logits
+    assert seen == [10, 16] and padded.shape == plain.shape
+    real = mask.bool()
+    torch.testing.assert_close(padded[real], plain[real], rtol=1e-5, atol=1e-5)
+
+
 def test_weights_round_trip_through_the_model(tiny):
     folder, args = tiny
     hf = read_hf_state_dict(folder)

@@ -87,16 +87,19 @@ def test_kernel_flags_reach_the_transformer_config(model_dir):
                 "--attention-softmax-in-fp32",
                 "--moe-router-dtype",
                 "fp64",
+                "--data-pad-size-multiplier",
+                "512",
             )
         )
     )
+    assert spec.pad_size_multiplier == 512
     assert spec.config_overrides == {"attention_backend": AttnBackend.fused, "attention_softmax_in_fp32": True}
     assert spec.moe.router_dtype == "fp64"
     config = transformer_config(spec.model, spec.parallel, moe=spec.moe, overrides=spec.config_overrides)
     assert config.attention_backend == AttnBackend.fused and config.attention_softmax_in_fp32
     # Left out: megatron-core's defaults, and vime's fp32 routing (as HF routes).
     spec = MegatronBackendSpec.from_settings(parse_train_args(base(model_dir, *flags)))
-    assert spec.config_overrides is None and spec.moe.router_dtype == "fp32"
+    assert spec.config_overrides is None and spec.moe.router_dtype == "fp32" and spec.pad_size_multiplier == 1
 
 
 def test_the_router_dtype_reaches_a_moe_model(tmp_path):

@@ -239,3 +239,18 @@ def test_other_reference_preset_flags(model_dir):
         parse_train_args(base(model_dir, "--rollout-backend", "sglang"))
     with pytest.raises(SystemExit):
         parse_train_args(base(model_dir, "--moe-token-drop-policy", "random"))
+
+
+def test_data_pad_size_multiplier_reaches_the_megatron_spec_and_is_said_on_the_torch_backend(model_dir):
+    """The reference's GLM/DeepSeek scripts pass it (512 to 4096); the Megatron backend pads with it
+    (test_megatron_model.py checks the logits do not change); the torch backend says it does not read it."""
+    s = parse_train_args(base(model_dir, "--data-pad-size-multiplier", "1024"))
+    assert s.perf.data_pad_size_multiplier == 1024
+    assert s.perf.startup_notes("torch") == [
+        "--data-pad-size-multiplier 1024: no effect on the torch backend, which pads nothing for kernel alignment; "
+        "the Megatron backend pads its micro-batches with it"
+    ]
+    assert s.perf.startup_notes("megatron") == []
+    assert parse_train_args(base(model_dir)).perf.data_pad_size_multiplier is None  # vime pads only what it needs
+    with pytest.raises(ConfigError, match=r"^--data-pad-size-multiplier: must be >= 1 \(tokens\), got 0"):
+        parse_train_args(base(model_dir, "--data-pad-size-multiplier", "0"))

@@ -185,6 +185,7 @@ class MegatronBackend(RolloutTraining):
             model_args=m.model,
             pipeline=self.pipeline,
             context=self.context,
+            pad_size_multiplier=m.pad_size_multiplier,
         )
 
     def _make_role(self, name: str, gpt, role: RoleOverrides, yaml: str | None) -> ModelRole:

@@ -7,6 +7,7 @@ packed (thd) or right-padded, with R3's forced routes, pipeline stages and conte
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -48,6 +49,7 @@ class MegatronLM(torch.nn.Module):
         model_args: ModelArgs | None = None,
         pipeline=None,
         context=None,
+        pad_size_multiplier: int = 1,
     ):
         super().__init__()
         self.gpt = gpt
@@ -57,6 +59,7 @@ class MegatronLM(torch.nn.Module):
         self.model_args = model_args
         self.pipeline = pipeline
         self.context = context  # padded rows only: ContextParallelAttention refuses packed sequences
+        self.pad_size_multiplier = pad_size_multiplier  # --data-pad-size-multiplier (x the TP size)
         self._stage_moe_layers = self._moe_layers_of_stage()
 
     def _moe_layers_of_stage(self) -> list[int] | None:
@@ -165,11 +168,18 @@ class MegatronLM(torch.nn.Module):
     def _tp_multiple(self) -> int:
         return tp_split()[1] if self.sequence_parallel else 1
 
+    def _pad_multiple(self, needed: int) -> int:
+        """What the sequence dimension is padded to a multiple of: ``needed`` (sequence and context parallelism
+        split it evenly over their ranks) and --data-pad-size-multiplier x the tensor-parallel size."""
+        if self.pad_size_multiplier == 1:
+            return needed
+        return math.lcm(needed, self.pad_size_multiplier * tp_split()[1])
+
     def _forward_padded(self, input_ids, attention_mask):
         batch, length = input_ids.shape
-        multiple = self._tp_multiple() * (1 if self.context is None else self.context.multiple)
+        multiple = self._pad_multiple(self._tp_multiple() * (1 if self.context is None else self.context.multiple))
         padded = -(-length // multiple) * multiple
-        if padded != length:  # sequence and context parallelism split the sequence evenly over the ranks
+        if padded != length:  # SP and CP split the sequence evenly over their ranks; --data-pad-size-multiplier
             input_ids = torch.nn.functional.pad(input_ids, (0, padded - length))
             attention_mask = torch.nn.functional.pad(attention_mask, (0, padded - length))
         positions = torch.arange(padded, device=input_ids.device).unsqueeze(0).expand(batch, padded)
@@ -203,7 +213,7 @@ class MegatronLM(torch.nn.Module):
         tokens = torch.cat([input_ids[row, :n] for row, n in enumerate(lengths)])
         positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
         total = tokens.numel()
-        multiple = self._tp_multiple()
+        multiple = self._pad_multiple(self._tp_multiple())
         extra = -(-total // multiple) * multiple - total
         if self._lockstep() is not None:  # as many tokens as the expert-parallel group's largest batch
             extra = self._agree([total + extra])[0] - total

@@ -26,6 +26,7 @@ class MegatronBackendSpec:
     ckpt_format: str = "torch_dist"
     ref_load: str | None = None  # Megatron checkpoint or HF folder: initial actor and KL reference
     packing: str = "auto"  # auto | thd | padded
+    pad_size_multiplier: int = 1  # --data-pad-size-multiplier: sequence padding to a multiple of this x TP
     vocab_divisible_by: int = 128
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -69,6 +70,7 @@ class MegatronBackendSpec:
             ckpt_format=m.ckpt_format,
             ref_load=s.algorithm.ref_load,
             packing=m.megatron_packing,
+            pad_size_multiplier=s.perf.data_pad_size_multiplier or 1,
             vocab_divisible_by=m.make_vocab_size_divisible_by,
             attention_dropout=m.attention_dropout,
             hidden_dropout=m.hidden_dropout,

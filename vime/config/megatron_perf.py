@@ -153,6 +153,14 @@ class MegatronPerfConfig:
         "margin). vime reserves none: --offload-train moves the trainer's tensors to host memory and back, and "
         "the engines' share is --vllm-gpu-memory-utilization.",
     )
+    data_pad_size_multiplier: int | None = option(
+        None,
+        "Pad each micro-batch's sequence dimension on the Megatron backend to a multiple of this times the "
+        "tensor-parallel size (the reference's option, for kernel alignment and less memory fragmentation on "
+        "GPUs): the packed (thd) token count, or the padded rows' length. Results do not change. Unset (vime's "
+        "default; the reference's is 128): only the padding that sequence and context parallelism need. The "
+        "torch backend pads nothing for alignment and does not read it.",
+    )
     megatron_to_hf_mode: str = option(
         "raw",
         "How Megatron weights become HF weights for the engines (the reference's): 'raw' (its own name mapping) or "
@@ -183,6 +191,11 @@ class MegatronPerfConfig:
             0.0 <= self.optimizer_offload_fraction <= 1.0,
             "--optimizer-offload-fraction",
             f"must be in [0, 1], got {self.optimizer_offload_fraction}",
+        )
+        require(
+            self.data_pad_size_multiplier is None or self.data_pad_size_multiplier >= 1,
+            "--data-pad-size-multiplier",
+            f"must be >= 1 (tokens), got {self.data_pad_size_multiplier}",
         )
         require(
             self.train_memory_margin_bytes >= 0,
@@ -250,6 +263,11 @@ class MegatronPerfConfig:
                 else "--use-flash-attn: taken as --attention-backend flash"
                 if self.attention_backend == "auto"
                 else f"--use-flash-attn: --attention-backend {self.attention_backend} decides the kernel"
+            )
+        if self.data_pad_size_multiplier is not None and not megatron:
+            notes.append(
+                f"--data-pad-size-multiplier {self.data_pad_size_multiplier}: no effect on the torch backend, which "
+                "pads nothing for kernel alignment; the Megatron backend pads its micro-batches with it"
             )
         if self.seq_length is not None:
             notes.append(
