@@ -39,6 +39,7 @@ from vime.recovery.faults import fault_point
 from vime.weights import disk
 from vime.weights.disk import WeightError
 from vime.weights.local import LocalWeights
+from vime.weights.mode_choice import AutoModeChoice, PublishMode
 from vime.workers.calls import wait_all
 
 
@@ -490,6 +491,12 @@ class WeightSync:
     def __init__(self, trainer, engines: EngineGroup | None, config: WeightSyncConfig, *, timeout: float = 3600.0):
         self.trainer, self.engines, self.config = trainer, engines, config
         self.timeout = timeout
+        # --update-weight-mode auto: full or delta by measured cost (vime.weights.mode_choice)
+        self.auto = (
+            AutoModeChoice(probe_interval=max(2, config.update_weight_full_interval))
+            if config.update_weight_mode == "auto"
+            else None
+        )
         self.nccl_metadata: str | None = None
         self.nccl_members: tuple = ()  # (url, actor) of the engines in the group as formed
 
@@ -501,15 +508,25 @@ class WeightSync:
     def _sync_disk(self, version: int, flush: bool) -> dict[str, float | str]:
         engines = self.engines
         force_full = engines is not None and any(v != version - 1 for v in engines.versions)
+        mode = self.config.update_weight_mode
+        if self.auto is not None:
+            # Both modes keep the published files to encode the next version against; full: not encoded.
+            force_full = force_full or self.auto.next_mode() is PublishMode.FULL
+            mode = "delta"
         publication = self.trainer.publish_weights(
             version,
-            mode=self.config.update_weight_mode,
+            mode=mode,
             full_interval=self.config.update_weight_full_interval,
             force_full=force_full,
             timeout=self.timeout,
         )
         loaded = engines.update_weights(publication.path, version, flush=flush) if engines else slowest([])
+        auto = {}
+        if self.auto is not None:
+            self.auto.record(PublishMode(publication.mode), publication.seconds + loaded["load_seconds"])
+            auto = {"weight_auto_costs": self.auto.describe()}
         return {
+            **auto,
             "weight_version": version,
             "weight_transport": "disk",
             "weight_publish_mode": publication.mode,

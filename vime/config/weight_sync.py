@@ -26,8 +26,10 @@ class WeightSyncConfig:
         "full",
         "Publish full weights, or (disk transport) a compressed XOR delta against the previous version. "
         "In delta mode a process's first publication, one to an engine without the parent version and every "
-        "--update-weight-full-interval-th one are full.",
-        choices=["full", "delta"],
+        "--update-weight-full-interval-th one are full. auto: each version full or delta, whichever of the two "
+        "synchronised faster lately (the trainer's publication plus the slowest engine's load, measured; the "
+        "other mode is tried again every --update-weight-full-interval publications). vime-specific.",
+        choices=["full", "delta", "auto"],
     )
     update_weight_transport: str = option(
         "disk",
@@ -127,7 +129,7 @@ class WeightSyncConfig:
             require(
                 self.update_weight_mode == "full",
                 "--update-weight-mode",
-                "'delta' applies to the disk transport; nccl broadcasts every tensor",
+                f"{self.update_weight_mode!r} applies to the disk transport; nccl broadcasts every tensor",
             )
             # CUDA: vime.config.check_local_cuda.
 
@@ -141,7 +143,7 @@ class WeightSyncConfig:
         """What a --update-weight-* flag of the reference framework does not do on this run, one line each,
         said once at start-up. Flags left at their defaults say nothing, except a default that cannot run here."""
         notes = []
-        disk, delta = self.update_weight_transport == "disk", self.update_weight_mode == "delta"
+        disk, delta = self.update_weight_transport == "disk", self.update_weight_mode in ("delta", "auto")
         if disk and self.update_weight_buffer_size != 512 * 1024**2:
             notes.append(
                 f"--update-weight-buffer-size {self.update_weight_buffer_size}: no effect with the disk transport "

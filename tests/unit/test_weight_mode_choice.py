@@ -1,0 +1,54 @@
+"""--update-weight-mode auto's choice (vime.weights.mode_choice): measured costs decide, both modes get measured
+first, and the mode not chosen is tried again every probe_interval publications."""
+
+import pytest
+
+from vime.weights.mode_choice import AutoModeChoice, PublishMode
+
+FULL, DELTA = PublishMode.FULL, PublishMode.DELTA
+
+
+def run(choice: AutoModeChoice, costs: dict[PublishMode, float], n: int) -> list[PublishMode]:
+    """``n`` publications where each mode costs what ``costs`` says (the publisher writes what is asked)."""
+    modes = []
+    for _ in range(n):
+        mode = choice.next_mode()
+        choice.record(mode, costs[mode])
+        modes.append(mode)
+    return modes
+
+
+def test_both_modes_are_measured_before_any_choice():
+    choice = AutoModeChoice(probe_interval=5)
+    assert choice.next_mode() is DELTA  # asked; a trainer's first publication is full anyway
+    choice.record(FULL, 0.2)
+    assert choice.next_mode() is DELTA  # still unmeasured
+    choice.record(DELTA, 0.5)
+    assert choice.next_mode() is FULL
+    assert choice.describe() == "full 0.200s, delta 0.500s"
+
+
+@pytest.mark.parametrize("cheaper", [FULL, DELTA])
+def test_the_cheaper_mode_is_published_and_the_other_is_tried_every_probe_interval(cheaper):
+    other = DELTA if cheaper is FULL else FULL
+    choice = AutoModeChoice(probe_interval=4)
+    choice.record(FULL, 1.0 if cheaper is DELTA else 0.1)
+    choice.record(DELTA, 1.0 if cheaper is FULL else 0.1)
+    modes = run(choice, {cheaper: 0.1, other: 1.0}, 12)
+    assert modes == [cheaper, cheaper, cheaper, other] * 3
+
+
+def test_a_mode_that_became_cheaper_takes_over_at_its_next_try():
+    """Late in training a step changes fewer bits and deltas compress better: the probe sees it."""
+    choice = AutoModeChoice(probe_interval=4)
+    choice.record(FULL, 0.3)
+    choice.record(DELTA, 0.9)
+    assert run(choice, {FULL: 0.3, DELTA: 0.05}, 5) == [FULL, FULL, FULL, DELTA, DELTA]
+    # Smoothed: one slow delta (a busy machine) does not flip the choice back at once.
+    choice.record(DELTA, 0.5)
+    assert choice.next_mode() is DELTA and choice.cost[DELTA] == pytest.approx(0.275)
+
+
+def test_a_bad_probe_interval_is_refused():
+    with pytest.raises(ValueError, match="probe_interval must be >= 1"):
+        AutoModeChoice(probe_interval=0)
