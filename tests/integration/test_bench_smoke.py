@@ -57,6 +57,12 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
             id="weight_sync",
         ),
         pytest.param(
+            "weight_sync/modes.py",
+            "== bench/weight_sync/modes --smoke: full, delta and auto timed",
+            1,
+            id="weight_sync_modes",
+        ),
+        pytest.param(
             "rollout/run.py",
             "== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for 2 shape(s)",
             1,
