@@ -357,9 +357,9 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def juicefs_volume_or_none():
-    """A fresh JuiceFS volume's mount point for the time of the benchmark (the test suite's, tests/juicefs.py),
-    or None, saying why, where this machine cannot mount one."""
+def juicefs_volume_or_none(*mount_options: str):
+    """A fresh JuiceFS volume's mount point for the time of the benchmark (the test suite's, tests/juicefs.py,
+    mounted with ``mount_options`` besides), or None, saying why, where this machine cannot mount one."""
     import pytest
 
     from tests.juicefs import juicefs_volume
@@ -368,7 +368,7 @@ def juicefs_volume_or_none():
     try:
         with contextlib.ExitStack() as stack:
             try:
-                mount_point = stack.enter_context(juicefs_volume(root, name="vime-bench"))
+                mount_point = stack.enter_context(juicefs_volume(root, *mount_options, name="vime-bench"))
             except pytest.skip.Exception as skipped:  # no /dev/fuse, or mounting refused
                 print(f"(the JuiceFS runs are left out: {skipped})", flush=True)
                 mount_point = None

@@ -1,7 +1,7 @@
 """Full vs delta weight publication, by measured cost, and what --update-weight-mode auto makes of it (issue 20).
 
-    PYTHONPATH=. .venv/bin/python bench/weight_sync/modes.py [--params-m 4 64] [--changed 1.0 0.05] [--syncs 8]
-                                                             [--no-juicefs]
+    PYTHONPATH=. .venv/bin/python bench/weight_sync/modes.py [--params-m 4 32] [--changed 1.0 0.05] [--syncs 12]
+                                                             [--no-juicefs] [--juicefs-limit-mbps 200]
 
 For each volume (a local directory; the test suite's JuiceFS volume, tests/juicefs.py, where this machine can
 mount one) x model size (millions of float32 parameters) x fraction of the elements one training step changes
@@ -16,8 +16,13 @@ elements round back to what they were), it times one synchronisation the way a r
 vLLM's reload from the engine's copy costs the same in both modes and is not in it. ``full`` and ``delta`` are
 the fixed modes (delta with --update-weight-full-interval 10: its full versions count too); ``auto`` is the
 choice of vime.weights.mode_choice fed with these measured costs, as the driver feeds it. Printed per case:
-seconds per sync of each mode, delta / full (below 1: delta is faster, the crossover), auto's mean against the
-faster fixed mode (goal: close to 1) and the modes auto wrote.
+seconds per sync of each mode after the first (full in every mode), delta / full (below 1: delta is faster,
+the crossover), auto's mean after its first two syncs (one of each mode, measured) against the faster fixed
+mode (goal: close to 1), and the modes auto wrote.
+
+The tests' JuiceFS volume keeps its objects on the local disk; ``--juicefs-limit-mbps N`` mounts it with
+JuiceFS's ``--upload-limit N --download-limit N`` (megabits per second), the bandwidth of a network object
+store, where every byte a mode saves is time.
 
 ``--smoke`` (what `make test` runs, in seconds): a quarter-million parameters, 3 syncs, the local directory.
 """
@@ -119,8 +124,9 @@ def bench_case(volume: str, local_root: str, params: int, changed: float, syncs:
         finally:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(engine_root, ignore_errors=True)
-        # The first sync is full in every mode (nothing to encode against): the means leave it out.
-        results[mode] = (statistics.fmean(seconds[1:]), written)
+        # The first sync is full in every mode (nothing to encode against), and auto's second is a delta (both
+        # modes measured): the means leave out what is not steady state.
+        results[mode] = (statistics.fmean(seconds[2 if mode == "auto" else 1 :]), written)
     return results
 
 
@@ -134,34 +140,41 @@ def report(label: str, results: dict) -> None:
     )
 
 
-def _juicefs_volume_or_none():
+def _juicefs_volume_or_none(limit_mbps: int | None):
     spec = importlib.util.spec_from_file_location("bench_queue_run", os.path.join(REPO, "bench", "queue", "run.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.juicefs_volume_or_none()
+    limits = ("--upload-limit", str(limit_mbps), "--download-limit", str(limit_mbps)) if limit_mbps else ()
+    return module.juicefs_volume_or_none(*limits)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-m", type=float, nargs="+", default=[4.0, 64.0], help="model sizes, in millions")
+    parser.add_argument("--params-m", type=float, nargs="+", default=[4.0, 32.0], help="model sizes, in millions")
     parser.add_argument("--changed", type=float, nargs="+", default=[1.0, 0.05], help="fractions a step changes")
-    parser.add_argument("--syncs", type=int, default=8, help="synchronisations per mode (the first is left out)")
+    parser.add_argument("--syncs", type=int, default=12, help="synchronisations per mode (the first is left out)")
     parser.add_argument("--no-juicefs", action="store_true", help="the local directory only")
+    parser.add_argument(
+        "--juicefs-limit-mbps", type=int, default=None, help="the JuiceFS volume's upload and download limit"
+    )
     parser.add_argument("--smoke", action="store_true", help="seconds: one tiny case on the local directory")
     args = parser.parse_args()
     if args.smoke:
         args.params_m, args.changed, args.syncs, args.no_juicefs = [0.25], [1.0], 3, True
-    if args.syncs < 2:
-        parser.error("--syncs must be >= 2 (the first sync is full in every mode and is left out)")
+    if args.syncs < 3:
+        parser.error("--syncs must be >= 3 (the first sync, and auto's second, are left out of the means)")
+    if args.juicefs_limit_mbps is not None and args.juicefs_limit_mbps < 1:
+        parser.error("--juicefs-limit-mbps must be >= 1")
     root = tempfile.mkdtemp(prefix="vime-bench-modes-")
     try:
         with contextlib.ExitStack() as stack:
             volumes = {"local directory": os.path.join(root, "local")}
             os.makedirs(volumes["local directory"])
             if not args.no_juicefs:
-                mount_point = stack.enter_context(_juicefs_volume_or_none())
+                mount_point = stack.enter_context(_juicefs_volume_or_none(args.juicefs_limit_mbps))
                 if mount_point is not None:
-                    volumes["JuiceFS volume"] = mount_point
+                    limit = f", {args.juicefs_limit_mbps} Mbit/s each way" if args.juicefs_limit_mbps else ""
+                    volumes[f"JuiceFS volume{limit}"] = mount_point
             for name, volume in volumes.items():
                 print(f"== {name}", flush=True)
                 for params_m in args.params_m:

@@ -189,8 +189,8 @@ def test_auto_mode_measures_both_modes_then_publishes_the_faster_and_every_versi
     tmp_path, model_dir, ray_session
 ):
     """--update-weight-mode auto through the driver's WeightSync and real engine actors: full, then a delta, then
-    whichever synchronised faster by the costs the syncs before reported (the other tried every 3rd time
-    here); each engine holds every version bit for bit, whichever way it came. The choice itself, with
+    whichever synchronised faster by the costs the syncs before reported (the other tried again after 3 or
+    more); each engine holds every version bit for bit, whichever way it came. The choice itself, with
     controlled costs: tests/unit/test_weight_mode_choice.py."""
     ray = ray_session
     from vime.config.weight_sync import WeightSyncConfig
@@ -218,7 +218,7 @@ def test_auto_mode_measures_both_modes_then_publishes_the_faster_and_every_versi
         expected.append(ray.get(trainer.step.remote()))
         reports.append(sync.sync(version, flush=False))
     modes = [r["weight_publish_mode"] for r in reports]
-    assert modes[:2] == ["full", "delta"] and {"full", "delta"} <= set(modes[2:]), modes
+    assert modes[:2] == ["full", "delta"], modes
     # Each mode is what the choice asked for given the costs measured before it (the sync's publication plus
     # the engine's load, as reported), the first excepted: a trainer's first publication is full.
     replay = AutoModeChoice(probe_interval=3)

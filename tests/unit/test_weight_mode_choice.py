@@ -32,17 +32,30 @@ def test_both_modes_are_measured_before_any_choice():
 def test_the_cheaper_mode_is_published_and_the_other_is_tried_every_probe_interval(cheaper):
     other = DELTA if cheaper is FULL else FULL
     choice = AutoModeChoice(probe_interval=4)
-    choice.record(FULL, 1.0 if cheaper is DELTA else 0.1)
-    choice.record(DELTA, 1.0 if cheaper is FULL else 0.1)
-    modes = run(choice, {cheaper: 0.1, other: 1.0}, 12)
+    choice.record(FULL, 0.12 if cheaper is DELTA else 0.1)
+    choice.record(DELTA, 0.12 if cheaper is FULL else 0.1)
+    modes = run(choice, {cheaper: 0.1, other: 0.12}, 12)
     assert modes == [cheaper, cheaper, cheaper, other] * 3
+
+
+def test_a_much_slower_mode_is_tried_less_often_so_that_its_tries_cost_at_most_a_tenth():
+    """Delta 9x slower than full (measured on a local disk): one try costs 8 syncs' worth, so it comes after 80
+    full ones, not after every probe_interval (10) of them, which would make auto 1.8x slower than full."""
+    choice = AutoModeChoice(probe_interval=10)
+    choice.record(FULL, 0.1)
+    choice.record(DELTA, 0.9)
+    assert choice.probe_gap() == 80
+    modes = run(choice, {FULL: 0.1, DELTA: 0.9}, 160)
+    assert modes == ([FULL] * 79 + [DELTA]) * 2
+    total = sum(0.1 if m is FULL else 0.9 for m in modes)
+    assert total / (0.1 * len(modes)) <= 1 + 0.1  # within the budget of the faster mode alone
 
 
 def test_a_mode_that_became_cheaper_takes_over_at_its_next_try():
     """Late in training a step changes fewer bits and deltas compress better: the probe sees it."""
     choice = AutoModeChoice(probe_interval=4)
     choice.record(FULL, 0.3)
-    choice.record(DELTA, 0.9)
+    choice.record(DELTA, 0.33)
     assert run(choice, {FULL: 0.3, DELTA: 0.05}, 5) == [FULL, FULL, FULL, DELTA, DELTA]
     # Smoothed: one slow delta (a busy machine) does not flip the choice back at once.
     choice.record(DELTA, 0.5)

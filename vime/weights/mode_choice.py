@@ -11,8 +11,10 @@ pause, vLLM's reload), and auto publishes the mode whose recent syncs were faste
   so that both modes have a cost before any choice.
 - The chosen mode's cost is smoothed (an exponential moving average), because one sync can be slowed by
   anything else running on the machine; the other mode's is its last try.
-- Every ``probe_interval`` publications, the mode not chosen is tried once, so that a change in its cost
-  (later in training a step changes fewer bits, and deltas compress better) is seen.
+- The mode not chosen is tried again after ``probe_interval`` publications, or later when its last try was
+  much slower: a try of a mode R times slower costs R - 1 syncs' worth, so tries are spaced to cost at most
+  ``PROBE_BUDGET`` (10%) of the time in between. That way a change in its cost (later in training a step
+  changes fewer bits, and deltas compress better) is seen without paying for it at every interval.
 - The publisher's own rules still hold: a delta needs the parent this process published just before, an
   engine that does not hold it forces a full version, and a delta chain is at most
   ``--update-weight-full-interval`` - 1 long.
@@ -21,6 +23,7 @@ pause, vLLM's reload), and auto publishes the mode whose recent syncs were faste
 from __future__ import annotations
 
 import enum
+import math
 
 
 class PublishMode(enum.Enum):
@@ -30,6 +33,8 @@ class PublishMode(enum.Enum):
 
 # Weight of the newest sync in a mode's smoothed cost.
 SMOOTHING = 0.5
+# What tries of the slower mode may cost, as a fraction of the syncs between two tries.
+PROBE_BUDGET = 0.1
 
 
 class AutoModeChoice:
@@ -55,9 +60,22 @@ class AutoModeChoice:
         cheaper = self._cheaper()
         if cheaper is None:
             return PublishMode.FULL
-        if self.since_probe + 1 >= self.probe_interval:
+        if self.since_probe + 1 >= self.probe_gap():
             return PublishMode.DELTA if cheaper is PublishMode.FULL else PublishMode.FULL
         return cheaper
+
+    def probe_gap(self) -> int:
+        """Publications in the chosen mode between two tries of the other: ``probe_interval``, or more when the
+        other mode was R times slower, so that its tries cost at most PROBE_BUDGET of the syncs in between."""
+        cheaper = self._cheaper()
+        if cheaper is None:
+            return self.probe_interval
+        other = PublishMode.DELTA if cheaper is PublishMode.FULL else PublishMode.FULL
+        chosen_cost, other_cost = self.cost[cheaper], self.cost[other]
+        if chosen_cost <= 0:
+            return self.probe_interval
+        extra = other_cost / chosen_cost - 1.0  # what one try costs beyond a sync in the chosen mode, in syncs
+        return max(self.probe_interval, math.ceil(extra / PROBE_BUDGET))
 
     def record(self, mode: PublishMode, seconds: float) -> None:
         """One synchronisation in ``mode`` (what was written, which may differ from what was asked) took
