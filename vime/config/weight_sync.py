@@ -28,7 +28,8 @@ class WeightSyncConfig:
         "In delta mode a process's first publication, one to an engine without the parent version and every "
         "--update-weight-full-interval-th one are full. auto: each version full or delta, whichever of the two "
         "synchronised faster lately (the trainer's publication plus the slowest engine's load, measured; the "
-        "other mode is tried again every --update-weight-full-interval publications). vime-specific.",
+        "other mode is tried again after --update-weight-full-interval publications, later when it was much "
+        "slower). vime-specific.",
         choices=["full", "delta", "auto"],
     )
     update_weight_transport: str = option(
