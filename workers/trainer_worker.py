@@ -54,6 +54,7 @@ class TrainerWorkerSpec:
     delta_encoding: str = "xor"  # --update-weight-delta-encoding
     delta_checksum: str | None = None  # --update-weight-delta-checksum, as usable here
     weight_buffer_bytes: int = 0  # --update-weight-buffer-size: NCCL broadcast buckets (0: one per tensor)
+    weight_scratch_dir: str | None = None  # --update-weight-trainer-dir: the delta parent's folder (<dir>/trainer)
 
     @classmethod
     def from_settings(
@@ -111,6 +112,11 @@ class TrainerWorkerSpec:
             delta_encoding=s.weights.update_weight_delta_encoding,
             delta_checksum=s.weights.delta_checksum(),
             weight_buffer_bytes=s.weights.update_weight_buffer_size,
+            weight_scratch_dir=(
+                os.path.join(s.weights.update_weight_trainer_dir, "trainer")
+                if s.weights.update_weight_trainer_dir
+                else None
+            ),
         )
 
 
@@ -258,6 +264,7 @@ class TrainerWorker:
             self.publisher = WeightPublisher(
                 self.spec.weight_dir,
                 keep=self.spec.keep_weight_versions,
+                scratch=self.spec.weight_scratch_dir,
                 encoding=self.spec.delta_encoding,
                 checksum=self.spec.delta_checksum,
             )

@@ -11,7 +11,8 @@ elements round back to what they were), it times one synchronisation the way a r
 - the trainer's side: vime.weights.publisher.WeightPublisher, as the trainer worker runs it;
 - one engine's side: vime.weights.local.LocalWeights.receive, the engine actor's own copy (a full version
   linked or copied, a delta applied) that vLLM then reloads from. On the JuiceFS volume the engine's copy is
-  on the local disk, as ``--update-weight-local-checkpoint-dir`` puts it on a rollout host.
+  on the local disk, as ``--update-weight-local-checkpoint-dir`` puts it on a rollout host, and so is the
+  trainer's copy of the parent of the next delta (``--update-weight-trainer-dir``).
 
 vLLM's reload from the engine's copy costs the same in both modes and is not in it. ``full`` and ``delta`` are
 the fixed modes (delta with --update-weight-full-interval 10: its full versions count too); ``auto`` is the
@@ -77,14 +78,17 @@ class Model:
         save_file(self.tensors, os.path.join(folder, "model.safetensors"))
 
 
-def run_mode(mode: str, model: Model, weight_root: str, engine_root: str, syncs: int) -> tuple[list[float], list[str]]:
-    """``syncs`` synchronisations in ``mode`` (full, delta, auto): (seconds of each, mode written each)."""
+def run_mode(
+    mode: str, model: Model, weight_root: str, engine_root: str, syncs: int, trainer_dir: str | None
+) -> tuple[list[float], list[str]]:
+    """``syncs`` synchronisations in ``mode`` (full, delta, auto): (seconds of each, mode written each).
+    ``trainer_dir``: the trainer's scratch folder (--update-weight-trainer-dir; None: in the weight folder)."""
     from vime.weights.local import LocalWeights
     from vime.weights.mode_choice import AutoModeChoice, PublishMode
     from vime.weights.publisher import WeightPublisher
 
     shutil.rmtree(weight_root, ignore_errors=True)
-    publisher = WeightPublisher(weight_root, keep=2)
+    publisher = WeightPublisher(weight_root, keep=2, scratch=trainer_dir)
     engine = LocalWeights(engine_root)
     choice = AutoModeChoice(probe_interval=FULL_INTERVAL) if mode == "auto" else None
     seconds, written = [], []
@@ -112,15 +116,18 @@ def run_mode(mode: str, model: Model, weight_root: str, engine_root: str, syncs:
     return seconds, written
 
 
-def bench_case(volume: str, local_root: str, params: int, changed: float, syncs: int) -> dict:
-    """One volume x size x changed fraction, the three modes from the same starting weights."""
+def bench_case(volume: str, local_root: str, params: int, changed: float, syncs: int, *, shared: bool) -> dict:
+    """One volume x size x changed fraction, the three modes from the same starting weights. ``shared``: the
+    volume stands for a network one; the trainer keeps its scratch copy on the local disk, as
+    --update-weight-trainer-dir does (else in the weight folder, the default)."""
     results = {}
     for mode in ("full", "delta", "auto"):
         model = Model(params, changed)  # every mode sees the same steps
         work = tempfile.mkdtemp(prefix=f"modes-{mode}-", dir=volume)
         engine_root = tempfile.mkdtemp(prefix=f"engine-{mode}-", dir=local_root)
         try:
-            seconds, written = run_mode(mode, model, os.path.join(work, "weights"), engine_root, syncs)
+            trainer_dir = os.path.join(engine_root, "trainer") if shared else None
+            seconds, written = run_mode(mode, model, os.path.join(work, "weights"), engine_root, syncs, trainer_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(engine_root, ignore_errors=True)
@@ -179,7 +186,8 @@ def main() -> int:
                 print(f"== {name}", flush=True)
                 for params_m in args.params_m:
                     for changed in args.changed:
-                        results = bench_case(volume, root, int(params_m * 1e6), changed, args.syncs)
+                        shared = volume != volumes["local directory"]
+                        results = bench_case(volume, root, int(params_m * 1e6), changed, args.syncs, shared=shared)
                         report(f"{params_m:g}M params, {changed:.0%} changed per step", results)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -101,6 +101,27 @@ def test_delta_rebuilds_the_full_weights_bit_for_bit(tmp_path, trainer):
     assert not os.path.exists(disk.version_dir(local.root, 1))  # the previous copy is gone
 
 
+def test_a_scratch_folder_elsewhere_holds_the_parent_of_the_next_delta(tmp_path, trainer):
+    """--update-weight-trainer-dir: the parent of the next delta lives in the given folder, nothing under the
+    weight directory's .trainer/; a full version is linked out of it (copied across file systems), and both
+    kinds rebuild the trainer's files."""
+    root, scratch = str(tmp_path / "weights"), str(tmp_path / "local_disk" / "trainer")
+    publisher = WeightPublisher(root, keep=3, scratch=scratch)
+    first = publisher.publish(1, trainer.write, mode="delta")
+    trainer.step()
+    second = publisher.publish(2, trainer.write, mode="delta")
+    assert (first.mode, second.mode) == ("full", "delta")
+    assert not os.path.exists(os.path.join(root, ".trainer"))
+    assert os.listdir(scratch) == ["full_v000002"]  # the parent of version 3
+    disk.reconstruct(root, 2, str(tmp_path / "rebuilt"))
+    assert read_files(str(tmp_path / "rebuilt")) == expected_files(trainer, tmp_path, "v2")
+    trainer.step()
+    third = publisher.publish(3, trainer.write, mode="delta", force_full=True)
+    assert third.mode == "full" and read_files(third.path) == expected_files(trainer, tmp_path, "v3")
+    publisher.close()
+    assert not os.path.exists(scratch)
+
+
 def test_full_publications_first_every_interval_and_when_asked(tmp_path, trainer):
     root = str(tmp_path / "weights")
     publisher = WeightPublisher(root, keep=10)

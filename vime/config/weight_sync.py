@@ -86,6 +86,14 @@ class WeightSyncConfig:
         "<update-weight-disk-dir>/.engine_<N>/); optional in delta mode. No effect with "
         "--update-weight-transport nccl (said at start-up).",
     )
+    update_weight_trainer_dir: str | None = option(
+        None,
+        "Trainer-host-local directory where, with --update-weight-mode delta or auto, the trainer keeps the full "
+        "files of the version it published last, to encode the next delta against (in <dir>/trainer/; default: "
+        "<update-weight-disk-dir>/.trainer/, where a full version is published as hard links). On a network "
+        "volume give a local disk: a delta then uploads only what changed, while a full version is copied to "
+        "the volume. vime-specific.",
+    )
     vllm_weight_sync_mode: str = option(
         "native",
         "How an engine takes a new weight version (the reference's flag, from its Ascend scripts). 'native': "
@@ -126,6 +134,20 @@ class WeightSyncConfig:
                 f"{local} exists and is not a directory",
             )
             self.update_weight_local_checkpoint_dir = os.path.abspath(local)
+        trainer_dir = self.update_weight_trainer_dir
+        if trainer_dir is not None:
+            require(trainer_dir.strip() != "", "--update-weight-trainer-dir", "must not be empty")
+            require(
+                "://" not in trainer_dir,
+                "--update-weight-trainer-dir",
+                f"{trainer_dir!r} is a URL; it must be a directory on the trainer's host",
+            )
+            require(
+                not os.path.exists(trainer_dir) or os.path.isdir(trainer_dir),
+                "--update-weight-trainer-dir",
+                f"{trainer_dir} exists and is not a directory",
+            )
+            self.update_weight_trainer_dir = os.path.abspath(trainer_dir)
         if self.update_weight_transport == "nccl":
             require(
                 self.update_weight_mode == "full",
@@ -166,6 +188,12 @@ class WeightSyncConfig:
             notes.append(
                 f"--update-weight-delta-checksum {self.update_weight_delta_checksum}: the package it needs is not "
                 "installed here; delta files carry sha256 per tensor instead"
+            )
+        if self.update_weight_trainer_dir is not None and not (disk and delta):
+            notes.append(
+                f"--update-weight-trainer-dir {self.update_weight_trainer_dir}: no effect with --update-weight-mode "
+                f"{self.update_weight_mode} and the {self.update_weight_transport} transport (it holds the parent "
+                "of the next delta)"
             )
         if not disk and self.update_weight_local_checkpoint_dir is not None:
             notes.append(
