@@ -99,11 +99,14 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         s.algorithm.ref_load = ref_load_conversion.hf_folder(
             s.algorithm.ref_load, s.train.hf_checkpoint, s.run_dir, say
         )
-    from transformers import AutoConfig
+    if hf_config_checks_apply(s):
+        from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
-    s.megatron.check_against_hf(hf_config, s.train.train_backend)
-    check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
+        hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
+        s.megatron.check_against_hf(hf_config, s.train.train_backend)
+        check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
+    else:
+        check_config_file(s.train.hf_checkpoint)
     check_tokenizer_files(s.train.hf_checkpoint)
     if s.data.apply_chat_template:
         check_chat_template(s.train.hf_checkpoint)
@@ -127,6 +130,33 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         prompt_rows=prompt_rows,
         prompts_total=prompts_total,
     )
+
+
+def hf_config_checks_apply(s: TrainSettings) -> bool:
+    """Whether a check reads --hf-checkpoint's config through transformers: the Megatron backend's, a Megatron
+    model or parallelism flag compared with config.json (every such check passes when none is given), or
+    --rollout-stop-token-ids against the vocabulary. Reading it costs the driver ~3 CPU-seconds (transformers'
+    configuration classes import torch), which a run without these checks does not pay: its trainer reads the
+    config anyway, as it builds the model."""
+    from vime.config.megatron import MegatronConfig
+
+    return (
+        s.train.train_backend == "megatron" or s.megatron != MegatronConfig() or bool(s.rollout.rollout_stop_token_ids)
+    )
+
+
+def check_config_file(folder: str) -> None:
+    """--hf-checkpoint's config.json exists and is a JSON object, as transformers needs it (read without it)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("--hf-checkpoint", f"{folder} has no config.json") from None
+    except (OSError, ValueError) as error:
+        raise ConfigError("--hf-checkpoint", f"{path} cannot be read as JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("--hf-checkpoint", f"{path} holds a {type(config).__name__}, not a JSON object")
 
 
 # A folder with none of these has no tokenizer AutoTokenizer could load (fast, sentencepiece, BPE or WordPiece).
