@@ -18,6 +18,16 @@ from vime.config.base import option, require
 CHECKSUM_PACKAGES = {"xxh3-128": "xxhash", "blake3": "blake3", "adler32": None}
 
 
+def _host_directory(flag: str, path: str | None, host: str) -> str | None:
+    """``path`` (a directory on ``host``, made absolute) or None; a URL, an empty path or a file is refused."""
+    if path is None:
+        return None
+    require(path.strip() != "", flag, "must not be empty")
+    require("://" not in path, flag, f"{path!r} is a URL; it must be a directory on {host}")
+    require(not os.path.exists(path) or os.path.isdir(path), flag, f"{path} exists and is not a directory")
+    return os.path.abspath(path)
+
+
 @dataclasses.dataclass(kw_only=True)
 class WeightSyncConfig:
     """How new weights reach the engines (docs/weights.md)."""
@@ -120,34 +130,12 @@ class WeightSyncConfig:
             "--update-weight-buffer-size",
             f"must be a positive number of bytes, got {self.update_weight_buffer_size}",
         )
-        local = self.update_weight_local_checkpoint_dir
-        if local is not None:
-            require(local.strip() != "", "--update-weight-local-checkpoint-dir", "must not be empty")
-            require(
-                "://" not in local,
-                "--update-weight-local-checkpoint-dir",
-                f"{local!r} is a URL; it must be a directory on the rollout hosts",
-            )
-            require(
-                not os.path.exists(local) or os.path.isdir(local),
-                "--update-weight-local-checkpoint-dir",
-                f"{local} exists and is not a directory",
-            )
-            self.update_weight_local_checkpoint_dir = os.path.abspath(local)
-        trainer_dir = self.update_weight_trainer_dir
-        if trainer_dir is not None:
-            require(trainer_dir.strip() != "", "--update-weight-trainer-dir", "must not be empty")
-            require(
-                "://" not in trainer_dir,
-                "--update-weight-trainer-dir",
-                f"{trainer_dir!r} is a URL; it must be a directory on the trainer's host",
-            )
-            require(
-                not os.path.exists(trainer_dir) or os.path.isdir(trainer_dir),
-                "--update-weight-trainer-dir",
-                f"{trainer_dir} exists and is not a directory",
-            )
-            self.update_weight_trainer_dir = os.path.abspath(trainer_dir)
+        self.update_weight_local_checkpoint_dir = _host_directory(
+            "--update-weight-local-checkpoint-dir", self.update_weight_local_checkpoint_dir, "the rollout hosts"
+        )
+        self.update_weight_trainer_dir = _host_directory(
+            "--update-weight-trainer-dir", self.update_weight_trainer_dir, "the trainer's host"
+        )
         if self.update_weight_transport == "nccl":
             require(
                 self.update_weight_mode == "full",
