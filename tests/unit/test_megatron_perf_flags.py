@@ -242,7 +242,7 @@ def test_other_reference_preset_flags(model_dir):
 
 
 def test_data_pad_size_multiplier_reaches_the_megatron_spec_and_is_said_on_the_torch_backend(model_dir):
-    """The reference's GLM/DeepSeek scripts pass it (512 to 4096); the Megatron backend pads with it
+    """The reference's GLM-5 scripts pass it (1024, 4096); the Megatron backend pads with it
     (test_megatron_model.py checks the logits do not change); the torch backend says it does not read it."""
     s = parse_train_args(base(model_dir, "--data-pad-size-multiplier", "1024"))
     assert s.perf.data_pad_size_multiplier == 1024
