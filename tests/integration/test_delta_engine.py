@@ -105,6 +105,24 @@ class RecordingEngine(EngineActor):
         return self.client.loaded
 
 
+def recording_engine(ray, index: int, model_dir: str, tmp_path):
+    """A RecordingEngine actor started at version 0: (its handle, its URL)."""
+    from vime.workers.engines import EngineSpec
+
+    spec = EngineSpec(
+        index=index,
+        model=model_dir,
+        vllm_args={},
+        tensor_parallel_size=1,
+        run_token="t",
+        log_path=str(tmp_path / f"engine-{index}.log"),
+        startup_timeout=1,
+        http_timeout=1,
+    )
+    actor = ray.remote(num_cpus=0)(RecordingEngine).remote(spec)
+    return actor, ray.get(actor.start.remote(0))
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
@@ -125,24 +143,13 @@ def ray_session():
 def test_weight_sync_sends_deltas_and_a_full_version_to_a_new_engine(tmp_path, model_dir, ray_session):
     ray = ray_session
     from vime.config.weight_sync import WeightSyncConfig
-    from vime.workers.engines import EngineGroup, EngineSpec, WeightSync
+    from vime.workers.engines import EngineGroup, WeightSync
     from vime.workers.trainer_group import TrainerGroup
 
     weight_dir = str(tmp_path / "weights")
 
     def engine(index: int):
-        spec = EngineSpec(
-            index=index,
-            model=model_dir,
-            vllm_args={},
-            tensor_parallel_size=1,
-            run_token="t",
-            log_path=str(tmp_path / f"engine-{index}.log"),
-            startup_timeout=1,
-            http_timeout=1,
-        )
-        actor = ray.remote(num_cpus=0)(RecordingEngine).remote(spec)
-        return actor, ray.get(actor.start.remote(0))
+        return recording_engine(ray, index, model_dir, tmp_path)
 
     trainer = ray.remote(num_cpus=0)(FakeTrainer).remote(model_dir, weight_dir)
     (a, url_a), (b, url_b) = engine(0), engine(1)
@@ -195,21 +202,10 @@ def test_auto_mode_measures_both_modes_then_publishes_the_faster_and_every_versi
     ray = ray_session
     from vime.config.weight_sync import WeightSyncConfig
     from vime.weights.mode_choice import AutoModeChoice, PublishMode
-    from vime.workers.engines import EngineGroup, EngineSpec, WeightSync
+    from vime.workers.engines import EngineGroup, WeightSync
     from vime.workers.trainer_group import TrainerGroup
 
-    spec = EngineSpec(
-        index=0,
-        model=model_dir,
-        vllm_args={},
-        tensor_parallel_size=1,
-        run_token="t",
-        log_path=str(tmp_path / "engine.log"),
-        startup_timeout=1,
-        http_timeout=1,
-    )
-    engine = ray.remote(num_cpus=0)(RecordingEngine).remote(spec)
-    url = ray.get(engine.start.remote(0))
+    engine, url = recording_engine(ray, 0, model_dir, tmp_path)
     trainer = ray.remote(num_cpus=0)(FakeTrainer).remote(model_dir, str(tmp_path / "weights"))
     config = WeightSyncConfig(update_weight_mode="auto", update_weight_full_interval=3)
     sync = WeightSync(TrainerGroup([trainer]), EngineGroup([engine], [url], workers=[1]), config)
