@@ -510,9 +510,7 @@ class WeightSync:
         force_full = engines is not None and any(v != version - 1 for v in engines.versions)
         mode = self.config.update_weight_mode
         if self.auto is not None:
-            # Both modes keep the published files to encode the next version against; full: not encoded.
-            force_full = force_full or self.auto.next_mode() is PublishMode.FULL
-            mode = "delta"
+            mode, force_full = self.auto.publish_arguments(force_full)
         publication = self.trainer.publish_weights(
             version,
             mode=mode,

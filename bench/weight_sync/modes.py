@@ -95,14 +95,10 @@ def run_mode(
     try:
         for version in range(1, syncs + 1):
             model.step()
-            force_full = choice is not None and choice.next_mode() is PublishMode.FULL
+            asked, force_full = choice.publish_arguments(False) if choice is not None else (mode, False)
             started = time.perf_counter()
             publication = publisher.publish(
-                version,
-                model.write,
-                mode="delta" if choice is not None else mode,
-                full_interval=FULL_INTERVAL,
-                force_full=force_full,
+                version, model.write, mode=asked, full_interval=FULL_INTERVAL, force_full=force_full
             )
             engine.receive(publication.path, version)
             took = time.perf_counter() - started

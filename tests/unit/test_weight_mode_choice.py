@@ -65,3 +65,17 @@ def test_a_mode_that_became_cheaper_takes_over_at_its_next_try():
 def test_a_bad_probe_interval_is_refused():
     with pytest.raises(ValueError, match="probe_interval must be >= 1"):
         AutoModeChoice(probe_interval=0)
+
+
+def test_auto_publishes_through_delta_mode_and_a_full_version_is_a_forced_one():
+    """Delta mode keeps the published files to encode the next version against, whichever mode is chosen; an
+    engine without the parent still forces a full version when a delta is cheaper."""
+    choice = AutoModeChoice(probe_interval=10)
+    choice.record(FULL, 0.1)
+    choice.record(DELTA, 0.5)
+    assert choice.publish_arguments(False) == ("delta", True)  # full is cheaper
+    choice = AutoModeChoice(probe_interval=10)
+    choice.record(FULL, 0.5)
+    choice.record(DELTA, 0.1)
+    assert choice.publish_arguments(False) == ("delta", False)
+    assert choice.publish_arguments(True) == ("delta", True)

@@ -94,7 +94,7 @@ class TrainSettings:
         weights too, which a full weight update replaces anyway; a delta needs the weights the engine holds."""
         if not self.cluster.offloads_rollout:
             return 0
-        return 1 if self.weights.update_weight_mode in ("delta", "auto") else 2
+        return 1 if self.weights.publishes_deltas else 2
 
     @property
     def max_staleness(self) -> int:

@@ -144,6 +144,12 @@ class WeightSyncConfig:
             )
             # CUDA: vime.config.check_local_cuda.
 
+    @property
+    def publishes_deltas(self) -> bool:
+        """Whether versions may be published as deltas (delta and auto modes): engines then keep the weights
+        they hold, which a delta is applied to."""
+        return self.update_weight_mode in ("delta", "auto")
+
     def delta_checksum(self) -> str:
         """The per-tensor checksum the delta files carry: --update-weight-delta-checksum where it can run
         here, else sha256 (startup_notes says so)."""
@@ -154,7 +160,7 @@ class WeightSyncConfig:
         """What a --update-weight-* flag of the reference framework does not do on this run, one line each,
         said once at start-up. Flags left at their defaults say nothing, except a default that cannot run here."""
         notes = []
-        disk, delta = self.update_weight_transport == "disk", self.update_weight_mode in ("delta", "auto")
+        disk, delta = self.update_weight_transport == "disk", self.publishes_deltas
         if disk and self.update_weight_buffer_size != 512 * 1024**2:
             notes.append(
                 f"--update-weight-buffer-size {self.update_weight_buffer_size}: no effect with the disk transport "

@@ -64,6 +64,12 @@ class AutoModeChoice:
             return PublishMode.DELTA if cheaper is PublishMode.FULL else PublishMode.FULL
         return cheaper
 
+    def publish_arguments(self, force_full: bool) -> tuple[str, bool]:
+        """(mode, force_full) for WeightPublisher.publish: auto always publishes through delta mode, which keeps
+        the files it published to encode the next version against, and a full version is a forced one (also
+        when the caller already forces it: an engine without the parent)."""
+        return PublishMode.DELTA.value, force_full or self.next_mode() is PublishMode.FULL
+
     def probe_gap(self) -> int:
         """Publications in the chosen mode between two tries of the other: ``probe_interval``, or more when the
         other mode was R times slower, so that its tries cost at most PROBE_BUDGET of the syncs in between."""
