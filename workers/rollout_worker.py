@@ -5,7 +5,8 @@ It never waits for the trainer: while groups are admitted it keeps up to
 group is written to the transport (payload) and accepted by the controller (reference only).
 A sample aborted by a weight update is continued from its prefix (``--partial-rollout``) or
 regenerated. Leases are renewed by heartbeat; a lease the controller no longer honours cancels its
-group (another worker owns that prompt now).
+group while it is still generating (another worker owns that prompt now); a group already generated is
+left to end, and the controller's answer to its outcome (accepted or not) is what counts it.
 With ``--use-opd`` a scored group's samples also get the teacher's log-probs
 (vime.rollout.teacher) before it is published.
 
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import enum
 import logging
 import time
 import uuid
@@ -45,6 +47,20 @@ logger = logging.getLogger("vime.rollout")
 ALL_SAMPLES_FLAG = "--rollout-all-samples-process-path"
 GET_SAMPLES_GRACE_SECONDS = 0.5
 ENGINE_RETRY_SECONDS = 1.0
+
+
+class GroupPhase(enum.Enum):
+    GENERATING = "generating"  # the heartbeat cancels it once its lease is lost: the engines' work is saved
+    ENDING = "ending"  # generated: scored, published and handed to the controller, whose answer counts it
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A leased group this worker is working on (``RolloutWorker.active``)."""
+
+    task: asyncio.Task
+    lease: object
+    phase: GroupPhase = GroupPhase.GENERATING
 
 
 class InfrastructureFault(MemberDied, RuntimeError):
@@ -171,7 +187,7 @@ class RolloutWorker:
         # The queue's volume filled (a straw publish or acceptance failed): the worker stops generating and its
         # run() ends with this error, which stops the run (the driver polls run(): workers/rollout_group.py).
         self.queue_full: DiskFull | None = None
-        self.active: dict[str, tuple[asyncio.Task, object]] = {}
+        self.active: dict[str, InFlight] = {}
         self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -204,7 +220,7 @@ class RolloutWorker:
                     leased = await self.controller.lease.remote(self.lease_id, free) if free > 0 else []
                     for item in leased:
                         task = asyncio.create_task(self._process(item))
-                        self.active[item.assignment.task.task_id] = (task, item.assignment.lease)
+                        self.active[item.assignment.task.task_id] = InFlight(task, item.assignment.lease)
                         task.add_done_callback(lambda _t, key=item.assignment.task.task_id: self.active.pop(key, None))
                     if not leased:
                         await asyncio.sleep(0.02)
@@ -225,7 +241,7 @@ class RolloutWorker:
         """Shutdown: groups in flight end as continuations with their prefixes (the driver aborts the
         engines' requests after stop(), so they return at once); whatever does not end within the
         request timeout goes back to the queue without a prefix. No prompt is lost either way."""
-        tasks = [task for task, _ in self.active.values()]
+        tasks = [entry.task for entry in self.active.values()]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.spec.request_timeout)
             for task in late:
@@ -237,15 +253,23 @@ class RolloutWorker:
         interval = max(0.5, self.spec.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
-            items = list(self.active.items())
-            if not items:
+            await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        """Renew the leases of the groups in flight and cancel the groups still generating whose lease is no
+        longer current. A group past generation is left alone: its acceptance may have ended its lease while
+        this heartbeat was on its way (at 256 stand-in engines an accepted group was logged as dropped and
+        counted discarded), and its own call to the controller says whether it was still current."""
+        items = list(self.active.items())
+        if not items:
+            return
+        current = await self.controller.heartbeat.remote([entry.lease for _, entry in items])
+        for (task_id, entry), ok in zip(items, current):
+            if ok or entry.phase is GroupPhase.ENDING or entry.task.done():
                 continue
-            current = await self.controller.heartbeat.remote([lease for _, (_, lease) in items])
-            for (task_id, (task, _)), ok in zip(items, current):
-                if not ok:
-                    logger.warning("lease of %s is no longer current; dropping its group", task_id)
-                    self.stats.groups_discarded += 1
-                    task.cancel()
+            logger.warning("lease of %s is no longer current; dropping its group", task_id)
+            self.stats.groups_discarded += 1
+            entry.task.cancel()
 
     # ------------------------------------------------------------------ --rollout-function-path
     async def _custom_rollout_loop(self) -> None:
@@ -367,6 +391,8 @@ class RolloutWorker:
                     self._restart(sample)  # a continuation keeps its prefix only with --partial-rollout
             unfinished = [s for s in samples if s.status in (Status.PENDING, Status.ABORTED)]
             await asyncio.gather(*(self._generate_one(s) for s in unfinished))
+            if (entry := self.active.get(assignment.task.task_id)) is not None:
+                entry.phase = GroupPhase.ENDING
             fault_point("rollout.mid_generation")
             aborted = sum(s.status is Status.ABORTED for s in samples)
             if aborted or any(s.status is Status.PENDING for s in samples):

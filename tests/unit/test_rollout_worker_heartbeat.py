@@ -1,0 +1,175 @@
+"""The rollout worker's heartbeat against a real controller and straw queue: a group whose lease is lost while
+it generates is cancelled and counted discarded; a group whose acceptance ends its lease while a heartbeat is
+on its way is counted accepted, once, and never cancelled (bench/scale at 256 stand-in engines logged such
+groups as dropped, although the controller had accepted and the trainer trained them).
+
+Stand-ins, each because what it stands for is not what is tested: the Ray actor handle (``ControllerHandle``:
+``method.remote(...)`` awaits the real ``Controller``'s method, which is what Ray's handle does across
+processes), a character-level tokenizer (the worker only renders a string prompt with it), and a
+``--custom-generate-function-path`` hook instead of an engine (the public way to generate without one)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import types
+
+import pytest
+
+from vime.data.source import DataKeys
+from vime.queue.rollout_queue import StoreOptions
+from vime.queue.transport import make_transport
+from vime.sample import Status
+from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.rollout_worker import GroupPhase, InFlight, RolloutWorker, RolloutWorkerStats
+
+
+class ControllerHandle:
+    """``handle.method.remote(*args)`` awaits the real controller's method; ``hold_complete`` makes an acceptance's
+    reply wait (the acceptance itself is done) until ``release`` is set."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+        self.hold_complete = False
+        self.accepted = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name):
+        method = getattr(self.controller, name)
+
+        async def call(*args):
+            result = method(*args)
+            if name == "complete" and self.hold_complete:
+                self.accepted.set()
+                await self.release.wait()
+            return result
+
+        return types.SimpleNamespace(remote=call)
+
+
+def char_tokenizer(text, add_special_tokens=False):
+    return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.fixture
+def queue(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(4)))
+    store = StoreOptions(str(tmp_path / "queue"), "run", 1.0)
+    controller = Controller(
+        ControllerSpec(
+            transport="straw",
+            store=store,
+            lease_seconds=60,
+            prompt_data=str(prompts),
+            keys=DataKeys("prompt", "label"),
+            seed=0,
+            shuffle=False,
+            num_epoch=1,
+            groups_per_rollout=1,
+            max_staleness=0,
+        )
+    )
+    yield controller, store
+    controller.shutdown()
+
+
+def worker_on(handle: ControllerHandle, store: StoreOptions, generate) -> RolloutWorker:
+    worker = RolloutWorker.__new__(RolloutWorker)
+    worker.spec = types.SimpleNamespace(
+        args=types.SimpleNamespace(),
+        partial_rollout=False,
+        apply_chat_template=False,
+        apply_chat_template_kwargs=None,
+        n_samples_per_prompt=2,
+        sampling=types.SimpleNamespace(as_dict=dict),
+        custom_generate_function_path="test:generate",
+        queue_volume=None,
+    )
+    worker.tokenizer = char_tokenizer
+    worker.custom_generate = generate
+    worker.reward = worker.dynamic_filter = worker.all_samples_process = None
+    worker.use_opd = False
+    worker.stats = RolloutWorkerStats()
+    worker.active = {}
+    worker._stopping = asyncio.Event()
+    worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    worker.transport = make_transport("straw", store)
+    worker.controller = handle
+    worker.queue_full = None
+    return worker
+
+
+def answered(sample):
+    sample.tokens = sample.tokens + [7]
+    sample.response_length, sample.response, sample.reward = 1, "7", 1.0
+    sample.status = Status.COMPLETED
+    return sample
+
+
+def start(worker: RolloutWorker, item) -> asyncio.Task:
+    """As ``RolloutWorker.run`` starts a leased group."""
+    task = asyncio.create_task(worker._process(item))
+    key = item.assignment.task.task_id
+    worker.active[key] = InFlight(task, item.assignment.lease)
+    task.add_done_callback(lambda _t: worker.active.pop(key, None))
+    return task
+
+
+def test_a_group_accepted_while_a_heartbeat_is_on_its_way_counts_once_as_accepted(queue):
+    controller, store = queue
+
+    async def scenario():
+        handle = ControllerHandle(controller)
+        handle.hold_complete = True
+
+        async def generate(args, sample, sampling):
+            return answered(sample)
+
+        worker = worker_on(handle, store, generate)
+        (item,) = controller.lease("w", 1)
+        task = start(worker, item)
+        await asyncio.wait_for(handle.accepted.wait(), 30)  # accepted; the reply not back yet
+        entry = worker.active[item.assignment.task.task_id]
+        assert entry.phase is GroupPhase.ENDING
+        assert controller.heartbeat([item.assignment.lease]) == [False]  # the acceptance ended the lease
+        await worker._heartbeat()
+        assert not task.cancelled() and worker.stats.groups_discarded == 0
+        handle.release.set()
+        await asyncio.wait_for(task, 30)
+        worker.transport.close()
+        return worker.stats
+
+    stats = asyncio.run(scenario())
+    assert (stats.groups_accepted, stats.groups_discarded) == (1, 0)
+    assert controller.stats().accepted == 1
+
+
+def test_a_group_whose_lease_is_lost_while_it_generates_is_cancelled_and_counted_discarded(queue):
+    controller, store = queue
+
+    async def scenario():
+        handle = ControllerHandle(controller)
+        generating, never = asyncio.Event(), asyncio.Event()
+
+        async def generate(args, sample, sampling):
+            generating.set()
+            await never.wait()  # an engine that has not answered yet
+            return answered(sample)
+
+        worker = worker_on(handle, store, generate)
+        (item,) = controller.lease("w", 1)
+        task = start(worker, item)
+        await asyncio.wait_for(generating.wait(), 30)
+        assert worker.active[item.assignment.task.task_id].phase is GroupPhase.GENERATING
+        assert controller.return_partial(item.assignment.lease, item.assignment.task, None)  # lease moved on
+        await worker._heartbeat()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        worker.transport.close()
+        return worker.stats
+
+    stats = asyncio.run(scenario())
+    assert (stats.groups_accepted, stats.groups_discarded) == (0, 1)
+    assert controller.stats().accepted == 0
