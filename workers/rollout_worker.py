@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import logging
+import threading
 import time
 import uuid
 
@@ -188,6 +189,8 @@ class RolloutWorker:
         # run() ends with this error, which stops the run (the driver polls run(): workers/rollout_group.py).
         self.queue_full: DiskFull | None = None
         self.active: dict[str, InFlight] = {}
+        # The data source of the --rollout-function-path call in progress: the heartbeat renews its groups' leases.
+        self.function_source: LeasedDataSource | None = None
         self._stopping = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -259,17 +262,30 @@ class RolloutWorker:
         """Renew the leases of the groups in flight and cancel the groups still generating whose lease is no
         longer current. A group past generation is left alone: its acceptance may have ended its lease while
         this heartbeat was on its way (at 256 stand-in engines an accepted group was logged as dropped and
-        counted discarded), and its own call to the controller says whether it was still current."""
+        counted discarded), and its own call to the controller says whether it was still current.
+
+        The groups a --rollout-function-path call holds are renewed too (a call may take longer than
+        --rollout-queue-lease-seconds: a multi-turn agent's, say); they cannot be cancelled, as the user's
+        function runs in a thread, and one whose lease was lost is discarded when the function returns it."""
         items = list(self.active.items())
-        if not items:
+        source = self.function_source
+        held = source.held_leases() if source is not None else []
+        if not items and not held:
             return
-        current = await self.controller.heartbeat.remote([entry.lease for _, entry in items])
+        current = await self.controller.heartbeat.remote([entry.lease for _, entry in items] + held)
         for (task_id, entry), ok in zip(items, current):
             if ok or entry.phase is GroupPhase.ENDING or entry.task.done():
                 continue
             logger.warning("lease of %s is no longer current; dropping its group", task_id)
             self.stats.groups_discarded += 1
             entry.task.cancel()
+        lost = len(held) - sum(current[len(items) :])
+        if lost and source.phase is GroupPhase.GENERATING:
+            logger.warning(
+                "%d lease(s) of the groups --rollout-function-path holds are no longer current; the function's "
+                "groups of them will be discarded when it returns them",
+                lost,
+            )
 
     # ------------------------------------------------------------------ --rollout-function-path
     async def _custom_rollout_loop(self) -> None:
@@ -281,30 +297,38 @@ class RolloutWorker:
         """
         rollout_id = 0
         while not self._stopping.is_set():
-            source = LeasedDataSource(self)
-            output = await asyncio.to_thread(self.rollout_fn, self.spec.args, rollout_id, source)
-            fault_point("rollout.mid_generation")
-            groups = output.samples if isinstance(output, RolloutFnTrainOutput) else output
-            returned = set()
-            for group in groups or []:
-                item = source.leased.get(group[0].group_index) if group else None
-                if item is None:
-                    raise ValueError(
-                        "--rollout-function-path: a returned group does not come from "
-                        "data_source.get_samples (unknown group_index)"
-                    )
-                returned.add(group[0].group_index)
-                try:
-                    await self._finish_group(item, group)
-                except Exception as error:
-                    if not self._stop_if_the_queue_is_full(error):
-                        raise  # an error of the user's rollout function's group ends the worker, as always
-                    returned.discard(group[0].group_index)  # not accepted: back with the rest
-                    break
-            for group_index, item in source.leased.items():
-                if group_index not in returned:
-                    await self._give_back(item.assignment)
+            source = self.function_source = LeasedDataSource(self)
+            try:
+                await self._one_rollout_call(source, rollout_id)
+            finally:
+                self.function_source = None
             rollout_id += 1
+
+    async def _one_rollout_call(self, source: LeasedDataSource, rollout_id: int) -> None:
+        """One call of the user's function; its groups published and accepted, the others given back."""
+        output = await asyncio.to_thread(self.rollout_fn, self.spec.args, rollout_id, source)
+        source.phase = GroupPhase.ENDING
+        fault_point("rollout.mid_generation")
+        groups = output.samples if isinstance(output, RolloutFnTrainOutput) else output
+        returned = set()
+        for group in groups or []:
+            item = source.leased.get(group[0].group_index) if group else None
+            if item is None:
+                raise ValueError(
+                    "--rollout-function-path: a returned group does not come from "
+                    "data_source.get_samples (unknown group_index)"
+                )
+            returned.add(group[0].group_index)
+            try:
+                await self._finish_group(item, group)
+            except Exception as error:
+                if not self._stop_if_the_queue_is_full(error):
+                    raise  # an error of the user's rollout function's group ends the worker, as always
+                returned.discard(group[0].group_index)  # not accepted: back with the rest
+                break
+        for group_index, item in source.leased.items():
+            if group_index not in returned:
+                await self._give_back(item.assignment)
 
     # ------------------------------------------------------------------ one group
     def _fresh_group(self, item) -> list[Sample]:
@@ -549,7 +573,13 @@ class LeasedDataSource:
 
     def __init__(self, worker: RolloutWorker):
         self.worker = worker
-        self.leased: dict[int, object] = {}
+        self.leased: dict[int, object] = {}  # group index -> LeasedPrompt; written by the function's thread
+        self.phase = GroupPhase.GENERATING  # ENDING once the function returned
+        self._lock = threading.Lock()  # the heartbeat reads the leases on the worker's event loop meanwhile
+
+    def held_leases(self) -> list:
+        with self._lock:
+            return [item.assignment.lease for item in self.leased.values()]
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
         """Up to ``num_samples`` groups of --n-samples-per-prompt fresh samples.
@@ -565,7 +595,8 @@ class LeasedDataSource:
         while len(groups) < num_samples and not self.worker._stopping.is_set():
             items = ray.get(self.worker.controller.lease.remote(self.worker.lease_id, num_samples - len(groups)))
             for item in items:
-                self.leased[item.assignment.task.group_index] = item
+                with self._lock:
+                    self.leased[item.assignment.task.group_index] = item
                 groups.append(self.worker._fresh_group(item))
             if groups and grace_until is None:
                 grace_until = time.monotonic() + GET_SAMPLES_GRACE_SECONDS
@@ -580,6 +611,7 @@ class LeasedDataSource:
         import ray
 
         for group in samples:
-            item = self.leased.pop(group[0].group_index, None)
+            with self._lock:
+                item = self.leased.pop(group[0].group_index, None)
             if item is not None:
                 ray.get(self.worker.controller.return_partial.remote(item.assignment.lease, item.assignment.task, None))

@@ -26,7 +26,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["straw", "object-store"])
 def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, transport):
+    """With straw, the function holds its groups longer than --rollout-queue-lease-seconds (1 s): the worker's
+    heartbeat keeps their leases (before, none was ever accepted: each expired while the function ran)."""
     run_dir = str(tmp_path / "run")
+    plugin, lease = (
+        ("slow_rollout.py", ["--rollout-queue-lease-seconds", "1"])
+        if transport == "straw"
+        else ("digit_rollout.py", [])
+    )
     args = [
         sys.executable,
         "-m",
@@ -41,7 +48,7 @@ def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, t
         "--label-key",
         "label",
         "--rollout-function-path",
-        os.path.join(REPO, "tests", "plugins", "digit_rollout.py") + ":generate_rollout",
+        os.path.join(REPO, "tests", "plugins", plugin) + ":generate_rollout",
         "--custom-rm-path",
         os.path.join(EXAMPLE, "reward.py") + ":reward",
         "--rollout-num-gpus",
@@ -58,6 +65,7 @@ def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, t
         run_dir,
         "--rollout-data-transport",
         transport,
+        *lease,
     ]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -69,6 +77,9 @@ def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, t
     if transport == "object-store":
         assert not os.path.exists(os.path.join(run_dir, "rollout_data", "control"))  # nothing went to straw
         return
+    from vime.queue.journal_view import JournalView
+
+    assert JournalView.read(os.path.join(run_dir, "rollout_data")).of_type("Expired") == []  # no lease lost
     groups = read_accepted_groups(run_dir)
     assert len(groups) >= 6
     prompts = [g[0].prompt_index for g in groups]

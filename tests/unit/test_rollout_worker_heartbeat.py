@@ -93,6 +93,7 @@ def worker_on(handle: ControllerHandle, store: StoreOptions, generate) -> Rollou
     worker.use_opd = False
     worker.stats = RolloutWorkerStats()
     worker.active = {}
+    worker.function_source = None
     worker._stopping = asyncio.Event()
     worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     worker.transport = make_transport("straw", store)
