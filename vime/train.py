@@ -322,7 +322,9 @@ class TrainingRun:
                 raise RunError(
                     f"no group was accepted for {time.monotonic() - last_progress:.0f}s "
                     f"(queue: {stats}); rollout worker: {details}; engines: {engines or 'none'}; "
-                    f"engine logs are in {os.path.join(self.run_dir, 'logs')}"
+                    f"engine logs are in {os.path.join(self.run_dir, 'logs')}. A run waits 2 x "
+                    "--rollout-request-timeout + 60 s for an accepted group; raise --rollout-request-timeout where "
+                    "one legitimately takes longer"
                 )
             time.sleep(POLL_SECONDS)
 
