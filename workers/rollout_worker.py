@@ -256,7 +256,10 @@ class RolloutWorker:
         interval = max(0.5, self.spec.lease_seconds / 4)
         while True:
             await asyncio.sleep(interval)
-            await self._heartbeat()
+            try:
+                await self._heartbeat()
+            except Exception:  # a heartbeat loop that ended here would let every later lease expire
+                logger.exception("renewing this worker's leases failed; trying again in %.1f s", interval)
 
     async def _heartbeat(self) -> None:
         """Renew the leases of the groups in flight and cancel the groups still generating whose lease is no

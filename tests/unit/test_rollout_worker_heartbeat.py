@@ -174,3 +174,43 @@ def test_a_group_whose_lease_is_lost_while_it_generates_is_cancelled_and_counted
     stats = asyncio.run(scenario())
     assert (stats.groups_accepted, stats.groups_discarded) == (0, 1)
     assert controller.stats().accepted == 0
+
+
+def test_a_failed_heartbeat_does_not_end_the_renewals(queue):
+    controller, store = queue
+
+    async def scenario():
+        handle = ControllerHandle(controller)
+        calls = []
+
+        def heartbeat(leases):
+            calls.append(len(leases))
+            if len(calls) == 1:
+                raise RuntimeError("the controller's answer was lost")
+            return controller.heartbeat(leases)
+
+        handle.heartbeat = types.SimpleNamespace(remote=lambda leases: asyncio.sleep(0, heartbeat(leases)))
+        generating, never = asyncio.Event(), asyncio.Event()
+
+        async def generate(args, sample, sampling):
+            generating.set()
+            await never.wait()
+            return answered(sample)
+
+        worker = worker_on(handle, store, generate)
+        worker.spec.lease_seconds = 1  # a heartbeat every 0.5 s
+        (item,) = controller.lease("w", 1)
+        task = start(worker, item)
+        await asyncio.wait_for(generating.wait(), 30)
+        loop = asyncio.create_task(worker._heartbeat_loop())
+        for _ in range(100):
+            if len(calls) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        loop.cancel()
+        task.cancel()
+        await asyncio.gather(loop, task, return_exceptions=True)
+        worker.transport.close()
+        return calls
+
+    assert asyncio.run(scenario())[:2] == [1, 1]  # the first call failed, the loop went on renewing
