@@ -22,6 +22,12 @@ A volume whose file system went away answers ``ENOTCONN`` ("Transport endpoint i
 ``StorageUnavailable: ... (os error 107)``): a FUSE mount, such as a JuiceFS client's, whose client process died.
 The run then stops with :class:`VolumeLost`, naming the flag and directory and how to resume once the volume
 is mounted again, instead of a traceback of whichever call found it first.
+
+A volume that answers a call with ``EIO`` ("Input/output error", straw's ``StorageUnavailable: ... (os error 5)``)
+failed that call: a JuiceFS client whose metadata server went away while a lock was waited for answers so (seen
+with Redis killed and started again mid-run, tests/faults/test_juicefs_storage_faults.py). A rollout worker's
+publication that fails so goes back to the queue and the worker goes on; anywhere else the run stops with
+:class:`VolumeFailed`, naming the flag and directory and how to resume once the volume answers again.
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ MiB = 1 << 20
 # A mounted file system whose server side is gone (a FUSE client process killed): errno and the texts it leaves.
 LOST_ERRNOS = (errno.ENOTCONN,)
 LOST_TEXTS = ("Transport endpoint is not connected", "os error 107")
+# A call the volume's file system could not complete (EIO): errno and the texts it leaves.
+FAILED_ERRNOS = (errno.EIO,)
+FAILED_TEXTS = ("Input/output error", "os error 5)")
 
 
 class DiskFull(UserError, RuntimeError):
@@ -61,6 +70,11 @@ class DiskFull(UserError, RuntimeError):
 class VolumeLost(UserError, RuntimeError):
     """A write or read of the run failed because its volume's file system went away (a FUSE client killed): the
     run stops, saying where and how to resume. A one-argument exception, as :class:`DiskFull`."""
+
+
+class VolumeFailed(UserError, RuntimeError):
+    """A write or read of the run failed with an I/O error of its volume (EIO): the run stops, saying where and how
+    to resume. A one-argument exception, as :class:`DiskFull`."""
 
 
 def _chain(error: BaseException | None) -> Iterator[BaseException]:
@@ -90,7 +104,7 @@ def volume_lost_cause(error: BaseException | None) -> str | None:
     """The lost file system's error text, when ``error`` (or what it wraps) says its volume is not connected any
     more; None otherwise (and for a :class:`VolumeLost` or :class:`DiskFull`, already said)."""
     for link in _chain(error):
-        if isinstance(link, VolumeLost | DiskFull):
+        if isinstance(link, VolumeLost | DiskFull | VolumeFailed):
             return None
         if isinstance(link, OSError) and link.errno in LOST_ERRNOS:
             return os.strerror(link.errno)
@@ -122,6 +136,19 @@ def resume_hint(save: str | None) -> str:
     if save:
         return f"resume with --load {save} (nothing accepted is lost, nothing is trained twice)"
     return "start the run again (without --save there is no checkpoint to resume from)"
+
+
+def volume_failed_cause(error: BaseException | None) -> str | None:
+    """The I/O error's text, when ``error`` (or what it wraps) is a call its volume could not complete (EIO); None
+    otherwise (and for a stop already said: :class:`VolumeFailed`, :class:`VolumeLost`, :class:`DiskFull`)."""
+    for link in _chain(error):
+        if isinstance(link, VolumeFailed | VolumeLost | DiskFull):
+            return None
+        if isinstance(link, OSError) and link.errno in FAILED_ERRNOS:
+            return os.strerror(link.errno)
+        if any(text in str(link) for text in FAILED_TEXTS):
+            return FAILED_TEXTS[0]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,14 +208,31 @@ class WrittenVolume:
             f"{resume_hint(self.save)}"
         )
 
+    def failed_error(self, operation: str, error: BaseException) -> VolumeFailed | None:
+        """The stop to raise instead of ``error``, when ``error`` is an I/O error of this volume."""
+        cause = volume_failed_cause(error)
+        if cause is None:
+            return None
+        return VolumeFailed(
+            f"the volume of {self.flag} {self.path} failed a call: {operation} failed ({cause}: its file system "
+            f"could not complete it, e.g. a JuiceFS mount whose metadata server went away for a while). What the "
+            f"run committed before is intact; once the volume answers again (`ls {self.path}` works), "
+            f"{resume_hint(self.save)}"
+        )
+
     @contextlib.contextmanager
     def stop_when_full(self, operation: str) -> Iterator[None]:
-        """Turn a full volume during ``operation`` into :class:`DiskFull`, and a volume whose file system went
-        away into :class:`VolumeLost`; any other error passes unchanged."""
+        """Turn a full volume during ``operation`` into :class:`DiskFull`, a volume whose file system went away
+        into :class:`VolumeLost`, and an I/O error of the volume into :class:`VolumeFailed`; any other error
+        passes unchanged."""
         try:
             yield
         except Exception as error:
-            stop = self.full_error(operation, error) or self.lost_error(operation, error)
+            stop = (
+                self.full_error(operation, error)
+                or self.lost_error(operation, error)
+                or self.failed_error(operation, error)
+            )
             if stop is None:
                 raise
             raise stop from error

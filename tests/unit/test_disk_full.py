@@ -18,10 +18,12 @@ from tests.tmpfs import mounted_tmpfs
 from vime.recovery import checkpoint as ckpt
 from vime.recovery.disk_full import (
     DiskFull,
+    VolumeFailed,
     VolumeLost,
     WrittenVolume,
     disk_full_cause,
     straw_failure_after_a_write,
+    volume_failed_cause,
     volume_lost_cause,
 )
 from vime.weights import disk as weights
@@ -85,6 +87,35 @@ def test_a_volume_whose_file_system_went_away_stops_the_run_naming_it(tmp_path):
     message = str(error.value)
     assert message.startswith(f"the volume of --rollout-data-dir {tmp_path} is not reachable any more")
     assert "the queue's commit of step 4 failed" in message and "resume with --load /data/save" in message
+
+
+def test_an_io_error_of_a_volume_stops_the_run_naming_it(tmp_path):
+    # What a JuiceFS client answers when its metadata server went away during a waited-for lock: EIO, or straw's
+    # text of it through a rollout worker's error and Ray.
+    failed = OSError(errno.EIO, "Input/output error")
+    assert volume_failed_cause(failed) == "Input/output error"
+    try:
+        try:
+            raise RuntimeError("straw.errors.StorageUnavailable: Input/output error (os error 5)")
+        except RuntimeError as inner:
+            raise ValueError("publishing group g000000008 to the queue failed") from inner
+    except ValueError as outer:
+        wrapped = outer
+    assert volume_failed_cause(wrapped) == "Input/output error"
+    for other in (OSError(errno.ENOTCONN, "Transport endpoint is not connected"), ValueError("os error 50"), None):
+        assert volume_failed_cause(other) is None
+    for said in (VolumeFailed("said"), VolumeLost("said"), DiskFull("said")):
+        assert volume_failed_cause(said) is None
+    queue = WrittenVolume.queue(str(tmp_path), 64, save="/data/save")
+    with pytest.raises(VolumeFailed) as error:
+        with queue.stop_when_full("a call on the queue's coordinator"):
+            raise wrapped
+    message = str(error.value)
+    assert message.startswith(f"the volume of --rollout-data-dir {tmp_path} failed a call: a call on the queue's")
+    assert "(Input/output error: " in message and "resume with --load /data/save" in message
+    with pytest.raises(VolumeFailed):  # already said: passes through an outer stop unchanged
+        with queue.stop_when_full("the run"):
+            raise error.value
 
 
 def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass():
