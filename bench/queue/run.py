@@ -6,6 +6,8 @@
     .venv/bin/python bench/queue/run.py --smoke --attach-engine HOST:PORT [--model DIR] [--skip-micro]
                                                         # + both main-job runs, 3 tiny steps each, on that engine
     .venv/bin/python bench/queue/run.py --no-juicefs    # without the JuiceFS volume (it needs FUSE)
+    .venv/bin/python bench/queue/run.py --skip-micro --main-job-shape long --main-job-steps 12
+                                                        # the main job with 256-token responses
 
 ``--smoke`` runs the same code on the smallest sizes (2 groups x 16 tokens, then 1 group with 8-wide
 SC heads; the main job with 4 prompts x 2 samples a step, 1 warm-up step) to check that the benchmark
@@ -29,6 +31,9 @@ handed to both runs with --rollout-external-engine-addrs and gets their weights)
    --rollout-data-transport straw and once with object-store; samples trained per second over the
    steady-state steps, and the ratio (goal >= 0.95). Outside smoke mode a third run keeps its straw queue
    on the JuiceFS volume (--rollout-storage-profile juicefs): the ratio JuiceFS / local (goal >= 0.9).
+   ``--main-job-shape long``: bench/rollout's long shape instead of the demo's (8 prompts x 8 samples a step,
+   every response 256 tokens, from the same tiny model built with 320 positions and its EOS suppressed;
+   bench/rollout/ceiling.py), i.e. groups of a size where the queue's fixed cost per group matters less.
 
 Without /dev/fuse or the right to mount, the JuiceFS parts are skipped, saying why (or with --no-juicefs).
 """
@@ -262,6 +267,23 @@ def micro(groups: int, tokens: int, sc_heads: int, juicefs_root: str | None) -> 
 SMOKE_JOB = {"--rollout-batch-size": "4", "--n-samples-per-prompt": "2"}
 
 
+def shape_job(shape_name: str, out_dir: str) -> tuple[str | None, dict[str, str]]:
+    """(model, demo flags to replace) for bench/rollout's shape ``shape_name``; the demo's own: (None, {})."""
+    if shape_name == "demo":
+        return None, {}
+    sys.path.insert(0, os.path.join(REPO, "bench", "rollout"))
+    from ceiling import SHAPES, make_model
+
+    shape = SHAPES[shape_name]
+    model = make_model(os.path.join(out_dir, f"model-{shape_name}"), shape)
+    return model, {
+        "--rollout-batch-size": str(shape.prompts),
+        "--n-samples-per-prompt": str(shape.n),
+        "--rollout-max-response-len": str(shape.max_tokens),
+        "--vllm-max-model-len": str(shape.max_model_len),
+    }
+
+
 def main_job(
     transport: str,
     out_dir: str,
@@ -276,8 +298,8 @@ def main_job(
     """Samples trained per second over the steady-state steps (the first ``warmup`` are warm-up).
 
     ``engine``: host:port of a running vLLM server of ``model`` that the run attaches instead of
-    starting its own; ``overrides``: demo flags replaced by other values (smoke mode); ``juicefs_root``: the
-    straw queue in a folder of this JuiceFS mount (--rollout-storage-profile juicefs)."""
+    starting its own; ``overrides``: demo flags replaced by other values (smoke mode, another shape);
+    ``juicefs_root``: the straw queue in a folder of this JuiceFS mount (--rollout-storage-profile juicefs)."""
     sys.path.insert(0, os.path.join(REPO, "examples", "digit_shift"))
     from run_demo import demo_args
 
@@ -305,7 +327,7 @@ def main_job(
         queue_dir = os.path.join(tempfile.mkdtemp(prefix="main-job-", dir=juicefs_root), "rollout_data")
         args += ["--rollout-data-dir", queue_dir, "--rollout-storage-profile", "juicefs"]
     if overrides:
-        args.append("--no-save-hf")  # smoke: the final HF export is not what is measured
+        args.append("--no-save-hf")  # smoke or another shape: the final HF export is not what is measured
     # One process per run: each run owns its Ray instance, engine and router from start to end.
     print(f"\n== main job with --rollout-data-transport {label}", flush=True)
     if subprocess.run([sys.executable, "-m", "vime.cli", "train", *args], cwd=REPO).returncode != 0:
@@ -328,6 +350,13 @@ def main() -> int:
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--skip-micro", action="store_true", help="the main-job comparison only")
     parser.add_argument("--no-juicefs", action="store_true", help="leave out the runs on a JuiceFS volume")
+    parser.add_argument(
+        "--main-job-shape",
+        choices=("demo", "long"),
+        default="demo",
+        help="the main job's step: the demo's (64 prompts x 8 samples, 4-token responses) or bench/rollout's long "
+        "one (8 x 8, 256-token responses)",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -392,14 +421,28 @@ def run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root) -> int
     if args.skip_main_job:
         return 0
     out = tempfile.mkdtemp(prefix="vime-bench-mainjob-")
-    common = {"warmup": warmup, "model": args.model, "engine": args.attach_engine, "overrides": overrides}
+    shape_model, shape_flags = shape_job(args.main_job_shape, out)
+    if shape_model is not None and args.attach_engine:
+        raise SystemExit("--main-job-shape long builds its own model: it cannot use --attach-engine's")
+    common = {
+        "warmup": warmup,
+        "model": args.model or shape_model,
+        "engine": args.attach_engine,
+        "overrides": {**shape_flags, **(overrides or {})} or None,
+    }
     try:
         rates = {t: main_job(t, out, steps, **common) for t in ("object-store", "straw")}
         if juicefs_root is not None and not args.smoke:  # smoke: the two runs above check the code path's health
             rates["straw on JuiceFS"] = main_job("straw", out, steps, juicefs_root=juicefs_root, **common)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    per_step = "4 prompts x 2 samples (smoke)" if args.smoke else "64 prompts x 8 samples"
+    per_step = (
+        "4 prompts x 2 samples (smoke)"
+        if args.smoke
+        else "8 prompts x 8 samples of 256 tokens"
+        if args.main_job_shape == "long"
+        else "64 prompts x 8 samples"
+    )
     print(f"\n== main job (digit shift, {per_step} per step, steady-state steps)")
     for transport, rate in rates.items():
         print(f"  {transport:16s} {rate:8.1f} samples trained / s")
