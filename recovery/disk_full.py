@@ -209,15 +209,27 @@ class WrittenVolume:
         )
 
     def failed_error(self, operation: str, error: BaseException) -> VolumeFailed | None:
-        """The stop to raise instead of ``error``, when ``error`` is an I/O error of this volume."""
+        """The stop to raise instead of ``error``, when ``error`` is an I/O error of this volume. On the queue's
+        (whose stop the driver keeps around its whole loop) only straw's, or one on a file in its directory: an
+        engine's or the trainer's EIO elsewhere keeps its own message."""
         cause = volume_failed_cause(error)
-        if cause is None:
+        if cause is None or (self.headroom is not None and not self._names_this_volume(error)):
             return None
         return VolumeFailed(
             f"the volume of {self.flag} {self.path} failed a call: {operation} failed ({cause}: its file system "
             f"could not complete it, e.g. a JuiceFS mount whose metadata server went away for a while). What the "
             f"run committed before is intact; once the volume answers again (`ls {self.path}` works), "
             f"{resume_hint(self.save)}"
+        )
+
+    def _names_this_volume(self, error: BaseException) -> bool:
+        """Whether ``error`` is straw's (straw writes only the queue's directory) or an OSError on a path in it."""
+        if straw_failure_after_a_write(error) is not None:
+            return True
+        root = os.path.join(os.path.realpath(self.path), "")
+        return any(
+            isinstance(link, OSError) and link.filename and os.path.realpath(str(link.filename)).startswith(root)
+            for link in _chain(error)
         )
 
     @contextlib.contextmanager

@@ -116,6 +116,18 @@ def test_an_io_error_of_a_volume_stops_the_run_naming_it(tmp_path):
     with pytest.raises(VolumeFailed):  # already said: passes through an outer stop unchanged
         with queue.stop_when_full("the run"):
             raise error.value
+    # The queue's stop surrounds the driver's whole loop: an EIO that is not straw's nor on a file in the queue's
+    # directory is another volume's and keeps its own message; one on a file there is the queue's.
+    elsewhere = OSError(errno.EIO, "Input/output error", "/other/volume/model.safetensors")
+    with pytest.raises(OSError):
+        with queue.stop_when_full("the run"):
+            raise elsewhere
+    with pytest.raises(VolumeFailed):
+        with queue.stop_when_full("the run"):
+            raise OSError(errno.EIO, "Input/output error", str(tmp_path / "control" / "journal.log"))
+    with pytest.raises(VolumeFailed, match=r"^the volume of --save /data/save failed a call: the checkpoint write"):
+        with WrittenVolume("--save", "/data/save", "/data/save").stop_when_full("the checkpoint write of step 4"):
+            raise elsewhere  # a stop around this volume's own write: its EIO is this volume's
 
 
 def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass():
