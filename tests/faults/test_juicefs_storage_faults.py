@@ -96,9 +96,8 @@ def test_the_metadata_server_killed_and_restarted_mid_run_is_ridden_out_or_stops
         refused_before = open(client_log).read().count("connection refused")
         redis.kill()
         time.sleep(REDIS_OUTAGE_S)
-        assert proc.poll() is None, f"the run ended while its metadata server was down:\n{job.last_log()[-3000:]}"
         assert open(client_log).read().count("connection refused") > refused_before  # the client did miss it
-        redis.start()
+        redis.start()  # a run that stopped meanwhile (the clear stop below) is resumed once Redis is back
         try:
             code = proc.wait(timeout=STOP_BOUND_S + 120)
         except subprocess.TimeoutExpired:

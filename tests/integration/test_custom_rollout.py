@@ -26,11 +26,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("transport", ["straw", "object-store"])
 def test_custom_rollout_function_trains_through_the_queue(tmp_path, model_dir, transport):
-    """With straw, the function holds its groups longer than --rollout-queue-lease-seconds (1 s): the worker's
-    heartbeat keeps their leases (before, none was ever accepted: each expired while the function ran)."""
+    """With straw, the function holds its groups longer than --rollout-queue-lease-seconds (2 s): the worker's
+    heartbeat (every 0.5 s) keeps their leases (before, none was ever accepted: each expired while the function
+    ran)."""
     run_dir = str(tmp_path / "run")
     plugin, lease = (
-        ("slow_rollout.py", ["--rollout-queue-lease-seconds", "1"])
+        ("slow_rollout.py", ["--rollout-queue-lease-seconds", "2"])
         if transport == "straw"
         else ("digit_rollout.py", [])
     )
