@@ -35,8 +35,8 @@ lint: setup
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  apt-get install -y -q redis-server >/dev/null 2>&1 || \
-	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1; } || \
+	  timeout 300 apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	  { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q redis-server >/dev/null 2>&1; } || \
 	  echo "make: redis-server could not be installed with apt-get; the tests that need it will skip"; }
 
 # Three pytest workers, a test file each at a time (its module-scoped fixtures stay in one process): most
