@@ -100,17 +100,24 @@ def disk_full_cause(error: BaseException | None) -> str | None:
     return None
 
 
-def volume_lost_cause(error: BaseException | None) -> str | None:
-    """The lost file system's error text, when ``error`` (or what it wraps) says its volume is not connected any
-    more; None otherwise (and for a :class:`VolumeLost` or :class:`DiskFull`, already said)."""
+def _volume_errno_cause(error: BaseException | None, errnos: tuple[int, ...], texts: tuple[str, ...]) -> str | None:
+    """The text of the first error in ``error``'s chain whose errno is one of ``errnos`` (or whose text, all a
+    wrapper kept, holds one of ``texts``: then ``texts[0]``); None for none, or where a stop that already said
+    its volume comes first (:class:`DiskFull`, :class:`VolumeLost`, :class:`VolumeFailed`: not wrapped again)."""
     for link in _chain(error):
         if isinstance(link, VolumeLost | DiskFull | VolumeFailed):
             return None
-        if isinstance(link, OSError) and link.errno in LOST_ERRNOS:
+        if isinstance(link, OSError) and link.errno in errnos:
             return os.strerror(link.errno)
-        if any(text in str(link) for text in LOST_TEXTS):
-            return LOST_TEXTS[0]
+        if any(text in str(link) for text in texts):
+            return texts[0]
     return None
+
+
+def volume_lost_cause(error: BaseException | None) -> str | None:
+    """The lost file system's error text, when ``error`` (or what it wraps) says its volume is not connected any
+    more; None otherwise (and for a stop already said)."""
+    return _volume_errno_cause(error, LOST_ERRNOS, LOST_TEXTS)
 
 
 def straw_failure_after_a_write(error: BaseException | None) -> str | None:
@@ -140,15 +147,8 @@ def resume_hint(save: str | None) -> str:
 
 def volume_failed_cause(error: BaseException | None) -> str | None:
     """The I/O error's text, when ``error`` (or what it wraps) is a call its volume could not complete (EIO); None
-    otherwise (and for a stop already said: :class:`VolumeFailed`, :class:`VolumeLost`, :class:`DiskFull`)."""
-    for link in _chain(error):
-        if isinstance(link, VolumeFailed | VolumeLost | DiskFull):
-            return None
-        if isinstance(link, OSError) and link.errno in FAILED_ERRNOS:
-            return os.strerror(link.errno)
-        if any(text in str(link) for text in FAILED_TEXTS):
-            return FAILED_TEXTS[0]
-    return None
+    otherwise (and for a stop already said)."""
+    return _volume_errno_cause(error, FAILED_ERRNOS, FAILED_TEXTS)
 
 
 @dataclasses.dataclass(frozen=True)
