@@ -68,10 +68,14 @@ def program_name(pid: int) -> str | None:
         return "pytest-xdist worker"  # retitled with the test it runs: one label for all of them
     if "from multiprocessing.spawn import spawn_main" in " ".join(args):
         return "python multiprocessing child"
+    if "from multiprocessing.forkserver import main" in " ".join(args):
+        return "python multiprocessing fork server"  # and the children it forked, which keep its command line
     if not Path(args[0]).name.startswith("python"):
         # Ray and vLLM rename their processes (ray::TrainerWorker, VLLM::EngineCore): keep that title.
         return comm if ":" in comm else Path(args[0]).name
     rest = args[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest = rest[1:]  # the interpreter's own flags (-B from PYTHONDONTWRITEBYTECODE, -s, ...)
     if rest[:1] == ["-m"] and len(rest) > 1:
         return f"python -m {rest[1]}"
     if rest[:1] == ["-c"]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.gloo_ranks import run_ranks
 from tests.unit.test_rl_torch_backend import GROUP, make_samples
 from vime.backends.precision import engine_dtype
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
@@ -248,9 +249,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
 def test_two_data_parallel_ranks_take_the_one_rank_steps(model_dir, model, tmp_path):
     """Each step's two micro-batches go one to each rank; their bf16 gradients are summed in float32 on the masters
     (a + b either way): the ranks' masters and metrics equal the single rank's."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_rank, (free_port(), model_dir, str(tmp_path)), 2)
     single = backend(model_dir)
     expected = [single.train_rollout(make_samples(model, seed=seed), 0) for seed in (0, 1)]
     for rank in (0, 1):

@@ -112,3 +112,35 @@ def wait_for_child(parent: int, program: str, timeout: float = 30.0) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError(f"{program} did not start under pid {parent} within {timeout} s")
+
+
+def test_programs_are_named_past_the_interpreter_s_own_flags(tmp_path):
+    """Python's own flags (-B, which PYTHONDONTWRITEBYTECODE adds to multiprocessing's children) come before
+    -c, -m or the script; a fork server's ranks keep its command line and are counted under one name."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        from cpu_account import program_name
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    sleep = "import time; time.sleep(60)"
+    commands = {
+        "python -c": [sys.executable, "-B", "-c", sleep],
+        "python job.py": [sys.executable, "-B", "-s", str(script)],
+        "python -m timeit": [sys.executable, "-B", "-m", "timeit", "-n", "1", "import time; time.sleep(60)"],
+        "python multiprocessing fork server": [
+            sys.executable,
+            "-B",
+            "-c",
+            f"from multiprocessing.forkserver import main; {sleep}",
+        ],
+    }
+    processes = {name: subprocess.Popen(argv) for name, argv in commands.items()}
+    try:
+        time.sleep(0.5)  # until each has its command line (exec done)
+        assert {name: program_name(p.pid) for name, p in processes.items()} == {name: name for name in commands}
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()

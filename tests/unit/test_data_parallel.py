@@ -17,6 +17,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
+from tests.gloo_ranks import run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
 
@@ -176,9 +177,7 @@ def _routed_specs(moe_dir: str, parallel):
 def _spawn_ranks(
     backend_name: str, model_dir: str, work: str, world: int = 2, layouts: dict[str, dict] | None = None
 ) -> list[dict]:
-    torch.multiprocessing.spawn(
-        _rank, args=(free_port(), model_dir, work, backend_name, world, layouts), nprocs=world, join=True
-    )
+    run_ranks(_rank, (free_port(), model_dir, work, backend_name, world, layouts), world)
     return [torch.load(os.path.join(work, f"{backend_name}_rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

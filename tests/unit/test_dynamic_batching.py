@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gloo_ranks import run_ranks
 from tests.train_args import minimal_train_argv as base
 from vime.backends.micro_batches import (
     assign_to_ranks,
@@ -365,7 +366,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
 
 
 def test_two_ranks_with_token_budgets_take_one_ranks_steps(model_dir, tmp_path):
-    torch.multiprocessing.spawn(_rank, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_rank, (free_port(), model_dir, str(tmp_path)), 2)
     ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     single = TorchBackend(spec(model_dir, **RUNS["kl_loss_entropy"]))
     expected = [single.train_rollout(make_samples(seed, long_response=25), 0) for seed in (0, 1)]

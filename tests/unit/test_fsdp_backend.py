@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from tests.gloo_ranks import run_ranks
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config.algorithm import AlgorithmConfig
 from vime.runtime.ports import free_port
@@ -195,7 +196,7 @@ def work(model_dir, tmp_path_factory):
     one.save_training_state(os.path.join(folder, "ckpt_one_rank"))
     with open(os.path.join(folder, "critic_save.yaml"), "w") as f:
         f.write(f"megatron:\n  - role: critic\n    overrides:\n      save: {os.path.join(folder, 'critic_save')}\n")
-    torch.multiprocessing.spawn(_rank, args=(free_port(), model_dir, folder), nprocs=2, join=True)
+    run_ranks(_rank, (free_port(), model_dir, folder), 2)
     ranks = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     return folder, ranks
 

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
+from tests.gloo_ranks import run_ranks  # noqa: E402
 from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
@@ -136,7 +137,7 @@ def test_tensor_parallel_2_trains_as_one_rank_does(model_dir, tmp_path):
     norms' masters identical on both ranks."""
     one = MegatronBackend(bf16_spec(model_dir, **KL), megatron_spec(model_dir))
     reference = [one.train_rollout(make_samples(r), 0) for r in range(2)]
-    torch.multiprocessing.spawn(_tp2_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_tp2_worker, (free_port(), model_dir, str(tmp_path)), 2)
     tp2, other = (torch.load(tmp_path / f"tp2_{rank}.pt", weights_only=False) for rank in range(2))
     # Sequence parallelism feeds each rank's norms half the tokens: their masters' gradients are summed over the
     # two ranks, so the replicated norms take the same steps on both (a master that missed the sum would not).

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
+from tests.gloo_ranks import run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
@@ -120,7 +121,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("zero_ranks")
-    torch.multiprocessing.spawn(_rank, args=(free_port(), model_dir, str(work)), nprocs=2, join=True)
+    run_ranks(_rank, (free_port(), model_dir, str(work)), 2)
     return work, [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

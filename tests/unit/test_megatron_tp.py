@@ -18,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
+from tests.gloo_ranks import run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
 from vime.backends.torch_backend import TorchBackend  # noqa: E402
@@ -82,7 +83,7 @@ def test_tensor_parallel_2_step_and_checkpoints_across_tp(tmp_path):
     assert_same_metrics(tp1.train_rollout(make_samples(0), 0), reference.train_rollout(make_samples(0), 0))
     tp1.save_training_state(str(tmp_path / "ckpt_a"))
 
-    torch.multiprocessing.spawn(_tp2_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_tp2_worker, (free_port(), model_dir, str(tmp_path)), 2)
     tp2 = torch.load(tmp_path / "tp2.pt", weights_only=False)
     assert tp2["local_qkv_rows"] * 2 == tp1.gpt.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]
     assert tp2["rollouts_trained"] == 2
