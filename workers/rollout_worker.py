@@ -219,7 +219,7 @@ class RolloutWorker:
                 if self.rollout_fn is not None:
                     await self._custom_rollout_loop()
                 while not self._stopping.is_set():
-                    free = self.spec.max_concurrent_groups - len(self.active)
+                    free = self._free_group_slots()
                     leased = await self.controller.lease.remote(self.lease_id, free) if free > 0 else []
                     for item in leased:
                         task = asyncio.create_task(self._process(item))
@@ -233,6 +233,19 @@ class RolloutWorker:
         if self.queue_full is not None:
             raise self.queue_full
         return self.stats
+
+    def _free_group_slots(self) -> int:
+        """How many more groups to lease now.
+
+        --rollout-max-concurrent-groups bounds the groups generating: a generated group waiting for its
+        publication and acceptance sends no request, so it leaves its slot to the next group. An engine
+        finishes a batch's requests nearly together; while that burst of groups is written one by one (one
+        straw publication and one acceptance each), the engines would otherwise wait for new requests
+        (bench/rollout's demo shape: about a third of each step). The groups ending are bounded as well (as
+        many again), so a queue slower than generation cannot pile them up in this worker's memory."""
+        limit = self.spec.max_concurrent_groups
+        generating = sum(1 for entry in self.active.values() if entry.phase is GroupPhase.GENERATING)
+        return min(limit - generating, 2 * limit - len(self.active))
 
     async def stop(self) -> None:
         self._stopping.set()

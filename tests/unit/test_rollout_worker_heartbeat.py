@@ -1,7 +1,8 @@
-"""The rollout worker's heartbeat against a real controller and straw queue: a group whose lease is lost while
-it generates is cancelled and counted discarded; a group whose acceptance ends its lease while a heartbeat is
-on its way is counted accepted, once, and never cancelled (bench/scale at 256 stand-in engines logged such
-groups as dropped, although the controller had accepted and the trainer trained them).
+"""The rollout worker's heartbeat and group slots against a real controller and straw queue: a group whose lease
+is lost while it generates is cancelled and counted discarded; a group whose acceptance ends its lease while a
+heartbeat is on its way is counted accepted, once, and never cancelled (bench/scale at 256 stand-in engines
+logged such groups as dropped, although the controller had accepted and the trainer trained them); a group
+waiting for its acceptance no longer holds one of --rollout-max-concurrent-groups' slots.
 
 Stand-ins, each because what it stands for is not what is tested: the Ray actor handle (``ControllerHandle``:
 ``method.remote(...)`` awaits the real ``Controller``'s method, which is what Ray's handle does across
@@ -214,3 +215,73 @@ def test_a_failed_heartbeat_does_not_end_the_renewals(queue):
         return calls
 
     assert asyncio.run(scenario())[:2] == [1, 1]  # the first call failed, the loop went on renewing
+
+
+def test_a_generated_group_waiting_for_its_acceptance_leaves_its_slot_to_the_next_group(tmp_path):
+    """--rollout-max-concurrent-groups bounds the groups generating: with a limit of 1, the next group starts
+    while the first one's acceptance is still on its way (before, the engines waited for it); the groups
+    ending are bounded too, as many again: two groups waiting for their acceptance hold back a third."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(4)))
+    store = StoreOptions(str(tmp_path / "queue"), "run", 1.0)
+    controller = Controller(
+        ControllerSpec(
+            transport="straw",
+            store=store,
+            lease_seconds=60,
+            prompt_data=str(prompts),
+            keys=DataKeys("prompt", "label"),
+            seed=0,
+            shuffle=False,
+            num_epoch=1,
+            groups_per_rollout=4,  # the controller admits all four groups: only the worker's bound is tested
+            max_staleness=0,
+        )
+    )
+
+    async def scenario():
+        handle = ControllerHandle(controller)
+        handle.hold_complete = True
+        started: list[str] = []
+        second_may_end = asyncio.Event()
+
+        async def generate(args, sample, sampling):
+            started.append(sample.prompt)
+            if sample.prompt != "0=":
+                await second_may_end.wait()
+            return answered(sample)
+
+        async def until(condition, what):
+            for _ in range(300):
+                if condition():
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"timed out waiting for {what}; generated so far: {started}")
+
+        worker = worker_on(handle, store, generate)
+        worker.spec.max_concurrent_groups = 1
+        worker.spec.lease_seconds = 60
+        worker.spec.request_timeout = 30
+        worker.rollout_fn, worker.lease_id = None, "w"
+        running = asyncio.create_task(worker.run())
+        await asyncio.wait_for(handle.accepted.wait(), 30)  # group 0 accepted, the reply held
+        await until(lambda: "1=" in started, "the second group to start while the first is being accepted")
+        second_may_end.set()
+        await until(
+            lambda: len(worker.active) == 2 and all(e.phase is GroupPhase.ENDING for e in worker.active.values()),
+            "both groups to wait for their acceptance",
+        )
+        await asyncio.sleep(0.5)  # the worker's loop runs every 20 ms meanwhile
+        assert "2=" not in started, "a third group started while two waited for their acceptance"
+        handle.release.set()
+        await until(lambda: controller.stats().accepted == 4, "all four groups to be accepted")
+        await worker.stop()
+        await asyncio.wait_for(running, 30)
+        worker.transport.close()
+        return worker.stats
+
+    try:
+        stats = asyncio.run(scenario())
+    finally:
+        controller.shutdown()
+    assert (stats.groups_accepted, stats.groups_discarded) == (4, 0)

@@ -305,7 +305,8 @@ class RolloutConfig:
     rollout_max_concurrent_groups: int | None = option(
         None,
         "Groups one rollout worker generates at once (default: --rollout-batch-size, or what "
-        "--vllm-server-concurrency allows). vime-specific.",
+        "--vllm-server-concurrency allows). A generated group being published and accepted sends no request "
+        "and leaves its place to the next one; up to as many again wait for that. vime-specific.",
     )
     vllm_server_concurrency: int | None = option(
         None,
