@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from vime.data.source import DataKeys
+from tests.controller_spec import controller_spec, write_prompts
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, save_checkpoint
@@ -25,20 +25,8 @@ RESPONSE = 3  # response tokens of each sample; two samples a group
 @pytest.fixture
 def run(tmp_path):
     """A controller over a real straw queue in tmp_path/queue, and a rollout worker's writer for it."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(12)))
-    spec = ControllerSpec(
-        transport="straw",
-        store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0),
-        lease_seconds=60,
-        prompt_data=str(prompts),
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
-        num_epoch=None,
-        groups_per_rollout=2,
-        max_staleness=1,
-    )
+    prompts = write_prompts(tmp_path, 12)
+    spec = controller_spec(tmp_path, prompts, store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0))
     return Run(spec)
 
 

@@ -11,14 +11,14 @@ import time
 import pytest
 from straw import TaskSpec
 
-from vime.data.source import DataKeys
+from tests.controller_spec import controller_spec
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, PromptTask
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
 from vime.tools import queue_cli
-from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.controller import Controller
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +34,8 @@ def prompts(tmp_path):
 
 
 def make_spec(tmp_path, prompts, transport="straw"):
-    return ControllerSpec(
-        transport=transport,
-        store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0),
-        lease_seconds=60,
-        prompt_data=prompts,
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
-        num_epoch=None,
-        groups_per_rollout=2,
-        max_staleness=1,
+    return controller_spec(
+        tmp_path, prompts, transport=transport, store=StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0)
     )
 
 

@@ -1,42 +1,25 @@
 """The controller over the real straw queue (and the in-memory twin): leases, exactly-once
 acceptance, admission, scheduling order, fencing and restart."""
 
-import json
-
 import pytest
 from straw.errors import IdempotencyConflict as StrawConflict
 
-from vime.data.source import DataKeys
+from tests.controller_spec import controller_spec, write_prompts
 from vime.queue.fence import QueueBusy
 from vime.queue.memory_queue import IdempotencyConflict as MemoryConflict
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
-from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.controller import Controller
 
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(10)))
-    return str(path)
+    return write_prompts(tmp_path, 10)
 
 
 def make_spec(tmp_path, prompts, transport="straw", **overrides):
-    values = dict(
-        transport=transport,
-        store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-        lease_seconds=60,
-        prompt_data=prompts,
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
-        num_epoch=None,
-        groups_per_rollout=2,
-        max_staleness=1,
-    )
-    values.update(overrides)
-    return ControllerSpec(**values)
+    return controller_spec(tmp_path, prompts, transport=transport, **overrides)
 
 
 class InlineBox:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 
 import pytest
@@ -229,20 +228,13 @@ def test_a_weight_publication_on_a_full_volume_leaves_every_published_version_ve
 
 # ----------------------------------------------------------------------------- the queue
 def controller_spec(tmp_path, data_dir: str):
-    from vime.data.source import DataKeys
+    from tests.controller_spec import controller_spec as shared_spec, write_prompts
     from vime.queue.rollout_queue import StoreOptions
-    from vime.workers.controller import ControllerSpec
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(64)))
-    return ControllerSpec(
-        transport="straw",
+    return shared_spec(
+        tmp_path,
+        write_prompts(tmp_path, 64),
         store=StoreOptions(data_dir, "run", 0.25),
-        lease_seconds=60,
-        prompt_data=str(prompts),
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
         num_epoch=1,
         groups_per_rollout=4,
         max_staleness=100,

@@ -4,15 +4,12 @@ trained, its prompt not handed out again, its admission slot given to a fresh pr
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from vime.data.source import DataKeys
-from vime.queue.rollout_queue import StoreOptions
+from tests.controller_spec import controller_spec, write_prompts
 from vime.rollout.filters import DynamicFilterOutput, FilterError, check_reward_nonzero_std, interpret
 from vime.sample import Sample
-from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.controller import Controller
 
 
 def group(*rewards):
@@ -46,25 +43,12 @@ def test_filter_answers_are_interpreted_or_refused():
 
 @pytest.fixture
 def prompts(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(6)))
-    return str(path)
+    return write_prompts(tmp_path, 6)
 
 
 def controller(tmp_path, prompts, transport):
     return Controller(
-        ControllerSpec(
-            transport=transport,
-            store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-            lease_seconds=60,
-            prompt_data=prompts,
-            keys=DataKeys("prompt", "label"),
-            seed=0,
-            shuffle=False,
-            num_epoch=1,
-            groups_per_rollout=1,
-            max_staleness=0,
-        )
+        controller_spec(tmp_path, prompts, transport=transport, num_epoch=1, groups_per_rollout=1, max_staleness=0)
     )
 
 

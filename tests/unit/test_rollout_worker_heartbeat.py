@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import types
 
 import pytest
 
-from vime.data.source import DataKeys
+from tests.controller_spec import controller_spec, write_prompts
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.sample import Status
-from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.controller import Controller
 from vime.workers.rollout_worker import GroupPhase, InFlight, RolloutWorker, RolloutWorkerStats
 
 
@@ -55,24 +54,9 @@ def char_tokenizer(text, add_special_tokens=False):
 
 @pytest.fixture
 def queue(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(4)))
-    store = StoreOptions(str(tmp_path / "queue"), "run", 1.0)
-    controller = Controller(
-        ControllerSpec(
-            transport="straw",
-            store=store,
-            lease_seconds=60,
-            prompt_data=str(prompts),
-            keys=DataKeys("prompt", "label"),
-            seed=0,
-            shuffle=False,
-            num_epoch=1,
-            groups_per_rollout=1,
-            max_staleness=0,
-        )
-    )
-    yield controller, store
+    spec = controller_spec(tmp_path, write_prompts(tmp_path, 4), num_epoch=1, groups_per_rollout=1, max_staleness=0)
+    controller = Controller(spec)
+    yield controller, spec.store
     controller.shutdown()
 
 
@@ -221,23 +205,10 @@ def test_a_generated_group_waiting_for_its_acceptance_leaves_its_slot_to_the_nex
     """--rollout-max-concurrent-groups bounds the groups generating: with a limit of 1, the next group starts
     while the first one's acceptance is still on its way (before, the engines waited for it); the groups
     ending are bounded too, as many again: two groups waiting for their acceptance hold back a third."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i}=", "label": str(i)}) + "\n" for i in range(4)))
-    store = StoreOptions(str(tmp_path / "queue"), "run", 1.0)
-    controller = Controller(
-        ControllerSpec(
-            transport="straw",
-            store=store,
-            lease_seconds=60,
-            prompt_data=str(prompts),
-            keys=DataKeys("prompt", "label"),
-            seed=0,
-            shuffle=False,
-            num_epoch=1,
-            groups_per_rollout=4,  # the controller admits all four groups: only the worker's bound is tested
-            max_staleness=0,
-        )
-    )
+    # The controller admits all four groups at once: only the worker's bound is tested.
+    spec = controller_spec(tmp_path, write_prompts(tmp_path, 4), num_epoch=1, groups_per_rollout=4, max_staleness=0)
+    controller = Controller(spec)
+    store = spec.store
 
     async def scenario():
         handle = ControllerHandle(controller)
@@ -247,7 +218,7 @@ def test_a_generated_group_waiting_for_its_acceptance_leaves_its_slot_to_the_nex
 
         async def generate(args, sample, sampling):
             started.append(sample.prompt)
-            if sample.prompt != "0=":
+            if sample.prompt != "000=":
                 await second_may_end.wait()
             return answered(sample)
 
@@ -265,14 +236,14 @@ def test_a_generated_group_waiting_for_its_acceptance_leaves_its_slot_to_the_nex
         worker.rollout_fn, worker.lease_id = None, "w"
         running = asyncio.create_task(worker.run())
         await asyncio.wait_for(handle.accepted.wait(), 30)  # group 0 accepted, the reply held
-        await until(lambda: "1=" in started, "the second group to start while the first is being accepted")
+        await until(lambda: "001=" in started, "the second group to start while the first is being accepted")
         second_may_end.set()
         await until(
             lambda: len(worker.active) == 2 and all(e.phase is GroupPhase.ENDING for e in worker.active.values()),
             "both groups to wait for their acceptance",
         )
         await asyncio.sleep(0.5)  # the worker's loop runs every 20 ms meanwhile
-        assert "2=" not in started, "a third group started while two waited for their acceptance"
+        assert "002=" not in started, "a third group started while two waited for their acceptance"
         handle.release.set()
         await until(lambda: controller.stats().accepted == 4, "all four groups to be accepted")
         await worker.stop()

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 
 import pytest
 
+from tests.controller_spec import controller_spec as shared_controller_spec, write_prompts
 from tests.train_args import minimal_train_argv as base
 from vime import preflight
 from vime.config import ConfigError, parse_train_args
-from vime.data.source import DataError, DataKeys, PromptDataset, PromptRecord, PromptSubset, rows_within_prompt_len
-from vime.queue.rollout_queue import StoreOptions
+from vime.data.source import DataError, PromptDataset, PromptRecord, PromptSubset, rows_within_prompt_len
 from vime.rollout.generate import SamplingParams, generate, generate_turn, sampling_params_from_rollout
 from vime.sample import Sample, Status
 from vime.workers.controller import Controller, ControllerSpec
@@ -205,22 +204,9 @@ def test_resumed_runs_keep_the_filter_and_the_seed(model_dir):
 
 
 def controller_spec(tmp_path, **overrides) -> ControllerSpec:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(40)))
-    values = dict(
-        transport="object-store",
-        store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-        lease_seconds=60,
-        prompt_data=str(path),
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
-        num_epoch=None,
-        groups_per_rollout=4,
-        max_staleness=1,
+    return shared_controller_spec(
+        tmp_path, write_prompts(tmp_path, 40), **{"transport": "object-store", "groups_per_rollout": 4, **overrides}
     )
-    return ControllerSpec(**{**values, **overrides})
 
 
 def fresh(controller: Controller) -> int:

@@ -7,15 +7,15 @@ import json
 import msgspec
 import pytest
 
+from tests.controller_spec import controller_spec, write_prompts
 from tests.train_args import minimal_train_argv
 from vime.config import ConfigError, parse_train_args
-from vime.data.source import DataKeys
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, load_state, save_checkpoint
 from vime.recovery.lineage import Lineage, resumed
 from vime.sample import Sample, Status
-from vime.workers.controller import Controller, ControllerSpec
+from vime.workers.controller import Controller
 
 
 def test_versions_of_lost_steps_are_lost_and_staleness_counts_steps():
@@ -64,20 +64,7 @@ def test_the_restart_budget_is_checked_naming_its_flag(tmp_path):
 # ---------------------------------------------------------------- the controller across a restore
 @pytest.fixture
 def controller(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{i:03d}=", "label": str(i)}) + "\n" for i in range(20)))
-    spec = ControllerSpec(
-        transport="straw",
-        store=StoreOptions(str(tmp_path / "queue"), "run", 1.0),
-        lease_seconds=60,
-        prompt_data=str(prompts),
-        keys=DataKeys("prompt", "label"),
-        seed=0,
-        shuffle=False,
-        num_epoch=None,
-        groups_per_rollout=2,
-        max_staleness=1,
-    )
+    spec = controller_spec(tmp_path, write_prompts(tmp_path, 20))
     made = []
 
     def make():
