@@ -4,9 +4,11 @@
 megatron-core before it runs a line of the test: about 6 of a rank's 7 CPU-seconds on the tests' tiny models,
 for some thirty ranks in the suite. :func:`run_ranks` forks them instead from multiprocessing's fork server:
 one process per pytest worker that imports those packages once (``set_forkserver_preload``) and then only
-forks, so no thread of it holds a lock when a rank is forked. A rank then imports only what its test module
-adds. Otherwise the ranks are what spawn gives: new processes, the function and its arguments pickled to them,
-an exception in any rank raised here (``torch.multiprocessing.ProcessRaisedException``).
+forks. It runs no Python thread and no torch operation, so no lock is held when a rank is forked (the one other
+thread in it, OpenBLAS's idle pool thread started by numpy's import, has OpenBLAS's own fork handlers). A rank
+then imports only what its test module adds. Otherwise the ranks are what spawn gives: new processes, the
+function and its arguments pickled to them, an exception in any rank raised here
+(``torch.multiprocessing.ProcessRaisedException``).
 
 One difference from spawn: a rank's environment is the fork server's, taken when this pytest worker started its
 first rank, not ``os.environ`` at the call. Tests pass what a rank needs as arguments.
