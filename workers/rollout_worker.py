@@ -241,7 +241,7 @@ class RolloutWorker:
         publication and acceptance sends no request, so it leaves its slot to the next group. An engine
         finishes a batch's requests nearly together; while that burst of groups is written one by one (one
         straw publication and one acceptance each), the engines would otherwise wait for new requests
-        (bench/rollout's demo shape: about a third of each step). The groups ending are bounded as well (as
+        (bench/rollout's demo shape: (c) 1.15x once they no longer did). The groups ending are bounded as well (as
         many again), so a queue slower than generation cannot pile them up in this worker's memory."""
         limit = self.spec.max_concurrent_groups
         generating = sum(1 for entry in self.active.values() if entry.phase is GroupPhase.GENERATING)
