@@ -66,9 +66,10 @@ def program_name(pid: int) -> str | None:
         return None  # a zombie (or a kernel thread): the caller keeps what it saw before
     if args[0].startswith("[pytest-xdist"):
         return "pytest-xdist worker"  # retitled with the test it runs: one label for all of them
-    if "from multiprocessing.spawn import spawn_main" in " ".join(args):
+    command = " ".join(args)
+    if "from multiprocessing.spawn import spawn_main" in command:
         return "python multiprocessing child"
-    if "from multiprocessing.forkserver import main" in " ".join(args):
+    if "from multiprocessing.forkserver import main" in command:
         return "python multiprocessing fork server"  # and the children it forked, which keep its command line
     if not Path(args[0]).name.startswith("python"):
         # Ray and vLLM rename their processes (ray::TrainerWorker, VLLM::EngineCore): keep that title.
