@@ -380,8 +380,11 @@ def main() -> int:
         micro_runs, tokens, steps, warmup, overrides = [(2, 0), (1, 8)], 16, 3, 1, SMOKE_JOB
         args.skip_main_job = args.skip_main_job or args.attach_engine is None
 
+    # The JuiceFS rows: the micro benchmark's, and outside smoke mode a third main-job run. The engine smoke
+    # (--smoke --skip-micro) has neither, and mounts no volume.
+    wants_juicefs = not args.skip_micro or (not args.skip_main_job and not args.smoke)
     with contextlib.ExitStack() as stack:
-        juicefs_root = None if args.no_juicefs else stack.enter_context(juicefs_volume_or_none())
+        juicefs_root = stack.enter_context(juicefs_volume_or_none()) if wants_juicefs and not args.no_juicefs else None
         return run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root)
 
 
