@@ -48,6 +48,9 @@ logger = logging.getLogger("vime.rollout")
 ALL_SAMPLES_FLAG = "--rollout-all-samples-process-path"
 GET_SAMPLES_GRACE_SECONDS = 0.5
 ENGINE_RETRY_SECONDS = 1.0
+# A lease call that finds nothing admissible (the staleness bound, an empty queue) waits this long in the controller
+# for that to change (Controller.lease_or_wait); stop() is noticed when it returns.
+LEASE_WAIT_SECONDS = 0.5
 
 
 class GroupPhase(enum.Enum):
@@ -220,13 +223,19 @@ class RolloutWorker:
                     await self._custom_rollout_loop()
                 while not self._stopping.is_set():
                     free = self._free_group_slots()
-                    leased = await self.controller.lease.remote(self.lease_id, free) if free > 0 else []
+                    if free <= 0:  # every slot taken: a group finishing frees one
+                        await asyncio.sleep(0.02)
+                        continue
+                    # Where nothing is admissible, the controller holds the call until something may be.
+                    leased = await self.controller.lease_or_wait.remote(self.lease_id, free, LEASE_WAIT_SECONDS)
+                    if self._stopping.is_set():  # stop() came while the call waited: the groups go back untouched
+                        for item in leased:
+                            await self._give_back(item.assignment)
+                        break
                     for item in leased:
                         task = asyncio.create_task(self._process(item))
                         self.active[item.assignment.task.task_id] = InFlight(task, item.assignment.lease)
                         task.add_done_callback(lambda _t, key=item.assignment.task.task_id: self.active.pop(key, None))
-                    if not leased:
-                        await asyncio.sleep(0.02)
             finally:
                 await self._drain_active()
                 heartbeat.cancel()
@@ -614,8 +623,11 @@ class LeasedDataSource:
         groups: list[list[Sample]] = []
         grace_until = None
         while len(groups) < num_samples and not self.worker._stopping.is_set():
-            items = ray.get(self.worker.controller.lease.remote(self.worker.lease_id, num_samples - len(groups)))
-            for item in items:
+            # The controller holds the call while nothing is admissible (Controller.lease_or_wait), within the grace
+            # period only until it ends.
+            wait = LEASE_WAIT_SECONDS if grace_until is None else max(0.0, grace_until - time.monotonic())
+            lease = self.worker.controller.lease_or_wait.remote(self.worker.lease_id, num_samples - len(groups), wait)
+            for item in ray.get(lease):
                 with self._lock:
                     self.leased[item.assignment.task.group_index] = item
                 groups.append(self.worker._fresh_group(item))
@@ -623,8 +635,6 @@ class LeasedDataSource:
                 grace_until = time.monotonic() + GET_SAMPLES_GRACE_SECONDS
             if grace_until is not None and time.monotonic() >= grace_until:
                 break
-            if not items:
-                time.sleep(0.05)
         return groups
 
     def add_samples(self, samples: list[list[Sample]]) -> None:

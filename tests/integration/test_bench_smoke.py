@@ -5,8 +5,9 @@ line; the numbers mean nothing and are not checked. Here the parts that need no 
 bench/queue's micro benchmark (real straw queue and Controller, Ray object store, torch files), the
 calibration loop, bench/scale's control plane on 2 stand-in engines (real controller, straw queue,
 vllm-router and rollout worker), the command lines bench/async, bench/elastic and bench/rollout hand to
-`vime train` (parsed by it) and bench/rollout's long-shape model (its EOS never sampled). Their runs on a
-real engine: tests/e2e/test_bench_smoke_engine.py.
+`vime train` (parsed by it), bench/rollout's long-shape model (its EOS never sampled) and its idle lease loop
+(a real controller actor at its staleness bound). Their runs on a real engine:
+tests/e2e/test_bench_smoke_engine.py.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ SMOKE_ARGS = {"memory/run.py": ["--configs", "a,c,d"]}
             "== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for 2 shape(s)",
             1,
             id="rollout",
+        ),
+        pytest.param(
+            "rollout/idle_lease.py", "  ratio after / before (CPU, median of 1 round(s)) = ", 1, id="idle_lease"
         ),
         pytest.param(
             "recovery/run.py", "== bench/recovery --smoke: the command lines of 3 runs checked", 1, id="recovery"

@@ -40,6 +40,8 @@ class ControllerHandle:
 
         async def call(*args):
             result = method(*args)
+            if asyncio.iscoroutine(result):  # Controller.lease_or_wait
+                result = await result
             if name == "complete" and self.hold_complete:
                 self.accepted.set()
                 await self.release.wait()
