@@ -248,9 +248,10 @@ class Controller:
         Returns [] if nothing could be leased by then.
 
         Why: a rollout worker with free slots asked :meth:`lease` every 20 ms while the staleness bound admitted
-        nothing (the trainer training), and the two sides of each Ray call cost ~1 ms of CPU each: ~0.1 of a core
-        taken from the engine and the trainer on a 2-core machine. Waiting here, the worker makes one call per
-        ``wait_seconds`` then, and leases as soon as the driver's sync() or take_groups() admits it."""
+        nothing (the trainer training), and the two sides of each Ray call cost ~1 ms of CPU each: ~0.15 of a
+        core taken from the engine and the trainer on a 2-core machine (bench/rollout/idle_lease.py: 0.02 now).
+        Waiting here, the worker makes one call per ``wait_seconds`` then, and leases as soon as the driver's
+        sync() or take_groups() admits it."""
         deadline = time.monotonic() + wait_seconds
         while True:
             leased = self.lease(worker_id, max_tasks)
