@@ -164,6 +164,11 @@ def report(sampler: Sampler, wall: float, leaked: list[str]) -> str:
     return "\n".join(lines)
 
 
+def restore_default_sigint() -> None:
+    """In the command's process, before exec: Ctrl-C at its default again."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between /proc samples")
@@ -187,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     # before the command starts (exec resets a handler to the default in the command).
     started: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: [process.send_signal(signum) for process in started])
-    child = subprocess.Popen(command)
-    started.append(child)
-    # Ctrl-C reaches the whole foreground group; the wrapper waits for the command to end. Ignored only now:
-    # an ignored signal stays ignored across exec, and the command must see its Ctrl-C.
+    # Ctrl-C reaches the whole foreground group; the wrapper waits for the command to end, so it ignores it, from
+    # before the command starts (a Ctrl-C the instant after would otherwise kill it without its report). An
+    # ignored signal stays ignored across exec, and the command must see its Ctrl-C: it gets the default back
+    # between fork and exec, unless the wrapper itself was started ignoring it (a background job).
+    inherited_sigint = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    child = subprocess.Popen(command, preexec_fn=None if inherited_sigint == signal.SIG_IGN else restore_default_sigint)
+    started.append(child)
     sampler = Sampler(os.getpid())
     status = None
     while status is None:
