@@ -31,7 +31,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 POLL_SECONDS = 0.02  # the worker's sleep between two lease calls, before lease_or_wait
-LEASE_WAIT_SECONDS = 0.5  # workers/rollout_worker.py's
 
 
 def own_cpu() -> float:
@@ -50,11 +49,11 @@ async def polling_loop(controller, seconds: float) -> int:
     return calls
 
 
-async def waiting_loop(controller, seconds: float) -> int:
-    """The worker's loop now: lease_or_wait."""
+async def waiting_loop(controller, seconds: float, wait_seconds: float) -> int:
+    """The worker's loop now: lease_or_wait, waiting as long as the worker does."""
     end, calls = time.monotonic() + seconds, 0
     while time.monotonic() < end:
-        await controller.lease_or_wait.remote("bench-worker", 8, LEASE_WAIT_SECONDS)
+        await controller.lease_or_wait.remote("bench-worker", 8, wait_seconds)
         calls += 1
     return calls
 
@@ -75,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.controller_spec import controller_spec, write_prompts
     from vime.workers.controller import Controller
+    from vime.workers.rollout_worker import LEASE_WAIT_SECONDS
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
@@ -93,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
 
         results: dict[str, list[tuple[int, float, float, float]]] = {"before": [], "after": []}
         for _ in range(options.rounds):
-            for name, loop in (("before", polling_loop), ("after", waiting_loop)):
+            loops = (
+                ("before", polling_loop(controller, options.seconds)),
+                ("after", waiting_loop(controller, options.seconds, LEASE_WAIT_SECONDS)),
+            )
+            for name, loop in loops:
                 worker0, controller0, start = own_cpu(), controller_cpu(), time.monotonic()
-                calls = asyncio.run(loop(controller, options.seconds))
+                calls = asyncio.run(loop)
                 wall = time.monotonic() - start
                 results[name].append((calls, wall, own_cpu() - worker0, controller_cpu() - controller0))
         ray.get(controller.shutdown.remote())
