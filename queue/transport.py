@@ -4,18 +4,29 @@
 a small ``RecordSetRef``; ``ObjectStoreTransport`` puts the samples in Ray's object store (fast,
 not durable). Workers and the trainer each hold their own transport: a straw store handle must
 not cross processes, and allows one write at a time (callers serialise writes).
+
+A straw publication that fails once its pack was being made durable (an fsync answering EIO: a JuiceFS client
+whose metadata server went away for a while) leaves its outcome unknown, and straw then refuses every other
+publication of the handle with ``IndeterminateCommit`` until that one is published again under the same
+submission id. The caller has given the failed group up by then (it went back to the queue), so the transport
+resolves it itself, before the next publication, and releases it: nothing references it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from straw import RecordSetRef
+from straw import Record, RecordSetRef
+from straw.errors import IndeterminateCommit
 
 from vime.queue.records import decode_group, encode_group
 from vime.queue.rollout_queue import StoreOptions
 from vime.sample import Sample
+
+logger = logging.getLogger(__name__)
 
 
 class GroupTransport(Protocol):
@@ -25,13 +36,52 @@ class GroupTransport(Protocol):
     def close(self) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class FailedPublication:
+    """A publication straw raised on: what to publish again, alike, should straw ask for it."""
+
+    submission_id: str
+    records: list[Record]
+
+
 class StrawTransport:
     def __init__(self, options: StoreOptions, fault: Callable[[str], None] | None = None):
         self.store = options.open(fault)
+        self.failed: FailedPublication | None = None  # the last publication that raised, until resolved
 
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> RecordSetRef:
         owner = {"task_id": task_id, "attempt_id": attempt_id}
-        return self.store.publish(encode_group(samples, submission_id, owner), submission_id=submission_id)
+        records = encode_group(samples, submission_id, owner)
+        unresolved = self.failed
+        try:
+            return self._publish(records, submission_id)
+        except IndeterminateCommit:
+            if unresolved is None or unresolved.submission_id == submission_id:
+                self.failed = FailedPublication(submission_id, records)
+                raise
+        except Exception:
+            self.failed = FailedPublication(submission_id, records)
+            raise
+        # straw refused this one for the earlier failure: resolve that first (which raises, the earlier one still
+        # pending, while the volume fails), then publish this one.
+        self._resolve(unresolved)
+        try:
+            return self._publish(records, submission_id)
+        except Exception:
+            self.failed = FailedPublication(submission_id, records)
+            raise
+
+    def _publish(self, records: list[Record], submission_id: str) -> RecordSetRef:
+        ref = self.store.publish(records, submission_id=submission_id)
+        self.failed = None  # a publication went through: nothing of this handle is pending any more
+        return ref
+
+    def _resolve(self, failed: FailedPublication) -> None:
+        """Publish ``failed`` again under its submission id (straw completes or confirms it), then release it:
+        its caller gave its group up when it failed, so no queue entry will ever adopt it."""
+        logger.warning("publishing %s again (straw could not confirm it) before the next one", failed.submission_id)
+        ref = self._publish(failed.records, failed.submission_id)
+        self.store.release_publications([ref])
 
     def read(self, ref: RecordSetRef) -> list[Sample]:
         return decode_group(list(self.store.read(ref)))
