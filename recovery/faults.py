@@ -1,4 +1,4 @@
-"""Fault injection: SIGKILL a real process at a named point, for the fault-injection tests.
+"""Fault injection: SIGKILL a real process at a named point (or fail a call there), for the fault-injection tests.
 
 Enabled only through the environment (inherited by every process of a run, Ray actors included):
 
@@ -11,8 +11,10 @@ Enabled only through the environment (inherited by every process of a run, Ray a
     VIME_FAULT_HOLDS="driver.before_step=2"                       # hold from the 2nd position on
     VIME_FAULT_RELEASE=/some/file                                 # ... until this file exists
 
-A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` behind, so a restarted
-process does not kill itself again. ``scope`` says what dies: the calling process, or its whole
+    VIME_FAULT_ERRORS="straw.before_file_sync@3"                  # raise EIO at the 3rd hit instead
+
+A point fires once per run: it leaves ``<VIME_FAULT_STATE>/<name>.fired`` (``.failed`` for an error) behind,
+so a restarted process does not kill itself (or fail) again. ``scope`` says what dies: the calling process, or its whole
 process group (the "whole job" when the driver leads the group, as the tests arrange).
 Delays make one component artificially slow (a slow trainer, a slow producer) without killing it; a test
 that needs the slowness only for a while creates the VIME_FAULT_DELAYS_OFF file when it is over.
@@ -25,18 +27,23 @@ staleness bound is reached: events that need generation happen between holds).
 A process can also hold itself at a point of its own (:func:`hold_point`, where the position counts its
 hits; e.g. a rollout worker in the middle of writing its third pack, :class:`StrawWriteFaults`): it writes
 ``<VIME_FAULT_STATE>/<name>.held`` (its pid) when it starts to wait, so that a test can kill it right there.
-Without VIME_FAULTS / VIME_FAULT_DELAYS / VIME_FAULT_HOLDS every call is a dictionary lookup and nothing
-else.
+An error stands for a call the file system could not complete (``OSError`` EIO, what a JuiceFS client answers
+when its metadata server went away meanwhile): at a straw point (:class:`StrawWriteFaults`) straw raises it as
+its own ``StorageUnavailable`` and handles the write as it would a real one.
+Without VIME_FAULTS / VIME_FAULT_DELAYS / VIME_FAULT_HOLDS / VIME_FAULT_ERRORS every call is a dictionary lookup
+and nothing else.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 from collections import Counter
 
 _hits: Counter[str] = Counter()
+_error_hits: Counter[str] = Counter()
 
 
 def _spec(variable: str, separator: str, value_type: type, default: str) -> dict:
@@ -58,6 +65,10 @@ def _delays() -> dict[str, float]:
 
 def _holds() -> dict[str, int]:
     return _spec("VIME_FAULT_HOLDS", "=", int, "1")
+
+
+def _errors() -> dict[str, int]:
+    return _spec("VIME_FAULT_ERRORS", "@", int, "1")
 
 
 def held(name: str, position: int) -> bool:
@@ -102,33 +113,46 @@ class StrawWriteFaults:
     @classmethod
     def if_enabled(cls) -> StrawWriteFaults | None:
         """A hook when a test set a straw point (straw calls it at every phase otherwise for nothing)."""
-        for variable in ("VIME_FAULTS", "VIME_FAULT_DELAYS", "VIME_FAULT_HOLDS"):
+        for variable in ("VIME_FAULTS", "VIME_FAULT_DELAYS", "VIME_FAULT_HOLDS", "VIME_FAULT_ERRORS"):
             if "straw." in os.environ.get(variable, ""):
                 return cls()
         return None
 
 
 def fault_point(name: str, *, scope: str = "process") -> None:
-    """Sleep here if ``name`` has a delay; SIGKILL if it is armed and this is its n-th hit (once per run)."""
+    """Sleep here if ``name`` has a delay; raise EIO if an error is set for this hit, SIGKILL if it is armed and
+    this is its n-th hit (each once per run)."""
     delay = _delays().get(name)
     if delay and not os.path.exists(os.environ.get("VIME_FAULT_DELAYS_OFF", "")):
         time.sleep(delay)
+    failing = _errors()
+    if name in failing:
+        _error_hits[name] += 1
+        if _error_hits[name] == failing[name] and _first_in_the_run(name, "failed"):
+            raise OSError(errno.EIO, f"Input/output error (VIME_FAULT_ERRORS at {name})")
     armed = _armed()
     if name not in armed:
         return
     _hits[name] += 1
-    if _hits[name] < armed[name]:
+    if _hits[name] < armed[name] or not _first_in_the_run(name, "fired"):
         return
-    state = os.environ.get("VIME_FAULT_STATE")
-    if state:
-        marker = os.path.join(state, f"{name}.fired")
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, str(os.getpid()).encode())
-        os.fsync(fd)
-        os.close(fd)
     if scope == "group":
         os.killpg(os.getpgid(0), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_in_the_run(name: str, outcome: str) -> bool:
+    """Whether no process of the run did ``outcome`` at ``name`` yet; says it did now (``<name>.<outcome>`` in
+    VIME_FAULT_STATE, with this process's pid). Without VIME_FAULT_STATE: always (once per process then)."""
+    state = os.environ.get("VIME_FAULT_STATE")
+    if not state:
+        return True
+    marker = os.path.join(state, f"{name}.{outcome}")
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.fsync(fd)
+    os.close(fd)
+    return True

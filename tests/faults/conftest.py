@@ -120,8 +120,10 @@ class Job:
             start_new_session=True,
         )
 
-    def run(self, *extra: str, faults: str = "", timeout: float = 600, epochs: int = 1) -> tuple[int, str]:
-        proc = self.start(*extra, faults=faults, epochs=epochs)
+    def run(
+        self, *extra: str, faults: str = "", timeout: float = 600, epochs: int = 1, env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        proc = self.start(*extra, faults=faults, epochs=epochs, env=env)
         try:
             proc.wait(timeout=timeout)
         finally:

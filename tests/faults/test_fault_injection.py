@@ -25,9 +25,14 @@ ON_JUICEFS = pytest.mark.parametrize("job", ["juicefs"], indirect=True)
 pytestmark = pytest.mark.integration
 
 
-def test_clean_run_trains_every_prompt_once(job):
-    code, log = job.run()
+def test_a_run_whose_publication_failed_its_fsync_trains_every_prompt_once(job):
+    """A rollout worker's third file sync fails with EIO (as a JuiceFS client's can after a metadata outage): that
+    group goes back to the queue, straw cannot tell whether its publication is durable and refuses the worker's
+    next ones until it is published again (queue/transport.py does), and the run goes on: before that, it hung."""
+    errors = {"VIME_FAULT_ERRORS": "straw.before_file_sync@3", "VIME_FAULT_STATE": job.root}
+    code, log = job.run(env=errors, timeout=240)  # ~20 s here; a hang is what it checks
     assert code == 0, log[-3000:]
+    assert os.path.exists(os.path.join(job.root, "straw.before_file_sync.failed"))  # the sync did fail
     assert "exhausted the prompts" in log
     facts = check_invariants(job)
     assert facts["state"].step == 12

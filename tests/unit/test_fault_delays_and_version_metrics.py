@@ -1,11 +1,15 @@
 """The slow-component injection used by the staleness tests, the holds that keep a test's run open (a driver's
-step, a rollout worker in the middle of writing a pack), and the tokens-per-version metric."""
+step, a rollout worker in the middle of writing a pack), the injected I/O errors, and the tokens-per-version
+metric."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
+
+import pytest
 
 from vime.recovery.faults import StrawWriteFaults, fault_point, held
 from vime.sample import Sample
@@ -73,6 +77,22 @@ def test_a_straw_write_is_held_mid_pack_at_the_publication_a_test_names(monkeypa
     assert not writer.is_alive()
     assert [next(store.read(ref)).payload for ref in (first, refs[0])] == [b"one" * 1000, b"two" * 1000]
     store.close()
+
+
+def test_an_error_point_raises_eio_at_its_nth_hit_once_per_run(monkeypatch, tmp_path):
+    monkeypatch.delenv("VIME_FAULTS", raising=False)
+    monkeypatch.delenv("VIME_FAULT_DELAYS", raising=False)
+    monkeypatch.setenv("VIME_FAULT_ERRORS", "straw.before_file_sync@2")
+    monkeypatch.setenv("VIME_FAULT_STATE", str(tmp_path))
+    assert StrawWriteFaults.if_enabled() is not None  # a straw point: straw gets the hook
+    fault_point("straw.before_file_sync")  # the first hit passes
+    fault_point("rollout.after_publish")  # another point: nothing
+    with pytest.raises(OSError) as raised:
+        fault_point("straw.before_file_sync")
+    assert raised.value.errno == errno.EIO and "VIME_FAULT_ERRORS" in str(raised.value)
+    assert (tmp_path / "straw.before_file_sync.failed").read_text() == str(os.getpid())
+    for _ in range(3):
+        fault_point("straw.before_file_sync")  # fired once: later hits, and a restarted process, pass
 
 
 def test_tokens_per_version_counts_each_response_token_by_its_version():
