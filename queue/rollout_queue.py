@@ -110,10 +110,17 @@ class StrawRolloutQueue:
 
     @classmethod
     def open(
-        cls, options: StoreOptions, *, owner: str, lease_seconds: float, sample_attempts: int = SAMPLE_ATTEMPTS
+        cls,
+        options: StoreOptions,
+        *,
+        owner: str,
+        lease_seconds: float,
+        sample_attempts: int = SAMPLE_ATTEMPTS,
+        fault: Callable[[str], None] | None = None,
     ) -> StrawRolloutQueue:
-        """Open (or recover, when a journal exists) the queue. The caller must hold the fence."""
-        store = options.open()
+        """Open (or recover, when a journal exists) the queue. The caller must hold the fence. ``fault``: straw's
+        hook at each phase of the store's and the journal's writes (fault tests; see StoreOptions.open)."""
+        store = options.open(fault)
         recover = os.path.exists(os.path.join(options.data_dir, "control", "journal.log"))
         coordinator = Coordinator(
             store, queue_id=QUEUE_ID, exclusive_owner=owner, recover=recover, lease_seconds=lease_seconds

@@ -27,7 +27,10 @@ A volume that answers a call with ``EIO`` ("Input/output error", straw's ``Stora
 failed that call: a JuiceFS client whose metadata server went away while a lock was waited for answers so (seen
 with Redis killed and started again mid-run, tests/faults/test_juicefs_storage_faults.py). A rollout worker's
 publication that fails so goes back to the queue and the worker goes on; anywhere else the run stops with
-:class:`VolumeFailed`, naming the flag and directory and how to resume once the volume answers again.
+:class:`VolumeFailed`, naming the flag and directory and how to resume once the volume answers again. A journal
+append or sync of the queue that fails so reaches the caller as straw's ``IndeterminateCommit`` without the
+errno, and the calls after it as ``UnsafeRecovery``: on a queue volume that is not full, the first is such a failed
+call too, and the controller names it in the others (workers/controller.py, ``QueueBroken``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ MiB = 1 << 20
 # A mounted file system whose server side is gone (a FUSE client process killed): errno and the texts it leaves.
 LOST_ERRNOS = (errno.ENOTCONN,)
 LOST_TEXTS = ("Transport endpoint is not connected", "os error 107")
+# straw's answer when a journal append or sync of the queue did not complete ("Journal write/sync outcome unknown"),
+# which keeps no errno: on a queue volume that is not full, a call the volume failed.
+WRITE_OUTCOME_UNKNOWN = "IndeterminateCommit"
 # A call the volume's file system could not complete (EIO): errno and the texts it leaves.
 FAILED_ERRNOS = (errno.EIO,)
 FAILED_TEXTS = ("Input/output error", "os error 5)")
@@ -131,6 +137,19 @@ def straw_failure_after_a_write(error: BaseException | None) -> str | None:
         named = _STRAW_NAMED.search(str(link))
         if named:
             return f"{named.group(1)}: {named.group(2).strip()}"
+    return None
+
+
+def _straw_error_text(error: BaseException, name: str) -> str | None:
+    """``"<name>: <its message>"`` for straw's error ``name`` in ``error``'s chain, as an object or in the text a
+    wrapper kept (e.g. the controller's ``QueueBroken``, which names the failed write a refusal followed); None
+    where there is none."""
+    for link in _chain(error):
+        if type(link).__module__.startswith("straw") and type(link).__name__ == name:
+            return f"{name}: {str(link).splitlines()[0] if str(link) else ''}"
+        named = re.search(rf"\b{name}: ([^\n)]*)", str(link))
+        if named:
+            return f"{name}: {named.group(1).strip()}"
     return None
 
 
@@ -213,6 +232,10 @@ class WrittenVolume:
         (whose stop the driver keeps around its whole loop) only straw's, or one on a file in its directory: an
         engine's or the trainer's EIO elsewhere keeps its own message."""
         cause = volume_failed_cause(error)
+        if cause is None and self.headroom is not None:
+            # straw keeps no errno of a journal append or sync that failed: its answer is the cause (the queue's
+            # volume is not full, or full_error would have said so first).
+            cause = _straw_error_text(error, WRITE_OUTCOME_UNKNOWN)
         if cause is None or (self.headroom is not None and not self._names_this_volume(error)):
             return None
         return VolumeFailed(

@@ -98,25 +98,33 @@ class StrawWriteFaults:
     (``before_publication_open``, ``after_payload_chunk``, ``before_footer``, ``before_file_sync``, ...) is the
     point ``straw.<phase>``, where the phase's hold position is the number of the handle's publication it is
     in. E.g. VIME_FAULT_HOLDS="straw.after_payload_chunk=3" holds the third publication's write with part of
-    its payload in the pack, before its footer and before any fsync: a pack that is not completely written."""
+    its payload in the pack, before its footer and before any fsync: a pack that is not completely written.
+    A rollout worker's handle has these points; the controller's (its queue's journal and its own
+    publications) has them under ``controller.straw.<phase>`` (:data:`CONTROLLER_STRAW`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "straw") -> None:
+        self.prefix = prefix
         self.publications = 0
 
     def __call__(self, phase: str) -> None:
         if phase == "before_publication_open":
             self.publications += 1
-        name = f"straw.{phase}"
+        name = f"{self.prefix}.{phase}"
         hold_point(name, self.publications)
         fault_point(name)
 
     @classmethod
-    def if_enabled(cls) -> StrawWriteFaults | None:
-        """A hook when a test set a straw point (straw calls it at every phase otherwise for nothing)."""
+    def if_enabled(cls, prefix: str = "straw") -> StrawWriteFaults | None:
+        """A hook when a test set a point under ``prefix`` (straw calls it at every phase otherwise for nothing)."""
         for variable in ("VIME_FAULTS", "VIME_FAULT_DELAYS", "VIME_FAULT_HOLDS", "VIME_FAULT_ERRORS"):
-            if "straw." in os.environ.get(variable, ""):
-                return cls()
+            names = (part.strip() for part in os.environ.get(variable, "").split(","))
+            if any(name.startswith(f"{prefix}.") for name in names):
+                return cls(prefix)
         return None
+
+
+# The controller's straw points' prefix (a rollout worker's are "straw.").
+CONTROLLER_STRAW = "controller.straw"
 
 
 def fault_point(name: str, *, scope: str = "process") -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 from straw import Record
+from straw.errors import CorruptData, IndeterminateCommit, StorageUnavailable, UnsafeRecovery
 
 from vime.data.source import DataKeys, DatasetCursor, PromptRecord, PromptSubset, open_prompt_source
 from vime.queue.fence import QueueFence
@@ -39,7 +40,7 @@ from vime.queue.records import decode_group
 from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport, regenerated_id
 from vime.queue.transport import ObjectStoreTransport
-from vime.recovery.faults import fault_point
+from vime.recovery.faults import CONTROLLER_STRAW, StrawWriteFaults, fault_point
 from vime.recovery.lineage import Lineage
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,42 @@ logger = logging.getLogger(__name__)
 # A waiting lease_or_wait also looks again this often by itself, for what no call announces (a lease that expired
 # returns its prompt to the queue).
 LEASE_RECHECK_SECONDS = 0.25
+
+
+# straw's errors for a write of the queue that failed (a file system call, or a journal append whose outcome is
+# unknown), and what its coordinator and store answer after one: every call refused until a new owner recovers.
+FAILED_WRITE = (StorageUnavailable, IndeterminateCommit)
+AFTER_A_FAILED_WRITE = (UnsafeRecovery, IndeterminateCommit, CorruptData)
+
+
+class QueueBroken(RuntimeError):
+    """A queue call refused because an earlier write of the queue failed: says both, so that the driver names the
+    volume's own error (recovery/disk_full.py) instead of the refusal's. One argument, as Ray rebuilds it."""
+
+
+def on_the_queue(method: Callable) -> Callable:
+    """A controller call on the queue. The first write of the queue that fails is remembered; a later call that
+    straw refuses because of it raises :class:`QueueBroken` with that failure's own error (straw's refusal names
+    none: "Coordinator unavailable; stop owner and recover")."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except AFTER_A_FAILED_WRITE as error:
+            if self.queue_failure is not None:
+                raise QueueBroken(
+                    f"{type(error).__name__}: {error}, after an earlier write of the queue failed "
+                    f"({self.queue_failure})"
+                ) from error
+            if isinstance(error, FAILED_WRITE):
+                self.queue_failure = f"{type(error).__name__}: {error}"
+            raise
+        except FAILED_WRITE as error:
+            self.queue_failure = self.queue_failure or f"{type(error).__name__}: {error}"
+            raise
+
+    return call
 
 
 def announces_admission(method: Callable) -> Callable:
@@ -135,7 +172,12 @@ class Controller:
         self.fence = None
         if spec.transport == "straw":
             self.fence = QueueFence.acquire(spec.store.data_dir)
-            self.queue = StrawRolloutQueue.open(spec.store, owner=self.incarnation, lease_seconds=spec.lease_seconds)
+            self.queue = StrawRolloutQueue.open(
+                spec.store,
+                owner=self.incarnation,
+                lease_seconds=spec.lease_seconds,
+                fault=StrawWriteFaults.if_enabled(CONTROLLER_STRAW),
+            )
         else:
             self.queue = MemoryRolloutQueue(lease_seconds=spec.lease_seconds)
         state = self.queue.dataset_cursor() or {}
@@ -162,6 +204,7 @@ class Controller:
         # pending, _refill skips its scan of the whole pending set (bench/scale: O(2 batches) per lease).
         self.fresh_pending_floor = 0
         self.admission_changed = asyncio.Event()  # set by every @announces_admission call
+        self.queue_failure: str | None = None  # the first failed write of the queue (@on_the_queue)
         self._refill()
 
     # ------------------------------------------------------------------ lifecycle
@@ -233,6 +276,7 @@ class Controller:
         limit = (step + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
         return max(0, limit - self.trained - outstanding)
 
+    @on_the_queue
     def lease(self, worker_id: str, max_tasks: int) -> list[LeasedPrompt]:
         self._refill()
         count = min(max_tasks, self._admissible())
@@ -262,10 +306,12 @@ class Controller:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.admission_changed.wait(), min(remaining, LEASE_RECHECK_SECONDS))
 
+    @on_the_queue
     def heartbeat(self, leases: list) -> list[bool]:
         return self.queue.heartbeat(leases)
 
     @announces_admission
+    @on_the_queue
     def complete(
         self, lease, submission_id: str, ref, num_samples: int, response_tokens: int, min_version: int
     ) -> int | None:
@@ -282,6 +328,7 @@ class Controller:
         return position
 
     @announces_admission
+    @on_the_queue
     def return_partial(self, lease, task: PromptTask, partial_ref) -> bool:
         try:
             self.queue.return_partial(lease, task, partial_ref, request_id=f"return-{uuid.uuid4().hex}")
@@ -290,6 +337,7 @@ class Controller:
             return False
 
     @announces_admission
+    @on_the_queue
     def fail(self, lease, reason: str) -> bool:
         try:
             self.queue.fail(lease, reason, request_id=f"fail-{uuid.uuid4().hex}")
@@ -298,6 +346,7 @@ class Controller:
             return False
 
     @announces_admission
+    @on_the_queue
     def reject(self, lease, reason: str) -> bool:
         """End a task whose group --dynamic-sampling-filter-path dropped: terminal stage *rejected*
         (a non-retryable failure whose reason starts with 'rejected:'), never trained, prompt not
@@ -315,6 +364,7 @@ class Controller:
         return True
 
     @announces_admission
+    @on_the_queue
     def retry_failed(self) -> RetryReport:
         """Return every failed task, except the rejected ones, to the queue as a fresh prompt with
         a new attempt budget (``vime queue retry-failed --run``). Idempotent: a second call retries
@@ -328,6 +378,7 @@ class Controller:
 
     # ------------------------------------------------------------------ trainer
     @announces_admission
+    @on_the_queue
     def sync(self, weight_version: int, cursor: int, trained: int, lineage: Lineage | None = None) -> None:
         """The driver's view: every engine serves ``weight_version``, the groups before ``cursor``
         are done with, ``trained`` of them were trained, ``lineage`` says which versions were lost to
@@ -339,6 +390,7 @@ class Controller:
             self.lineage = lineage
 
     @announces_admission
+    @on_the_queue
     def take_groups(
         self,
         cursor: int,
@@ -427,6 +479,7 @@ class Controller:
         self.regenerated.add(group.position)
 
     @announces_admission
+    @on_the_queue
     def commit(self, step: int, cursor: int, step_cursors: list[int], skipped: list[int]) -> None:
         """Durably mark the accepted groups before ``cursor`` as trained by step ``step``.
 
@@ -461,6 +514,7 @@ class Controller:
             report = self.queue.collect_garbage()
             self.reclaimed_bytes += report.get("reclaimed_bytes", 0)
 
+    @on_the_queue
     def newest_token_version(self, cursor: int) -> int:
         """The newest weight version a token of any accepted group from ``cursor`` on came from (-1: none,
         or none readable). On --load: the versions the run before published after its checkpoint, which
@@ -476,10 +530,12 @@ class Controller:
             position = page[-1].position + 1
         return newest
 
+    @on_the_queue
     def history_available(self, cursor: int) -> bool:
         return self.queue.history_available(cursor)
 
     @announces_admission
+    @on_the_queue
     def retire_worker(self, lease_id: str) -> None:
         """Fence every lease of a rollout worker known to be dead (its process, or its node, is
         gone): its tasks return to the queue now instead of when their leases expire, and the id
@@ -488,6 +544,7 @@ class Controller:
             self.queue.coordinator.retire_worker(lease_id)
 
     @announces_admission
+    @on_the_queue
     def reap_writers(self, alive: list[str]) -> dict[str, int]:
         """Release what dead producers published but never got accepted (every straw writer of
         this queue except ours and those in ``alive``)."""
@@ -497,6 +554,7 @@ class Controller:
         dead = [w for w in writer_ids(self.spec.store.data_dir) if w not in keep]
         return reap_writers(self.queue.store, self.spec.store.data_dir, dead)
 
+    @on_the_queue
     def stats(self) -> ControllerStats:
         counts = self.queue.counts()
         return ControllerStats(

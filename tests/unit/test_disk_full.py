@@ -147,8 +147,9 @@ def test_stop_when_full_says_where_and_how_to_resume_and_lets_other_errors_pass(
 
 def test_straw_errors_after_a_failed_write_mean_a_full_queue_only_on_a_volume_without_room(tmp_path):
     """On a volume with room (tmp_path's), an UnsafeRecovery, an IndeterminateCommit or a plain ENOSPC of some
-    other volume is not the queue's full volume: the error keeps its own message (the driver's stop around its
-    whole loop must not blame the queue for them). What a wrapper that kept only the text says is still read."""
+    other volume is not the queue's full volume (the driver's stop around its whole loop must not blame the queue
+    for them): the IndeterminateCommit is a call the queue's volume failed (straw's journal write or sync did not
+    complete), the others keep their own message. What a wrapper that kept only the text says is still read."""
     text_only = RuntimeError("ray::Controller.stats() ... straw.errors.UnsafeRecovery: Coordinator unavailable; stop")
     assert straw_failure_after_a_write(text_only) == "UnsafeRecovery: Coordinator unavailable; stop"
     wrapped = RuntimeError("publishing group g1 to the queue failed: IndeterminateCommit: Journal write/sync outcome")
@@ -157,10 +158,38 @@ def test_straw_errors_after_a_failed_write_mean_a_full_queue_only_on_a_volume_wi
     roomy = WrittenVolume.queue(str(tmp_path / "queue"), 64, save=None)
     for other in (text_only, wrapped, UnsafeRecovery("Coordinator unavailable"), OSError(errno.ENOSPC, "elsewhere")):
         assert roomy.full_cause(other) is None, other
+    for other in (text_only, UnsafeRecovery("Coordinator unavailable"), OSError(errno.ENOSPC, "elsewhere")):
         with pytest.raises(type(other)):
             with roomy.stop_when_full("a call on the queue's coordinator"):
                 raise other
+    with pytest.raises(VolumeFailed, match=r"failed a call: the commit failed \(IndeterminateCommit: Journal write"):
+        with roomy.stop_when_full("the commit"):
+            raise wrapped
     assert roomy.full_cause(QuotaExceeded("Disk quota exceeded (os error 122)")) == "Disk quota exceeded"
+
+
+def test_a_refusal_after_a_failed_journal_write_stops_the_run_naming_the_write(tmp_path):
+    """The controller's QueueBroken (workers/controller.py): straw refused a call ("Coordinator unavailable") after
+    a journal write of the queue failed; the stop names the write's own error, not the refusal's."""
+    from vime.workers.controller import QueueBroken
+
+    roomy = WrittenVolume.queue(str(tmp_path / "queue"), 64, save="/data/save")
+    unknown = "IndeterminateCommit: Journal write/sync outcome unknown; recover and query original ID"
+    broken = QueueBroken(
+        f"UnsafeRecovery: Coordinator unavailable; stop owner and recover, after an earlier write "
+        f"of the queue failed ({unknown})"
+    )
+    with pytest.raises(VolumeFailed) as stop:
+        with roomy.stop_when_full("a call on the queue's coordinator"):
+            raise RuntimeError("ray::Controller.take_groups() failed") from broken
+    assert f"a call on the queue's coordinator failed ({unknown}: its file system could not complete" in str(stop.value)
+    eio = QueueBroken(
+        "CorruptData: Log header checksum, sequence or magic mismatch, after an earlier write of the "
+        "queue failed (StorageUnavailable: OSError: [Errno 5] Input/output error)"
+    )
+    with pytest.raises(VolumeFailed, match=r"failed a call: the commit failed \(Input/output error: "):
+        with roomy.stop_when_full("the commit"):
+            raise eio
 
 
 # ----------------------------------------------------------------------------- a checkpoint write
@@ -306,11 +335,11 @@ def test_straws_coordinator_after_its_journal_filled_the_volume_is_said_full_unt
     """The failure the e2e run met on a clean clone: an acceptance whose journal append finds the volume full
     raises IndeterminateCommit, and from then on straw's coordinator answers every call (the driver's stats())
     with UnsafeRecovery "Coordinator unavailable". Both are the queue's full volume while it has no room; once
-    space is back the coordinator still refuses (it must be recovered), and that UnsafeRecovery keeps its own
-    message. A restarted controller recovers the journal and goes on."""
+    space is back the coordinator still refuses (it must be recovered), and the stop then says a call failed,
+    naming the append (the controller's QueueBroken). A restarted controller recovers the journal and goes on."""
     from vime.queue.transport import StrawTransport
     from vime.sample import Sample, Status
-    from vime.workers.controller import Controller
+    from vime.workers.controller import Controller, QueueBroken
 
     with mounted_tmpfs(str(tmp_path / "vol"), size="8m") as volume:
         spec = controller_spec(tmp_path, os.path.join(volume, "queue"))
@@ -336,8 +365,8 @@ def test_straws_coordinator_after_its_journal_filled_the_volume_is_said_full_unt
         write_until_full(ballast + "-rest")  # not a byte left: the acceptance's journal append fails
         with pytest.raises(IndeterminateCommit) as append:
             controller.complete(a.lease, "s0", ref, 2, 1, 0)
-        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as refused:
-            controller.stats()
+        with pytest.raises(QueueBroken, match="Coordinator unavailable.*IndeterminateCommit") as refused:
+            controller.stats()  # straw's refusal, naming the append that failed (workers/controller.py)
         for error, said in (
             (append.value, "IndeterminateCommit: Journal write/sync outcome unknown"),
             (refused.value, "UnsafeRecovery: Coordinator unavailable"),
@@ -353,10 +382,10 @@ def test_straws_coordinator_after_its_journal_filled_the_volume_is_said_full_unt
             )
         os.unlink(ballast)
         os.unlink(ballast + "-rest")  # space is back; the coordinator still refuses until it is recovered
-        with pytest.raises(UnsafeRecovery, match="Coordinator unavailable") as later:
+        with pytest.raises(VolumeFailed, match=r"failed \(IndeterminateCommit: Journal write/sync") as later:
             with queue.stop_when_full("a call on the queue's coordinator"):
-                controller.stats()
-        assert queue.full_cause(later.value) is None
+                controller.stats()  # no longer full: a call the volume failed, naming the append's own error
+        assert queue.full_cause(later.value.__cause__) is None
         with contextlib.suppress(Exception):
             transport.close()
         with contextlib.suppress(Exception):
