@@ -70,18 +70,16 @@ def on_the_queue(method: Callable) -> Callable:
     def call(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except AFTER_A_FAILED_WRITE as error:
-            if self.queue_failure is not None:
+        except AFTER_A_FAILED_WRITE + FAILED_WRITE as error:
+            failed = self.queue_failure
+            if failed is None and isinstance(error, FAILED_WRITE):
+                self.queue_failure = error
+            elif failed is not None and failed is not error and isinstance(error, AFTER_A_FAILED_WRITE):
                 raise QueueBroken(
                     f"{type(error).__name__}: {error}, after an earlier write of the queue failed "
-                    f"({self.queue_failure})"
+                    f"({type(failed).__name__}: {failed})"
                 ) from error
-            if isinstance(error, FAILED_WRITE):
-                self.queue_failure = f"{type(error).__name__}: {error}"
-            raise
-        except FAILED_WRITE as error:
-            self.queue_failure = self.queue_failure or f"{type(error).__name__}: {error}"
-            raise
+            raise  # the failed write itself (also through an outer call that made this one) reaches the caller as is
 
     return call
 
@@ -204,7 +202,7 @@ class Controller:
         # pending, _refill skips its scan of the whole pending set (bench/scale: O(2 batches) per lease).
         self.fresh_pending_floor = 0
         self.admission_changed = asyncio.Event()  # set by every @announces_admission call
-        self.queue_failure: str | None = None  # the first failed write of the queue (@on_the_queue)
+        self.queue_failure: Exception | None = None  # the first failed write of the queue (@on_the_queue)
         self._refill()
 
     # ------------------------------------------------------------------ lifecycle

@@ -1,0 +1,54 @@
+"""workers/controller.py's @on_the_queue: the first failed write of the queue is remembered and named in straw's
+later refusals. The decorator's own rules, on a small class whose methods raise straw's real errors as its queue
+would (a real queue's journal failing: tests/unit/test_disk_full.py and tests/faults/test_fault_injection.py)."""
+
+from __future__ import annotations
+
+import pytest
+from straw.errors import CorruptData, IndeterminateCommit, StorageUnavailable, UnsafeRecovery
+
+from vime.workers.controller import QueueBroken, on_the_queue
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.queue_failure = None
+        self.next_error: Exception | None = None
+
+    @on_the_queue
+    def call(self) -> str:
+        if self.next_error is not None:
+            raise self.next_error
+        return "ok"
+
+    @on_the_queue
+    def outer(self) -> str:
+        return self.call()  # a controller call made by another (take_groups calls sync)
+
+
+def test_the_first_failed_write_passes_as_it_is_and_the_refusals_after_it_name_it():
+    calls = Calls()
+    calls.next_error = UnsafeRecovery("Coordinator unavailable; stop owner and recover")
+    with pytest.raises(UnsafeRecovery):  # no failed write before it: straw's own error (a second owner, say)
+        calls.call()
+    assert calls.queue_failure is None
+    append = IndeterminateCommit("Journal write/sync outcome unknown; recover and query original ID")
+    calls.next_error = append
+    with pytest.raises(IndeterminateCommit) as first:
+        calls.outer()  # through two decorated calls: still the write's own error, not "after an earlier" one
+    assert first.value is append and calls.queue_failure is append
+    for refusal in (UnsafeRecovery("Coordinator unavailable"), CorruptData("Log header checksum mismatch")):
+        calls.next_error = refusal
+        with pytest.raises(QueueBroken) as broken:
+            calls.call()
+        assert str(broken.value) == (
+            f"{type(refusal).__name__}: {refusal}, after an earlier write of the queue failed "
+            "(IndeterminateCommit: Journal write/sync outcome unknown; recover and query original ID)"
+        )
+        assert broken.value.__cause__ is refusal
+    calls.next_error = StorageUnavailable("OSError: [Errno 5] Input/output error")
+    with pytest.raises(StorageUnavailable):  # another failed write: itself, the first one still remembered
+        calls.call()
+    assert calls.queue_failure is append
+    calls.next_error = None
+    assert calls.call() == "ok"
