@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vime.data.source import DataKeys
 from vime.queue.rollout_queue import StoreOptions
+from vime.sample import Sample, Status
 from vime.workers.controller import ControllerSpec
 
 
@@ -39,3 +40,21 @@ def controller_spec(folder: Path, prompts: str, **overrides) -> ControllerSpec:
         max_staleness=1,
     )
     return ControllerSpec(**{**values, **overrides})
+
+
+def completed_group(task, response: int, version: int = 0) -> list[Sample]:
+    """The two completed samples a rollout worker would publish for ``task`` (a PromptTask): 2 prompt tokens and
+    ``response`` response tokens each, reward 1, every token from weight ``version``."""
+    return [
+        Sample(
+            group_index=task.group_index,
+            index=i,
+            prompt_index=task.prompt_index,
+            tokens=[1] * (2 + response),
+            response_length=response,
+            reward=1.0,
+            status=Status.COMPLETED,
+            weight_versions=[version] * response,
+        )
+        for i in range(2)
+    ]

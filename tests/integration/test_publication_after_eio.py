@@ -17,10 +17,9 @@ import errno
 import pytest
 from straw.errors import StorageUnavailable
 
-from tests.controller_spec import controller_spec, write_prompts
+from tests.controller_spec import completed_group, controller_spec, write_prompts
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
-from vime.sample import Sample, Status
 from vime.workers.controller import Controller
 
 pytestmark = pytest.mark.integration
@@ -52,19 +51,7 @@ def run(tmp_path):
 
 def publish(transport: StrawTransport, item):
     lease, task = item.assignment.lease, item.assignment.task
-    samples = [
-        Sample(
-            group_index=task.group_index,
-            index=i,
-            prompt_index=task.prompt_index,
-            tokens=[1] * (2 + RESPONSE),
-            response_length=RESPONSE,
-            reward=1.0,
-            status=Status.COMPLETED,
-            weight_versions=[0] * RESPONSE,
-        )
-        for i in range(2)
-    ]
+    samples = completed_group(task, RESPONSE)
     sid = f"group-{lease.task_id}-{lease.attempt_id}"
     return sid, transport.publish(samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid)
 

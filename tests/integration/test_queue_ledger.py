@@ -7,12 +7,11 @@ import os
 
 import pytest
 
-from tests.controller_spec import controller_spec, write_prompts
+from tests.controller_spec import completed_group, controller_spec, write_prompts
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, save_checkpoint
 from vime.recovery.lineage import Lineage
-from vime.sample import Sample, Status
 from vime.tools import queue_cli
 from vime.workers.controller import Controller, ControllerSpec
 
@@ -48,19 +47,7 @@ class Run:
 
     def publish(self, item, version: int):
         lease, task = item.assignment.lease, item.assignment.task
-        samples = [
-            Sample(
-                group_index=task.group_index,
-                index=i,
-                prompt_index=task.prompt_index,
-                tokens=[1] * (2 + RESPONSE),
-                response_length=RESPONSE,
-                reward=1.0,
-                status=Status.COMPLETED,
-                weight_versions=[version] * RESPONSE,
-            )
-            for i in range(2)
-        ]
+        samples = completed_group(task, RESPONSE, version)
         sid = f"{lease.task_id}-{lease.attempt_id}"
         return sid, self.transport.publish(
             samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid

@@ -11,12 +11,11 @@ import time
 import pytest
 from straw import TaskSpec
 
-from tests.controller_spec import controller_spec
+from tests.controller_spec import completed_group, controller_spec
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, PromptTask
 from vime.queue.transport import StrawTransport
-from vime.sample import Sample, Status
 from vime.tools import queue_cli
 from vime.workers.controller import Controller
 
@@ -69,19 +68,7 @@ def fail_out(controller, task_id: str, attempts: int = 3) -> None:
 
 def accept(tmp_path, controller, item) -> int:
     lease, task = item.assignment.lease, item.assignment.task
-    samples = [
-        Sample(
-            group_index=task.group_index,
-            index=i,
-            prompt_index=task.prompt_index,
-            tokens=[1, 2, 3],
-            response_length=1,
-            reward=1.0,
-            status=Status.COMPLETED,
-            weight_versions=[0],
-        )
-        for i in range(2)
-    ]
+    samples = completed_group(task, 1)
     sid = f"{lease.task_id}-{lease.attempt_id}"
     ref = StrawTransport(StoreOptions(str(tmp_path / "queue"), RUN_ID)).publish(
         samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=sid
