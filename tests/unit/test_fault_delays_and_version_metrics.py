@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vime.recovery.faults import StrawWriteFaults, fault_point, held
+from vime.recovery.faults import CONTROLLER_STRAW, StrawWriteFaults, fault_point, held
 from vime.sample import Sample
 from vime.workers.trainer_worker import tokens_per_version
 
@@ -93,6 +93,14 @@ def test_an_error_point_raises_eio_at_its_nth_hit_once_per_run(monkeypatch, tmp_
     assert (tmp_path / "straw.before_file_sync.failed").read_text() == str(os.getpid())
     for _ in range(3):
         fault_point("straw.before_file_sync")  # fired once: later hits, and a restarted process, pass
+    # The controller's handle has its points under their own prefix: a rollout worker's gets no hook for them.
+    monkeypatch.setenv("VIME_FAULT_ERRORS", f"{CONTROLLER_STRAW}.before_file_sync@2")
+    assert StrawWriteFaults.if_enabled() is None
+    hook = StrawWriteFaults.if_enabled(CONTROLLER_STRAW)
+    assert hook is not None
+    hook("before_file_sync")
+    with pytest.raises(OSError, match=f"VIME_FAULT_ERRORS at {CONTROLLER_STRAW}.before_file_sync"):
+        hook("before_file_sync")
 
 
 def test_tokens_per_version_counts_each_response_token_by_its_version():
