@@ -33,6 +33,7 @@ from straw import Record
 from straw.errors import CorruptData, IndeterminateCommit, StorageUnavailable, UnsafeRecovery
 
 from vime.data.source import DataKeys, DatasetCursor, PromptRecord, PromptSubset, open_prompt_source
+from vime.errors import UserError
 from vime.queue.fence import QueueFence
 from vime.queue.gc import reap_writers, writer_ids
 from vime.queue.memory_queue import MemoryRolloutQueue
@@ -56,9 +57,10 @@ FAILED_WRITE = (StorageUnavailable, IndeterminateCommit)
 AFTER_A_FAILED_WRITE = (UnsafeRecovery, IndeterminateCommit, CorruptData)
 
 
-class QueueBroken(RuntimeError):
+class QueueBroken(UserError, RuntimeError):
     """A queue call refused because an earlier write of the queue failed: says both, so that the driver names the
-    volume's own error (recovery/disk_full.py) instead of the refusal's. One argument, as Ray rebuilds it."""
+    volume's own error (recovery/disk_full.py) instead of the refusal's; the user resumes once the volume answers.
+    One argument, as Ray rebuilds it."""
 
 
 def on_the_queue(method: Callable) -> Callable:
