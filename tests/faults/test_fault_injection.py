@@ -29,8 +29,8 @@ def test_a_run_whose_publication_failed_its_fsync_trains_every_prompt_once(job):
     """A rollout worker's third file sync fails with EIO (as a JuiceFS client's can after a metadata outage): that
     group goes back to the queue, straw cannot tell whether its publication is durable and refuses the worker's
     next ones until it is published again (queue/transport.py does), and the run goes on: before that, it hung."""
-    errors = {"VIME_FAULT_ERRORS": "straw.before_file_sync@3", "VIME_FAULT_STATE": job.root}
-    code, log = job.run(env=errors, timeout=240)  # ~20 s here; a hang is what it checks
+    failing = {"VIME_FAULT_ERRORS": "straw.before_file_sync@3", "VIME_FAULT_STATE": job.root}
+    code, log = job.run(env=failing, timeout=240)  # ~20 s here; a hang is what it checks
     assert code == 0, log[-3000:]
     assert os.path.exists(os.path.join(job.root, "straw.before_file_sync.failed"))  # the sync did fail
     assert "exhausted the prompts" in log
@@ -51,8 +51,8 @@ def test_a_failed_journal_write_of_the_controller_stops_the_run_naming_the_flag_
     with one line naming --rollout-data-dir and the failed write, no traceback; --load recovers the queue and
     finishes the epoch with every prompt trained once. (A volume that fails a call, as a JuiceFS client can after
     a metadata outage: tests/faults/test_juicefs_storage_faults.py.)"""
-    errors = {"VIME_FAULT_ERRORS": "controller.straw.before_file_sync@30", "VIME_FAULT_STATE": job.root}
-    code, log = job.run(env=errors, timeout=240)
+    failing = {"VIME_FAULT_ERRORS": "controller.straw.before_file_sync@30", "VIME_FAULT_STATE": job.root}
+    code, log = job.run(env=failing, timeout=240)
     assert os.path.exists(os.path.join(job.root, "controller.straw.before_file_sync.failed"))  # the sync did fail
     assert code == 1, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("vime train: error:")]

@@ -46,7 +46,9 @@ def run(tmp_path):
     controller = Controller(spec)
     syncs = FailingSyncs()
     transport = StrawTransport(StoreOptions(spec.store.data_dir, spec.store.run_id, 1.0), syncs)
-    return controller, transport, syncs, f"worker@{transport.writer_id}"
+    yield controller, transport, syncs, f"worker@{transport.writer_id}"
+    transport.close()
+    controller.shutdown()
 
 
 def publish(transport: StrawTransport, item):
@@ -61,13 +63,14 @@ def give_back(controller: Controller, item) -> None:
     controller.return_partial(item.assignment.lease, item.assignment.task, None)
 
 
-def test_a_group_published_after_a_failed_sync_is_accepted_and_the_failed_one_trains_nowhere(run):
+def test_the_groups_published_after_a_failed_sync_are_accepted_and_read_back(run, caplog):
     controller, transport, syncs, worker = run
     (first,) = controller.lease(worker, 1)
     syncs.count = 1
     with pytest.raises(StorageUnavailable, match="Input/output error"):
         publish(transport, first)
     give_back(controller, first)
+    failed_id = f"group-{first.assignment.lease.task_id}-{first.assignment.lease.attempt_id}"
 
     accepted = []
     for _ in range(4):  # three more groups, then the failed group's prompt again (a new attempt)
@@ -78,8 +81,9 @@ def test_a_group_published_after_a_failed_sync_is_accepted_and_the_failed_one_tr
         accepted.append(item.assignment.task.task_id)
     assert first.assignment.task.task_id in accepted
     assert controller.stats().accepted == 4
-    # The failed publication was published again under its own submission id and released, not adopted: the
-    # queue's groups are the four accepted ones, each read back whole.
+    # The failed publication was published again under its own submission id before the next one (and released),
+    # never adopted: the queue's groups are the four accepted ones, each read back whole.
+    assert f"publishing {failed_id} again" in caplog.text and transport.failed is None
     taken = controller.take_groups(0, 4, 0, 0)
     assert sorted(group.task_id for group in taken.groups) == sorted(accepted)
     for group in taken.groups:
