@@ -55,7 +55,6 @@ DISK_FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceede
 # straw's errors (straw.errors) that a failed write on a full queue volume leaves behind, by name: a wrapper
 # that kept only the text still names them ("straw.errors.UnsafeRecovery: ...", "... failed: IndeterminateCommit:").
 STRAW_AFTER_A_FAILED_WRITE = ("IndeterminateCommit", "UnsafeRecovery", "StorageUnavailable")
-_STRAW_NAMED = re.compile(rf"\b({'|'.join(STRAW_AFTER_A_FAILED_WRITE)}): ([^\n]*)")
 MiB = 1 << 20
 # A mounted file system whose server side is gone (a FUSE client process killed): errno and the texts it leaves.
 LOST_ERRNOS = (errno.ENOTCONN,)
@@ -126,30 +125,22 @@ def volume_lost_cause(error: BaseException | None) -> str | None:
     return _volume_errno_cause(error, LOST_ERRNOS, LOST_TEXTS)
 
 
-def straw_failure_after_a_write(error: BaseException | None) -> str | None:
-    """``"<straw error>: <its message>"`` when ``error`` (or what it wraps) is one of the straw errors a failed
-    write leaves behind (:data:`STRAW_AFTER_A_FAILED_WRITE`); None otherwise."""
+def straw_failure_after_a_write(
+    error: BaseException | None, names: tuple[str, ...] = STRAW_AFTER_A_FAILED_WRITE
+) -> str | None:
+    """``"<straw error>: <its message>"`` when ``error`` (or what it wraps) is one of the straw errors ``names`` (by
+    default those a failed write leaves behind, :data:`STRAW_AFTER_A_FAILED_WRITE`), as an object or in the text a
+    wrapper kept (Ray's, or the controller's ``QueueBroken``, which names the failed write a refusal followed);
+    None otherwise."""
+    named_in_text = re.compile(rf"\b({'|'.join(names)}): ([^\n]*)")
     for link in _chain(error):
         if isinstance(link, DiskFull):
             return None
-        if type(link).__module__.startswith("straw") and type(link).__name__ in STRAW_AFTER_A_FAILED_WRITE:
+        if type(link).__module__.startswith("straw") and type(link).__name__ in names:
             return f"{type(link).__name__}: {str(link).splitlines()[0] if str(link) else ''}"
-        named = _STRAW_NAMED.search(str(link))
+        named = named_in_text.search(str(link))
         if named:
             return f"{named.group(1)}: {named.group(2).strip()}"
-    return None
-
-
-def _straw_error_text(error: BaseException, name: str) -> str | None:
-    """``"<name>: <its message>"`` for straw's error ``name`` in ``error``'s chain, as an object or in the text a
-    wrapper kept (e.g. the controller's ``QueueBroken``, which names the failed write a refusal followed); None
-    where there is none."""
-    for link in _chain(error):
-        if type(link).__module__.startswith("straw") and type(link).__name__ == name:
-            return f"{name}: {str(link).splitlines()[0] if str(link) else ''}"
-        named = re.search(rf"\b{name}: ([^\n)]*)", str(link))
-        if named:
-            return f"{name}: {named.group(1).strip()}"
     return None
 
 
@@ -235,7 +226,7 @@ class WrittenVolume:
         if cause is None and self.headroom is not None:
             # straw keeps no errno of a journal append or sync that failed: its answer is the cause (the queue's
             # volume is not full, or full_error would have said so first).
-            cause = _straw_error_text(error, WRITE_OUTCOME_UNKNOWN)
+            cause = straw_failure_after_a_write(error, (WRITE_OUTCOME_UNKNOWN,))
         if cause is None or (self.headroom is not None and not self._names_this_volume(error)):
             return None
         return VolumeFailed(

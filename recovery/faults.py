@@ -116,11 +116,8 @@ class StrawWriteFaults:
     @classmethod
     def if_enabled(cls, prefix: str = "straw") -> StrawWriteFaults | None:
         """A hook when a test set a point under ``prefix`` (straw calls it at every phase otherwise for nothing)."""
-        for variable in ("VIME_FAULTS", "VIME_FAULT_DELAYS", "VIME_FAULT_HOLDS", "VIME_FAULT_ERRORS"):
-            names = (part.strip() for part in os.environ.get(variable, "").split(","))
-            if any(name.startswith(f"{prefix}.") for name in names):
-                return cls(prefix)
-        return None
+        points = (name for spec in (_armed(), _delays(), _holds(), _errors()) for name in spec)
+        return cls(prefix) if any(name.startswith(f"{prefix}.") for name in points) else None
 
 
 # The controller's straw points' prefix (a rollout worker's are "straw.").

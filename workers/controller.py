@@ -78,8 +78,8 @@ def on_the_queue(method: Callable) -> Callable:
                 self.queue_failure = error
             elif failed is not None and failed is not error and isinstance(error, AFTER_A_FAILED_WRITE):
                 raise QueueBroken(
-                    f"{type(error).__name__}: {error}, after an earlier write of the queue failed "
-                    f"({type(failed).__name__}: {failed})"
+                    f"{type(error).__name__}: {error}, after an earlier write of the queue failed: "
+                    f"{type(failed).__name__}: {failed}"
                 ) from error
             raise  # the failed write itself (also through an outer call that made this one) reaches the caller as is
 

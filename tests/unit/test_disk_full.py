@@ -177,7 +177,7 @@ def test_a_refusal_after_a_failed_journal_write_stops_the_run_naming_the_write(t
     unknown = "IndeterminateCommit: Journal write/sync outcome unknown; recover and query original ID"
     broken = QueueBroken(
         f"UnsafeRecovery: Coordinator unavailable; stop owner and recover, after an earlier write "
-        f"of the queue failed ({unknown})"
+        f"of the queue failed: {unknown}"
     )
     with pytest.raises(VolumeFailed) as stop:
         with roomy.stop_when_full("a call on the queue's coordinator"):
@@ -185,7 +185,7 @@ def test_a_refusal_after_a_failed_journal_write_stops_the_run_naming_the_write(t
     assert f"a call on the queue's coordinator failed ({unknown}: its file system could not complete" in str(stop.value)
     eio = QueueBroken(
         "CorruptData: Log header checksum, sequence or magic mismatch, after an earlier write of the "
-        "queue failed (StorageUnavailable: OSError: [Errno 5] Input/output error)"
+        "queue failed: StorageUnavailable: OSError: [Errno 5] Input/output error"
     )
     with pytest.raises(VolumeFailed, match=r"failed a call: the commit failed \(Input/output error: "):
         with roomy.stop_when_full("the commit"):

@@ -42,8 +42,8 @@ def test_the_first_failed_write_passes_as_it_is_and_the_refusals_after_it_name_i
         with pytest.raises(QueueBroken) as broken:
             calls.call()
         assert str(broken.value) == (
-            f"{type(refusal).__name__}: {refusal}, after an earlier write of the queue failed "
-            "(IndeterminateCommit: Journal write/sync outcome unknown; recover and query original ID)"
+            f"{type(refusal).__name__}: {refusal}, after an earlier write of the queue failed: "
+            "IndeterminateCommit: Journal write/sync outcome unknown; recover and query original ID"
         )
         assert broken.value.__cause__ is refusal
     calls.next_error = StorageUnavailable("OSError: [Errno 5] Input/output error")
