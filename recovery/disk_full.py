@@ -30,7 +30,9 @@ publication that fails so goes back to the queue and the worker goes on; anywher
 :class:`VolumeFailed`, naming the flag and directory and how to resume once the volume answers again. A journal
 append or sync of the queue that fails so reaches the caller as straw's ``IndeterminateCommit`` without the
 errno, and the calls after it as ``UnsafeRecovery``: on a queue volume that is not full, the first is such a failed
-call too, and the controller names it in the others (workers/controller.py, ``QueueBroken``).
+call too. The run's controller then ends its process and a new one recovers the queue (recovery/volume_failure.py);
+where it does not (a controller made in-process), it names the failed write in the refusals after it
+(workers/controller.py, ``QueueBroken``).
 """
 
 from __future__ import annotations
@@ -237,14 +239,19 @@ class WrittenVolume:
         )
 
     def _names_this_volume(self, error: BaseException) -> bool:
-        """Whether ``error`` is straw's (straw writes only the queue's directory) or an OSError on a path in it."""
+        """Whether ``error`` is straw's (straw writes only the queue's directory) or an OSError on a path in it, as
+        an object or in the text a wrapper kept (Ray's, of an actor that could not start: "OSError: [Errno 5]
+        Input/output error: '<dir>/controller.volume-probe'", recovery/volume_failure.py)."""
         if straw_failure_after_a_write(error) is not None:
             return True
-        root = os.path.join(os.path.realpath(self.path), "")
-        return any(
-            isinstance(link, OSError) and link.filename and os.path.realpath(str(link.filename)).startswith(root)
-            for link in _chain(error)
-        )
+        roots = {os.path.join(os.path.realpath(self.path), ""), os.path.join(os.path.abspath(self.path), "")}
+        for link in _chain(error):
+            if isinstance(link, OSError) and link.filename:
+                if os.path.realpath(str(link.filename)).startswith(tuple(roots)):
+                    return True
+            elif any(f"'{root}" in str(link) for root in roots):
+                return True
+        return False
 
     @contextlib.contextmanager
     def stop_when_full(self, operation: str) -> Iterator[None]:

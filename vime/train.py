@@ -371,7 +371,9 @@ class TrainingRun:
         s = self.s
         batch = s.rollout.rollout_batch_size
         sync_number = 1 if self.resume else 0  # the restore already published once
-        steps = StepRecords(self.processes.controller)  # the throughput window begins here
+        steps = StepRecords(  # the throughput window begins here
+            self.processes.controller, incarnation=self.processes.controller_incarnation, say=self.log.say
+        )
         self.log.say(
             f"training: {s.train.num_rollout - start_step} rollout(s) of {batch} group(s) x "
             f"{s.rollout.n_samples_per_prompt} sample(s)"

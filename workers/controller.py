@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -41,8 +42,15 @@ from vime.queue.records import decode_group
 from vime.queue.rollout_queue import IdempotencyConflict, StaleLease, StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import REJECTED_PREFIX, AcceptedGroup, Assignment, PromptTask, RetryReport, regenerated_id
 from vime.queue.transport import ObjectStoreTransport
+from vime.recovery.disk_full import WrittenVolume
 from vime.recovery.faults import CONTROLLER_STRAW, StrawWriteFaults, fault_point
 from vime.recovery.lineage import Lineage
+from vime.recovery.volume_failure import (
+    VOLUME_WAIT_SECONDS,
+    end_this_process,
+    ridden_out_cause,
+    wait_until_writable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ def on_the_queue(method: Callable) -> Callable:
             failed = self.queue_failure
             if failed is None and isinstance(error, FAILED_WRITE):
                 self.queue_failure = error
+                self.first_failed_write(error)  # may end the process: a new owner recovers the queue
             elif failed is not None and failed is not error and isinstance(error, AFTER_A_FAILED_WRITE):
                 raise QueueBroken(
                     f"{type(error).__name__}: {error}, after an earlier write of the queue failed: "
@@ -119,6 +128,11 @@ class ControllerSpec:
     prompt_rows: list[int] | None = None
     # --over-sampling-batch-size: fresh prompts enter the queue in multiples of it; None: a plain top-up.
     refill_multiple: int | None = None
+    # The controller runs as a Ray actor that Ray restarts (the driver's): a write of the queue that its volume
+    # failed ends the process, and the next incarnation recovers the queue (recovery/volume_failure.py). False
+    # (a controller made in-process): the error goes on to the caller.
+    restart_on_volume_failure: bool = False
+    volume_wait_seconds: float = VOLUME_WAIT_SECONDS  # how long a new incarnation waits for the volume to take a write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +165,7 @@ class ControllerStats:
     reclaimed_bytes: int
     regenerated: int
     rejected: int = 0  # groups the dynamic filter dropped (this controller incarnation; also in failed)
+    incarnation: str = ""  # the controller's: a new one after each restart (StepRecords counts them)
 
     @property
     def queue_depth(self) -> int:
@@ -169,7 +184,38 @@ class Controller:
         )
         if spec.prompt_rows is not None:
             self.dataset = PromptSubset(self.dataset, spec.prompt_rows)
+        self.weight_version = 0
+        self.accepted_response_tokens = 0
+        self.accepted_samples = 0
+        self.reclaimed_bytes = 0
+        self.rejected: set[str] = set()  # task ids the dynamic filter dropped (this incarnation)
+        self.min_versions: dict[int, int] = {}  # oldest token version of each accepted group
+        self.token_versions: dict[int, frozenset[int]] = {}  # every version of a group that may carry lost ones
+        self.lineage = Lineage()  # the driver's, restated by sync()/take_groups()
+        self.regenerated: set[int] = set()  # positions whose prompt was submitted again
+        # At most the fresh prompts pending: counted by _refill, lowered by every fresh task lease() hands out
+        # (the only way one leaves the pending set; expiries and returns only add). While it says enough are
+        # pending, _refill skips its scan of the whole pending set (bench/scale: O(2 batches) per lease).
+        self.fresh_pending_floor = 0
+        self.admission_changed = asyncio.Event()  # set by every @announces_admission call
+        self.queue_failure: Exception | None = None  # the first failed write of the queue (@on_the_queue)
+        self.queue_volume = WrittenVolume.queue(spec.store.data_dir, spec.store.segment_mib, save=None)
         self.fence = None
+        if spec.transport == "straw" and spec.restart_on_volume_failure:
+            # Maybe the incarnation after a failed write: the volume takes a write first. A volume still failing
+            # after the wait ends the run (its error, raised here, is not one to restart on again).
+            wait_until_writable(spec.store.data_dir, wait_seconds=spec.volume_wait_seconds, say=logger.warning)
+        try:
+            self._open_queue()
+        except (*FAILED_WRITE, OSError) as error:
+            if self.queue_failure is None:
+                self.queue_failure = error
+                self.first_failed_write(error)
+            raise
+
+    def _open_queue(self) -> None:
+        """Take the queue (recovering it from its journal, when it has one) and what this incarnation reads of it."""
+        spec = self.spec
         if spec.transport == "straw":
             self.fence = QueueFence.acquire(spec.store.data_dir)
             self.queue = StrawRolloutQueue.open(
@@ -190,22 +236,25 @@ class Controller:
         self.consumed = self.queue.consumer_cursor()
         self.trained = self.consumed  # groups trained: consumed minus those skipped as stale
         self.accepted = self._count_accepted()
-        self.weight_version = 0
-        self.accepted_response_tokens = 0
-        self.accepted_samples = 0
-        self.reclaimed_bytes = 0
-        self.rejected: set[str] = set()  # task ids the dynamic filter dropped (this incarnation)
-        self.min_versions: dict[int, int] = {}  # oldest token version of each accepted group
-        self.token_versions: dict[int, frozenset[int]] = {}  # every version of a group that may carry lost ones
-        self.lineage = Lineage()  # the driver's, restated by sync()/take_groups()
-        self.regenerated: set[int] = set()  # positions whose prompt was submitted again
-        # At most the fresh prompts pending: counted by _refill, lowered by every fresh task lease() hands out
-        # (the only way one leaves the pending set; expiries and returns only add). While it says enough are
-        # pending, _refill skips its scan of the whole pending set (bench/scale: O(2 batches) per lease).
-        self.fresh_pending_floor = 0
-        self.admission_changed = asyncio.Event()  # set by every @announces_admission call
-        self.queue_failure: Exception | None = None  # the first failed write of the queue (@on_the_queue)
         self._refill()
+
+    def first_failed_write(self, error: BaseException) -> None:
+        """The first write of the queue that failed (@on_the_queue, or opening it). Where the volume failed the call
+        (not full, not gone) and Ray restarts this actor (``restart_on_volume_failure``), the process ends here so
+        that a new owner recovers the queue, as straw asks ("stop owner and recover"; recovery/volume_failure.py).
+        Otherwise the error goes on to the caller: the driver stops, naming the volume (recovery/disk_full.py)."""
+        if not self.spec.restart_on_volume_failure:
+            return
+        cause = ridden_out_cause(self.queue_volume, error)
+        if cause is None:
+            return
+        message = (
+            f"{self.incarnation}: a write of the queue in {self.spec.store.data_dir} failed ({cause}): ending this "
+            "process so that a new controller recovers the queue from its journal (Ray restarts it)"
+        )
+        logger.error(message)
+        print(message, file=sys.stderr, flush=True)
+        end_this_process()
 
     # ------------------------------------------------------------------ lifecycle
     def ready(self) -> dict[str, Any]:
@@ -570,6 +619,7 @@ class Controller:
             reclaimed_bytes=self.reclaimed_bytes,
             regenerated=len(self.regenerated),
             rejected=len(self.rejected),
+            incarnation=self.incarnation,
         )
 
     def _end_of_data(self, counts: dict[str, int]) -> bool:

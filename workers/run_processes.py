@@ -52,6 +52,7 @@ class RunProcesses:
         self.run_guard = None  # vime.runtime.incarnations.RunGuard: the reaper and the record
         self.ray_started = False
         self.controller = None  # the controller's Ray actor (vime.workers.controller.Controller)
+        self.controller_incarnation = ""  # the one that first answered (a later one: a restart, StepRecords says)
         # vime.workers.trainer_group.TrainerGroup. A restart in place (workers/trainer_restart.py) replaces its
         # ranks, not the group: the weight synchronisation and this teardown keep calling the live ranks.
         self.trainer = None
@@ -116,6 +117,7 @@ class RunProcesses:
             self._start_controller_and_trainer(prompt_rows)
             self._prepare_rollout()
         ready = ray.get([self.controller.ready.remote(), self.trainer.leader.ready.remote()], timeout=600)
+        self.controller_incarnation = ready[0]["incarnation"]
         self.log.say(
             f"controller ready: {ready[0]['accepted']} accepted group(s) in the queue, {ready[0]['consumed']} trained"
         )
@@ -156,9 +158,11 @@ class RunProcesses:
             args=s.args,
             prompt_rows=prompt_rows,
             refill_multiple=s.rollout.over_sampling_batch_size,
+            restart_on_volume_failure=True,
         )
         # The controller is restartable: a new incarnation recovers the queue from its journal (every
-        # lease of the old one fenced) and calls in flight are retried against it. It runs on the driver's node
+        # lease of the old one fenced) and calls in flight are retried against it; it also ends itself after a
+        # write of the queue its volume failed (recovery/volume_failure.py). It runs on the driver's node
         # where it can: it holds the queue's lock through its node's mount of --rollout-data-dir, and on a
         # JuiceFS volume a lock taken through the client of a lost node stays held by the dead client's session,
         # so a restarted controller could not take it (docs/juicefs.md). Soft: a restart can go elsewhere.

@@ -1,6 +1,7 @@
 """workers/controller.py's @on_the_queue: the first failed write of the queue is remembered and named in straw's
-later refusals. The decorator's own rules, on a small class whose methods raise straw's real errors as its queue
-would (a real queue's journal failing: tests/unit/test_disk_full.py and tests/faults/test_fault_injection.py)."""
+later refusals, and told to the controller once (which may end its process there: recovery/volume_failure.py).
+The decorator's own rules, on a small class whose methods raise straw's real errors as its queue would (a real
+queue's journal failing: tests/unit/test_disk_full.py and tests/faults/test_fault_injection.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class Calls:
     def __init__(self) -> None:
         self.queue_failure = None
         self.next_error: Exception | None = None
+        self.told: list[Exception] = []  # the failed writes first_failed_write was told of
+
+    def first_failed_write(self, error: Exception) -> None:  # the controller's may end its process here
+        self.told.append(error)
 
     @on_the_queue
     def call(self) -> str:
@@ -37,6 +42,7 @@ def test_the_first_failed_write_passes_as_it_is_and_the_refusals_after_it_name_i
     with pytest.raises(IndeterminateCommit) as first:
         calls.outer()  # through two decorated calls: still the write's own error, not "after an earlier" one
     assert first.value is append and calls.queue_failure is append
+    assert calls.told == [append]  # once, though two decorated calls saw it
     for refusal in (UnsafeRecovery("Coordinator unavailable"), CorruptData("Log header checksum mismatch")):
         calls.next_error = refusal
         with pytest.raises(QueueBroken) as broken:
@@ -49,6 +55,6 @@ def test_the_first_failed_write_passes_as_it_is_and_the_refusals_after_it_name_i
     calls.next_error = StorageUnavailable("OSError: [Errno 5] Input/output error")
     with pytest.raises(StorageUnavailable):  # another failed write: itself, the first one still remembered
         calls.call()
-    assert calls.queue_failure is append
+    assert calls.queue_failure is append and calls.told == [append]
     calls.next_error = None
     assert calls.call() == "ok"
