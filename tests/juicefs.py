@@ -224,27 +224,40 @@ def _mount_devices(pid: int | str, mount_point: str) -> list[tuple[str, str]]:
 
 class ClientNode:
     """Another host on this machine: a mount namespace of its own (``unshare -m --propagation private``) in which
-    a second JuiceFS client mounts the volume at the same absolute path, and a Ray worker node started inside it
-    on its own loopback address joins the cluster at ``ray_address``. The namespace first drops the mount it
-    inherited (the first client's): everything the node writes to the volume goes through its own client.
+    a second JuiceFS client mounts the volume at the same absolute path, then ``program`` runs there: a Ray worker
+    node joining the cluster on its own loopback address (:func:`client_node`), or any process of that host
+    (:func:`client_host`, which also gives the host a name of its own, ``unshare -u``). The namespace first drops
+    the mount it inherited (the first client's): everything the host writes to the volume goes through its own
+    client.
 
-    Every process of the node (tests/ray_node.py, its raylet and workers, the JuiceFS client) lives in that namespace,
-    which is how :meth:`kill` finds them all; the namespace, and with it the second mount, is gone once they are.
-    Use :func:`client_node`, which always ends with nothing of the node left."""
+    Every process of the host (the program, a Ray node's raylet and workers, the JuiceFS client) lives in that
+    namespace, which is how :meth:`kill` finds them all; the namespace, and with it the second mount, is gone once
+    they are. Use :func:`client_node` or :func:`client_host`, which always end with nothing of it left."""
 
-    def __init__(self, mount_point: str, ray_address: str, *, root: str, ip: str, resources: dict, env: dict):
+    def __init__(
+        self,
+        mount_point: str,
+        program: list[str],
+        *,
+        root: str,
+        env: dict,
+        hostname: str | None = None,
+        mount_options: tuple[str, ...] = (),
+    ):
         self.mount_point = os.path.realpath(mount_point)
-        self.ip = ip
+        self.program = program
         self.log = os.path.join(root, "node.log")
         self.client_log = os.path.join(root, "juicefs-client-2.log")
         juicefs = juicefs_binary()
         mount = [juicefs, "mount", "-d", "--log", self.client_log, "--cache-dir", os.path.join(root, "cache")]
-        mount += [*QUIET_OPTIONS, volume_meta(self.mount_point), self.mount_point]
-        ray_node = [sys.executable, RAY_NODE, ray_address, ip, json.dumps(resources)]
-        script = f"set -e; umount -l {shlex.quote(self.mount_point)}; {shlex.join(mount)}; exec {shlex.join(ray_node)}"
+        mount += [*QUIET_OPTIONS, *mount_options, volume_meta(self.mount_point), self.mount_point]
+        named = f"hostname {shlex.quote(hostname)}; " if hostname else ""
+        script = f"set -e; {named}umount -l {shlex.quote(self.mount_point)}; {shlex.join(mount)}; "
+        script += f"exec {shlex.join(program)}"
+        unshare = ["unshare", "-m", *(["-u"] if hostname else []), "--propagation", "private"]
         with open(self.log, "w") as out:  # a file, not a pipe: the node's daemons outlive the shell that starts them
             self.proc = subprocess.Popen(
-                ["unshare", "-m", "--propagation", "private", "bash", "-c", script],
+                [*unshare, "bash", "-c", script],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 # Ray gives a raylet 30 s to register with the GCS, which a machine loaded by other jobs can exceed.
@@ -254,7 +267,7 @@ class ClientNode:
         self.namespace: str | None = None
 
     def wait_started(self, timeout: float = MOUNT_TIMEOUT_S) -> None:
-        """Until the second client is mounted in the node's namespace and the Ray node starts there."""
+        """Until the second client is mounted in the node's namespace and the program runs there."""
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -264,12 +277,12 @@ class ClientNode:
                 raise RuntimeError(f"the second node's start failed ({self.proc.returncode}): {said}")
             namespace = _mount_namespace(self.proc.pid)
             with contextlib.suppress(OSError):
-                with open(f"/proc/{self.proc.pid}/cmdline", "rb") as f:  # the shell has exec'd the Ray node
-                    started = f.read().split(b"\0")[1:2] == [RAY_NODE.encode()]
+                with open(f"/proc/{self.proc.pid}/cmdline", "rb") as f:  # the shell has exec'd the program
+                    started = f.read().split(b"\0")[: len(self.program)] == [a.encode() for a in self.program]
                 if started and namespace != _mount_namespace(os.getpid()):
                     self.namespace = namespace
                     break
-            assert time.monotonic() < deadline, f"no second JuiceFS client and Ray node within {timeout:.0f}s"
+            assert time.monotonic() < deadline, f"no second JuiceFS client and {self.program[:2]} within {timeout:.0f}s"
             time.sleep(0.1)
         # One mount at the path there, the second client's: a FUSE connection (device) of its own.
         [(device, fstype)] = _mount_devices(self.proc.pid, self.mount_point)
@@ -277,9 +290,9 @@ class ClientNode:
         assert fstype == "fuse.juicefs" and (device, fstype) not in ours, (device, fstype, ours)
 
     def check_alive(self) -> None:
-        """Raise, with the node's log, if its Ray node process has exited (e.g. its raylet never registered)."""
+        """Raise, with the node's log, if its program has exited (e.g. a Ray node whose raylet never registered)."""
         if self.proc.poll() is not None:
-            raise AssertionError(f"the second node's Ray node exited ({self.proc.returncode}): {_tail(self.log, 10)}")
+            raise AssertionError(f"the second node's program exited ({self.proc.returncode}): {_tail(self.log, 10)}")
 
     def processes(self) -> list[int]:
         """Every live process in the node's mount namespace."""
@@ -314,11 +327,30 @@ class ClientNode:
 def client_node(
     mount_point: str, ray_address: str, *, root: str, resources: dict, env: dict | None = None, ip: str = "127.0.0.2"
 ) -> Iterator[ClientNode]:
-    """A :class:`ClientNode` of the volume mounted at ``mount_point`` joining the Ray cluster at ``ray_address``
-    with ``resources``; ``env``: more environment for its processes (Ray's workers there inherit it). Whatever
-    the test did, the node ends killed with nothing of it left: no process, no mount namespace, no mount."""
-    os.makedirs(root, exist_ok=True)
-    node = ClientNode(mount_point, ray_address, root=root, ip=ip, resources=resources, env=env or {})
+    """A :class:`ClientNode` of the volume mounted at ``mount_point``: a Ray worker node on loopback address ``ip``
+    joining the cluster at ``ray_address`` with ``resources``; ``env``: more environment for its processes (Ray's
+    workers there inherit it). Whatever the test did, the node ends killed with nothing of it left: no process, no
+    mount namespace, no mount."""
+    ray_node = [sys.executable, RAY_NODE, ray_address, ip, json.dumps(resources)]
+    with _started(mount_point, ray_node, root=root, env=env or {}) as node:
+        yield node
+
+
+@contextlib.contextmanager
+def client_host(
+    mount_point: str, program: list[str], *mount_options: str, root: str, hostname: str
+) -> Iterator[ClientNode]:
+    """A :class:`ClientNode` of the volume mounted at ``mount_point`` named ``hostname``, its client mounted with
+    ``mount_options``, running ``program`` (no Ray node): another host's process on the volume, e.g. the controller
+    of a run whose host is then lost. It ends killed with nothing of it left, as :func:`client_node`."""
+    with _started(mount_point, program, root=root, env={}, hostname=hostname, mount_options=mount_options) as host:
+        yield host
+
+
+@contextlib.contextmanager
+def _started(mount_point: str, program: list[str], **options) -> Iterator[ClientNode]:
+    os.makedirs(options["root"], exist_ok=True)
+    node = ClientNode(mount_point, program, **options)
     try:
         node.wait_started()
         yield node

@@ -1,9 +1,9 @@
 """The controller's fence (queue/fence.py) with a lock that outlived its holder, as JuiceFS keeps a flock taken
-through a client that died: a holder known dead (this host, its process gone) is waited out, bounded, saying so;
-a live holder is refused at once. The stale lock is made here by a live helper process that holds the flock while
-the lock file's record names a process that is gone (on a local file system the kernel would release a dead
-holder's lock at once, so this is how a unit test gets one; the real case is
-tests/faults/test_juicefs_storage_faults.py)."""
+through a client that died: a holder known dead (this host, its process gone; or another host, its record silent)
+is waited out, bounded, saying so; a live holder is refused at once. The stale lock is made here by a live helper
+process that holds the flock while the lock file's record names a process that is gone (on a local file system
+the kernel would release a dead holder's lock at once, so this is how a unit test gets one; the real cases are
+tests/faults/test_juicefs_storage_faults.py and, for another host, tests/integration/test_juicefs_fence.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from vime.queue.fence import QueueBusy, QueueFence, holder_is_dead
+from vime.queue.fence import SILENT_AFTER_S, QueueBusy, QueueFence, holder_is_dead
 from vime.runtime.reaper import process_start_time
 
 HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
@@ -92,3 +92,35 @@ def test_a_live_holder_is_refused_at_once(tmp_path):
         QueueFence.acquire(str(tmp_path), stale_wait_s=60)
     assert time.monotonic() - started < 5
     fence.release()
+
+
+def test_a_holder_on_another_host_is_gone_once_its_record_has_been_silent_long_enough():
+    now = time.time()
+
+    def elsewhere(alive_at: float) -> str:
+        return json.dumps({"host": "another-host", "pid": 1, "pid_start": 1.0, "since": 0.0, "alive_at": alive_at})
+
+    assert not holder_is_dead(elsewhere(now))
+    assert holder_is_dead(elsewhere(now - SILENT_AFTER_S - 1))
+    assert not holder_is_dead(elsewhere(now - 10), silent_after_s=60) and holder_is_dead(
+        elsewhere(now - 10), silent_after_s=5
+    )
+    # On this host its process decides, whatever the age of its record (a holder busy in a long call is alive).
+    here = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start_time(os.getpid())}
+    assert not holder_is_dead(json.dumps({**here, "alive_at": now - 3600}))
+
+
+def test_the_holder_refreshes_its_record_until_it_releases_the_fence(tmp_path):
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=0.1)
+    with open(fence.path) as f:
+        first = json.loads(f.read())
+    time.sleep(0.5)
+    with open(fence.path) as f:
+        second = json.loads(f.read())
+    assert second["alive_at"] > first["alive_at"] and second["since"] == first["since"] and second["pid"] == os.getpid()
+    fence.release()
+    with open(fence.path) as f:
+        last = f.read()
+    time.sleep(0.3)
+    with open(fence.path) as f:
+        assert f.read() == last  # released: no more refreshes
