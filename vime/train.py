@@ -32,7 +32,7 @@ from vime.config import ConfigError, TrainSettings, parse_train_args
 from vime.errors import UserError
 from vime.metrics import MetricsLog, plot_rewards
 from vime.recovery import checkpoint as ckpt, faults
-from vime.recovery.disk_full import RunVolumes
+from vime.recovery.disk_full import RunVolumes, resume_hint
 from vime.recovery.disk_space import FreeSpaceWatch
 from vime.recovery.lineage import Lineage, resumed
 from vime.recovery.retention import apply_retention
@@ -40,6 +40,7 @@ from vime.rollout.evaluate import HeldOutEvaluation
 from vime.runtime import interrupts
 from vime.tracking import RunTracker
 from vime.weights.policy import flush_for_sync
+from vime.workers.failure_reasons import died_for_good
 from vime.workers.run_processes import RunProcesses
 from vime.workers.step_records import StepRecords
 
@@ -581,6 +582,14 @@ def main(argv: list[str] | None = None) -> int:
         original = _unwrap(error)
         if isinstance(original, UserError):
             print(f"vime train: error: {original}", file=sys.stderr)
+            return 1
+        dead = died_for_good(original)
+        if dead is not None:  # e.g. the controller, once Ray's restarts of it are spent
+            print(
+                f"vime train: error: a process of the run died and was not restarted: {dead}. What the run "
+                f"committed is intact; {resume_hint(settings.checkpoint.save)}",
+                file=sys.stderr,
+            )
             return 1
         if getattr(original, "actor_init_failed", False):  # Ray keeps only the text of such a cause
             print(

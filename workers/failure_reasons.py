@@ -38,3 +38,19 @@ def error_reason(error: BaseException) -> str:
         cause = cause.cause
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1] if text else ''}" if not isinstance(cause, EngineError) else str(cause)
+
+
+def died_for_good(error: BaseException) -> str | None:
+    """For a Ray actor that died and was not restarted again (its restarts spent, or none allowed): which one and
+    why, in one line (``"Controller (vime-controller): its worker process has died"``); None for any other error,
+    and for an actor whose start failed (that error is its own)."""
+    import ray
+
+    if not isinstance(error, ray.exceptions.ActorDiedError) or error.actor_init_failed:
+        return None
+    text = str(error)
+    found = re.search(r"^\s*class_name: (\S+)", text, re.M)
+    name = re.search(r"^\s*name: (\S+)", text, re.M)
+    why = re.search(r"The actor is dead because (.+?)\.", text)
+    who = (found.group(1) if found else "an actor") + (f" ({name.group(1)})" if name else "")
+    return f"{who}: {why.group(1) if why else text.strip().splitlines()[0]}"
