@@ -1,5 +1,6 @@
 """Why an engine call failed, in words: the root cause of a Ray-wrapped error, shortened for the
-progress line, and whether the actor behind a failed call still lives."""
+progress line, and whether the actor behind a failed call still lives; and, for the run's last word, which
+actor died for good and why (:func:`died_for_good`)."""
 
 from __future__ import annotations
 

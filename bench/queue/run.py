@@ -8,6 +8,8 @@
     .venv/bin/python bench/queue/run.py --no-juicefs    # without the JuiceFS volume (it needs FUSE)
     .venv/bin/python bench/queue/run.py --skip-micro --main-job-shape long --main-job-steps 12
                                                         # the main job with 256-token responses
+    .venv/bin/python bench/queue/run.py --skip-micro --main-job-shape long --main-job-steps 25 --main-job-rounds 3
+                                                        # each run three times, the order alternating; medians
 
 ``--smoke`` runs the same code on the smallest sizes (2 groups x 16 tokens, then 1 group with 8-wide
 SC heads; the main job with 4 prompts x 2 samples a step, 1 warm-up step) to check that the benchmark
@@ -46,6 +48,7 @@ import json
 import os
 import queue
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -294,6 +297,7 @@ def main_job(
     engine: str | None = None,
     overrides: dict[str, str] | None = None,
     juicefs_root: str | None = None,
+    round_: int = 0,
 ) -> float:
     """Samples trained per second over the steady-state steps (the first ``warmup`` are warm-up).
 
@@ -310,7 +314,7 @@ def main_job(
         if not os.path.exists(os.path.join(model, "config.json")):
             make_tiny_model(model)
     label = f"{transport} on JuiceFS" if juicefs_root else transport
-    run_dir = os.path.join(out_dir, label.replace(" ", "-"))
+    run_dir = os.path.join(out_dir, label.replace(" ", "-") + (f"-{round_}" if round_ else ""))
     args = demo_args(run_dir, model)
     for flag, value in (
         ("--num-rollout", str(steps)),
@@ -347,6 +351,12 @@ def main() -> int:
     parser.add_argument("--sc-groups", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--main-job-steps", type=int, default=30)
+    parser.add_argument(
+        "--main-job-rounds",
+        type=int,
+        default=1,
+        help="run each main job this many times, the order reversed every other round; medians are compared",
+    )
     parser.add_argument("--skip-main-job", action="store_true")
     parser.add_argument("--skip-micro", action="store_true", help="the main-job comparison only")
     parser.add_argument("--no-juicefs", action="store_true", help="leave out the runs on a JuiceFS volume")
@@ -374,6 +384,8 @@ def main() -> int:
         help="main job: the HF model folder the attached engine serves (default: the tiny model)",
     )
     args = parser.parse_args()
+    if args.main_job_rounds < 1:
+        parser.error(f"--main-job-rounds: expected a whole number of at least 1, got {args.main_job_rounds}")
     micro_runs = [(args.groups, 0), (args.sc_groups, 128)]
     tokens, steps, warmup, overrides = args.tokens, args.main_job_steps, 5, None
     if args.smoke:
@@ -433,12 +445,20 @@ def run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root) -> int
         "engine": args.attach_engine,
         "overrides": {**shape_flags, **(overrides or {})} or None,
     }
+    runs = {"object-store": {"transport": "object-store"}, "straw": {"transport": "straw"}}
+    if juicefs_root is not None and not args.smoke:  # smoke: the two runs above check the code path's health
+        runs["straw on JuiceFS"] = {"transport": "straw", "juicefs_root": juicefs_root}
+    measured: dict[str, list[float]] = {label: [] for label in runs}
     try:
-        rates = {t: main_job(t, out, steps, **common) for t in ("object-store", "straw")}
-        if juicefs_root is not None and not args.smoke:  # smoke: the two runs above check the code path's health
-            rates["straw on JuiceFS"] = main_job("straw", out, steps, juicefs_root=juicefs_root, **common)
+        # Rounds alternate the order (forward, then backward, ...): a machine that warms up or calms down during
+        # the benchmark favours whichever run comes last, which one fixed order would always hand the same one.
+        for round_ in range(args.main_job_rounds):
+            order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+            for label in order:
+                measured[label].append(main_job(out_dir=out, steps=steps, round_=round_, **runs[label], **common))
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    rates = {label: statistics.median(values) for label, values in measured.items()}
     per_step = (
         "4 prompts x 2 samples (smoke)"
         if args.smoke
@@ -448,7 +468,10 @@ def run(args, micro_runs, tokens, steps, warmup, overrides, juicefs_root) -> int
     )
     print(f"\n== main job (digit shift, {per_step} per step, steady-state steps)")
     for transport, rate in rates.items():
-        print(f"  {transport:16s} {rate:8.1f} samples trained / s")
+        each = (
+            f" (median of {', '.join(f'{v:.1f}' for v in measured[transport])})" if len(measured[transport]) > 1 else ""
+        )
+        print(f"  {transport:16s} {rate:8.1f} samples trained / s{each}")
     print(f"  ratio straw / object-store = {rates['straw'] / rates['object-store']:.3f} (goal >= 0.95)")
     if "straw on JuiceFS" in rates:
         ratio = rates["straw on JuiceFS"] / rates["straw"]
