@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.dying_actors import CannotStart, Ends
+from tests.local_ray import local_ray
 from vime.workers.failure_reasons import died_for_good
 
 pytestmark = pytest.mark.integration
@@ -18,17 +19,8 @@ pytestmark = pytest.mark.integration
 def test_an_actor_dead_for_good_is_named_with_why_and_one_that_could_not_start_is_left_to_its_own_error():
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-        log_to_driver=False,
-        namespace="vime-died-test",
-        runtime_env={"env_vars": {"PYTHONPATH": REPO}},  # the actors' classes are this module's
-    )
-    try:
+    # the actors' classes are in tests/, which Ray's workers import by name
+    with local_ray(namespace="vime-died-test", runtime_env={"env_vars": {"PYTHONPATH": REPO}}):
         actor = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(Ends).options(name="vime-controller")
         with pytest.raises(ray.exceptions.ActorDiedError) as died:
             ray.get(actor.remote().end.remote(), timeout=120)
@@ -39,5 +31,3 @@ def test_an_actor_dead_for_good_is_named_with_why_and_one_that_could_not_start_i
             ray.get(unstarted.call.remote(), timeout=120)
         assert died_for_good(failed.value) is None  # its own error says it (the queue's stop, or "failed to start")
         assert died_for_good(OSError(5, "Input/output error")) is None
-    finally:
-        ray.shutdown()

@@ -12,6 +12,7 @@ import pytest
 from straw import TaskSpec
 
 from tests.controller_spec import completed_group, controller_spec
+from tests.local_ray import local_ray
 from vime.queue.memory_queue import MemoryRolloutQueue
 from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
 from vime.queue.tasks import INTERRUPTION_ATTEMPTS, LEASE_EXPIRED, PromptTask
@@ -297,16 +298,7 @@ def test_retry_failed_on_a_live_run_goes_through_the_named_controller_actor(tmp_
     import ray
 
     namespace = "vime-retry-test"
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-        log_to_driver=False,
-        namespace=namespace,
-    )
-    try:
+    with local_ray(namespace=namespace):
         run_dir = tmp_path / "run"
         run_dir.mkdir()
         (run_dir / "run.json").write_text(
@@ -332,5 +324,3 @@ def test_retry_failed_on_a_live_run_goes_through_the_named_controller_actor(tmp_
         assert item.prompt.index == 0
         ray.get(controller.shutdown.remote(), timeout=60)
         ray.kill(controller)
-    finally:
-        ray.shutdown()
