@@ -208,9 +208,8 @@ class Controller:
         try:
             self._open_queue()
         except (*FAILED_WRITE, OSError) as error:
-            if self.queue_failure is None:
-                self.queue_failure = error
-                self.first_failed_write(error)
+            # No decorated call runs inside, and a failed start leaves no controller to remember it: only told.
+            self.first_failed_write(error)  # may end the process; otherwise this incarnation's start fails
             raise
 
     def _open_queue(self) -> None:
