@@ -15,6 +15,18 @@ once. Known dead: the record names this host and a process that is gone (pid and
 host (whose processes this host cannot see, e.g. a driver's host that was lost), its record has not been
 refreshed for :data:`SILENT_AFTER_S`: the holder rewrites its record's ``alive_at`` every :data:`HEARTBEAT_S`
 (synced, so that other clients of the volume read it). Hosts' clocks are taken to agree within a few seconds.
+
+A holder can also be taken for gone while it lives on: a host frozen or cut off long enough for JuiceFS to expire
+its client's session (the lock goes with the session) comes back, and its client and processes carry on
+(measured here: JuiceFS says "Session 2 was stale and cleaned up, but now it comes back again", and the old holder
+rewrote its record over the new holder's). So the holder checks, before it refreshes its record, that the record
+still names it; once it names another holder the fence is :attr:`QueueFence.taken_by` that one, nothing is written
+to the record again, and :meth:`QueueFence.ensure_held` (which the controller calls before each call on the queue)
+raises :class:`QueueTaken`. A holder whose last confirmation is older than :data:`CONFIRM_AFTER_S` (frozen, or its
+refreshes failing) confirms again before such a call; another holder could only have taken the fence after
+:data:`SILENT_AFTER_S` of silence, so a call made within :data:`CONFIRM_AFTER_S` of a confirmation is safe, except
+one that a frozen host then holds in the file system past the takeover: file systems offer no fencing token to
+refuse that write.
 """
 
 from __future__ import annotations
@@ -35,10 +47,29 @@ STALE_HOLDER_WAIT_S = 180.0
 RETRY_S = 2.0
 HEARTBEAT_S = 10.0  # how often the holder refreshes its record's alive_at
 SILENT_AFTER_S = 60.0  # a holder on another host whose record is older than this is taken as gone
+# A holder that has not confirmed it still holds the fence for this long confirms before a call on the queue: well
+# below SILENT_AFTER_S, with room for hosts' clocks that differ by seconds.
+CONFIRM_AFTER_S = 2 * HEARTBEAT_S
+UNREADABLE_RECORD_S = 1.0  # a record no read finds whole for this long was written by someone else
 
 
 class QueueBusy(UserError, RuntimeError):
     """Another live controller holds the queue (or a dead one's lock did not come free in time)."""
+
+
+class QueueTaken(UserError, RuntimeError):
+    """Another controller took the queue while this one was taken for gone (its host frozen or cut off): this one
+    must not write to it again. One argument, as Ray rebuilds it."""
+
+
+def holder_identity(record: dict) -> tuple:
+    """What tells one holding of the fence from another: the process, and when it took the fence."""
+    return (record.get("host"), record.get("pid"), record.get("pid_start"), record.get("since"))
+
+
+def now_boottime() -> float:
+    """Seconds on a clock that also counts a suspended host's time (time.monotonic does not)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def holder_is_dead(holder: str, *, silent_after_s: float = SILENT_AFTER_S) -> bool:
@@ -68,12 +99,16 @@ def silence(holder: str) -> str:
 
 
 class QueueFence:
-    def __init__(self, fd: int, path: str, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, fd: int, path: str, heartbeat_s: float, confirm_after_s: float):
         self._fd, self.path = fd, path
         self._record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start_time(os.getpid())}
         self._record["since"] = time.time()
         self._stop = threading.Event()
+        self._confirm_after_s = confirm_after_s
+        self._beating = threading.Lock()  # the refresh thread's beats and ensure_held's
+        self.taken_by: str | None = None  # the record of the holder that took the fence from this one
         self._write_record()
+        self._confirmed_at = now_boottime()
         # Its own thread: a holder busy in a long call still refreshes its record (a daemon: the process's end
         # ends it, as the kernel ends the lock).
         self._heartbeat = threading.Thread(
@@ -91,7 +126,54 @@ class QueueFence:
     def _refresh(self, heartbeat_s: float) -> None:
         while not self._stop.wait(heartbeat_s):
             with contextlib.suppress(OSError):  # a volume failing for a while: the next refresh tries again
-                self._write_record()
+                self._beat()
+
+    def _beat(self) -> bool:
+        """Refresh the record if it still names this holder; if it names another, the fence was taken
+        (:attr:`taken_by`) and nothing is written again. False where the record could not be read whole (one
+        being rewritten): it is left as it is."""
+        with self._beating:
+            if self.taken_by is not None:
+                return True
+            # A descriptor of its own: on JuiceFS, opening the file is what fetches another client's writes. A
+            # client can see a shorter record rewritten over a longer one at the longer one's size for a moment,
+            # its tail zeros (measured): those are not part of the record.
+            with open(self.path, "rb") as f:
+                text = f.read(4096).decode(errors="replace").strip("\x00 \n")
+            try:
+                found = json.loads(text)
+            except ValueError:
+                return False
+            if not isinstance(found, dict):
+                return False
+            if holder_identity(found) != holder_identity(self._record):
+                self.taken_by = text
+                self._stop.set()
+                return True
+            self._write_record()
+            self._confirmed_at = now_boottime()
+            return True
+
+    def ensure_held(self) -> None:
+        """Raise :class:`QueueTaken` if another holder took the fence; first confirm it (reading the record) where
+        the last confirmation is older than ``confirm_after_s``. A record that stays unreadable for
+        :data:`UNREADABLE_RECORD_S` is not this holder's any more (the fence is taken as lost); a confirmation the
+        volume fails (OSError) leaves the call to meet the volume's error itself."""
+        if self.taken_by is None and now_boottime() - self._confirmed_at > self._confirm_after_s:
+            deadline = now_boottime() + UNREADABLE_RECORD_S
+            with contextlib.suppress(OSError):
+                while not self._beat():
+                    if now_boottime() > deadline:
+                        with open(self.path, "rb") as f:
+                            self.taken_by = f"an unreadable record: {f.read(200)!r}"
+                        break
+                    time.sleep(0.05)
+        if self.taken_by is not None:
+            raise QueueTaken(
+                f"the queue in {os.path.dirname(self.path)} was taken by another controller ({self.taken_by}) while "
+                "this one was taken for gone (its host frozen or cut off long enough for the file system to free its "
+                "lock); this run stops without writing to it again"
+            )
 
     @classmethod
     def acquire(
@@ -102,10 +184,12 @@ class QueueFence:
         say: Callable[[str], None] = print,
         heartbeat_s: float = HEARTBEAT_S,
         silent_after_s: float = SILENT_AFTER_S,
+        confirm_after_s: float | None = None,
     ) -> QueueFence:
         """Take the fence of the queue in ``data_dir``; a holder known dead (:func:`holder_is_dead`, with
         ``silent_after_s``) is waited out for up to ``stale_wait_s``; a live one raises :class:`QueueBusy`. The
-        fence's record is refreshed every ``heartbeat_s`` until :meth:`release`."""
+        fence's record is refreshed every ``heartbeat_s`` until :meth:`release`, and confirmed before a call on the
+        queue once ``confirm_after_s`` (default :data:`CONFIRM_AFTER_S`) passed without (:meth:`ensure_held`)."""
         os.makedirs(data_dir, exist_ok=True)
         path = os.path.join(data_dir, "controller.lock")
         deadline = None
@@ -117,7 +201,7 @@ class QueueFence:
             except BlockingIOError:
                 holder = ""
                 try:
-                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip("\x00 \n")
                 finally:
                     os.close(fd)
             if not holder_is_dead(holder, silent_after_s=silent_after_s):
@@ -140,7 +224,7 @@ class QueueFence:
                 )
             time.sleep(RETRY_S)
         try:
-            return cls(fd, path, heartbeat_s)
+            return cls(fd, path, heartbeat_s, CONFIRM_AFTER_S if confirm_after_s is None else confirm_after_s)
         except BaseException:
             os.close(fd)  # its record could not be written: the lock goes with the descriptor
             raise
@@ -149,6 +233,7 @@ class QueueFence:
         if self._fd >= 0:
             self._stop.set()
             self._heartbeat.join(timeout=30)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            if self.taken_by is None:  # a taken fence's lock is the new holder's: closing is all that is left
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1

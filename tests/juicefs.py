@@ -304,6 +304,20 @@ class ClientNode:
                         found.append(int(entry))
         return found
 
+    def freeze(self) -> list[int]:
+        """SIGSTOP every process of the node (a host frozen or cut off: its JuiceFS client stops beating for its
+        session, its processes stop where they are); the pids stopped. :meth:`thaw` lets them go on."""
+        frozen = self.processes()
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return frozen
+
+    def thaw(self, frozen: list[int]) -> None:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def kill(self, timeout: float = 30) -> list[str]:
         """SIGKILL every process of the node at once (a host lost with its Ray node and its JuiceFS client);
         returns each one's program and first argument, once none is left."""

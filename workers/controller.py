@@ -72,12 +72,16 @@ class QueueBroken(UserError, RuntimeError):
 
 
 def on_the_queue(method: Callable) -> Callable:
-    """A controller call on the queue. The first write of the queue that fails is remembered; a later call that
-    straw refuses because of it raises :class:`QueueBroken` with that failure's own error (straw's refusal names
-    none: "Coordinator unavailable; stop owner and recover")."""
+    """A controller call on the queue. It runs only while this controller still holds the queue's fence (else
+    :class:`QueueTaken`: another controller took the queue while this one was taken for gone; queue/fence.py). The
+    first write of the queue that fails is remembered; a later call that straw refuses because of it raises
+    :class:`QueueBroken` with that failure's own error (straw's refusal names none: "Coordinator unavailable; stop
+    owner and recover")."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
+        if self.fence is not None:
+            self.fence.ensure_held()
         try:
             return method(self, *args, **kwargs)
         except AFTER_A_FAILED_WRITE + FAILED_WRITE as error:
@@ -265,9 +269,12 @@ class Controller:
         }
 
     def shutdown(self) -> None:
-        self.queue.close()
-        if self.fence is not None:
-            self.fence.release()
+        if self.fence is None:
+            self.queue.close()
+            return
+        if self.fence.taken_by is None:  # a queue another controller took is left to it: not even closed from here
+            self.queue.close()
+        self.fence.release()
 
     def _count_accepted(self) -> int:
         # History before the committed cursor may already be reclaimed; count from there.

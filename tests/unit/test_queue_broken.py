@@ -13,6 +13,7 @@ from vime.workers.controller import QueueBroken, on_the_queue
 
 class Calls:
     def __init__(self) -> None:
+        self.fence = None  # no queue fence to check (queue/fence.py's tests check the controller's)
         self.queue_failure = None
         self.next_error: Exception | None = None
         self.told: list[Exception] = []  # the failed writes first_failed_write was told of

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from vime.queue.fence import SILENT_AFTER_S, QueueBusy, QueueFence, holder_is_dead
+from vime.queue.fence import SILENT_AFTER_S, QueueBusy, QueueFence, QueueTaken, holder_is_dead
 from vime.runtime.reaper import process_start_time
 
 HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
@@ -124,3 +124,105 @@ def test_the_holder_refreshes_its_record_until_it_releases_the_fence(tmp_path):
     time.sleep(0.3)
     with open(fence.path) as f:
         assert f.read() == last  # released: no more refreshes
+
+
+def taken_over(path: str) -> str:
+    """Another controller's record written over the holder's, as one that took the fence writes it (on a local file
+    system the holder's flock cannot be taken from it: the record is what the holder reads)."""
+    other = json.dumps({"host": "another-host", "pid": 7, "pid_start": 1.0, "since": time.time(), "alive_at": 0.0})
+    with open(path, "w") as f:
+        f.write(other)
+    return other
+
+
+def test_a_holder_whose_fence_was_taken_refuses_every_call_after_and_never_writes_its_record_again(tmp_path):
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=3600, confirm_after_s=0)
+    fence.ensure_held()  # still its own
+    other = taken_over(fence.path)
+    for _ in range(2):
+        with pytest.raises(QueueTaken, match=r"was taken by another controller \(\{\"host\": \"another-host\""):
+            fence.ensure_held()
+    assert fence.taken_by == other
+    fence.release()  # leaves the record (and the lock, which is the new holder's) alone
+    with open(fence.path) as f:
+        assert f.read() == other
+
+
+def test_the_refresh_finds_the_fence_taken_by_itself_and_stops(tmp_path):
+    # A recent confirmation lets a call through without reading the record; the refresh reads it at its next beat.
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=0.1, confirm_after_s=3600)
+    other = taken_over(fence.path)
+    deadline = time.monotonic() + 30
+    while fence.taken_by is None:
+        assert time.monotonic() < deadline, "the refresh never read the new holder's record"
+        time.sleep(0.05)
+    with pytest.raises(QueueTaken):
+        fence.ensure_held()
+    time.sleep(0.3)
+    with open(fence.path) as f:
+        assert f.read() == other  # not refreshed over it
+    fence.release()
+
+
+def test_a_record_seen_at_an_older_longer_size_is_still_the_holders(tmp_path):
+    # A JuiceFS client can read a record rewritten shorter at its former size, the tail zeros (measured).
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=3600, confirm_after_s=0)
+    with open(fence.path, "rb") as f:
+        own = f.read()
+    with open(fence.path, "wb") as f:
+        f.write(own + b"\0" * 8)
+    fence.ensure_held()
+    with open(fence.path, "rb") as f:
+        refreshed = json.loads(f.read())
+    assert refreshed["pid"] == os.getpid() and refreshed["alive_at"] > json.loads(own)["alive_at"]
+    fence.release()
+
+
+def test_a_record_that_stays_unreadable_is_taken_as_lost(tmp_path):
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=3600, confirm_after_s=0)
+    with open(fence.path, "w") as f:
+        f.write('{"host": "another-h')
+    started = time.monotonic()
+    with pytest.raises(QueueTaken, match="an unreadable record"):
+        fence.ensure_held()
+    assert 0.9 < time.monotonic() - started < 10  # retried for UNREADABLE_RECORD_S first
+    fence.release()
+
+
+def test_a_confirmation_the_volume_fails_leaves_the_call_to_meet_the_volume(tmp_path):
+    fence = QueueFence.acquire(str(tmp_path), heartbeat_s=3600, confirm_after_s=0)
+    # Opening the record by its name fails (ENOENT), as a call on a failing volume would.
+    os.rename(fence.path, fence.path + ".moved")
+    fence.ensure_held()
+    assert fence.taken_by is None
+    fence.release()
+
+
+def queue_files(folder: str) -> dict[str, tuple[int, int]]:
+    """(size, mtime in ns) of every file of the queue but the fence's record."""
+    found = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            if name != "controller.lock":
+                stat = os.stat(os.path.join(parent, name))
+                found[os.path.join(parent, name)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def test_a_controller_whose_queue_was_taken_refuses_its_calls_and_writes_nothing_more(tmp_path, monkeypatch):
+    from tests.controller_spec import controller_spec, write_prompts
+    from vime.queue import fence as fence_module
+    from vime.workers.controller import Controller
+
+    monkeypatch.setattr(fence_module, "CONFIRM_AFTER_S", 0.0)  # every call confirms the fence first
+    controller = Controller(controller_spec(tmp_path, write_prompts(tmp_path, 8)))
+    assert controller.lease("w", 1)
+    queue = str(tmp_path / "queue")
+    before = queue_files(queue)
+    taken_over(os.path.join(queue, "controller.lock"))
+    with pytest.raises(QueueTaken, match="this run stops without writing to it again"):
+        controller.lease("w", 1)
+    with pytest.raises(QueueTaken):
+        controller.stats()
+    controller.shutdown()  # leaves the queue to its new holder: not even closed from here
+    assert queue_files(queue) == before
