@@ -165,6 +165,37 @@ def test_second_run_on_a_live_queue_is_refused(job):
     check_invariants(job, epochs=4)
 
 
+def test_a_run_whose_queue_another_controller_took_stops_and_a_resume_trains_every_prompt_once(job):
+    # A resume from another host took the queue while this run's host was frozen (a real frozen host and JuiceFS
+    # client: tests/integration/test_juicefs_fence.py). Here the takeover is what this run's controller reads of
+    # it: the new holder's record over its own. The trainer is slowed (5 s a step, 12 steps) so that the run is
+    # still mid-epoch when its controller's next refresh (every 10 s) reads that record.
+    first = job.start(env={"VIME_FAULT_DELAYS": "trainer.mid_step=5"})
+    lock = os.path.join(job.data_dir, "controller.lock")
+    try:
+        deadline = time.monotonic() + 300
+        while "training:" not in job.last_log():
+            assert first.poll() is None and time.monotonic() < deadline, job.last_log()[-2000:]
+            time.sleep(0.5)
+        # Long silent, so that the resume below may take the fence once this run is gone.
+        other = json.dumps({"host": "another-host", "pid": 7, "pid_start": 1.0, "since": time.time(), "alive_at": 0})
+        with open(lock, "w") as f:
+            f.write(other)
+        assert first.wait(timeout=120) == 1, job.last_log()[-3000:]
+        log = job.last_log()
+        assert f"vime train: error: the queue in {job.data_dir} was taken by another controller ({other})" in log, log[
+            -3000:
+        ]
+        assert "Traceback" not in log
+        with open(lock) as f:
+            assert f.read() == other  # never rewritten by this run
+    finally:
+        job.kill(first)
+    code, log = job.run()  # --load: the queue as a crash of the run would have left it
+    assert code == 0, log[-3000:]
+    check_invariants(job)
+
+
 def last_step(log: str) -> int:
     """The last training step the run's log reports (0 before the first)."""
     steps = re.findall(r"^step +(\d+)/", log, re.MULTILINE)
