@@ -3,8 +3,9 @@ takes ``QueueFence`` of the queue folder argv[1], refreshing its record every ar
 keeps it until it is killed.
 
 With argv[3] (the fence's ``confirm_after_s``) it also writes to the queue as a controller does, each write made
-only once :meth:`QueueFence.ensure_held` let it: every 0.1 s it appends the time to ``writes-<pid>`` in the queue
-folder (fsynced), until ensure_held raises; then it says "taken: <the error>" and exits with status 3."""
+only once :meth:`QueueFence.ensure_held` let it: every 0.1 s it appends the time the write began to
+``writes-<pid>`` in the queue folder (fsynced), until ensure_held raises; then it says "taken: <the error>" and
+exits with status 3."""
 
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ if __name__ == "__main__":
     print("held", flush=True)
     with open(os.path.join(queue, f"writes-{os.getpid()}"), "a") as writes:
         while True:
+            # Stamped before the check: a write the host froze in the middle of (past its check) keeps the time it
+            # began, which is before the freeze; one that began after it would say so.
+            began = time.time()
             try:
                 fence.ensure_held()
             except QueueTaken as error:
                 print(f"taken: {error}", flush=True)
                 os._exit(TAKEN_STATUS)  # nothing more: the queue is the new holder's
-            writes.write(f"{time.time()}\n")
+            writes.write(f"{began}\n")
             writes.flush()
             os.fsync(writes.fileno())
             time.sleep(0.1)

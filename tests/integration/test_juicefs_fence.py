@@ -111,8 +111,9 @@ def test_a_holder_whose_host_comes_back_after_its_fence_was_taken_writes_to_the_
                 assert host.proc.returncode == TAKEN_STATUS, said
                 assert f"taken: the queue in {queue} was taken by another controller" in said, said
                 assert f'"since": {taken["since"]}' in said, said
-                # Nothing of the old holder's after the takeover: its writes all came before, and the record is
-                # still the new holder's (read again a few of its refreshes later).
+                # Nothing of the old holder's after the takeover: every write it began, it began before (one it
+                # was in the middle of when frozen may land after: a file system cannot refuse that), and the
+                # record is still the new holder's (read again a few of its refreshes later).
                 [writes] = [name for name in os.listdir(queue) if name.startswith("writes-")]
                 with open(os.path.join(queue, writes)) as f:
                     times = [float(line) for line in f.read().split()]
