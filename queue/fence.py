@@ -67,6 +67,12 @@ def holder_identity(record: dict) -> tuple:
     return (record.get("host"), record.get("pid"), record.get("pid_start"), record.get("since"))
 
 
+def record_text(raw: bytes) -> str:
+    """A fence record as read from its file. A JuiceFS client can read a record rewritten shorter over a longer one
+    at the longer one's size for a moment, its tail zeros (measured): those are not part of the record."""
+    return raw.decode(errors="replace").strip("\x00 \n")
+
+
 def now_boottime() -> float:
     """Seconds on a clock that also counts a suspended host's time (time.monotonic does not)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
@@ -135,11 +141,9 @@ class QueueFence:
         with self._beating:
             if self.taken_by is not None:
                 return True
-            # A descriptor of its own: on JuiceFS, opening the file is what fetches another client's writes. A
-            # client can see a shorter record rewritten over a longer one at the longer one's size for a moment,
-            # its tail zeros (measured): those are not part of the record.
+            # A descriptor of its own: on JuiceFS, opening the file is what fetches another client's writes.
             with open(self.path, "rb") as f:
-                text = f.read(4096).decode(errors="replace").strip("\x00 \n")
+                text = record_text(f.read(4096))
             try:
                 found = json.loads(text)
             except ValueError:
@@ -201,7 +205,7 @@ class QueueFence:
             except BlockingIOError:
                 holder = ""
                 try:
-                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip("\x00 \n")
+                    holder = record_text(os.pread(fd, 4096, 0))
                 finally:
                     os.close(fd)
             if not holder_is_dead(holder, silent_after_s=silent_after_s):

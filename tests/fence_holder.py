@@ -19,13 +19,12 @@ TAKEN_STATUS = 3
 
 if __name__ == "__main__":
     queue, refresh_s = sys.argv[1], float(sys.argv[2])
-    if len(sys.argv) < 4:
-        fence = QueueFence.acquire(queue, heartbeat_s=refresh_s)
-        print("held", flush=True)
+    confirm_after_s = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    fence = QueueFence.acquire(queue, heartbeat_s=refresh_s, confirm_after_s=confirm_after_s)
+    print("held", flush=True)
+    if confirm_after_s is None:
         while True:
             time.sleep(3600)
-    fence = QueueFence.acquire(queue, heartbeat_s=refresh_s, confirm_after_s=float(sys.argv[3]))
-    print("held", flush=True)
     with open(os.path.join(queue, f"writes-{os.getpid()}"), "a") as writes:
         while True:
             # Stamped before the check: a write the host froze in the middle of (past its check) keeps the time it

@@ -269,12 +269,10 @@ class Controller:
         }
 
     def shutdown(self) -> None:
-        if self.fence is None:
+        if self.fence is None or self.fence.taken_by is None:  # a queue another controller took is left to it
             self.queue.close()
-            return
-        if self.fence.taken_by is None:  # a queue another controller took is left to it: not even closed from here
-            self.queue.close()
-        self.fence.release()
+        if self.fence is not None:
+            self.fence.release()
 
     def _count_accepted(self) -> int:
         # History before the committed cursor may already be reclaimed; count from there.

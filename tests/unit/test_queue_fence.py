@@ -129,7 +129,7 @@ def test_the_holder_refreshes_its_record_until_it_releases_the_fence(tmp_path):
 def taken_over(path: str) -> str:
     """Another controller's record written over the holder's, as one that took the fence writes it (on a local file
     system the holder's flock cannot be taken from it: the record is what the holder reads)."""
-    other = json.dumps({"host": "another-host", "pid": 7, "pid_start": 1.0, "since": time.time(), "alive_at": 0.0})
+    other = record(7, 1.0, host="another-host")
     with open(path, "w") as f:
         f.write(other)
     return other
