@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -29,8 +28,8 @@ import pytest
 import requests
 
 from tests.conftest import REPO
-from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, run_token, vime_args
-from vime.runtime.process import kill_processes_with_token
+from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, vime_args
+from tests.e2e.vime_run import Run, run_token
 
 pytestmark = pytest.mark.e2e
 # Prompts (4 per step; a step >= 1.5 s): enough steps for each test's events to happen mid-run. The node-join
@@ -47,57 +46,6 @@ def prompt_file(tmp_path, count: int) -> str:
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         path.write_text("".join(f.readlines()[:count]))
     return str(path)
-
-
-class Run:
-    """A `vime train` subprocess whose output is collected by a thread (and shown on failure)."""
-
-    def __init__(self, args: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen(
-            args,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **env},
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
-
-    def wait_for(self, predicate, timeout: float, what: str, start: int = 0) -> int:
-        """Index of the first line from ``start`` on that satisfies ``predicate``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i in range(start, len(self.lines)):
-                if predicate(self.lines[i]):
-                    return i
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                raise AssertionError(f"the run ended before {what}:\n" + self.output[-6000:])
-            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s:\n" + self.output[-6000:]
-            time.sleep(0.2)
-
-    def finish(self, timeout: float) -> int:
-        self.proc.wait(timeout=timeout)
-        self.reader.join(timeout=30)
-        return self.proc.returncode
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def check(self, condition: bool, message: str) -> None:
-        assert condition, message + "\n--- run output ---\n" + self.output[-6000:]
-
-    def kill(self, run_dir: str) -> None:
-        """A test that failed mid-run stops what the run left (a run that ended by itself is not swept: the
-        test checks that it left nothing)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-            if os.path.exists(os.path.join(run_dir, "run.json")):
-                kill_processes_with_token(run_token(run_dir))
 
 
 def vime(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

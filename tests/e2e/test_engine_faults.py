@@ -36,8 +36,9 @@ import pytest
 import requests
 
 from tests.e2e.black_hole import BlackHoleProxy
-from tests.e2e.test_elastic import FAST_HEALTH, Run, inspect_queue, metrics, prompt_file, vime
+from tests.e2e.test_elastic import FAST_HEALTH, inspect_queue, metrics, prompt_file, vime
 from tests.e2e.test_main_job import assert_nothing_left, vime_args
+from tests.e2e.vime_run import Run
 from vime.runtime.ports import free_port
 from vime.runtime.process import ManagedProcess
 

@@ -17,7 +17,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
-from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, processes_with_token, run_token, vime_args
+from tests.e2e.test_main_job import EXAMPLE, assert_nothing_left, vime_args, wait_for_engine_core
+from tests.e2e.vime_run import Run, run_token
 from tests.tracking_readers import assert_one_monotone_axis, tensorboard_scalars, wandb_history
 
 pytestmark = pytest.mark.e2e
@@ -87,25 +88,16 @@ def _kill_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str]) -> None:
     args[args.index("--prompt-data") + 1] = str(prompts)
     args[args.index("--rollout-batch-size") + 1] = "4"
 
-    proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    seen = []
+    run = Run(args)
     try:
-        deadline = time.monotonic() + 400
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step    2/"):
-                break
-            assert time.monotonic() < deadline, "".join(seen)
-        assert any(line.startswith("step    2/") for line in seen), "".join(seen)
+        run.wait_for(lambda line: line.startswith("step    2/"), 400, "step 2")
         # The run's own wandb service, in a session of its own (out of the process group killed below): it
         # carries the run token, so that the reaper stops it.
         services = _wandb_services_of(_driver_pid(run_dir))
         assert len(services) == 1 and services[0].environ().get("VIME_RUN_TOKEN") == run_token(run_dir), services
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole job, as a lost machine
-        proc.wait(timeout=30)
+        os.killpg(run.proc.pid, signal.SIGKILL)  # the whole job, as a lost machine
+        run.proc.wait(timeout=30)
     # What left the process group (Ray's workers, the router, wandb's service) is stopped by the run's reaper,
     # not here.
     assert_nothing_left(run_dir, within=30)
@@ -189,23 +181,13 @@ def test_driver_killed_alone_leaves_no_engine_process_and_the_resumed_run_trains
     )
     args[args.index("--prompt-data") + 1] = str(prompts)
     args[args.index("--rollout-batch-size") + 1] = "4"
-    proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    seen = []
+    run = Run(args)
     try:
-        deadline = time.monotonic() + 400
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step    2/"):  # step 1 is checkpointed
-                break
-            assert time.monotonic() < deadline, "".join(seen)
-        assert any(line.startswith("step    2/") for line in seen), "".join(seen)
-        names = " ".join(" ".join(p.cmdline()[:1]) for p in processes_with_token(run_token(run_dir)))
-        assert "EngineCore" in names, names  # what the parent-death signal cannot reach is there
+        run.wait_for(lambda line: line.startswith("step    2/"), 400, "step 2")  # step 1 is checkpointed
+        wait_for_engine_core(run, run_dir)  # what the parent-death signal cannot reach is there
     finally:
-        proc.kill()  # the driver alone
-        proc.wait(timeout=30)
+        run.proc.kill()  # the driver alone
+        run.proc.wait(timeout=30)
     killed = time.monotonic()
     assert_nothing_left(run_dir, within=30)
     print(f"nothing of the killed run left after {time.monotonic() - killed:.1f}s")

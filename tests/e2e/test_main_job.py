@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.conftest import attached
+from tests.e2e.vime_run import Run, run_token
 from vime.runtime.process import kill_processes_with_token
 
 pytestmark = pytest.mark.e2e
@@ -75,11 +76,6 @@ def processes_with_token(token: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
-
-
-def run_token(run_dir: str) -> str:
-    with open(os.path.join(run_dir, "run.json")) as f:
-        return json.load(f)["run_token"]
 
 
 def assert_nothing_left(run_dir: str, within: float = 15) -> None:
@@ -204,7 +200,7 @@ def engine_requests_running(engine_url: str) -> float:
     )
 
 
-def freeze_requests_in_flight(engine_url: str, seen: list[str]) -> None:
+def freeze_requests_in_flight(engine_url: str, run: Run) -> None:
     """Wait until the engine is generating, then freeze its requests where they are (pause, mode keep):
     the Ctrl-C that follows finds them in flight, whatever the timing, and the run's own abort at its
     teardown ends them with their prefixes (and resumes the engine)."""
@@ -212,7 +208,7 @@ def freeze_requests_in_flight(engine_url: str, seen: list[str]) -> None:
 
     deadline = time.monotonic() + 120
     while engine_requests_running(engine_url) == 0:
-        assert time.monotonic() < deadline, "the engine generated nothing for 120s:\n" + "".join(seen)[-3000:]
+        run.check(time.monotonic() < deadline, "the engine generated nothing for 120s")
         time.sleep(0.05)
     requests.post(f"{engine_url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
 
@@ -222,37 +218,25 @@ def interrupt_once(args: list[str], run_dir: str, engine_url: str) -> None:
     that it stops with code 130 leaving no process behind."""
     import requests
 
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen, rest = [], ""
+    run = Run(args, own_session=False)
     try:
-        deadline = time.monotonic() + 400
-        steps = 0
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step "):
-                steps += 1
-                if steps >= 2:
-                    break
-            assert time.monotonic() < deadline, "".join(seen)
-        assert steps >= 2, "".join(seen)
-        freeze_requests_in_flight(engine_url, seen)
-        proc.send_signal(signal.SIGINT)
+        first = run.wait_for(lambda line: line.startswith("step "), 400, "step 1")
+        run.wait_for(lambda line: line.startswith("step "), 400, "step 2", start=first + 1)
+        freeze_requests_in_flight(engine_url, run)
+        run.proc.send_signal(signal.SIGINT)
         try:  # one Ctrl-C, honoured within a bound (a slow step of the teardown is said in the output)
-            rest, _ = proc.communicate(timeout=CTRL_C_HONOURED_S)
+            run.finish(timeout=CTRL_C_HONOURED_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            rest, _ = proc.communicate()
-            raise AssertionError(
-                f"one Ctrl-C did not stop the run within {CTRL_C_HONOURED_S}s:\n" + "".join(seen)[-3000:] + rest[-6000:]
-            ) from None
+            run.proc.kill()
+            run.check(False, f"one Ctrl-C did not stop the run within {CTRL_C_HONOURED_S}s")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if run.proc.poll() is None:
+            run.proc.kill()
         # The shared engine serves the next tests: never leave it paused (the run's teardown resumes it
         # already; this covers a run that failed before its teardown).
         requests.post(f"{engine_url}/resume", timeout=30)
-    assert proc.returncode == 130, "".join(seen) + rest
-    assert "interrupted" in rest
+    run.check(run.proc.returncode == 130, f"exit status {run.proc.returncode}")
+    run.check("interrupted" in run.output, "no interruption line")
     assert_nothing_left(run_dir)
 
 
@@ -372,13 +356,33 @@ def test_bad_input_fails_fast_and_leaves_nothing(tmp_path, tiny_model_dir, case)
         assert_nothing_left(run_dir)
 
 
-def run_process_titles(run_dir: str) -> str:
-    """The titles (argv[0]) of the run's processes, one string."""
-    titles = []
+def engine_core_started(run_dir: str) -> tuple[bool, str]:
+    """Whether the run's vLLM server has started its engine core, the process a cut-short clean-up leaves
+    behind, and the run's processes (pid, parent, command line) to show when it has not. vLLM titles
+    the engine core "VLLM::EngineCore" once it has imported; on a loaded machine one just started is
+    untitled for a while, so a child of the server other than multiprocessing's resource tracker counts
+    too."""
+    started, listing = False, []
     for proc in processes_with_token(run_token(run_dir)):
         with contextlib.suppress(psutil.Error):
-            titles.append(" ".join(proc.cmdline()[:1]))
-    return " ".join(titles)
+            command = proc.cmdline()
+            listing.append(f"{proc.pid} (parent {proc.ppid()}): {' '.join(command)[:120]}")
+            if "EngineCore" in " ".join(command[:1]):
+                started = True
+            elif "vllm.entrypoints" in " ".join(command):
+                for child in proc.children():
+                    with contextlib.suppress(psutil.Error):
+                        started |= "resource_tracker" not in " ".join(child.cmdline())
+    return started, "\n".join(listing)
+
+
+def wait_for_engine_core(run: Run, run_dir: str, within: float = 180) -> None:
+    """Wait until the run's engine core process is there; an engine the health checks restarted on a
+    loaded machine may still be starting it."""
+    deadline = time.monotonic() + within
+    while not (found := engine_core_started(run_dir))[0]:
+        run.check(time.monotonic() < deadline, f"no engine core process within {within:.0f}s:\n" + found[1])
+        time.sleep(0.5)
 
 
 def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_dir):
@@ -389,35 +393,18 @@ def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_
     only after checking, and this test, sweeping nothing itself, finds none of the run's processes alive
     once `vime train` has exited."""
     run_dir = str(tmp_path / "run")
-    args = vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000")
-    proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )  # its own process group, as a shell's foreground job
-    seen = []
+    run = Run(vime_args(tiny_model_dir, run_dir, "--num-rollout", "1000"))  # its own process group, as a shell's job
     try:
-        deadline = time.monotonic() + 400
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("step    2/"):
-                break
-            assert time.monotonic() < deadline, "".join(seen)
-        # The processes a missed sweep would leave behind are there. vLLM titles them ("VLLM::EngineCore") once
-        # they have imported; an engine the health checks restarted on a loaded machine is still untitled for
-        # a while, so this waits for the titles rather than reading them once.
-        deadline = time.monotonic() + 120
-        while "EngineCore" not in (names := run_process_titles(run_dir)):
-            assert time.monotonic() < deadline, names
-            time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)
+        run.wait_for(lambda line: line.startswith("step    2/"), 400, "step 2")
+        wait_for_engine_core(run, run_dir)  # the processes a missed sweep would leave behind are there
+        os.killpg(run.proc.pid, signal.SIGINT)
         time.sleep(1.0)  # the run is stopping its rollout workers and engines now
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass  # it had stopped already
-        err, _ = proc.communicate(timeout=120)
+        with contextlib.suppress(ProcessLookupError):  # it may have stopped already
+            os.killpg(run.proc.pid, signal.SIGINT)
+        run.finish(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, "".join(seen) + err
-    assert "interrupted; every process started by this run was stopped" in err, err
+        if run.proc.poll() is None:
+            run.proc.kill()
+    run.check(run.proc.returncode == 130, f"exit status {run.proc.returncode}")
+    run.check("interrupted; every process started by this run was stopped" in run.output, "no clean-up line")
     assert_nothing_left(run_dir)
