@@ -108,17 +108,27 @@ def tiny_hf_model(
     seed: int = 0,
     vocab_size: int = 16,
     num_layers: int = 2,
+    with_tokenizer: bool = False,
 ) -> str:
-    """A tiny random HF Qwen2 / Qwen3 / Llama whose every tensor (biases and norms included) is random.
+    """A tiny random HF Qwen2 / Qwen3 / Llama / GLM-4 whose every tensor (biases and norms included) is random.
 
     Qwen3 gets a head_dim (32) that differs from hidden_size / heads (16), as the real ones do;
-    ``rope_scaling`` gives Llama the Llama 3 frequency scaling.
+    ``rope_scaling`` gives Llama the Llama 3 frequency scaling; ``with_tokenizer`` adds make_tiny_model's character
+    tokenizer (its vocabulary size replaces ``vocab_size``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    if tokenizer is not None:
+        vocab_size = len(tokenizer)
 
     extra = {}
     if family == "qwen3":
         extra["head_dim"] = 32
+    if family == "glm4":
+        extra["head_dim"] = 16  # (config's default is GLM-4-9B's 128); partial_rotary_factor stays 0.5
     if rope_scaling:
         extra["rope_scaling"] = {
             "rope_type": "llama3",
@@ -151,6 +161,8 @@ def tiny_hf_model(
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     return out_dir
 
 

@@ -150,6 +150,10 @@ def test_bad_megatron_flags_name_the_flag(qwen2_dir, extra, flag):
         (["--qk-layernorm"], "--qk-layernorm"),  # Qwen3's, not Qwen2's
         (["--untie-embeddings-and-output-weights", "--vocab-size", "17"], "--vocab-size"),
         (["--rotary-base", "1000000"], "--rotary-base"),
+        (["--rotary-interleaved"], "--rotary-interleaved"),  # GLM-4's three, not Qwen2's
+        (["--post-self-attn-layernorm"], "--post-self-attn-layernorm"),
+        (["--post-mlp-layernorm"], "--post-mlp-layernorm"),
+        (["--spec", "vime_plugins.models.glm4", "get_glm_spec"], "--spec"),
     ],
 )
 def test_model_flags_are_checked_against_config_json(qwen2_dir, extra, flag):
@@ -202,6 +206,33 @@ def test_preset_flags_resolve_the_architecture(qwen2_dir):
     args = resolve_model_args(settings.megatron, AutoConfig.from_pretrained(qwen2_dir))
     assert (args.family, args.add_qkv_bias, args.tie_embeddings, args.kv_channels) == ("qwen2", True, False, 16)
     assert settings.megatron.ckpt_format == "torch"
+
+
+def _preset(name: str) -> list[str]:
+    script = f'source "{os.path.join(REPO, "scripts", "models", name)}" && printf "%s\\n" "${{MODEL_ARGS[@]}}"'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")[:-1]
+
+
+def test_the_glm4_preset_resolves_glm4_9b_s_config_json(tmp_path):
+    """scripts/models/glm4-9B.sh, the reference framework's preset with its --spec, against GLM-4-9B-0414's
+    config.json: accepted, and the architecture is GLM-4's (norms after the attention and the MLP, RoPE on half of
+    each head in interleaved pairs, QKV bias)."""
+    from transformers import AutoConfig
+
+    from vime.backends.megatron_args import resolve_model_args
+
+    config = AutoConfig.for_model("glm4", rms_norm_eps=1e-5, max_position_embeddings=32768)  # GLM-4-9B-0414's
+    config.save_pretrained(tmp_path)
+    settings = parse_train_args(_args(str(tmp_path), *_preset("glm4-9B.sh")))
+    settings.megatron.check_against_hf(config)
+    args = resolve_model_args(settings.megatron, config)
+    assert (args.family, args.post_sublayer_norms, args.rotary_interleaved) == ("glm4", True, True)
+    assert (args.rotary_percent, args.add_qkv_bias, args.kv_channels, args.num_query_groups) == (0.5, True, 128, 2)
+
+
+def test_a_custom_layer_spec_is_refused_naming_the_flag(qwen2_dir):
+    with pytest.raises(ConfigError, match="^--spec: my_plugins.layers get_spec: vime builds its models' layers"):
+        parse_train_args(_args(qwen2_dir, "--spec", "my_plugins.layers", "get_spec"))
 
 
 def test_model_presets_parse(qwen2_dir):

@@ -23,6 +23,7 @@ VARIANTS = {
     "qwen2": dict(family="qwen2"),
     "llama": dict(family="llama", rope_scaling=True),
     "qwen3_tied": dict(family="qwen3", tie=True),
+    "glm4": dict(family="glm4"),
 }
 
 
@@ -54,7 +55,13 @@ def test_megatron_names_and_shapes(tiny):
     assert qkv.shape == ((args.num_attention_heads + 2 * args.num_query_groups) * args.kv_channels, args.hidden_size)
     assert mcore["decoder.layers.1.mlp.linear_fc1.weight"].shape == (2 * args.ffn_hidden_size, args.hidden_size)
     assert ("output_layer.weight" in mcore) == (not args.tie_embeddings)
-    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in mcore) == (name == "qwen2")
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in mcore) == (name in ("qwen2", "glm4"))
+    # GLM-4's norms after the attention and the MLP; its fused gate/up projection is Megatron's fc1 as it is
+    assert ("decoder.layers.1.post_self_attn_layernorm.weight" in mcore) == (name == "glm4")
+    assert ("decoder.layers.1.post_mlp_layernorm.weight" in mcore) == (name == "glm4")
+    if name == "glm4":
+        gate_up = read_hf_state_dict(folder)["model.layers.1.mlp.gate_up_proj.weight"]
+        assert torch.equal(mcore["decoder.layers.1.mlp.linear_fc1.weight"], gate_up)
     assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (name == "qwen3_tied")
     assert from_te_names(to_te_names(mcore)).keys() == mcore.keys()
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in to_te_names(mcore)

@@ -17,6 +17,8 @@ VARIANTS = {
     "qwen2": dict(family="qwen2"),
     "llama3_rope_scaling": dict(family="llama", rope_scaling=True),
     "qwen3_tied_head_dim": dict(family="qwen3", tie=True),
+    # post-sublayer norms, interleaved and partial RoPE, QKV biases, a fused gate/up projection
+    "glm4": dict(family="glm4"),
 }
 
 

@@ -28,11 +28,17 @@ import math
 
 from vime.config.base import ConfigError
 
-DENSE_FAMILIES = ("qwen2", "qwen3", "llama")
+DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
 MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+# The reference framework's layer-spec plugins (--spec MODULE FUNCTION) and the family whose layers each builds:
+# vime builds those layers itself (the spec is read as a statement of the architecture, checked against config.json).
+REFERENCE_LAYER_SPECS = {
+    ("vime_plugins.models.glm4", "get_glm_spec"): "glm4",
+    ("slime_plugins.models.glm4", "get_glm_spec"): "glm4",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +62,9 @@ class ModelArgs:
     rope_scaling_factor: float | None = None  # Llama 3.x scaling (low 1, high 4, original 8192)
     max_position_embeddings: int = 4096
     rotary_percent: float = 1.0  # the fraction of each head's dimensions RoPE rotates (the first ones)
+    rotary_interleaved: bool = False  # RoPE rotates pairs of adjacent dimensions (GLM-4) instead of the two halves
+    # GLM-4: a norm on the attention's output and one on the MLP's, each before its residual add
+    post_sublayer_norms: bool = False
     swiglu: bool = True
     normalization: str = "RMSNorm"
     # Mixture of experts (num_experts None: a dense model; ffn_hidden_size is then every layer's MLP).
@@ -169,7 +178,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
             )
         factor = float(scaling["factor"])
     rotary_percent = rotary_fraction(hf_config)
-    if family != "glm4_moe" and rotary_percent != 1.0:
+    if family not in ("glm4", "glm4_moe") and rotary_percent != 1.0:
         raise ConfigError(
             "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
         )
@@ -200,6 +209,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         rope_scaling_factor=factor,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
         rotary_percent=rotary_percent,
+        rotary_interleaved=family == "glm4",
+        post_sublayer_norms=family == "glm4",
         **mla,
         **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
     )
@@ -412,6 +423,9 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
         "use_rope_scaling": hf.rope_scaling_factor is not None,
         "use_rotary_position_embeddings": True,
         "disable_bias_linear": True,
+        "rotary_interleaved": hf.rotary_interleaved,
+        "post_self_attn_layernorm": hf.post_sublayer_norms,
+        "post_mlp_layernorm": hf.post_sublayer_norms,
     }
     for name, hf_value in switches.items():
         if getattr(flags, name, False) and not hf_value:

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight naming for Qwen2 / Qwen3 / Llama and the MoE Qwen3-MoE / Qwen2-MoE / Mixtral
+"""HF <-> megatron-core weight naming for Qwen2 / Qwen3 / Llama / GLM-4 and the MoE Qwen3-MoE / Qwen2-MoE / Mixtral
 (pure tensor code, no megatron import).
 
 The *canonical* Megatron state dict is the full (tensor-parallel size 1) one with megatron-core's local
@@ -25,6 +25,13 @@ An MoE layer (``ModelArgs.moe_layers``) has instead of ``mlp.linear_fc1/2`` (HF 
     decoder.layers.N.mlp.shared_experts.linear_fc1.weight             <- [shared_expert.gate_proj; up_proj] (Qwen2-MoE)
     decoder.layers.N.mlp.shared_experts.linear_fc2.weight             <- shared_expert.down_proj
     decoder.layers.N.mlp.shared_experts.gate_weight                   <- shared_expert_gate.weight [1, hidden]
+
+GLM-4 (``glm4``, dense) fuses the MLP's gate and up projections as Megatron does, and norms the outputs of the
+attention and of the MLP before their residual adds (``ModelArgs.post_sublayer_norms``)::
+
+    decoder.layers.N.mlp.linear_fc1.weight                 <- mlp.gate_up_proj.weight ([gate; up] already)
+    decoder.layers.N.post_self_attn_layernorm.weight       <- post_self_attn_layernorm.weight
+    decoder.layers.N.post_mlp_layernorm.weight             <- post_mlp_layernorm.weight
 
 GLM-4.5 (``glm4_moe``) names its shared experts ``mlp.shared_experts.`` (no gate) and adds the router's bias::
 
@@ -164,10 +171,8 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
     """(Megatron suffix after ``decoder.layers.N.``, HF name after ``model.layers.N.``) of one layer's MLP;
     a fused ``linear_fc1`` maps to the HF (gate, up) pair."""
     if not args.is_moe or layer not in args.moe_layers:
-        return [
-            ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-            ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
-        ]
+        fc1 = "mlp.gate_up_proj.weight" if args.family == "glm4" else ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        return [("mlp.linear_fc1.weight", fc1), ("mlp.linear_fc2.weight", "mlp.down_proj.weight")]
     if args.family == "mixtral":
         block, gate, up, down = "block_sparse_moe.", "w1", "w3", "w2"
     else:
@@ -190,6 +195,14 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
         if args.moe_shared_expert_gate:
             names.append(("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"))
     return names
+
+
+def _post_norm_names(args: ModelArgs) -> list[tuple[str, str]]:
+    """(Megatron suffix after ``decoder.layers.N.``, HF name after ``model.layers.N.``) of GLM-4's post-sublayer
+    norms; none for the other families."""
+    if not args.post_sublayer_norms:
+        return []
+    return [(f"{name}.weight", f"{name}.weight") for name in ("post_self_attn_layernorm", "post_mlp_layernorm")]
 
 
 # ---------------------------------------------------------------------------------------------- HF -> Megatron
@@ -234,10 +247,12 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
         for suffix, hf_name in _mlp_names(args, i):
-            if suffix.endswith("linear_fc1.weight"):
+            if isinstance(hf_name, tuple):  # gate and up, fused by Megatron
                 out[m + suffix] = torch.cat([take(p + hf_name[0]), take(p + hf_name[1])], dim=0)
             else:
                 out[m + suffix] = take(p + hf_name)
+        for suffix, hf_name in _post_norm_names(args):
+            out[m + suffix] = take(p + hf_name)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if not args.tie_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
@@ -278,12 +293,14 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
         yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]
         yield p + "post_attention_layernorm.weight", mcore[m + "pre_mlp_layernorm.weight"]
         for suffix, hf_name in _mlp_names(args, i):
-            if suffix.endswith("linear_fc1.weight"):
+            if isinstance(hf_name, tuple):
                 gate, up = mcore[m + suffix].chunk(2, dim=0)
                 yield p + hf_name[0], gate.contiguous()
                 yield p + hf_name[1], up.contiguous()
             else:
                 yield p + hf_name, mcore[m + suffix]
+        for suffix, hf_name in _post_norm_names(args):
+            yield p + hf_name, mcore[m + suffix]
     yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
     if not args.tie_embeddings:
         yield "lm_head.weight", mcore["output_layer.weight"][: args.vocab_size]

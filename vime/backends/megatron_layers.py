@@ -1,6 +1,9 @@
-"""Norm layers for megatron-core's own (non-Transformer-Engine) layer specs under sequence parallelism.
+"""Norm layers megatron-core's layer specs do not have on their own.
 
-megatron-core's torch norms (``WrappedTorchNorm``) refuse ``--sequence-parallel``: under it each tensor-parallel
+- GLM-4's norms on the attention's and the MLP's outputs, before each residual add
+  (:func:`with_post_sublayer_norms`).
+- Norms for megatron-core's own (non-Transformer-Engine) layer specs under sequence parallelism: megatron-core's
+  torch norms (``WrappedTorchNorm``) refuse ``--sequence-parallel``: under it each tensor-parallel
 rank normalises a slice of the sequence, so the norms' weights get only part of their gradient on each
 rank, and nothing in a plain torch norm marks them for summing. :class:`SequenceParallelTorchNorm` marks
 them (``param.sequence_parallel``, as Transformer Engine's norms do) and the Megatron backend sums those
@@ -10,6 +13,7 @@ gradients over the tensor-parallel ranks. :func:`with_sequence_parallel_norms` p
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -60,3 +64,50 @@ def _replaced(node, old, new, seen: dict):
         return node
     seen[id(node)] = out
     return out
+
+
+def _norm_the_output(norm):
+    """A forward hook for a module returning ``(output, bias)`` (megatron-core's attention and MLP): ``(norm(output +
+    bias), None)``. GLM-4's output projections have no bias; one would be added before the norm."""
+
+    def hook(_module, _inputs, result):
+        output, bias = result
+        return norm(output if bias is None else output + bias), None
+
+    return hook
+
+
+@functools.cache
+def _post_normed_layer() -> type:
+    """megatron-core's TransformerLayer with GLM-4's ``post_self_attn_layernorm`` and ``post_mlp_layernorm``: the
+    attention's and the MLP's outputs are normed before the layer adds them to its residual. The attention and MLP
+    stay megatron-core's own modules (the layer gives them its process groups by their type)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class PostNormedTransformerLayer(TransformerLayer):
+        def __init__(self, config, *args, post_norm: type, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            size, eps = config.hidden_size, config.layernorm_epsilon
+            self.post_self_attn_layernorm = post_norm(config=config, hidden_size=size, eps=eps)
+            self.post_mlp_layernorm = post_norm(config=config, hidden_size=size, eps=eps)
+            self.self_attention.register_forward_hook(_norm_the_output(self.post_self_attn_layernorm))
+            self.mlp.register_forward_hook(_norm_the_output(self.post_mlp_layernorm))
+
+    return PostNormedTransformerLayer
+
+
+def with_post_sublayer_norms(spec, *, use_te: bool):
+    """A dense layer's spec (``ModuleSpec`` of a TransformerLayer) whose attention and MLP each norm their output
+    (GLM-4). The norm is Transformer Engine's with ``use_te``, else :class:`SequenceParallelTorchNorm` (plain torch
+    without sequence parallelism)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if spec.module is not TransformerLayer:
+        raise ValueError(f"GLM-4's post-sublayer norms need megatron-core's TransformerLayer, not {spec.module}")
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
+    else:
+        norm = SequenceParallelTorchNorm
+    return dataclasses.replace(spec, module=_post_normed_layer(), params={**spec.params, "post_norm": norm})

@@ -193,6 +193,7 @@ VIME_TRANSFORMER_FIELDS = frozenset(
         "add_bias_linear",
         "add_qkv_bias",
         "qk_layernorm",
+        "rotary_interleaved",
         "normalization",
         "layernorm_epsilon",
         "hidden_dropout",
@@ -292,6 +293,7 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
+        rotary_interleaved=args.rotary_interleaved,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=hidden_dropout,
@@ -400,6 +402,10 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if args.post_sublayer_norms:
+        from vime.backends.megatron_layers import with_post_sublayer_norms
+
+        spec = with_post_sublayer_norms(spec, use_te=use_te)
     if parallel.sequence_parallel and not use_te:
         from vime.backends.megatron_layers import with_sequence_parallel_norms
 

@@ -50,6 +50,15 @@ class MegatronConfig:
         "config.json's partial_rotary_factor (1.0 where config.json has none).",
     )
     rotary_base: float | None = option(None, "RoPE base.")
+    rotary_interleaved: bool = option(
+        False, "RoPE rotates pairs of adjacent dimensions instead of the two halves of each head (GLM-4)."
+    )
+    post_self_attn_layernorm: bool = option(
+        False, "A norm on the attention's output before its residual add (GLM-4; with --post-mlp-layernorm)."
+    )
+    post_mlp_layernorm: bool = option(
+        False, "A norm on the MLP's output before its residual add (GLM-4; with --post-self-attn-layernorm)."
+    )
     no_position_embedding: bool = option(
         False,
         "No learned absolute position embedding (Megatron-LM): vime's models never have one (they take RoPE).",
@@ -75,6 +84,14 @@ class MegatronConfig:
     )
     mscale_all_dim: float | None = option(
         None, "YaRN's attention scale over all dimensions (config.json's rope_scaling mscale_all_dim); moot without it."
+    )
+    spec: list[str] | None = option(
+        None,
+        "A layer-spec plugin, MODULE FUNCTION (Megatron-LM). vime builds its models' layers itself and takes the "
+        "reference framework's GLM-4 spec (vime_plugins.models.glm4 get_glm_spec, or slime_plugins' of the same "
+        "name) as a statement that --hf-checkpoint is a GLM-4 model; any other spec is refused.",
+        nargs=2,
+        metavar=("MODULE", "FUNCTION"),
     )
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
@@ -333,7 +350,15 @@ class MegatronConfig:
             "--max-position-embeddings",
             f"{self.max_position_embeddings} disagrees with --hf-checkpoint's config.json ({positions})",
         )
-        from vime.backends.megatron_args import rotary_fraction
+        from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, rotary_fraction
+
+        if self.spec is not None:
+            family, model_type = REFERENCE_LAYER_SPECS[tuple(self.spec)], getattr(hf_config, "model_type", None)
+            require(
+                model_type == family,
+                "--spec",
+                f"{' '.join(self.spec)} builds {family} layers, but --hf-checkpoint's config.json is a {model_type}",
+            )
 
         rotary = rotary_fraction(hf_config)
         require(
@@ -401,6 +426,16 @@ class MegatronConfig:
             "--position-embedding-type",
             f"{self.position_embedding_type!r}: vime's models take rotary position embeddings ('rope') only",
         )
+        if self.spec is not None:
+            from vime.backends.megatron_args import REFERENCE_LAYER_SPECS
+
+            known = "; ".join(" ".join(spec) for spec in REFERENCE_LAYER_SPECS)
+            require(
+                tuple(self.spec) in REFERENCE_LAYER_SPECS,
+                "--spec",
+                f"{' '.join(self.spec)}: vime builds its models' layers itself and takes only the reference "
+                f"framework's specs of models it builds ({known}); a custom layer spec is not supported",
+            )
         require(
             self.rotary_percent is None or 0 < self.rotary_percent <= 1,
             "--rotary-percent",
