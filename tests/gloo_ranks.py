@@ -16,9 +16,11 @@ first rank, not ``os.environ`` at the call. Tests pass what a rank needs as argu
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 from collections.abc import Callable
 
+import torch.distributed as dist
 import torch.multiprocessing
 
 # What every rank of the suite imports. A module missing here is skipped by the fork server (ImportError), and
@@ -38,3 +40,30 @@ def run_ranks(function: Callable, args: tuple, nprocs: int) -> None:
     """Run ``function(rank, *args)`` in ``nprocs`` processes and wait for all of them."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read once, when the fork server starts
     torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def join_group(
+    rank: int,
+    port: int,
+    world_size: int = 2,
+    *,
+    megatron_shim: bool = False,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """In a rank :func:`run_ranks` started: one torch thread, the Megatron test shim where the rank builds a
+    Megatron model on the CPU (``megatron_shim``), and the gloo group on 127.0.0.1:``port``. ``timeout``: how long
+    a rank may wait in a collective (gloo's default is half an hour; a test that could leave a rank out sets
+    minutes, so that it fails instead of hanging)."""
+    torch.set_num_threads(1)
+    if megatron_shim:
+        from tests import megatron_shim as shim
+
+        shim.install()
+    options = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **options)
+
+
+def leave_group() -> None:
+    """The end of a rank's work: wait for the other ranks (each wrote its results), then leave the gloo group."""
+    dist.barrier()
+    dist.destroy_process_group()

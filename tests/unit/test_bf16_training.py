@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.gloo_ranks import run_ranks
+from tests.gloo_ranks import join_group, leave_group, run_ranks
 from tests.unit.test_rl_torch_backend import GROUP, make_samples
 from vime.backends.precision import engine_dtype
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
@@ -222,13 +222,7 @@ def test_logprob_abs_diff_max_is_the_worst_token_of_the_rollout(model_dir, model
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, port)
     from transformers import AutoModelForCausalLM
 
     from tests.unit.test_bf16_training import masters_by_name, spec
@@ -242,8 +236,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
         {"metrics": metrics, "masters": {n: m.detach().clone() for n, m in masters_by_name(trainer).items()}},
         os.path.join(work, f"rank{rank}.pt"),
     )
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_two_data_parallel_ranks_take_the_one_rank_steps(model_dir, model, tmp_path):

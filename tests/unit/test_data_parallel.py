@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
-from tests.gloo_ranks import run_ranks  # noqa: E402
+from tests.gloo_ranks import join_group, leave_group, run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
 
@@ -37,17 +37,7 @@ def _rank(
     world: int = 2,
     layouts: dict[str, dict] | None = None,
 ) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    if backend_name.startswith("megatron"):
-        from tests import megatron_shim as shim
-
-        shim.install()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group(rank, port, world, megatron_shim=backend_name.startswith("megatron"))
     from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
 
     results = {}
@@ -149,8 +139,7 @@ def _rank(
             results[layout_id] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
             _reset_megatron()
     torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _reset_megatron() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gloo_ranks import run_ranks
+from tests.gloo_ranks import join_group, leave_group, run_ranks
 from tests.train_args import minimal_train_argv as base
 from vime.backends.micro_batches import (
     assign_to_ranks,
@@ -337,13 +337,7 @@ DP_CASES = [(30, False), (30, True), (10_000, True)]  # (--max-tokens-per-gpu, -
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, port)
     from tests.unit.test_dynamic_batching import DP_CASES, RUNS, make_samples, spec
 
     results = {}
@@ -361,8 +355,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
             "weights": {n: p.detach().clone() for n, p in backend.model.named_parameters()},
         }
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_two_ranks_with_token_budgets_take_one_ranks_steps(model_dir, tmp_path):

@@ -9,6 +9,7 @@ HF weights are the gathered parameters.
 """
 
 import dataclasses
+import datetime
 import json
 import os
 import random
@@ -16,7 +17,7 @@ import random
 import pytest
 import torch
 
-from tests.gloo_ranks import run_ranks
+from tests.gloo_ranks import join_group, leave_group, run_ranks
 from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
 from vime.config.algorithm import AlgorithmConfig
 from vime.runtime.ports import free_port
@@ -93,18 +94,8 @@ def local_numel(backend: TorchBackend) -> dict[str, int]:
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    import datetime
-
-    import torch.distributed as dist
-
     # A rank left out of FSDP's collectives (a missing lock-step pass) fails the test instead of hanging it.
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
+    join_group(rank, port, timeout=datetime.timedelta(seconds=60))
     results = {}
     backend = TorchBackend(spec(model_dir, sharded=True, **KL))
     assert backend.sharding.active and backend.dp.size == 2
@@ -148,8 +139,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
     moments.save_training_state(os.path.join(work, "ckpt_bf16_moments"))
     results["bf16_moments_second"] = moments.train_rollout(make_samples(1), 0)
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def assert_same_metrics(ours: dict, theirs: dict) -> None:

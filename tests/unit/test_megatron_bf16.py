@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
-from tests.gloo_ranks import run_ranks  # noqa: E402
+from tests.gloo_ranks import join_group, leave_group, run_ranks  # noqa: E402
 from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
@@ -104,16 +104,7 @@ def test_weights_leave_from_the_masters_and_a_resume_is_exact(model_dir, tmp_pat
 
 
 def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    from tests import megatron_shim as shim
-
-    shim.install()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, port, megatron_shim=True)
     from vime.backends.megatron_model import Parallelism
 
     parallel = Parallelism(tensor=2, sequence_parallel=True)
@@ -127,8 +118,7 @@ def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
         if "norm" in name and not getattr(p, "tensor_model_parallel", False)
     }
     torch.save({"metrics": metrics, "weights": weights, "norms": norms}, os.path.join(work, f"tp2_{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_tensor_parallel_2_trains_as_one_rank_does(model_dir, tmp_path):

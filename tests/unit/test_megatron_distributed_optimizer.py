@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
-from tests.gloo_ranks import run_ranks  # noqa: E402
+from tests.gloo_ranks import join_group, leave_group, run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec  # noqa: E402
 from vime.runtime.ports import free_port  # noqa: E402
@@ -68,19 +68,7 @@ def exported_weights(backend) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    from tests import megatron_shim as shim
-
-    shim.install()
-    import torch.distributed as dist
-
-    # A rank left waiting in a collective fails the test in minutes, not gloo's default half hour.
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=2)
-    )
+    join_group(rank, port, megatron_shim=True, timeout=datetime.timedelta(minutes=2))
     from vime.backends import sharded_optimizer
     from vime.backends.megatron_backend import MegatronBackend
 
@@ -109,8 +97,7 @@ def _rank(rank: int, port: int, model_dir: str, work: str) -> None:
                 run["next"] = backend.train_rollout(make_samples(1, GROUPS), 0)
             results[(precision, sharded)] = run
     torch.save(results, os.path.join(work, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module")

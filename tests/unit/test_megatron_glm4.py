@@ -15,7 +15,7 @@ pytestmark = pytest.mark.filterwarnings(
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from tests import megatron_shim  # noqa: E402
-from tests.gloo_ranks import run_ranks  # noqa: E402
+from tests.gloo_ranks import join_group, leave_group, run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from tests.unit.test_megatron_backend import assert_same_metrics, make_samples, megatron_spec, trainer_spec  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
@@ -64,16 +64,7 @@ def test_glm4_trains_as_on_the_torch_backend(glm4_dir):
 
 
 def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    from tests import megatron_shim as shim
-
-    shim.install()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, port, megatron_shim=True)
     from vime.backends.megatron_model import Parallelism
 
     parallel = Parallelism(tensor=2, sequence_parallel=True)
@@ -81,8 +72,7 @@ def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
     metrics = [backend.train_rollout(make_samples(r), 0) for r in range(ROLLOUTS)]
     weights = {n: t.clone() for n, t in backend.hf_named_weights()}
     torch.save({"metrics": metrics, "weights": weights}, os.path.join(work, f"tp2_{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_glm4_under_tensor_and_sequence_parallelism_trains_as_one_rank_does(glm4_dir, tmp_path):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 from tests import megatron_shim  # noqa: E402
-from tests.gloo_ranks import run_ranks  # noqa: E402
+from tests.gloo_ranks import join_group, leave_group, run_ranks  # noqa: E402
 from tests.numerics import ADAMW_WEIGHT_ATOL  # noqa: E402
 from vime.backends.megatron_backend import MegatronBackend  # noqa: E402
 from vime.backends.torch_backend import TorchBackend  # noqa: E402
@@ -29,16 +29,7 @@ ALGORITHM = {"use_kl_loss": True, "kl_loss_coef": 0.1, "entropy_coef": 0.01}
 
 def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
     """One of the two TP ranks: load checkpoint A (saved at TP=1), train B, save checkpoints, report."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    torch.set_num_threads(1)
-    from tests import megatron_shim as shim
-
-    shim.install()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, port, megatron_shim=True)
     from tests.unit.test_megatron_backend import make_samples, megatron_spec, trainer_spec
     from vime.backends.megatron_model import Parallelism
 
@@ -62,8 +53,7 @@ def _tp2_worker(rank: int, port: int, model_dir: str, work: str) -> None:
             },
             os.path.join(work, "tp2.pt"),
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_tensor_parallel_2_step_and_checkpoints_across_tp(tmp_path):
