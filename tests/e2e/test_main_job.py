@@ -401,7 +401,11 @@ def test_ctrl_c_in_a_terminal_leaves_no_process_of_the_run(tmp_path, tiny_model_
         time.sleep(1.0)  # the run is stopping its rollout workers and engines now
         with contextlib.suppress(ProcessLookupError):  # it may have stopped already
             os.killpg(run.proc.pid, signal.SIGINT)
-        run.finish(timeout=120)
+        try:
+            run.finish(timeout=120)
+        except subprocess.TimeoutExpired:
+            run.proc.kill()
+            run.check(False, "the run did not stop within 120s of the second Ctrl-C")
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
