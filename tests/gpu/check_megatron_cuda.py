@@ -15,7 +15,8 @@ GPU and checks, each against a run it can be compared with:
   2. --bf16: bf16 model and float32 masters, gradient norms within 10% of float32's; the log-prob gap printed;
   3. --use-distributed-optimizer (vime's ZeRO-1, one rank here) takes the plain optimizer's steps;
   4. a torch_dist checkpoint written on the GPU resumes in a fresh trainer with the same next step;
-  5. --use-dynamic-batch-size with a token budget takes the fixed micro-batches' steps.
+  5. --use-dynamic-batch-size with a token budget takes the fixed micro-batches' steps;
+  6. --log-probs-chunk-size takes the whole logits' steps (the output layer's logits a chunk at a time).
 
 The unit tests run the same backend on CPU under a test-only shim (tests/megatron_shim.py), which this check does
 not install on CUDA: what it adds is megatron-core's own CUDA code (its RNG tracker, its kernels, device
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         compare_steps(
             "dynamic batch", steps(budgets, rollouts), plain["dense"], 1e-4, failures, keys=("loss", "grad_norm")
         )
+        print("6. --log-probs-chunk-size vs the whole logits", flush=True)
+        chunked = MegatronBackend(*specs(dense, log_probs_chunk_size=5, **EXACT_ARITHMETIC))
+        compare_steps("chunked log-probs", steps(chunked, rollouts), plain["dense"], 1e-4, failures)
         if options.device == "cuda":
             print(f"peak GPU memory allocated: {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", flush=True)
     finally:

@@ -339,11 +339,6 @@ def test_flags_reach_the_trainer_spec(config_dir):
     [
         (["--log-probs-chunk-size", "0"], "--log-probs-chunk-size", "must be >= 1"),
         (["--log-probs-chunk-size", "-1"], "--log-probs-chunk-size", "must be >= 1"),
-        (
-            ["--train-backend", "megatron", "--log-probs-chunk-size", "64"],
-            "--log-probs-chunk-size",
-            "applies to --train-backend torch only",
-        ),
         (["--recompute-granularity", "selective"], "--recompute-granularity", "'selective'"),
         (["--recompute-granularity", "full", "--recompute-method", "block"], "--recompute-method", "'block'"),
         (["--recompute-granularity", "full", "--recompute-num-layers", "2"], "--recompute-num-layers", "2"),

@@ -84,8 +84,10 @@ def test_the_run_says_which_trainer_it_chose_when_not_told(model_dir, monkeypatc
 
     monkeypatch.setattr(config, "default_train_backend", lambda: "megatron")
     monkeypatch.setattr(config, "check_local_cuda", lambda settings: None)
-    with pytest.raises(ConfigError, match="^--log-probs-chunk-size: applies to --train-backend torch only"):
-        parse_train_args(base(model_dir, "--log-probs-chunk-size", "64"))
+    both = ("--balance-data", "--use-distributed-optimizer")  # refused on the torch backend only
+    assert parse_train_args(base(model_dir, *both)).train.train_backend == "megatron"
+    with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --use-distributed-optimizer"):
+        parse_train_args(base(model_dir, *both, "--train-backend", "torch"))
 
 
 def test_server_concurrency_bounds_the_groups_in_flight(model_dir):

@@ -11,6 +11,12 @@ weight (a parameter, saved by reference) and the token ids, nothing vocabulary-s
 
 Results and gradients equal the unchunked path's within float32 rounding (tests/unit/test_chunked_logits.py);
 with tied embeddings the head's weight is the embedding's, and its gradient adds to the embedding's.
+
+A vocabulary-parallel head (:class:`VocabParallelHead`: the Megatron backend's output layer, whose weight holds
+one tensor-parallel rank's rows of a padded vocabulary) gathers each chunk's logits over its ranks and drops the
+padding rows; in the backward pass each rank keeps its own rows' gradient. The hidden states' gradient is then
+this rank's share of the sum, which the caller's region function (megatron-core's, as its output layer uses)
+sums over the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +24,37 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallelHead:
+    """A head whose weight is rows ``[rank x n, (rank + 1) x n)`` of a vocabulary padded to ``size x n`` rows; the
+    logits are those of the first ``vocab_size`` rows. ``size`` 1: one rank holds every row (padding still cut)."""
+
+    vocab_size: int
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # the tensor-parallel process group (size > 1)
+
+    def logits(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, rows of this rank] -> [n, vocab_size]: every rank's rows, in order, the padding cut."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(parts, local.contiguous(), group=self.group)
+            local = torch.cat(parts, dim=-1)
+        return local[..., : self.vocab_size]
+
+    def local_gradient(self, grad: torch.Tensor, rows: int) -> torch.Tensor:
+        """[n, vocab_size] -> [n, rows]: the gradient of this rank's rows (zero on padding rows)."""
+        start = self.rank * rows
+        held = max(0, min(start + rows, self.vocab_size) - start)
+        if held == rows:
+            return grad[:, start : start + rows]
+        local = grad.new_zeros((grad.shape[0], rows))
+        local[:, :held] = grad[:, start : start + held]
+        return local
 
 
 @dataclasses.dataclass
@@ -106,10 +143,12 @@ def chunked_token_log_probs(
     temperature: float,
     entropy: str | None = None,
     head_ids: torch.Tensor | None = None,
+    vocab: VocabParallelHead | None = None,
 ) -> TokenLogProbs:
     """Log-probs of ``targets`` under ``log_softmax((hidden @ weight.T + bias) / temperature)``, ``chunk_size``
     positions at a time (temperature <= 0: none, as the unchunked path). ``hidden`` [..., d], ``targets`` [...],
-    ``head_ids`` [..., k]; results have the leading shape of ``targets``."""
+    ``head_ids`` [..., k]; results have the leading shape of ``targets``. ``vocab``: the weight is one rank's rows
+    of a padded vocabulary (None: the whole vocabulary, unpadded)."""
     if chunk_size < 1:
         raise ValueError(f"--log-probs-chunk-size must be >= 1, got {chunk_size}")
     if entropy not in (None, "metric", "loss"):
@@ -122,8 +161,10 @@ def chunked_token_log_probs(
         if head_ids is not None
         else torch.zeros((flat_targets.numel(), 0), dtype=torch.long, device=flat_targets.device)
     )
+    if vocab is not None and bias is not None:
+        raise ValueError("a vocabulary-parallel head has no bias")
     log_probs, token_entropy, head_log_probs = _ChunkedLogSoftmax.apply(
-        flat_hidden, weight, bias, flat_targets, heads, chunk_size, float(temperature), entropy is not None
+        flat_hidden, weight, bias, flat_targets, heads, chunk_size, float(temperature), entropy is not None, vocab
     )
     out = TokenLogProbs(log_probs.reshape(shape))
     if entropy is not None:
@@ -135,11 +176,18 @@ def chunked_token_log_probs(
 
 
 def _chunk_log_softmax(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    vocab: VocabParallelHead | None,
 ) -> torch.Tensor:
     """One chunk's float32 log-softmax, in the unchunked path's order of operations (logits in the model's
-    dtype, then the temperature, then float32), so that the two agree to the last bit where they can."""
+    dtype, then the temperature, then float32), so that the two agree to the last bit where they can. A
+    vocabulary-parallel head's logits are float32 before the temperature, as the Megatron backend's are."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
+    if vocab is not None:
+        logits = vocab.logits(logits).float()
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits.float(), dim=-1)
@@ -152,10 +200,11 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
     - d l[t] / dz = onehot(t) - p                       (target and head log-probs)
     - d H / dz = -p * (l + H), H = -sum p l              (entropy)
 
-    then chain through the temperature and the linear head to the hidden states, weight and bias."""
+    then chain through the temperature and the linear head to the hidden states, weight and bias (a
+    vocabulary-parallel head: this rank's rows of ``dz``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, heads, chunk_size, temperature, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, heads, chunk_size, temperature, with_entropy, vocab):
         n = targets.numel()
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
@@ -163,14 +212,14 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
-                log_softmax = _chunk_log_softmax(hidden[start:end], weight, bias, temperature)
+                log_softmax = _chunk_log_softmax(hidden[start:end], weight, bias, temperature, vocab)
                 log_probs[start:end] = log_softmax.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
                 if with_entropy:
                     entropy[start:end] = -(log_softmax.exp() * log_softmax).sum(-1)
                 if heads.shape[1]:
                     head_log_probs[start:end] = log_softmax.gather(-1, heads[start:end])
         ctx.save_for_backward(hidden, weight, bias, targets, heads)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.vocab = chunk_size, temperature, vocab
         ctx.set_materialize_grads(False)  # an output nobody differentiates (entropy as a metric) gets None
         return log_probs, entropy, head_log_probs
 
@@ -191,7 +240,7 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
             end = min(start + ctx.chunk_size, n)
             chunk = hidden[start:end]
             with torch.no_grad():
-                log_softmax = _chunk_log_softmax(chunk, weight, bias, ctx.temperature)
+                log_softmax = _chunk_log_softmax(chunk, weight, bias, ctx.temperature, ctx.vocab)
                 probs = log_softmax.exp()
                 grad_z = torch.zeros_like(log_softmax)
                 mass = torch.zeros(end - start, dtype=torch.float32, device=hidden.device)  # sum of the upstream
@@ -209,6 +258,8 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
                     grad_z -= grad_entropy[start:end].float().unsqueeze(-1) * probs * (log_softmax + token_entropy)
                 if ctx.temperature > 0:
                     grad_z /= ctx.temperature
+                if ctx.vocab is not None:
+                    grad_z = ctx.vocab.local_gradient(grad_z, weight.shape[0])
                 grad_logits = grad_z.to(hidden.dtype)
                 if need_hidden:
                     grad_hidden[start:end] = grad_logits @ weight
@@ -220,4 +271,4 @@ class _ChunkedLogSoftmax(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None

@@ -46,6 +46,7 @@ import shutil
 import torch
 
 from vime.backends import megatron_critic
+from vime.backends.chunked_logits import chunked_token_log_probs
 from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_gradients import global_norm, routed_expert_param_ids, tensor_parallel_partial_param_ids
 from vime.backends.megatron_setup import (
@@ -259,14 +260,34 @@ class MegatronBackend(RolloutTraining):
         results come back to the CPU (differentiably), where the shared objective runs."""
         if model is self.ref_model and self._log_prob_hook_due is not None:
             self._log_prob_hook_due = self._run_log_prob_hook(self._log_prob_hook_due, "ref_", self.ref_gpt)
-        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, routes=self._batch_routes(batch))
+        chunk_size = self.spec.log_probs_chunk_size
+        output = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            routes=self._batch_routes(batch),
+            final_hidden=bool(chunk_size),
+        )
 
-        def per_token(logits: torch.Tensor) -> list[torch.Tensor]:
-            logits = logits[:, :-1]
+        def per_token(output) -> list[torch.Tensor]:
+            targets = batch.targets.to((output.hidden if chunk_size else output.logits).device)
+            head_ids = batch.head_ids.to(targets.device) if heads else None
+            if chunk_size:  # the same results without the [tokens x vocabulary] logits (chunked_logits)
+                chunked = chunked_token_log_probs(
+                    output.hidden[:, :-1],
+                    model.output_weight(),
+                    None,
+                    targets,
+                    chunk_size=chunk_size,
+                    temperature=self.spec.rollout_temperature,
+                    entropy=entropy,
+                    head_ids=head_ids,
+                    vocab=model.vocabulary(),
+                )
+                return [chunked.log_probs] + [r for r in (chunked.entropy, chunked.head_log_probs) if r is not None]
+            logits = output.logits[:, :-1]
             if self.spec.rollout_temperature > 0:
                 logits = logits / self.spec.rollout_temperature
             log_softmax = torch.log_softmax(logits.float(), dim=-1)
-            targets = batch.targets.to(log_softmax.device)
             results = [log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)]
             if entropy == "loss":
                 results.append(token_entropy(log_softmax))
@@ -274,7 +295,7 @@ class MegatronBackend(RolloutTraining):
                 with torch.no_grad():
                     results.append(token_entropy(log_softmax.detach()))
             if heads:
-                results.append(log_softmax.gather(-1, batch.head_ids.to(log_softmax.device)))
+                results.append(log_softmax.gather(-1, head_ids))
             return results
 
         tokens = tuple(batch.targets.shape)
@@ -291,14 +312,14 @@ class MegatronBackend(RolloutTraining):
         """The critic's value of each target's prefix, [B, T-1] on the CPU (differentiably), like the torch
         backend's."""
         output = self.critic_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        values = self._stage_results(output, lambda logits: [logits[:, :-1, 0]], [tuple(batch.targets.shape)])
+        values = self._stage_results(output, lambda output: [output.logits[:, :-1, 0]], [tuple(batch.targets.shape)])
         return batch.on_targets(values[0].cpu())
 
     def _stage_results(self, output, compute, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """``compute(logits)``; under pipeline parallelism the last stage's, on every stage
+        """``compute(output)``; under pipeline parallelism the last stage's, on every stage
         (``megatron_pipeline``)."""
         if self.pipeline is None:
-            return compute(output.logits)
+            return compute(output)
         return self.pipeline.results(output, compute, shapes)
 
     def _batch_routes(self, batch) -> list[torch.Tensor] | None:

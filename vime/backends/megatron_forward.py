@@ -1,11 +1,14 @@
 """Running a megatron-core GPTModel behind the interface the shared training code calls.
 
 :class:`MegatronLM` wraps the model in ``model(input_ids=..., attention_mask=...).logits``, batching either
-packed (thd) or right-padded, with R3's forced routes, pipeline stages and context parallelism.
+packed (thd) or right-padded, with R3's forced routes, pipeline stages and context parallelism; or, for
+--log-probs-chunk-size, in ``.hidden``: the final hidden states the output layer would read, whose logits
+vime.backends.chunked_logits computes a chunk at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -18,7 +21,40 @@ from vime.backends.megatron_model import device, tp_split
 @dataclasses.dataclass
 class CausalLMOutput:
     logits: torch.Tensor | None
-    hidden: torch.Tensor | None = None  # a pipeline stage before the last: the hidden states it passes on
+    # A pipeline stage before the last: the hidden states it passes on. The last stage asked for
+    # ``final_hidden``: the output layer's input [B, T, d], rows as the logits', every position on every rank.
+    hidden: torch.Tensor | None = None
+
+
+class _GradientSummed(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``. (megatron-core's
+    copy_to_tensor_model_parallel_region all-reduces ``grad.contiguous()`` and returns ``grad``: a gradient that
+    arrives non-contiguous, as the transposed hidden states' does, is returned unsummed.)"""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd's own buffer is not ours to change
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@contextlib.contextmanager
+def _output_layer_skipped(gpt):
+    """megatron-core's GPTModel returns its decoder's output (the final norm applied, [S, B, d], the sequence
+    split over the tensor-parallel ranks under sequence parallelism) where ``post_process`` is False, as a
+    pipeline stage before the last does; set for one forward, the last stage's output layer does not run."""
+    gpt.post_process = False
+    try:
+        yield
+    finally:
+        gpt.post_process = True
 
 
 class MegatronLM(torch.nn.Module):
@@ -38,6 +74,9 @@ class MegatronLM(torch.nn.Module):
 
     Under context parallelism (``context``, a ``megatron_context.ContextSplit``) the model runs over this
     rank's positions of each padded row, and the last stage gathers every rank's logits into whole rows.
+
+    ``final_hidden=True`` returns, on the last stage, the output layer's input instead of its logits
+    (``CausalLMOutput.hidden``), to be read with :meth:`output_weight` and :meth:`vocabulary`.
     """
 
     def __init__(
@@ -75,11 +114,40 @@ class MegatronLM(torch.nn.Module):
     def _last_stage(self) -> bool:
         return self.pipeline is None or self.pipeline.last
 
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight on this rank, [its vocabulary rows, d] (the input embedding's, tied)."""
+        if self.gpt.share_embeddings_and_output_weights:
+            return self.gpt.shared_embedding_or_output_weight()
+        return self.gpt.output_layer.weight
+
+    def vocabulary(self):
+        """How :meth:`output_weight`'s rows split the padded vocabulary over the tensor-parallel ranks."""
+        from vime.backends.chunked_logits import VocabParallelHead
+
+        rank, size, group = tp_split()
+        return VocabParallelHead(self.vocab_size, rank=rank, size=size, group=group if size > 1 else None)
+
+    def _head_input(self, decoder_output: torch.Tensor) -> torch.Tensor:
+        """The decoder's output [S, B, d] as the output layer reads it, as [B, S, d]: gathered over the tensor-
+        parallel ranks under sequence parallelism (megatron-core's gather, whose backward reduce-scatters), and
+        with its gradient summed over them without (each rank's logits are its own vocabulary rows, so each
+        rank's gradient for the hidden states is its share)."""
+        rank, size, group = tp_split()
+        if size > 1:
+            if self.sequence_parallel:
+                from megatron.core import tensor_parallel
+
+                decoder_output = tensor_parallel.gather_from_sequence_parallel_region(decoder_output)
+            else:
+                decoder_output = _GradientSummed.apply(decoder_output, group)
+        return decoder_output.transpose(0, 1)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         routes: list[torch.Tensor] | None = None,
+        final_hidden: bool = False,
     ) -> CausalLMOutput:
         dev = device()
         input_ids = input_ids.to(dev)
@@ -95,16 +163,25 @@ class MegatronLM(torch.nn.Module):
         if self.pipeline is not None and not self.pipeline.first:
             self.gpt.set_input_tensor(self.pipeline.receive_input(self.gpt.config.pipeline_dtype, dev))
         batch, length = input_ids.shape
-        if self.packing == "thd":
-            output = self._forward_thd(input_ids, attention_mask)
-        else:
-            input_ids, attention_mask = self._lockstep_padded(input_ids, attention_mask)
-            output = self._forward_padded(input_ids, attention_mask)
-        if not self._last_stage:
-            return CausalLMOutput(logits=None, hidden=output)
-        if self.packing != "thd":
+        self._final_hidden = final_hidden and self._last_stage
+        with _output_layer_skipped(self.gpt) if self._final_hidden else contextlib.nullcontext():
+            if self.packing == "thd":
+                output = self._forward_thd(input_ids, attention_mask)
+            else:
+                input_ids, attention_mask = self._lockstep_padded(input_ids, attention_mask)
+                output = self._forward_padded(input_ids, attention_mask)
+        if self.packing != "thd" and self._last_stage:
             output = output[:batch, :length]
+        if not self._last_stage or self._final_hidden:
+            return CausalLMOutput(logits=None, hidden=output)
         return CausalLMOutput(output[..., : self.vocab_size].float())
+
+    def _stage_output(self, output: torch.Tensor) -> torch.Tensor:
+        """The GPTModel's output as the rest of the forward handles it: a stage before the last's as it is;
+        the last stage's as [B, S, ...] (logits, or the output layer's input for ``final_hidden``)."""
+        if not self._last_stage:
+            return output
+        return self._head_input(output) if self._final_hidden else output
 
     def _lockstep(self):
         """The group whose ranks exchange tokens inside every MoE layer (expert and expert tensor
@@ -198,7 +275,7 @@ class MegatronLM(torch.nn.Module):
             mask = mask[:, :, here][..., keys]
             input_ids, positions, padding = input_ids[:, here], positions[:, here], padding[:, here]
         self._force(lambda: padded_layout(self._routes, padded, self.model_args)[:, held])
-        output = self.gpt(input_ids, positions, mask, **self._padding(padding))
+        output = self._stage_output(self.gpt(input_ids, positions, mask, **self._padding(padding)))
         if not self._last_stage:
             return output
         if self.context is not None:
@@ -240,6 +317,7 @@ class MegatronLM(torch.nn.Module):
             packed_seq_params=params,
             **self._padding(padding.unsqueeze(0)),
         )
+        output = self._stage_output(output)
         if not self._last_stage:
             return output
         packed = output[0]

@@ -65,11 +65,12 @@ class Pipeline:
         return grad
 
     def results(self, output, compute, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """The per-token results of a forward on every stage: ``compute(logits)`` on the last stage (whose
-        ``output.logits`` are set), broadcast to the others, where they carry this stage's backward.
+        """The per-token results of a forward on every stage: ``compute(output)`` on the last stage (whose
+        ``output.logits``, or ``.hidden`` for chunked log-probs, are set), broadcast to the others, where they
+        carry this stage's backward.
         ``shapes`` are the results' shapes (float32), which every stage knows from the batch."""
         if self.last:
-            tensors = compute(output.logits)
+            tensors = compute(output)
             for tensor in tensors:
                 dist.broadcast(tensor.detach().float().contiguous(), src=self.last_rank, group=self.group)
             return tensors

@@ -119,7 +119,8 @@ class TrainConfig:
         None,
         "Compute log-probs and entropy over N tokens at a time (LM head, temperature, log-softmax by chunks, "
         "recomputed in the backward pass), so a micro-batch's whole [tokens x vocabulary] logits are never held; "
-        "same results and gradients (torch backend; docs/real-models.md). Default: all tokens at once.",
+        "same results and gradients. Both backends; on the Megatron backend the output layer's vocabulary-parallel "
+        "logits are gathered a chunk at a time (docs/real-models.md). Default: all tokens at once.",
     )
 
     def validate(self) -> None:
@@ -151,12 +152,6 @@ class TrainConfig:
                 self.log_probs_chunk_size >= 1,
                 "--log-probs-chunk-size",
                 f"must be >= 1 (tokens per chunk), got {self.log_probs_chunk_size}",
-            )
-            # The Megatron backend computes on the logits its pipeline's last stage already produced.
-            require(
-                self.train_backend == "torch",
-                "--log-probs-chunk-size",
-                "applies to --train-backend torch only (the Megatron backend's output layer returns whole logits)",
             )
         require(self.global_batch_size is None or self.global_batch_size >= 1, "--global-batch-size", "must be >= 1")
         self._validate_token_budgets()
