@@ -9,20 +9,32 @@
 
 One training step (TorchBackend.train_rollout: GRPO, the old log-probs' forward, one optimizer step, in
 which AdamW allocates its state) of a random Qwen2-shaped model (32k vocabulary; 4 samples x 256 tokens), in
-fresh processes, one per trainer rank (gloo), for:
+fresh processes, one per trainer rank (gloo); with ``--steps N``, N steps and the last one's peak (from the
+second step on AdamW's moments exist while the gradients are summed, as in a run's steady state). For:
 
   baseline  a plain HF float32 AdamW step (cross-entropy over the same batch), one process: the scale;
   (a)       today's default: float32, a full replica of parameters, gradients and AdamW state per rank;
   (b)       --bf16 --use-distributed-optimizer on 2 ranks (FSDP2: float32 shards, bf16 compute);
   (c)       (b) + --recompute-granularity full + --log-probs-chunk-size 256 (and the same on 4 ranks);
   (d)       (c) + --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (AdamW's
-            moments stored in bf16: 12 / R bytes of optimizer state per parameter instead of 16 / R).
+            moments stored in bf16: 12 / R bytes of optimizer state per parameter instead of 16 / R);
+
+and the same model on the Megatron backend (megatron-core's GPTModel; on CPU under the tests' megatron-core shim,
+tests/megatron_shim.py, as the Megatron unit tests run):
+
+  (ma)      (a): float32, a full replica per rank (2 data-parallel ranks);
+  (mc)      (c): --bf16 --use-distributed-optimizer (vime's ZeRO-1 over the 2 data-parallel ranks: float32 masters
+            and AdamW state sharded; bf16 parameters and float32 gradients whole on each rank)
+            --recompute-granularity full --log-probs-chunk-size 256;
+  (mt)      (mc)'s flags on 2 tensor-parallel ranks with sequence parallelism instead (every weight matrix split
+            in two, its state with it; nothing for ZeRO-1 to shard over one data-parallel rank).
 
 Memory is the rank's resident set: its peak during the step (VmHWM after /proc/self/clear_refs reset it
 once the trainer was built) minus its resident set before the model existed (with the model's code already
 imported); "overall" also counts building the trainer (loading the checkpoint, sharding). The ranks run with
 glibc's mmap threshold fixed (rank_environment), so that a freed tensor leaves the resident set. Printed per
-rank in bytes per parameter, and the ratios (c) / (a) (goal <= 0.4) and (d) / (a) per rank. Sharded over R
+rank in bytes per parameter, and the ratios (c) / (a) (goal <= 0.4) and (d) / (a) per rank, (mc) / (ma) and
+(mt) / (ma) on the Megatron backend. Sharded over R
 ranks, float32 masters, their gradients and AdamW's two moments hold 16 / R bytes per parameter on each rank: 8
 on 2 ranks, the floor (c) approaches there; (d)'s is 6.
 
@@ -89,6 +101,10 @@ class Config:
     name: str
     ranks: int
     flags: dict  # TorchTrainerSpec fields
+    megatron: dict | None = None  # the Megatron backend: Parallelism fields, and "recompute" (None: torch backend)
+
+
+MEGATRON_C = {"bf16": True, "log_probs_chunk_size": 256}  # and recompute; ZeRO-1 where there are DP ranks
 
 
 CONFIGS = {
@@ -115,6 +131,19 @@ CONFIGS = {
         "(c) on 4 ranks",
         4,
         {"bf16": True, "use_distributed_optimizer": True, "recompute_granularity": "full", "log_probs_chunk_size": 256},
+    ),
+    "ma": Config("(ma) Megatron: float32 replica", 2, {}, megatron={}),
+    "mc": Config(
+        "(mc) Megatron: bf16 + ZeRO-1 + recompute + chunks",
+        2,
+        {**MEGATRON_C, "use_distributed_optimizer": True},
+        megatron={"recompute": True},
+    ),
+    "mt": Config(
+        "(mt) Megatron: (mc) on TP=2 + SP instead",
+        2,
+        MEGATRON_C,
+        megatron={"recompute": True, "tensor": 2, "sequence_parallel": True},
     ),
 }
 
@@ -250,7 +279,7 @@ def rank_main(request: dict) -> dict:
     from vime.config.algorithm import AlgorithmConfig
 
     samples = make_samples(request["samples"], request["tokens"], request["vocab"], seed=0)
-    load_model_code()
+    load_model_code(with_megatron=request["megatron"] is not None)
     baseline = memory.now()
     algorithm = AlgorithmConfig()
     algorithm.validate()
@@ -274,11 +303,17 @@ def rank_main(request: dict) -> dict:
     if request["baseline"]:
         parameters, step_peak, built = plain_hf_step(request["model"], samples, memory, device)
     else:
-        backend = TorchBackend(spec)
-        parameters = sum(p.numel() for p in backend.model.parameters())  # a sharded DTensor counts its whole
+        if request["megatron"] is not None:
+            backend, parameters = megatron_backend(spec, request["megatron"], device)
+        else:
+            backend = TorchBackend(spec)
+            parameters = sum(p.numel() for p in backend.model.parameters())  # a sharded DTensor counts its whole
         built_peak, built = memory.peak(), memory.now()
-        memory.reset_peak()
-        backend.train_rollout(samples, policy_version=0)
+        for step in range(request["steps"]):
+            if step == request["steps"] - 1:  # the last step's peak (earlier ones count in the overall peak)
+                built_peak = max(built_peak, memory.peak())
+                memory.reset_peak()
+            backend.train_rollout(samples, policy_version=step)
         step_peak = memory.peak()
         overall = max(built_peak, step_peak)
     if request["baseline"]:
@@ -298,14 +333,53 @@ def rank_main(request: dict) -> dict:
     }
 
 
-def load_model_code() -> None:
-    """Import what building the trainer imports (transformers' Qwen2 classes and tokenizer, FSDP2, DCP) before
-    the baseline is read: ~200 MB of code and module state, the same for every configuration and unrelated
-    to the model's size, which would otherwise count as the step's memory."""
+def megatron_backend(spec, layout: dict, device: str):
+    """The Megatron backend of ``spec``'s model with ``layout`` (Parallelism fields; ``recompute``: full, uniform,
+    one layer), and the model's parameter count (each tensor-parallel weight counted whole)."""
+    from transformers import AutoConfig
+
+    from vime.backends.megatron_args import model_args_from_hf
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_model import Parallelism
+    from vime.backends.megatron_spec import MegatronBackendSpec
+
+    if device == "cpu":
+        from tests import megatron_shim
+
+        megatron_shim.install()
+    layout = dict(layout)
+    recompute = layout.pop("recompute", False)
+    megatron = MegatronBackendSpec(
+        model=model_args_from_hf(AutoConfig.from_pretrained(spec.hf_checkpoint)),
+        parallel=Parallelism(**layout),
+        recompute=(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else None
+        ),
+    )
+    backend = MegatronBackend(spec, megatron)
+    split = layout.get("tensor", 1)
+    parameters = sum(
+        p.numel() * (split if getattr(p, "tensor_model_parallel", False) else 1) for p in backend.gpt.parameters()
+    )
+    return backend, parameters
+
+
+def load_model_code(*, with_megatron: bool = False) -> None:
+    """Import what building the trainer imports (transformers' Qwen2 classes and tokenizer, FSDP2, DCP; megatron-core
+    and the Megatron backend for its configurations) before the baseline is read: ~200 MB of code and module state,
+    the same for every configuration and unrelated to the model's size, which would otherwise count as the step's
+    memory."""
     import torch.distributed.checkpoint
     import torch.distributed.fsdp  # noqa: F401
     from transformers import AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
     from transformers.models.qwen2 import modeling_qwen2, tokenization_qwen2  # noqa: F401
+
+    if with_megatron:
+        import megatron.core.models.gpt  # noqa: F401
+
+        import vime.backends.megatron_backend  # noqa: F401
 
 
 def plain_hf_step(model_dir: str, samples, memory, device: str) -> tuple[int, int, int]:
@@ -354,6 +428,7 @@ def run_ranks(
     budget: int,
     timeout: float,
     device: str = "cpu",
+    steps: int = 1,
 ) -> dict:
     """One step on ``config.ranks`` fresh processes (``config`` None: the plain HF baseline, one process;
     on CUDA at most one rank per GPU). Returns {"fits": bool, "ranks": [...]} or the reason it did not fit."""
@@ -375,6 +450,8 @@ def run_ranks(
             "micro_batch": micro_batch,
             "vocab": vocab,
             "flags": config.flags if config else {},
+            "megatron": config.megatron if config else None,
+            "steps": steps,
             "baseline": config is None,
             "device": device,
         }
@@ -441,6 +518,7 @@ def measure(options, cache: str, budget: int) -> dict:
         budget=budget,
         timeout=options.timeout,
         device=options.device,
+        steps=options.steps,
     )
     rows = {}
     chosen = [("baseline", None)] + [(key, config) for key, config in CONFIGS.items() if key in options.configs]
@@ -476,6 +554,10 @@ def measure(options, cache: str, budget: int) -> dict:
         print(
             f"ratio (d) / (a) per rank: {ratio:.2f} on {rank_count(CONFIGS['d'], options.device)} rank(s)", flush=True
         )
+    for key in ("mc", "mt"):
+        if rows.get("ma") and rows.get(key):
+            ratio = per_parameter(rows[key]) / per_parameter(rows["ma"])
+            print(f"ratio ({key}) / (ma) per rank: {ratio:.2f} on 2 ranks (the Megatron backend)", flush=True)
     return rows
 
 
@@ -502,6 +584,7 @@ def search(options, cache: str, budget: int) -> None:
         vocab=options.vocab,
         budget=budget,
         timeout=options.timeout,
+        steps=options.steps,
     )
     largest = {}
     for key in [k for k in ("a", "c", "d") if k in options.configs]:
@@ -559,6 +642,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="training steps per configuration, the peak read over the last (from the second step on AdamW's "
+        "moments exist while the gradients are summed, as in a run)",
+    )
     parser.add_argument("--search-steps", type=int, default=5, help="doublings the search tries at most")
     parser.add_argument(
         "--refine-steps", type=int, default=3, help="bisections of the layer count after the doublings (0: none)"
@@ -584,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [key for key in options.configs if key not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    if options.steps < 1:
+        parser.error(f"--steps: must be >= 1, got {options.steps}")
     if options.rank_request:
         print(json.dumps(rank_main(json.loads(options.rank_request))), flush=True)
         os._exit(0)  # the result is out; gloo's threads have aborted interpreter teardown now and then

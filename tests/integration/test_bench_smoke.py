@@ -39,8 +39,9 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
 
 # bench/memory's smoke on the configurations whose code differs: (b) is (c) without two of its flags and (c4)
 # is (c) on 4 ranks; each configuration's ranks are fresh processes (~3.5 CPU-s each to import torch), and
-# those two would add 6 of its 14.
-SMOKE_ARGS = {"memory/run.py": ["--configs", "a,c,d"]}
+# those two would add 6 of its 14. Of the Megatron backend's, (mt): megatron-core's path with recompute, chunked
+# log-probs and tensor parallelism (its parameter count); (ma) and (mc) differ from it in flags only.
+SMOKE_ARGS = {"memory/run.py": ["--configs", "a,c,d,mt"]}
 
 
 @pytest.mark.parametrize(

@@ -73,8 +73,9 @@ class DataParallel:
         return merged
 
     def sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """Add up the gradients of the ranks (one all-reduce over a flat buffer). A parameter no rank gave a
-        gradient keeps ``grad is None``, as it would with one rank (AdamW then leaves it alone)."""
+        """Add up the gradients of the ranks (all-reduces over flat buffers of at most
+        :data:`GRADIENT_BUCKET_ELEMENTS`). A parameter no rank gave a gradient keeps ``grad is None``, as it would
+        with one rank (AdamW then leaves it alone)."""
         if self.size == 1 or not params:
             return
         import torch.distributed as dist
@@ -89,8 +90,32 @@ class DataParallel:
                 p.grad = torch.zeros_like(p)
         if not live:
             return
-        grads = [p.grad for p in live]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.group)
-        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(summed)
+        for bucket in gradient_buckets([p.grad for p in live], GRADIENT_BUCKET_ELEMENTS):
+            if len(bucket) == 1 and bucket[0].is_contiguous():  # summed in place, no copy
+                dist.all_reduce(bucket[0], group=self.group)
+                continue
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.group)
+            for grad, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(summed)
+
+
+# Elements of one gradient all-reduce's flat buffer (64 MiB of float32): what summing the gradients holds beyond
+# the gradients themselves. One flat buffer of every gradient doubled their memory for the time of the sum, as much
+# as a replica's optimizer state once AdamW's moments exist (from the second step on).
+GRADIENT_BUCKET_ELEMENTS = 1 << 24
+
+
+def gradient_buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into runs of one dtype and device of at most ``limit`` elements together (a
+    gradient larger than ``limit`` is a run of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        last = buckets[-1][-1] if buckets else None
+        if last is None or size + grad.numel() > limit or (grad.dtype, grad.device) != (last.dtype, last.device):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += grad.numel()
+    return buckets

@@ -28,7 +28,8 @@ After the step the ranks all-gather their pieces (float32, in chunks of :data:`G
 into every rank's model parameters (rounded to bf16 with ``--bf16``).
 
 Memory per parameter and rank, AdamW over N ranks: float32, 4 (weights) + 4 (gradient) + 8/N (moments), against
-4 + 4 + 8 unsharded; ``--bf16``, 2 + 4 + (4 + 8)/N, against 2 + 4 + 4 + 8.
+4 + 4 + 8 unsharded; ``--bf16``, 2 + 4 + (4 + 8)/N, against 2 + 4 + 4 + 8. The gradients are freed once the step
+has read them, before the all-gather, which holds one chunk of the range at a time.
 
 Checkpoints keep the unsharded format (``megatron_checkpoint``), so that they load at another data-parallel size
 and with or without the flag: :meth:`ShardedOptimizer.whole_state` all-gathers the float32 weights and the
@@ -188,8 +189,11 @@ class ShardedOptimizer:
             grad = self.params[segment.index].grad
             piece.grad = None if grad is None else _flat(grad)[segment.start : segment.stop]
         self.optimizer.step()
+        # The gradients are spent (the next step's zero_grad would drop them): freed before the gather needs room.
         for piece in self.piece_params:
             piece.grad = None
+        for p in self.params:
+            p.grad = None
         self._all_gather(lambda piece: piece, self.model_params)
 
     def gradient_holders(self) -> dict[int, torch.Tensor]:
@@ -203,15 +207,9 @@ class ShardedOptimizer:
         """Every rank's ``values_of(piece)`` (None: zeros) into ``targets``, tensors shaped like the model's
         parameters (any dtype: the float32 values are cast)."""
         size = self.layout.shard_size
-        shard = torch.zeros(size, dtype=torch.float32, device=self.piece_params[0].device)
         first = self.dp.rank * size
-        for segment, piece in zip(self.pieces, self.piece_params):
-            values = values_of(piece)
-            if values is not None:
-                at = segment.flat_start - first
-                shard[at : at + segment.stop - segment.start].copy_(_flat(values))
         for start in range(0, size, GATHER_CHUNK_ELEMENTS):
-            chunk = shard[start : start + GATHER_CHUNK_ELEMENTS]
+            chunk = self._shard_chunk(values_of, first + start, min(GATHER_CHUNK_ELEMENTS, size - start))
             received = [chunk]
             if self.dp.size > 1:
                 import torch.distributed as dist
@@ -222,6 +220,21 @@ class ShardedOptimizer:
                 for s in self.layout.segments(rank * size + start, len(values)):
                     at = s.flat_start - rank * size - start
                     _flat(targets[s.index].data)[s.start : s.stop].copy_(values[at : at + s.stop - s.start])
+
+    def _shard_chunk(self, values_of, flat_start: int, length: int) -> torch.Tensor:
+        """Elements ``flat_start`` to ``flat_start + length`` of the flat layout, within this rank's range, as
+        float32: its pieces' ``values_of`` (zeros where None, and past the last parameter). One chunk at a time,
+        so that a gather holds no copy of the rank's whole range."""
+        chunk = torch.zeros(length, dtype=torch.float32, device=self.piece_params[0].device)
+        end = flat_start + length
+        for segment, piece in zip(self.pieces, self.piece_params):
+            low = max(flat_start, segment.flat_start)
+            high = min(end, segment.flat_start + segment.stop - segment.start)
+            if low < high and (values := values_of(piece)) is not None:
+                chunk[low - flat_start : high - flat_start].copy_(
+                    _flat(values)[low - segment.flat_start : high - segment.flat_start]
+                )
+        return chunk
 
     def _whole_masters(self, dtype: torch.dtype) -> list[torch.nn.Parameter]:
         """Every parameter's master weights, gathered, in ``dtype``, with the parameters' attributes."""
