@@ -91,6 +91,7 @@ class TrainerWorkerSpec:
             balance_data=s.train.balance_data,
             optimizer=s.train.optimizer,
             sgd_momentum=s.train.sgd_momentum,
+            check_for_nan_in_loss_and_grad=not s.train.no_check_for_nan_in_loss_and_grad,
             exp_avg_dtype=s.perf.exp_avg_dtype,
             exp_avg_sq_dtype=s.perf.exp_avg_sq_dtype,
             hooks=s.hooks,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import random
 import time
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from vime.backends.micro_batches import BatchLayout, assign_to_ranks, dynamic_layout, fixed_layout, over_budget, regroup
+from vime.errors import UserError
 from vime.rl.batch import Forward, PackedBatch, pack
 from vime.rl.objective import RLObjective
 from vime.sample import Sample
@@ -70,6 +72,28 @@ def debug_train_data(samples, packed, old, ref, values, advantages, returns) -> 
         "advantages": rows(advantages),
         "returns": rows(returns),
     }
+
+
+class NonFiniteStep(UserError, RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite (Megatron-LM's --check-for-nan-in-loss-and-grad)."""
+
+
+def check_finite_step(role: str, step_id: int, loss: float, grad_norm: float) -> None:
+    """Refuse an optimizer step whose loss or gradient norm is not finite, before it is taken: stepping would
+    write NaN into the weights, the engines and the next checkpoint. Every data-parallel rank sees the same summed
+    loss and global norm, so every rank raises alike."""
+    bad = [
+        f"{name} is {value}"
+        for name, value in (("loss", loss), ("gradient norm", grad_norm))
+        if not math.isfinite(value)
+    ]
+    if bad:
+        raise NonFiniteStep(
+            f"the {role}'s optimizer step {step_id + 1} of this rollout: the {' and the '.join(bad)}. The step was "
+            "not taken and the run stops before the rollout is committed; look at --lr, --clip-grad and the "
+            "rollout's rewards, then --load resumes from the last checkpoint (--no-check-for-nan-in-loss-and-grad "
+            "trains on regardless, as Megatron-LM's flag of that name)"
+        )
 
 
 class RolloutTraining:
@@ -394,6 +418,8 @@ class RolloutTraining:
             params = [p for p in role.parameters() if p.requires_grad]
             self.sum_gradients(params)
             grad_norm = self.finish_gradients(params, role.clip_grad)
+            if self.spec.check_for_nan_in_loss_and_grad:
+                check_finite_step(role.name, step_id, step_terms[loss_key], float(grad_norm))
             metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
                 metrics[name].append(value)

@@ -86,6 +86,9 @@ class TorchTrainerSpec:
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     sgd_momentum: float = 0.9  # --sgd-momentum
+    # Megatron-LM's check, on unless --no-check-for-nan-in-loss-and-grad: a step whose loss or gradient norm is
+    # NaN or infinite is not taken and stops the run (rollout_training.NonFiniteStep).
+    check_for_nan_in_loss_and_grad: bool = True
     # --custom-convert-samples-to-train-data-path, --save-debug-train-data & co. (vime.config.hooks), and the
     # keys of --custom-config-path: what the objective's user functions see in ``args``.
     hooks: HooksConfig | None = None

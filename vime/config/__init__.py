@@ -152,6 +152,7 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
     # The reference framework's names of the --disable-* flags (store_false dests), for hooks reading args.
     args.compute_advantages_and_returns = not args.disable_compute_advantages_and_returns
     args.rewards_normalization = not args.disable_rewards_normalization
+    args.check_for_nan_in_loss_and_grad = not args.no_check_for_nan_in_loss_and_grad  # Megatron-LM's dest
     args.vllm_args = vllm_forwarded
     args.router_args = router_forwarded
     sections = {name: section_from_args(cls, args) for name, cls, _ in SECTIONS}

@@ -115,6 +115,12 @@ class TrainConfig:
         "float32 master weights (ZeRO-1, as Megatron's distributed optimizer; not with expert parallelism) "
         "(docs/real-models.md).",
     )
+    no_check_for_nan_in_loss_and_grad: bool = option(
+        False,
+        "Train on when an optimizer step's loss or gradient norm is NaN or infinite (Megatron-LM's flag). By "
+        "default such a step is not taken and the run stops with one line naming it, before the rollout is "
+        "committed, so that no NaN reaches the weights, the engines or a checkpoint.",
+    )
     log_probs_chunk_size: int | None = option(
         None,
         "Compute log-probs and entropy over N tokens at a time (LM head, temperature, log-softmax by chunks, "
