@@ -80,6 +80,7 @@ class TrainingRun:
         self.last_saved_step: int | None = None
         self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
+        self.weights_held = False  # the trainer holds steps not published yet (--update-weights-interval)
         self.cursor = 0  # accepted groups handed to the trainer so far
         self.step_cursors: list[int] = []  # the cursor after each step of this lineage
         self.skipped: list[int] = []  # positions passed over as too stale (prompts regenerated)
@@ -338,7 +339,7 @@ class TrainingRun:
 
         started = time.monotonic()
         report = {} if self.s.debug.debug_train_only else self._sync_engines(version, sync_number)
-        self.version = version
+        self.version, self.weights_held = version, False
         ray.get(self.processes.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
         return {
             "weight_sync_seconds": time.monotonic() - started,
@@ -401,7 +402,8 @@ class TrainingRun:
                 rollout_id = self._restart_trainer(error, rollout_id + 1, colocation)
                 sync_number = 1  # the restore published once, flushing
                 continue
-            sync_number += 1
+            if not self.weights_held:
+                sync_number += 1
             rollout_id = step = self.step = rollout_id + 1
             version = self.version
             record = {
@@ -413,6 +415,8 @@ class TrainingRun:
             self.log.progress(record, s.train.num_rollout)
             if s.eval.eval_interval and step % s.eval.eval_interval == 0 and step < s.train.num_rollout:
                 self._evaluate(version, step=step, label=f"step {step}")
+        if self.weights_held:  # the prompts ran out between publications: the final weights reach the engines
+            self._publish(self.version + 1, sync_number=sync_number + 1)
         return self.version
 
     def _train_step(self, rollout_id: int, taken, colocation, *, sync_number: int) -> dict[str, Any]:
@@ -436,13 +440,36 @@ class TrainingRun:
             with self.volumes.debug_archive.stop_when_full(f"the debug archive of rollout {rollout_id}"):
                 save_trained_batch(self, rollout_id, taken.groups, self.version, metrics)
         self.consume(taken)
-        metrics.update(self._publish(self.version + 1, sync_number=sync_number))
+        if self._publishes_after(step):
+            metrics.update(self._publish(self.version + 1, sync_number=sync_number))
+        else:
+            metrics.update(self._hold_weights())
         colocation.after_weight_update()
         if s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0:
             self._save(step, self.version)
         elif not s.checkpoint.save:
             self._commit(step)
         return metrics
+
+    def _publishes_after(self, step: int) -> bool:
+        """Whether ``step``'s weights are published (--update-weights-interval): every N-th step, and always a
+        step that saves a checkpoint (a checkpoint's weights are a published version, which a resume gives out
+        again under its number: recovery/lineage.py), runs an evaluation (it measures what the engines serve) or
+        is the last."""
+        s = self.s
+        interval = s.weights.update_weights_interval
+        saves = bool(s.checkpoint.save and s.checkpoint.save_interval and step % s.checkpoint.save_interval == 0)
+        evaluates = bool(s.eval.eval_interval and step % s.eval.eval_interval == 0)
+        return interval == 1 or step % interval == 0 or saves or evaluates or step >= s.train.num_rollout
+
+    def _hold_weights(self) -> dict[str, float]:
+        """A step between publications: the engines keep serving ``self.version`` while the trainer holds newer
+        weights; admission still moves on with the groups trained."""
+        import ray
+
+        self.weights_held = True
+        ray.get(self.processes.controller.sync.remote(self.version, self.cursor, self.trained, self.lineage))
+        return {"weight_sync_seconds": 0.0, "weight_sync_publish_s": 0.0, "weight_sync_pause_s": 0.0}
 
     def _commit(self, step: int) -> None:
         """Mark the groups trained by ``step`` in the queue (the consumer cursor), durably."""

@@ -321,11 +321,15 @@ class Controller:
         A group leased now is trained at about step (trained + outstanding) / B, while the policy
         is at version ``weight_version``; the bound keeps that at most max_staleness steps ahead.
         Groups found too stale count for nothing: they will never be trained (their prompts run again).
+        With --update-weights-interval a version spans several steps: the steps trained count then (a version
+        moves at most once a step, so a group trained within max_staleness + 1 steps of its lease is at most
+        max_staleness versions old); with a version each step the two counts are the same.
         """
         counts = self.queue.counts()
         stale_ahead = sum(1 for position in self.regenerated if position >= self.consumed)
         outstanding = counts.get("leased", 0) + (self.accepted - self.consumed - stale_ahead)
-        step = self.lineage.step_of(self.weight_version)  # a restore's jump in numbering is no step
+        # A restore's jump in version numbering is no step.
+        step = max(self.lineage.step_of(self.weight_version), self.trained // self.spec.groups_per_rollout)
         limit = (step + self.spec.max_staleness + 1) * self.spec.groups_per_rollout
         return max(0, limit - self.trained - outstanding)
 

@@ -61,6 +61,13 @@ class WeightSyncConfig:
         "1: abort in-flight requests, flush KV, update, resume. <=0: pause in place, update, continue "
         "with the existing KV. N>1: flush every N-th synchronisation.",
     )
+    update_weights_interval: int = option(
+        1,
+        "Publish the trainer's weights to the engines after every N-th rollout (training step) instead of after "
+        "each; in between the engines keep generating with the version they serve, so samples are up to N-1 "
+        "steps more off-policy and a version spans N steps (--max-staleness counts versions). A step that saves "
+        "a checkpoint or runs an evaluation, and the last one, always publish.",
+    )
     keep_weight_versions: int = option(
         2, "Published versions kept on disk besides the newest (and the delta chains they need). vime-specific."
     )
@@ -124,6 +131,11 @@ class WeightSyncConfig:
             "'auto''s fallback",
         )
         require(self.keep_weight_versions >= 1, "--keep-weight-versions", "must be >= 1")
+        require(
+            self.update_weights_interval >= 1,
+            "--update-weights-interval",
+            f"must be >= 1 (rollouts between publications), got {self.update_weights_interval}",
+        )
         require(self.update_weight_full_interval >= 1, "--update-weight-full-interval", "must be >= 1")
         require(
             self.update_weight_buffer_size > 0,
