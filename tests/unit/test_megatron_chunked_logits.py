@@ -46,6 +46,12 @@ def model_dir(tmp_path_factory):
     return megatron_shim.tiny_hf_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", vocab_size=VOCAB)
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    """Tied embeddings: the output layer's weight is the input embedding's, whose gradient adds both uses."""
+    return megatron_shim.tiny_hf_model(str(tmp_path_factory.mktemp("tied")), "qwen2", vocab_size=VOCAB, tie=True)
+
+
 def backend(model_dir: str, algorithm: str, *, chunk: int | None, parallel: Parallelism | None = None):
     spec = dataclasses.replace(trainer_spec(model_dir, **ALGORITHMS[algorithm]), log_probs_chunk_size=chunk)
     overrides = {"parallel": parallel} if parallel is not None else {}
@@ -67,10 +73,14 @@ def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.T
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=name)
 
 
-@pytest.mark.parametrize("algorithm", CHUNKED_ALGORITHMS)
-def test_chunked_log_probs_train_as_the_whole_logits_do(model_dir, algorithm):
-    whole = backend(model_dir, algorithm, chunk=None)
-    chunked = backend(model_dir, algorithm, chunk=CHUNK)
+@pytest.mark.parametrize(
+    "algorithm, tied", [(name, False) for name in CHUNKED_ALGORITHMS] + [("kl_loss_entropy_reference", True)]
+)
+def test_chunked_log_probs_train_as_the_whole_logits_do(model_dir, tied_dir, algorithm, tied):
+    folder = tied_dir if tied else model_dir
+    whole = backend(folder, algorithm, chunk=None)
+    chunked = backend(folder, algorithm, chunk=CHUNK)
+    assert chunked.gpt.share_embeddings_and_output_weights == tied
     calls = []
     chunked.gpt.output_layer.register_forward_hook(lambda module, args, output: calls.append(output[0].shape))
     for ours, theirs in zip(train(chunked, algorithm), train(whole, algorithm)):
