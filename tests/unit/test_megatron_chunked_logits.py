@@ -1,7 +1,7 @@
 """--log-probs-chunk-size on the Megatron backend: the output layer's logits a chunk of tokens at a time, gathered
 over the tensor-parallel ranks' vocabulary rows, never for the whole micro-batch. Training must be the same as
-with the whole logits: at TP=1, at TP=2 with and without sequence parallelism, and on the last of two pipeline
-stages (gloo ranks), with a padded vocabulary whose padding rows lie on the second tensor-parallel rank only."""
+with the whole logits: at TP=1, at TP=2 with and without sequence parallelism, on the last of two pipeline
+stages and over two context-parallel ranks (gloo ranks), with a padded vocabulary whose padding rows lie on the second tensor-parallel rank only."""
 
 import dataclasses
 import os
@@ -100,8 +100,13 @@ def _two_rank_worker(rank: int, port: int, model_dir: str, work: str, parallel: 
 
 @pytest.mark.parametrize(
     "parallel",
-    [Parallelism(tensor=2), Parallelism(tensor=2, sequence_parallel=True), Parallelism(pipeline=2)],
-    ids=["tp2", "tp2-sp", "pp2"],
+    [
+        Parallelism(tensor=2),
+        Parallelism(tensor=2, sequence_parallel=True),
+        Parallelism(pipeline=2),
+        Parallelism(context=2),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "cp2"],
 )
 def test_chunked_log_probs_on_two_ranks_train_as_one_rank_with_the_whole_logits(model_dir, tmp_path, parallel):
     """Each tensor-parallel rank computes its vocabulary rows' logits: a chunk's log-softmax needs both ranks'

@@ -45,6 +45,19 @@ class _GradientSummed(torch.autograd.Function):
         return grad, None
 
 
+class _GradientScaled(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 @contextlib.contextmanager
 def _output_layer_skipped(gpt):
     """megatron-core's GPTModel returns its decoder's output (the final norm applied, [S, B, d], the sequence
@@ -115,10 +128,18 @@ class MegatronLM(torch.nn.Module):
         return self.pipeline is None or self.pipeline.last
 
     def output_weight(self) -> torch.Tensor:
-        """The output layer's weight on this rank, [its vocabulary rows, d] (the input embedding's, tied)."""
+        """The output layer's weight on this rank, [its vocabulary rows, d] (the input embedding's, tied), for the
+        logits of ``final_hidden``'s whole rows. Under context parallelism every rank of the group computes those
+        logits for every position, so each one's gradient for the weight is the whole gradient, and the ranks'
+        gradient sum (data x context parallel) would count it once per rank: it is scaled by 1 / CP here. (The
+        unchunked output layer runs on each rank's own positions, whose gradients add up to the whole.)"""
         if self.gpt.share_embeddings_and_output_weights:
-            return self.gpt.shared_embedding_or_output_weight()
-        return self.gpt.output_layer.weight
+            weight = self.gpt.shared_embedding_or_output_weight()
+        else:
+            weight = self.gpt.output_layer.weight
+        if self.context is not None and self.context.size > 1:
+            weight = _GradientScaled.apply(weight, 1.0 / self.context.size)
+        return weight
 
     def vocabulary(self):
         """How :meth:`output_weight`'s rows split the padded vocabulary over the tensor-parallel ranks."""
