@@ -1,7 +1,8 @@
 """--log-probs-chunk-size on the Megatron backend: the output layer's logits a chunk of tokens at a time, gathered
 over the tensor-parallel ranks' vocabulary rows, never for the whole micro-batch. Training must be the same as
-with the whole logits: at TP=1, at TP=2 with and without sequence parallelism, on the last of two pipeline
-stages and over two context-parallel ranks (gloo ranks), with a padded vocabulary whose padding rows lie on the second tensor-parallel rank only."""
+with the whole logits: at TP=1 (tied embeddings too), at TP=2 with and without sequence parallelism, on the last
+of two pipeline stages and over two context-parallel ranks (gloo ranks), with a padded vocabulary whose padding
+rows lie on the second tensor-parallel rank only."""
 
 import dataclasses
 import os
