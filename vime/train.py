@@ -335,12 +335,10 @@ class TrainingRun:
         ``weight_sync_seconds`` (all of it), ``weight_sync_publish_s`` (the trainer writing the
         version) and ``weight_sync_pause_s`` (the longest time an engine generated nothing). With
         --debug-train-only there is no engine: the version moves on and nothing is written."""
-        import ray
-
         started = time.monotonic()
         report = {} if self.s.debug.debug_train_only else self._sync_engines(version, sync_number)
         self.version, self.weights_held = version, False
-        ray.get(self.processes.controller.sync.remote(version, self.cursor, self.trained, self.lineage))
+        self._sync_controller()
         return {
             "weight_sync_seconds": time.monotonic() - started,
             "weight_sync_publish_s": float(report.get("weight_publish_seconds", 0.0)),
@@ -465,11 +463,15 @@ class TrainingRun:
     def _hold_weights(self) -> dict[str, float]:
         """A step between publications: the engines keep serving ``self.version`` while the trainer holds newer
         weights; admission still moves on with the groups trained."""
+        self.weights_held = True
+        self._sync_controller()
+        return {"weight_sync_seconds": 0.0, "weight_sync_publish_s": 0.0, "weight_sync_pause_s": 0.0}
+
+    def _sync_controller(self) -> None:
+        """The controller's view of the run: the version every engine serves, the cursor, the groups trained."""
         import ray
 
-        self.weights_held = True
         ray.get(self.processes.controller.sync.remote(self.version, self.cursor, self.trained, self.lineage))
-        return {"weight_sync_seconds": 0.0, "weight_sync_publish_s": 0.0, "weight_sync_pause_s": 0.0}
 
     def _commit(self, step: int) -> None:
         """Mark the groups trained by ``step`` in the queue (the consumer cursor), durably."""

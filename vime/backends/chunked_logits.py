@@ -15,8 +15,8 @@ with tied embeddings the head's weight is the embedding's, and its gradient adds
 A vocabulary-parallel head (:class:`VocabParallelHead`: the Megatron backend's output layer, whose weight holds
 one tensor-parallel rank's rows of a padded vocabulary) gathers each chunk's logits over its ranks and drops the
 padding rows; in the backward pass each rank keeps its own rows' gradient. The hidden states' gradient is then
-this rank's share of the sum, which the caller's region function (megatron-core's, as its output layer uses)
-sums over the ranks.
+this rank's share of the sum, which the caller sums over the ranks (vime.backends.megatron_forward's
+``MegatronLM._head_input``).
 """
 
 from __future__ import annotations

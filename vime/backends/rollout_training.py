@@ -417,10 +417,10 @@ class RolloutTraining:
             step_terms = self.dp.sum_terms(step_terms)
             params = [p for p in role.parameters() if p.requires_grad]
             self.sum_gradients(params)
-            grad_norm = self.finish_gradients(params, role.clip_grad)
+            grad_norm = float(self.finish_gradients(params, role.clip_grad))
             if self.spec.check_for_nan_in_loss_and_grad:
-                check_finite_step(role.name, step_id, step_terms[loss_key], float(grad_norm))
+                check_finite_step(role.name, step_id, step_terms[loss_key], grad_norm)
             metrics[role.lr_key].append(role.step())
             for name, value in step_terms.items():
                 metrics[name].append(value)
-            metrics[grad_key].append(float(grad_norm))
+            metrics[grad_key].append(grad_norm)

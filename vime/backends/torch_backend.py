@@ -268,14 +268,12 @@ def make_optimizer(params, spec: TorchTrainerSpec, role: RoleOverrides) -> torch
     )
 
 
-def fused_adamw_applies(params: list) -> bool:
+def fused_adamw_applies(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW steps ``params``: one kernel over every tensor, on the CPU and on CUDA. It takes
     the default (for-each) implementation's steps within float32 rounding (2.4e-7 apart after five steps, measured)
     without the for-each's temporaries, a float32 copy of the moments (4 bytes per parameter at the step's peak),
     and was 4x faster on this machine's CPU (a 50M-parameter step, 0.07 s against 0.29 s)."""
-    tensors = [p["params"] if isinstance(p, dict) else [p] for p in params]
-    flat = [t for group in tensors for t in group]
-    return bool(flat) and all(t.device.type in ("cpu", "cuda") and t.dtype.is_floating_point for t in flat)
+    return bool(params) and all(t.device.type in ("cpu", "cuda") and t.dtype.is_floating_point for t in params)
 
 
 def make_objective(spec: TorchTrainerSpec) -> RLObjective:
