@@ -137,9 +137,28 @@ def _rank(
             metrics = [backend.train_rollout(make_samples(seed), 0) for seed in (0, 1)]
             backend.save_training_state(os.path.join(work, f"{layout_id}_ckpt"))
             results[layout_id] = {"metrics": metrics, "weights": dict(backend.hf_named_weights())}
+            if trainer.use_distributed_optimizer:
+                results[layout_id]["sharding"] = _sharding(backend)
             _reset_megatron()
     torch.save(results, os.path.join(work, f"{backend_name}_rank{rank}.pt"))
     leave_group()
+
+
+def _sharding(backend) -> dict[str, int]:
+    """What this rank's sharded optimizer holds (AdamW's first-moment elements) and what it would hold split
+    evenly: the dense parameters' elements over the data x context parallel ranks, the routed experts' over the
+    ranks that hold the same experts."""
+    from vime.backends.megatron_weights import is_expert_param
+
+    optimizer = backend.actor.optimizer
+    expert = sum(p.numel() for name, p in backend.gpt.named_parameters() if is_expert_param(name))
+    return {
+        "moments": sum(state["exp_avg"].numel() for state in optimizer.state.values()),
+        "dense": sum(p.numel() for p in backend.gpt.parameters()) - expert,
+        "expert": expert,
+        "dense_ranks": backend.gradient_dp.size,
+        "expert_ranks": backend.expert_dp.size,
+    }
 
 
 def _reset_megatron() -> None:
@@ -247,7 +266,24 @@ EXPERT_LAYOUTS = {
             "balance_data": True,
         },
     },
+    # --use-distributed-optimizer: the dense parameters' optimizer split over the four data x context parallel
+    # ranks, the experts' over the two ranks holding the same experts; under TP 2 (experts split over the TP
+    # ranks, so no rank shares its experts' shards) over two and one.
+    "ep2_cp2_zero1": {"expert": 2, "context": 2, "trainer": {"use_distributed_optimizer": True}},
+    "ep2_tp2_sp_zero1": {
+        "expert": 2,
+        "tensor": 2,
+        "sequence_parallel": True,
+        "trainer": {"use_distributed_optimizer": True},
+    },
+    # --bf16, replicated and sharded: the sharded ranks must take the replicated ranks' steps.
+    "ep2_cp2_bf16": {"expert": 2, "context": 2, "trainer": {"bf16": True}},
+    "ep2_cp2_zero1_bf16": {"expert": 2, "context": 2, "trainer": {"bf16": True, "use_distributed_optimizer": True}},
 }
+
+
+# (data x context parallel ranks, ranks holding the same experts) of the --use-distributed-optimizer layouts
+EXPECTED_SHARD_RANKS = {"ep2_cp2_zero1": (4, 2), "ep2_tp2_sp_zero1": (2, 1), "ep2_cp2_zero1_bf16": (4, 2)}
 
 
 def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
@@ -255,7 +291,9 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     pipeline stages; with tensor and sequence parallelism 2, each expert split over the two tensor-parallel
     ranks (expert tensor parallelism 2, Megatron's default) or whole on each (expert tensor parallelism 1); and
     over two context-parallel ranks; and under tensor parallelism with token budgets and --balance-data (each
-    pass's micro-batches split to an even count, as many for each rank). Tokens are exchanged between the ranks
+    pass's micro-batches split to an even count, as many for each rank); and with --use-distributed-optimizer
+    (ZeRO-1: the experts' optimizer state split over the ranks holding the same experts, the rest's over the
+    data-parallel ranks), alone and under tensor parallelism. Tokens are exchanged between the ranks
     inside every MoE layer; dense
     weights are data-parallel replicas or tensor shards. The torch backend's single-rank numbers on the same
     HF MoE model, the experts gathered back for export, and each torch_dist checkpoint resumed in one
@@ -274,7 +312,16 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
     reference.save_weights(str(tmp_path / "reference"))
     expected_weights = read_hf_state_dict(str(tmp_path / "reference"))
     for layout_id, layout in EXPERT_LAYOUTS.items():
-        if "trainer" in layout:  # other micro-batches: the steps' numbers, not the per-micro-batch means
+        overrides = layout.get("trainer", {})
+        if overrides.get("use_distributed_optimizer"):
+            sharding = [rank[layout_id]["sharding"] for rank in ranks]
+            assert [(s["dense_ranks"], s["expert_ranks"]) for s in sharding] == [EXPECTED_SHARD_RANKS[layout_id]] * 4
+            for s in sharding:  # each rank's share of both groups, up to one element of padding in each
+                even = s["dense"] / s["dense_ranks"] + s["expert"] / s["expert_ranks"]
+                assert abs(s["moments"] - even) <= 2, (layout_id, s)
+        if overrides.get("bf16"):  # not the float32 reference's forward: compared with its replicated twin below
+            continue
+        if overrides.get("use_dynamic_batch_size"):  # other micro-batches: the steps' numbers, not their means
             from tests.unit.test_dynamic_batching import assert_same_steps
 
             for rank in ranks:
@@ -295,6 +342,22 @@ def test_megatron_expert_parallel_ranks_take_one_ranks_steps(tmp_path):
             torch.testing.assert_close(
                 tensor, expected_weights[name], rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=f"{layout_id}: {name}"
             )
+    # --bf16: the sharded ranks take the replicated ranks' steps, and their checkpoint (float32 masters, experts
+    # gathered from the ranks holding them) resumes in one float32 process with their weights.
+    from tests.unit.test_megatron_backend import assert_same_metrics
+
+    for rank in ranks:
+        sharded, replicated = rank["ep2_cp2_zero1_bf16"], rank["ep2_cp2_bf16"]
+        # They did train in bf16: the gradient norm is not the float32 reference's (2.0829 against 2.0819 here).
+        assert replicated["metrics"][0]["grad_norm"] != pytest.approx(expected[0]["grad_norm"], rel=1e-4)
+        for ours, theirs in zip(sharded["metrics"], replicated["metrics"], strict=True):
+            assert_same_metrics(ours, theirs)
+        for name, tensor in replicated["weights"].items():
+            torch.testing.assert_close(sharded["weights"][name], tensor, rtol=0, atol=ADAMW_WEIGHT_ATOL, msg=name)
+    resumed = MegatronBackend(trainer_spec(moe_dir, **TORCH_RUNS["kl_loss_entropy"]), megatron_spec(moe_dir))
+    resumed.load_training_state(str(tmp_path / "ep2_cp2_zero1_bf16_ckpt"))
+    for name, tensor in resumed.hf_named_weights():
+        torch.testing.assert_close(tensor, ranks[0]["ep2_cp2_zero1_bf16"]["weights"][name], rtol=0, atol=0, msg=name)
 
 
 def _tied_qwen2_with_tokenizer(folder: str, tokenizer_source: str, num_layers: int = 2) -> str:

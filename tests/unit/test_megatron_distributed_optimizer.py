@@ -159,7 +159,7 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one(ranks, model_dir, prec
     assert_same_metrics(resumed.train_rollout(make_samples(1, GROUPS), 0), per_rank[0][(precision, True)]["next"])
 
 
-def test_the_command_line_takes_the_flag_and_refuses_it_with_experts_spread_over_ranks(model_dir, tmp_path):
+def test_the_command_line_takes_the_flag_with_and_without_experts_spread_over_ranks(model_dir, tmp_path):
     from tests.train_args import minimal_train_argv
     from vime.config import ConfigError, parse_train_args
     from vime.queue.rollout_queue import StoreOptions
@@ -174,9 +174,11 @@ def test_the_command_line_takes_the_flag_and_refuses_it_with_experts_spread_over
         s, transport="object-store", store=StoreOptions(str(tmp_path / "queue")), threads=1, cpu_affinity=None
     )
     assert spec.backend.use_distributed_optimizer and spec.backend.bf16 and spec.megatron is not None
+    # Experts spread over ranks: their optimizer is split over the ranks holding the same experts
+    # (tests/unit/test_data_parallel.py trains it).
     for flag in ("--expert-model-parallel-size", "--expert-tensor-parallel-size"):
-        with pytest.raises(ConfigError, match=f"^--use-distributed-optimizer: cannot be combined with {flag} 2 "):
-            parse_train_args(minimal_train_argv(model_dir, *megatron, flag, "2"))
+        s = parse_train_args(minimal_train_argv(model_dir, *megatron, flag, "2"))
+        assert s.train.use_distributed_optimizer
     with pytest.raises(ConfigError, match="^--balance-data: cannot be combined with --use-distributed-optimizer"):
         parse_train_args(minimal_train_argv(model_dir, "--use-distributed-optimizer", "--balance-data"))
 

@@ -61,7 +61,7 @@ from vime.backends.megatron_setup import (
 from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_source
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything
-from vime.backends.sharded_optimizer import StateAccess, make_sharded_role
+from vime.backends.sharded_optimizer import ShardGroup, StateAccess, make_sharded_role
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
 from vime.config.roles import RoleOverrides
@@ -111,12 +111,6 @@ class MegatronBackend(RolloutTraining):
             if megatron.model.is_moe:
                 # Each expert (or expert shard) lives on some ranks only: its gradient is summed over its copies.
                 self.expert_dp = DataParallel(ps.get_expert_data_parallel_group())
-                if spec.use_distributed_optimizer:  # start-up validation refuses it too (check_trainer_parallelism)
-                    raise ConfigError(
-                        "--use-distributed-optimizer",
-                        "cannot shard the optimizer of experts spread over ranks (--expert-model-parallel-size, "
-                        "--expert-tensor-parallel-size) yet",
-                    )
         if megatron.moe.routing_replay and not megatron.model.is_moe:
             raise ValueError(
                 f"--use-rollout-routing-replay needs a mixture-of-experts model ({megatron.model.family} "
@@ -191,10 +185,23 @@ class MegatronBackend(RolloutTraining):
 
     def _make_role(self, name: str, gpt, role: RoleOverrides, yaml: str | None) -> ModelRole:
         """The role's optimizer: replicated, or with --use-distributed-optimizer sharded over the ranks that
-        sum its gradients (data x context parallel)."""
+        sum its gradients (:meth:`_shard_groups`)."""
         if self.spec.use_distributed_optimizer:
-            return make_sharded_role(name, gpt, self.spec, role, yaml, self.gradient_dp)
+            return make_sharded_role(name, gpt, self.spec, role, yaml, self._shard_groups(gpt))
         return make_role(name, gpt, self.spec, role, yaml)
+
+    def _shard_groups(self, gpt) -> list[ShardGroup]:
+        """The ranks each parameter's gradient is summed over (:meth:`sum_gradients`): data x context parallel
+        ranks, and under expert parallelism, for the routed experts, their expert-data-parallel ranks (those
+        holding the same experts), as megatron-core's distributed optimizer splits them."""
+        if self.expert_dp is None:
+            return [ShardGroup(list(gpt.parameters()), self.gradient_dp)]
+        from vime.backends.megatron_weights import is_expert_param
+
+        experts = [p for name, p in gpt.named_parameters() if is_expert_param(name)]
+        routed = {id(p) for p in experts}
+        dense = [p for p in gpt.parameters() if id(p) not in routed]
+        return [ShardGroup(dense, self.gradient_dp), ShardGroup(experts, self.expert_dp)]
 
     @staticmethod
     def _hook(flag: str, path: str | None, loader):

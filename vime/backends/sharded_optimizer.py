@@ -12,7 +12,10 @@ does reduce-scatter too, ``reduce_scatter_tensor``, checked with torch 2.x here:
 megatron-core's way, would also shard the float32 gradients of --bf16's stand-ins; not done yet.)
 
 The split (:class:`FlatLayout`): the model's parameters, in ``module.parameters()`` order, flattened end to end,
-padded to a multiple of the N ranks and cut into N equal contiguous ranges; rank r owns range r. A parameter's
+padded to a multiple of the N ranks and cut into N equal contiguous ranges; rank r owns range r. The N ranks are
+those that sum the parameters' gradients (a :class:`ShardGroup`): under expert parallelism the routed experts are
+laid out and split on their own over the ranks holding the same experts, the other parameters over the data x
+context parallel ranks, as megatron-core's distributed optimizer splits them. A parameter's
 overlap with a rank's range is a *piece*; a real torch optimizer (``--optimizer``: AdamW or SGD, the command line's
 settings, schedule and clipping) steps this rank's pieces. The update is elementwise, so stepping pieces is
 stepping the whole tensors (a parameter without a gradient keeps ``grad is None`` and is skipped, as unsharded).
@@ -76,10 +79,13 @@ class Segment:
 
 
 class FlatLayout:
-    """Parameters of ``numels`` elements end to end, cut into ``ranks`` equal ranges (the last ones padded)."""
+    """Parameters of ``numels`` elements end to end, cut into ``ranks`` equal ranges (the last ones padded).
+    ``indices``: each parameter's position in the model's list, which the segments name (default: its position
+    here)."""
 
-    def __init__(self, numels: list[int], ranks: int):
+    def __init__(self, numels: list[int], ranks: int, indices: list[int] | None = None):
         self.numels = numels
+        self.indices = list(range(len(numels))) if indices is None else indices
         self.offsets = [0]
         for n in numels:
             self.offsets.append(self.offsets[-1] + n)
@@ -94,7 +100,7 @@ class FlatLayout:
             begin = self.offsets[index]
             stop = min(flat_stop, self.offsets[index + 1])
             if stop > flat_start:
-                yield Segment(index, flat_start - begin, stop - begin, flat_start)
+                yield Segment(self.indices[index], flat_start - begin, stop - begin, flat_start)
             flat_start = max(flat_start, stop)
             index += 1
 
@@ -120,48 +126,127 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """Parameters whose gradients ``dp``'s ranks sum (each of those ranks holds the same copy of them): their
+    optimizer state (and with --bf16 their float32 masters) is split over those ranks. Under expert parallelism the
+    routed experts are a group of their own (megatron-core's expert-data-parallel ranks), the other parameters
+    another (data x context parallel ranks)."""
+
+    params: list[torch.nn.Parameter]
+    dp: DataParallel
+
+
+class _Shard:
+    """One :class:`ShardGroup` laid out flat over its ranks: this rank's pieces of it, the optimizer tensors of
+    those pieces (``piece_params``, set by the optimizer) and the all-gather that gives every rank the whole."""
+
+    def __init__(self, indices: list[int], numels: list[int], dp: DataParallel):
+        self.indices, self.dp = indices, dp
+        self.layout = FlatLayout(numels, dp.size, indices)
+        self.pieces = self.layout.pieces(dp.rank)
+        self.piece_params: list[torch.nn.Parameter] = []
+        if not self.pieces:
+            raise ValueError(
+                f"--use-distributed-optimizer: {self.layout.total} parameter elements leave rank {dp.rank} of the "
+                f"{dp.size} that share them nothing to own"
+            )
+
+    def all_gather(self, values_of: Callable[[torch.Tensor], torch.Tensor | None], targets: list[torch.Tensor]):
+        """Every rank's ``values_of(piece)`` (None: zeros) into ``targets`` (tensors shaped like the model's
+        parameters, indexed as they are; any dtype: the float32 values are cast)."""
+        size = self.layout.shard_size
+        first = self.dp.rank * size
+        for start in range(0, size, GATHER_CHUNK_ELEMENTS):
+            chunk = self._chunk(values_of, first + start, min(GATHER_CHUNK_ELEMENTS, size - start))
+            received = [chunk]
+            if self.dp.size > 1:
+                import torch.distributed as dist
+
+                received = [torch.empty_like(chunk) for _ in range(self.dp.size)]
+                dist.all_gather(received, chunk, group=self.dp.group)
+            for rank, values in enumerate(received):
+                for s in self.layout.segments(rank * size + start, len(values)):
+                    at = s.flat_start - rank * size - start
+                    _flat(targets[s.index].data)[s.start : s.stop].copy_(values[at : at + s.stop - s.start])
+
+    def _chunk(self, values_of, flat_start: int, length: int) -> torch.Tensor:
+        """Elements ``flat_start`` to ``flat_start + length`` of the flat layout, within this rank's range, as
+        float32: its pieces' ``values_of`` (zeros where None, and past the last parameter). One chunk at a time,
+        so that a gather holds no copy of the rank's whole range."""
+        chunk = torch.zeros(length, dtype=torch.float32, device=self.piece_params[0].device)
+        end = flat_start + length
+        for segment, piece in zip(self.pieces, self.piece_params):
+            low = max(flat_start, segment.flat_start)
+            high = min(end, segment.flat_start + segment.stop - segment.start)
+            if low < high and (values := values_of(piece)) is not None:
+                chunk[low - flat_start : high - flat_start].copy_(
+                    _flat(values)[low - segment.flat_start : high - segment.flat_start]
+                )
+        return chunk
+
+    def max_over_ranks(self, per_param: torch.Tensor) -> None:
+        """``per_param``'s columns of this group's parameters, set to their maximum over the group's ranks."""
+        if self.dp.size > 1:
+            import torch.distributed as dist
+
+            columns = per_param[:, self.indices].contiguous()
+            dist.all_reduce(columns, op=dist.ReduceOp.MAX, group=self.dp.group)
+            per_param[:, self.indices] = columns
+
+
 class ShardedOptimizer:
     """This rank's part of ``module``'s optimizer (module docstring); the backend's training loop uses it as it
     uses a torch optimizer (``param_groups``, ``state``, ``zero_grad``, ``step``).
 
     ``make_optimizer(tensors)``: the torch optimizer of ``--optimizer`` over ``tensors``, built once over this
-    rank's pieces and again over whole float32 tensors for checkpoints (:meth:`whole_state`)."""
+    rank's pieces and again over whole float32 tensors for checkpoints (:meth:`whole_state`). ``groups``: which
+    ranks share which parameters (every parameter of ``module`` in exactly one group)."""
 
     def __init__(
         self,
         module: torch.nn.Module,
         make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        dp: DataParallel,
+        groups: list[ShardGroup],
         *,
         bf16: bool,
     ):
-        self.module, self.make_optimizer, self.dp, self.bf16 = module, make_optimizer, dp, bf16
+        self.module, self.make_optimizer, self.bf16 = module, make_optimizer, bf16
         self.model_params = list(module.parameters())  # a tied parameter once, as the unsharded optimizer has it
         self._places = parameter_places(module, self.model_params)  # where gathered tensors stand in (weights_as)
-        self.layout = FlatLayout([p.numel() for p in self.model_params], dp.size)
-        self.pieces = self.layout.pieces(dp.rank)
-        if not self.pieces:
-            raise ValueError(
-                f"--use-distributed-optimizer: the model's {self.layout.total} parameters leave data-parallel rank "
-                f"{dp.rank} of {dp.size} nothing to own"
-            )
+        self.shards = self._split(groups)
+        for shard in self.shards:
+            if bf16:  # the masters start as the float32 weights, before the model is rounded to bf16
+                values = [_flat(self.model_params[s.index].detach())[s.start : s.stop].clone() for s in shard.pieces]
+            else:  # views of the parameters' own storage
+                values = [_flat(self.model_params[s.index].data)[s.start : s.stop] for s in shard.pieces]
+            shard.piece_params = [self._piece_param(v, s) for v, s in zip(values, shard.pieces)]
+        # Every shard's pieces, in the shards' order: what the torch optimizer steps.
+        self.pieces = [segment for shard in self.shards for segment in shard.pieces]
+        self.piece_params = [piece for shard in self.shards for piece in shard.piece_params]
         if bf16:
-            # The masters start as the float32 weights, before the model is rounded to bf16.
-            self.piece_params = [
-                self._piece_param(_flat(self.model_params[s.index].detach())[s.start : s.stop].clone(), s)
-                for s in self.pieces
-            ]
             self.params = [gradient_slot(p) for p in self.model_params]
             for p, slot in zip(self.model_params, self.params):
                 p.data = p.data.to(torch.bfloat16)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(accumulate_grad_into(slot))
         else:
-            self.piece_params = [
-                self._piece_param(_flat(self.model_params[s.index].data)[s.start : s.stop], s) for s in self.pieces
-            ]
             self.params = self.model_params  # the float32 parameters carry their own gradients
         self.optimizer = make_optimizer(self.piece_params)
+
+    def _split(self, groups: list[ShardGroup]) -> list[_Shard]:
+        position = {id(p): i for i, p in enumerate(self.model_params)}
+        shards, covered = [], []
+        for group in groups:
+            indices = [position[id(p)] for p in group.params if id(p) in position]
+            if len(indices) != len(group.params):
+                raise ValueError("--use-distributed-optimizer: a shard group holds a tensor that is not the model's")
+            if indices:  # e.g. a pipeline stage without MoE layers has no experts to split
+                shards.append(_Shard(indices, [self.model_params[i].numel() for i in indices], group.dp))
+                covered += indices
+        if sorted(covered) != list(range(len(self.model_params))):
+            raise ValueError("--use-distributed-optimizer: every parameter must be in exactly one shard group")
+        return shards
 
     def _piece_param(self, values: torch.Tensor, segment: Segment) -> torch.nn.Parameter:
         # nn.Parameter over a view shares the parameter's storage (the float32 case): the step updates it in place.
@@ -204,37 +289,10 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ gathering
     def _all_gather(self, values_of: Callable[[torch.Tensor], torch.Tensor | None], targets: list[torch.Tensor]):
-        """Every rank's ``values_of(piece)`` (None: zeros) into ``targets``, tensors shaped like the model's
-        parameters (any dtype: the float32 values are cast)."""
-        size = self.layout.shard_size
-        first = self.dp.rank * size
-        for start in range(0, size, GATHER_CHUNK_ELEMENTS):
-            chunk = self._shard_chunk(values_of, first + start, min(GATHER_CHUNK_ELEMENTS, size - start))
-            received = [chunk]
-            if self.dp.size > 1:
-                import torch.distributed as dist
-
-                received = [torch.empty_like(chunk) for _ in range(self.dp.size)]
-                dist.all_gather(received, chunk, group=self.dp.group)
-            for rank, values in enumerate(received):
-                for s in self.layout.segments(rank * size + start, len(values)):
-                    at = s.flat_start - rank * size - start
-                    _flat(targets[s.index].data)[s.start : s.stop].copy_(values[at : at + s.stop - s.start])
-
-    def _shard_chunk(self, values_of, flat_start: int, length: int) -> torch.Tensor:
-        """Elements ``flat_start`` to ``flat_start + length`` of the flat layout, within this rank's range, as
-        float32: its pieces' ``values_of`` (zeros where None, and past the last parameter). One chunk at a time,
-        so that a gather holds no copy of the rank's whole range."""
-        chunk = torch.zeros(length, dtype=torch.float32, device=self.piece_params[0].device)
-        end = flat_start + length
-        for segment, piece in zip(self.pieces, self.piece_params):
-            low = max(flat_start, segment.flat_start)
-            high = min(end, segment.flat_start + segment.stop - segment.start)
-            if low < high and (values := values_of(piece)) is not None:
-                chunk[low - flat_start : high - flat_start].copy_(
-                    _flat(values)[low - segment.flat_start : high - segment.flat_start]
-                )
-        return chunk
+        """Every rank's ``values_of(piece)`` into ``targets`` (tensors shaped like the model's parameters), each
+        shard over its own ranks."""
+        for shard in self.shards:
+            shard.all_gather(values_of, targets)
 
     def _whole_masters(self, dtype: torch.dtype) -> list[torch.nn.Parameter]:
         """Every parameter's master weights, gathered, in ``dtype``, with the parameters' attributes."""
@@ -267,10 +325,8 @@ class ShardedOptimizer:
             if state:
                 held[0, segment.index] = 1.0
                 held[1, segment.index] = max(float(held[1, segment.index]), float(state.get("step", 0.0)))
-        if self.dp.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=self.dp.group)
+        for shard in self.shards:  # the same order on every rank: collectives of different groups never cross
+            shard.max_over_ranks(held)
         for i, master in enumerate(masters):
             if held[0, i] < 0:
                 whole.state.pop(master, None)
@@ -376,9 +432,9 @@ def make_sharded_role(
     spec: TorchTrainerSpec,
     role: RoleOverrides,
     source: str | None,
-    dp: DataParallel,
+    groups: list[ShardGroup],
 ) -> ShardedModelRole:
-    """:func:`vime.backends.torch_backend.make_role` with the optimizer sharded over ``dp``'s ranks."""
+    """:func:`vime.backends.torch_backend.make_role` with the optimizer sharded over the ranks of ``groups``."""
     schedule = (spec.lr_schedule or LRSchedule(lr=spec.lr)).for_role(role, source)
-    sharded = ShardedOptimizer(module, lambda tensors: make_optimizer(tensors, spec, role), dp, bf16=spec.bf16)
+    sharded = ShardedOptimizer(module, lambda tensors: make_optimizer(tensors, spec, role), groups, bf16=spec.bf16)
     return ShardedModelRole(name, module, sharded, role.get("clip_grad", spec.clip_grad), schedule)

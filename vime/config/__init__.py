@@ -397,14 +397,6 @@ def check_trainer_parallelism(settings: TrainSettings) -> None:
             "--ckpt-format",
             f"'torch' cannot hold experts spread over ranks ({flag} {size}); use torch_dist",
         )
-        # Spread experts sum their gradients over their own (expert-data-parallel) groups: vime's sharded
-        # optimizer splits over the data-parallel group only (vime/backends/sharded_optimizer.py).
-        require(
-            not settings.train.use_distributed_optimizer,
-            "--use-distributed-optimizer",
-            f"cannot be combined with {flag} {size} yet (the Megatron backend shards the optimizer over the "
-            "data-parallel ranks, and experts spread over ranks have groups of their own)",
-        )
     dynamic = settings.train.use_dynamic_batch_size
     # Expert-parallel ranks exchange tokens in every forward: each must run as many micro-batches as the others.
     # With token budgets the backend makes every pass's count a multiple of the data-parallel ranks, and

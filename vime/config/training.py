@@ -112,8 +112,8 @@ class TrainConfig:
         False,
         "Shard the training state across the trainer's data-parallel ranks. Torch backend: FSDP2 shards the "
         "parameters, gradients and optimizer state. Megatron backend: the optimizer state and, with --bf16, the "
-        "float32 master weights (ZeRO-1, as Megatron's distributed optimizer; not with expert parallelism) "
-        "(docs/real-models.md).",
+        "float32 master weights (ZeRO-1, as Megatron's distributed optimizer; routed experts spread over ranks "
+        "are split over the ranks holding the same experts) (docs/real-models.md).",
     )
     no_check_for_nan_in_loss_and_grad: bool = option(
         False,
