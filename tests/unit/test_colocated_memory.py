@@ -33,6 +33,24 @@ def test_colocate_sets_both_offloads_and_the_sleep_level_follows_the_update_mode
         assert OffloadPlan.from_settings(parse_train_args(base(model_dir, "--colocate", flag))).active
 
 
+def test_the_reference_s_no_offload_flags_turn_one_side_off_under_colocate(model_dir):
+    """--no-offload-train / --no-offload-rollout (the reference's negations): under --colocate the trainer keeps
+    its memory, or the engines stay awake; the other side still takes its turns. Without --colocate they change
+    nothing; against --offload they are refused, naming the flag."""
+
+    def plan(*flags):
+        return OffloadPlan.from_settings(parse_train_args(base(model_dir, *flags)))
+
+    assert plan("--colocate", "--no-offload-train") == OffloadPlan(sleep_level=2, offload_train=False)
+    assert plan("--colocate", "--no-offload-rollout") == OffloadPlan(sleep_level=0, offload_train=True)
+    assert not plan("--colocate", "--no-offload-train", "--no-offload-rollout").active
+    assert plan("--colocate", "--offload-train", "--offload-rollout") == OffloadPlan(2, True)
+    assert plan("--no-offload-train", "--no-offload-rollout") == OffloadPlan(0, False)
+    for flag in ("--no-offload-train", "--no-offload-rollout"):
+        with pytest.raises(ConfigError, match=f"^{flag}: contradicts --offload"):
+            parse_train_args(base(model_dir, "--colocate", "--offload", flag))
+
+
 @pytest.mark.parametrize("flag", ["--offload", "--offload-train", "--offload-rollout"])
 def test_offload_without_colocate_is_refused_naming_the_flag(model_dir, flag):
     with pytest.raises(ConfigError, match=f"^{flag}: needs --colocate"):

