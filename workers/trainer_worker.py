@@ -92,6 +92,7 @@ class TrainerWorkerSpec:
             optimizer=s.train.optimizer,
             sgd_momentum=s.train.sgd_momentum,
             check_for_nan_in_loss_and_grad=not s.train.no_check_for_nan_in_loss_and_grad,
+            deterministic_mode=s.perf.deterministic_mode,
             exp_avg_dtype=s.perf.exp_avg_dtype,
             exp_avg_sq_dtype=s.perf.exp_avg_sq_dtype,
             hooks=s.hooks,

@@ -60,7 +60,7 @@ from vime.backends.megatron_setup import (
 )
 from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_source
 from vime.backends.precision import engine_dtype
-from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.backends.rollout_training import RolloutTraining, seed_everything, use_deterministic_algorithms
 from vime.backends.sharded_optimizer import ShardGroup, StateAccess, make_sharded_role
 from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
 from vime.config.base import ConfigError
@@ -94,6 +94,8 @@ class MegatronBackend(RolloutTraining):
                 "torch.cuda is not available here; use --train-backend torch on CPU"
             )
         seed_everything(spec.seed)
+        if spec.deterministic_mode:
+            use_deterministic_algorithms()
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 

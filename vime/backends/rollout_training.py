@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import random
 import time
 
@@ -31,6 +32,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def use_deterministic_algorithms() -> None:
+    """--deterministic-mode: from now on this process runs only deterministic kernels (an op without one raises,
+    naming itself). cuBLAS needs its workspace size fixed before CUDA starts for that (torch's documentation):
+    set here unless the user's environment already chose one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def _relayout(

@@ -30,7 +30,7 @@ from vime.backends.fsdp import Sharding, save_value_model
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
 from vime.backends.random_state import restore_rng_state, rng_state
-from vime.backends.rollout_training import RolloutTraining, seed_everything
+from vime.backends.rollout_training import RolloutTraining, seed_everything, use_deterministic_algorithms
 from vime.backends.sequence_packing import all_packable, forward_layout
 from vime.backends.value_model import (
     CRITIC_OPTIMIZER_FILE,
@@ -89,6 +89,7 @@ class TorchTrainerSpec:
     # Megatron-LM's check, on unless --no-check-for-nan-in-loss-and-grad: a step whose loss or gradient norm is
     # NaN or infinite is not taken and stops the run (rollout_training.NonFiniteStep).
     check_for_nan_in_loss_and_grad: bool = True
+    deterministic_mode: bool = False  # --deterministic-mode: deterministic kernels only
     # --custom-convert-samples-to-train-data-path, --save-debug-train-data & co. (vime.config.hooks), and the
     # keys of --custom-config-path: what the objective's user functions see in ``args``.
     hooks: HooksConfig | None = None
@@ -307,6 +308,8 @@ class TorchBackend(RolloutTraining):
         if spec.threads:
             torch.set_num_threads(spec.threads)
         seed_everything(spec.seed)
+        if spec.deterministic_mode:
+            use_deterministic_algorithms()
         # The trainer's ranks (TrainerWorker joins them before building the backend) are data-parallel.
         self.dp = DataParallel()
         # --use-distributed-optimizer: FSDP2 over those ranks (vime/backends/fsdp.py); None: replicas.

@@ -161,6 +161,14 @@ class MegatronPerfConfig:
         "default; the reference's is 128): only the padding that sequence and context parallelism need. The "
         "torch backend pads nothing for alignment and does not read it.",
     )
+    deterministic_mode: bool = option(
+        False,
+        "Train with deterministic algorithms only (Megatron-LM's flag), so that the same steps give the same bits "
+        "on a rerun: torch.use_deterministic_algorithms (an op without a deterministic kernel raises, naming "
+        "itself), cuDNN deterministic without autotuning, CUBLAS_WORKSPACE_CONFIG=:4096:8 on CUDA unless already "
+        "set, and on the Megatron backend megatron-core's deterministic_mode. Both backends. The engines' side is "
+        "vLLM's own (batch-invariant kernels: VLLM_BATCH_INVARIANT=1 in their environment; docs/megatron.md).",
+    )
     megatron_to_hf_mode: str = option(
         "raw",
         "How Megatron weights become HF weights for the engines (the reference's): 'raw' (its own name mapping) or "
@@ -222,6 +230,8 @@ class MegatronPerfConfig:
         fields: dict = {}
         if self.attention_softmax_in_fp32:
             fields["attention_softmax_in_fp32"] = True
+        if self.deterministic_mode:
+            fields["deterministic_mode"] = True
         if self.effective_attention_backend() not in ("auto", "local"):
             # Transformer Engine reads the kernel choice from NVTE_* variables that megatron-core sets from this
             # field when it builds the model; 'local' would switch every TE kernel off under TE's layers.
@@ -268,6 +278,12 @@ class MegatronPerfConfig:
             notes.append(
                 f"--data-pad-size-multiplier {self.data_pad_size_multiplier}: no effect on the torch backend, which "
                 "pads nothing for kernel alignment; the Megatron backend pads its micro-batches with it"
+            )
+        if self.deterministic_mode:
+            notes.append(
+                "--deterministic-mode: the trainer uses deterministic algorithms only (torch and cuDNN"
+                + (", megatron-core's deterministic_mode" if megatron else "")
+                + "); the engines' sampling is vLLM's own (VLLM_BATCH_INVARIANT=1 for batch-invariant kernels)"
             )
         if self.seq_length is not None:
             notes.append(
