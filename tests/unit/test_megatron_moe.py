@@ -286,6 +286,7 @@ def test_bad_moe_flags_name_the_flag(qwen3_moe_dir, extra, flag):
         (["--moe-ffn-hidden-size", "48"], "--moe-ffn-hidden-size"),
         (["--moe-router-pre-softmax"], "--moe-router-pre-softmax"),  # norm_topk_prob: true
         (["--moe-shared-expert-intermediate-size", "40"], "--moe-shared-expert-intermediate-size"),
+        (["--moe-shared-expert-gate"], "--moe-shared-expert-gate"),  # Qwen3-MoE has no shared expert
         (["--moe-router-score-function", "sigmoid"], "--moe-router-score-function"),
         (["--moe-layer-freq", "[0]+[1]*1"], "--moe-layer-freq"),
         (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias"),
@@ -368,9 +369,23 @@ def test_glm_configs_megatron_cannot_route_the_same_way_are_refused(tmp_path):
             model_args_from_hf(AutoConfig.from_pretrained(folder))
 
 
+def test_the_shared_expert_gate_flag_agrees_with_qwen2_moe_and_not_with_glm4_moe(tmp_path, glm4_moe_dir):
+    """--moe-shared-expert-gate (the Qwen3-Next and Qwen3.5 presets pass it): Qwen2-MoE's shared expert has the
+    sigmoid gate, GLM-4.5's shared expert has none."""
+    qwen2_moe = tiny_moe_hf_model(str(tmp_path / "qwen2_moe"), **MOE_VARIANTS["qwen2_moe"])
+    settings = parse_train_args(_args(qwen2_moe, "--moe-shared-expert-gate"))
+    settings.megatron.check_against_hf(AutoConfig.from_pretrained(qwen2_moe))
+    assert settings.megatron.moe_shared_expert_gate and settings.args.moe_shared_expert_gate
+    said = refused_against_config_json(glm4_moe_dir, "--moe-shared-expert-gate")
+    assert said.startswith("--moe-shared-expert-gate: is given but") and "no gated shared expert" in said, said
+
+
 def test_moe_flags_on_a_dense_model_are_refused(dense_dir):
     settings = parse_train_args(_args(dense_dir, "--num-experts", "4"))
     with pytest.raises(ConfigError, match="^--num-experts: .*not a mixture-of-experts"):
+        settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
+    settings = parse_train_args(_args(dense_dir, "--moe-shared-expert-gate"))
+    with pytest.raises(ConfigError, match="^--moe-shared-expert-gate: .*not a mixture-of-experts"):
         settings.megatron.check_against_hf(AutoConfig.from_pretrained(dense_dir))
     bias = ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
     settings = parse_train_args(_args(dense_dir, *bias))

@@ -465,6 +465,7 @@ MOE_MODEL_FLAGS = (
     "moe_router_topk",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
     "moe_router_pre_softmax",
     "moe_layer_freq",
     "moe_router_enable_expert_bias",
@@ -545,6 +546,11 @@ def _check_moe_flags(flags, hf: ModelArgs) -> None:
         raise ConfigError(
             "--moe-shared-expert-intermediate-size",
             f"is given but --hf-checkpoint's config.json ({hf.family}) has no shared expert",
+        )
+    if getattr(flags, "moe_shared_expert_gate", False) and not hf.moe_shared_expert_gate:
+        raise ConfigError(
+            "--moe-shared-expert-gate",
+            f"is given but --hf-checkpoint's config.json ({hf.family}) has no gated shared expert",
         )
     if (
         getattr(flags, "moe_router_pre_softmax", False)

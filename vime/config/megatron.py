@@ -158,6 +158,12 @@ class MegatronConfig:
         "Hidden size of the shared expert (Qwen2-MoE's shared_expert_intermediate_size; its sigmoid gate "
         "comes with it).",
     )
+    moe_shared_expert_gate: bool = option(
+        False,
+        "The shared expert's output is scaled by a learned sigmoid gate (Megatron-LM's flag; Qwen2-MoE's "
+        "shared_expert_gate). A cross-check: config.json decides, and the flag given for a model without one is "
+        "refused.",
+    )
     moe_router_pre_softmax: bool = option(
         False,
         "Top-k weights from the softmax over all experts, not renormalised over the chosen k "
