@@ -104,6 +104,8 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
 
         hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
         s.megatron.check_against_hf(hf_config, s.train.train_backend)
+        if s.train.train_backend == "megatron":
+            s.perf.check_model_name(hf_config)
         check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
     else:
         check_config_file(s.train.hf_checkpoint)

@@ -254,3 +254,29 @@ def test_data_pad_size_multiplier_reaches_the_megatron_spec_and_is_said_on_the_t
     assert parse_train_args(base(model_dir)).perf.data_pad_size_multiplier is None  # vime pads only what it needs
     with pytest.raises(ConfigError, match=r"^--data-pad-size-multiplier: must be >= 1 \(tokens\), got 0"):
         parse_train_args(base(model_dir, "--data-pad-size-multiplier", "0"))
+
+
+def test_model_name_must_pick_the_converter_config_json_would(model_dir):
+    """--model-name (the reference's name for its Megatron-to-HF converter): a name that picks the converter of
+    config.json's own class passes; another model's, or one the reference has no converter for, is refused naming
+    the flag. Said at start-up on both backends (the torch backend does not read it)."""
+    from transformers import Glm4Config, Qwen2Config, Qwen3MoeConfig
+
+    from vime.config.megatron_perf import MegatronPerfConfig, reference_converter
+
+    s = parse_train_args(base(model_dir, "--model-name", "qwen2.5-0.5B"))
+    assert s.perf.model_name == "qwen2.5-0.5B" and s.args.model_name == "qwen2.5-0.5B"
+    assert any(
+        n.startswith("--model-name qwen2.5-0.5B: not read by the torch backend") for n in s.perf.startup_notes("torch")
+    )
+    assert any(n.startswith("--model-name qwen2.5-0.5B: names the model") for n in s.perf.startup_notes("megatron"))
+    assert reference_converter("Qwen3-4B") == reference_converter("Qwen2Config") == "Qwen"
+    for name, config in (("qwen3-4B", Qwen2Config()), ("qwen3_moe", Qwen3MoeConfig()), ("GLM4", Glm4Config())):
+        MegatronPerfConfig(model_name=name).check_model_name(config)
+    MegatronPerfConfig().check_model_name(Glm4Config())  # left out: nothing to check
+    with pytest.raises(ConfigError, match=r"^--model-name: 'glm4-9B' picks the GLM-4 converter, .*Qwen2Config.*Qwen$"):
+        MegatronPerfConfig(model_name="glm4-9B").check_model_name(Qwen2Config())
+    with pytest.raises(ConfigError, match=r"^--model-name: 'qwen3' picks the Qwen converter, .*is a Qwen-MoE$"):
+        MegatronPerfConfig(model_name="qwen3").check_model_name(Qwen3MoeConfig())
+    with pytest.raises(ConfigError, match=r"^--model-name: 'mixtral' names no model the reference converts"):
+        MegatronPerfConfig(model_name="mixtral").check_model_name(Qwen2Config())

@@ -76,3 +76,12 @@ def test_a_missing_or_broken_config_json_is_refused_naming_the_flag(tmp_path):
         check_config_file(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     check_config_file(str(tmp_path))
+
+
+def test_the_megatron_backend_checks_model_name_against_config_json(model_dir, tmp_path):
+    """--model-name is checked where config.json is read for the Megatron backend (a Ray address: this machine's
+    lack of CUDA is not what is checked here)."""
+    megatron = ["--train-backend", "megatron", "--ray-address", "10.0.0.1:6379"]
+    seen = check_inputs_in_a_fresh_process(model_dir, tmp_path, *megatron, "--model-name", "glm4-9B")
+    assert seen["error"] and seen["error"].startswith("--model-name: 'glm4-9B' picks the GLM-4 converter"), seen
+    assert check_inputs_in_a_fresh_process(model_dir, tmp_path, *megatron, "--model-name", "qwen3-4B")["error"] is None

@@ -38,6 +38,29 @@ FUSION_DESTINATIONS = {
 }
 
 
+# The reference's Megatron-to-HF converters, by the substrings of the model name (lower case, '-' and '_' dropped)
+# that select each, in the order it tries them (slime/backends/megatron_utils/megatron_to_hf, 624b824a8).
+REFERENCE_CONVERTERS = (
+    (("minimaxm2",), "MiniMax-M2"),
+    (("glm4moelite", "deepseekv3", "deepseekv32", "glmmoedsa", "kimi"), "DeepSeek-V3"),
+    (("glm4moe",), "GLM-4.5"),
+    (("glm4",), "GLM-4"),
+    (("qwen3next",), "Qwen3-Next"),
+    (("qwen35",), "Qwen3.5"),
+    (("qwen3vl",), "Qwen3-VL"),
+    (("qwen2moe", "qwen3moe"), "Qwen-MoE"),
+    (("qwen2", "qwen3"), "Qwen"),
+    (("llama",), "Llama"),
+    (("mimo",), "MiMo"),
+)
+
+
+def reference_converter(model_name: str) -> str | None:
+    """The converter the reference picks for ``model_name`` (None: it has none for it)."""
+    key = model_name.lower().replace("_", "").replace("-", "")
+    return next((converter for names, converter in REFERENCE_CONVERTERS if any(n in key for n in names)), None)
+
+
 @dataclasses.dataclass(kw_only=True)
 class MegatronPerfConfig:
     accumulate_allreduce_grads_in_fp32: bool = option(
@@ -169,6 +192,13 @@ class MegatronPerfConfig:
         "set, and on the Megatron backend megatron-core's deterministic_mode. Both backends. The engines' side is "
         "vLLM's own (batch-invariant kernels: VLLM_BATCH_INVARIANT=1 in their environment; docs/megatron.md).",
     )
+    model_name: str | None = option(
+        None,
+        "The model's name for converting Megatron weights to HF (the reference's; it picks the converter by name, "
+        "and defaults to the name of config.json's class). vime's Megatron backend converts by config.json's "
+        "model type, so a name that would pick another model's converter is refused at start-up; the torch "
+        "backend's weights are HF's already.",
+    )
     megatron_to_hf_mode: str = option(
         "raw",
         "How Megatron weights become HF weights for the engines (the reference's): 'raw' (its own name mapping) or "
@@ -239,6 +269,25 @@ class MegatronPerfConfig:
 
             fields["attention_backend"] = AttnBackend[self.effective_attention_backend()]
         return fields
+
+    def check_model_name(self, hf_config) -> None:
+        """--model-name must pick the converter the reference would pick for ``hf_config`` by itself (from its
+        class's name): vime converts by config.json, so any other name means the script expected another model."""
+        if self.model_name is None:
+            return
+        wanted, actual = reference_converter(self.model_name), reference_converter(type(hf_config).__name__)
+        require(
+            wanted is not None,
+            "--model-name",
+            f"{self.model_name!r} names no model the reference converts (its names contain one of "
+            f"{', '.join(name for names, _ in REFERENCE_CONVERTERS for name in names)}, '-' and '_' aside)",
+        )
+        require(
+            wanted == actual,
+            "--model-name",
+            f"{self.model_name!r} picks the {wanted} converter, but --hf-checkpoint's config.json "
+            f"({type(hf_config).__name__}) is a {actual or 'model of no converter'}",
+        )
 
     def effective_attention_backend(self) -> str:
         """--attention-backend, or flash where only Megatron-LM's older --use-flash-attn asked for a kernel."""
@@ -350,6 +399,13 @@ class MegatronPerfConfig:
                 f"--train-memory-margin-bytes {self.train_memory_margin_bytes}: vime reserves no margin "
                 "(--offload-train moves the trainer's tensors to host memory and back; the engines' share is "
                 "--vllm-gpu-memory-utilization)"
+            )
+        if self.model_name is not None:
+            notes.append(
+                f"--model-name {self.model_name}: names the model config.json describes (checked); vime converts "
+                "by config.json's model type"
+                if megatron
+                else f"--model-name {self.model_name}: not read by the torch backend (its weights are HF's already)"
             )
         if self.megatron_to_hf_mode != "raw":
             notes.append(
