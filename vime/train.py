@@ -77,6 +77,7 @@ class TrainingRun:
         self.weight_sync = None  # vime.workers.engines.WeightSync, built at the first publication
         self.colocation = None  # vime.workers.colocation.ColocatedMemory with --colocate's offload
         self.engine_errors_seen = 0  # the rollout workers' engine_errors at the last step
+        self.requests_seen = 0  # and their generate_requests
         self.last_saved_step: int | None = None
         self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
@@ -161,7 +162,7 @@ class TrainingRun:
 
     def _engine_health(self) -> dict[str, Any]:
         """For the step's record and progress line: engines serving, the engine faults since the last step
-        (quarantines, restarts, drops) and the generate requests that engines failed meanwhile (each
+        (quarantines, restarts, drops), the generate requests sent meanwhile and those that engines failed (each
         sent its group back to the queue; no attempt of the prompt was spent)."""
         import ray
 
@@ -175,6 +176,9 @@ class TrainingRun:
         if health["rollout_engine_errors"] > 0:
             health["rollout_last_engine_error"] = next((s.last_engine_error for s in stats if s.last_engine_error), "")
         self.engine_errors_seen = errors
+        requests = sum(s.generate_requests for s in stats)
+        health["rollout_generate_requests"] = max(0, requests - self.requests_seen)
+        self.requests_seen = requests
         return health
 
     def _restore(self) -> tuple[int, int]:

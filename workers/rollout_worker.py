@@ -36,7 +36,13 @@ from vime.queue.transport import make_transport
 from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import StrawWriteFaults, fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
-from vime.rollout.generate import GenerateError, SamplingParams, generate, sampling_params_from_rollout
+from vime.rollout.generate import (
+    GenerateError,
+    SamplingParams,
+    generate,
+    generate_group,
+    sampling_params_from_rollout,
+)
 from vime.rollout.rewards import RewardOptions, resolve_reward
 from vime.rollout.teacher import attach_teacher_log_probs
 from vime.rollout.types import RolloutFnTrainOutput
@@ -89,6 +95,7 @@ class RolloutWorkerSpec:
     rollout_function_path: str | None
     request_timeout: float
     lease_seconds: float
+    group_requests: bool  # --rollout-group-requests: a group's fresh samples in one request (vLLM's n)
     args: argparse.Namespace  # handed to user hooks, as the reference framework does
     dynamic_sampling_filter_path: str | None = None
     apply_chat_template_kwargs: dict | None = None  # --apply-chat-template-kwargs
@@ -126,6 +133,7 @@ class RolloutWorkerSpec:
             dynamic_sampling_filter_path=r.dynamic_sampling_filter_path,
             request_timeout=r.rollout_request_timeout,
             lease_seconds=s.queue.rollout_queue_lease_seconds,
+            group_requests=r.rollout_group_requests,
             args=s.args,
             queue_volume=RunVolumes.from_settings(s).queue,
         )
@@ -155,7 +163,18 @@ class RolloutWorkerStats:
     errors: int = 0  # groups that failed (spent an attempt of their task)
     last_error: str = ""
     engine_errors: int = 0  # requests an engine failed (no attempt spent: the group went back)
+    generate_requests: int = 0  # generate requests sent (custom generate functions' own not counted)
     last_engine_error: str = ""
+
+
+def fresh_samples_of_one_prompt(samples: list[Sample]) -> bool:
+    """Two or more samples with no response yet and the same tokens: what one request of vLLM's ``n`` can
+    generate (a continued sample has a response of its own length)."""
+    return (
+        len(samples) > 1
+        and all(s.status is Status.PENDING and not s.response_length for s in samples)
+        and all(s.tokens == samples[0].tokens for s in samples)
+    )
 
 
 class RolloutWorker:
@@ -397,19 +416,12 @@ class RolloutWorker:
                         f"returned {type(result).__name__}; it must return the Sample"
                     )
                 return result
+            self.stats.generate_requests += 1
             return await generate(
                 self.session, self.spec.router_url, sample, self.spec.sampling, timeout=self.spec.request_timeout
             )
         except GenerateError as error:
-            if not error.engine_fault:
-                raise
-            # An engine failed, hung, refused the route or was removed (docs/elastic.md): that is no fault of
-            # the sample's, so it spends no attempt of its task. The sample keeps what it had and its group
-            # returns to the queue as a continuation, to be resumed on another engine; the engine's own
-            # health probes quarantine it. The pause keeps a router without engines from spinning us.
-            self.stats.engine_errors += 1
-            self.stats.last_engine_error = f"GenerateError: {error}"
-            await asyncio.sleep(ENGINE_RETRY_SECONDS)
+            await self._engine_failed(error)
             if self.custom_generate is not None:
                 # A custom generator may have changed the sample before the failing turn: regenerate it
                 # from its prompt rather than trust a half-updated state.
@@ -417,6 +429,34 @@ class RolloutWorker:
                     f"an engine failed a turn of --custom-generate-function-path: {error}"
                 ) from error
             return sample
+
+    async def _generate_group(self, samples: list[Sample]) -> None:
+        """--rollout-group-requests: the group's fresh samples in one request (vime.rollout.generate)."""
+        if self._stopping.is_set():
+            return  # draining: not started, they stay PENDING and go back with the group
+        try:
+            self.stats.generate_requests += 1
+            await generate_group(
+                self.session, self.spec.router_url, samples, self.spec.sampling, timeout=self.spec.request_timeout
+            )
+        except GenerateError as error:
+            await self._engine_failed(error)
+
+    def _one_request_for(self, samples: list[Sample]) -> bool:
+        """Whether ``samples`` are asked for in one request: --rollout-group-requests (start-up validation left out
+        per-sample seeds, custom generate functions and routing replay) and :func:`fresh_samples_of_one_prompt`."""
+        return self.spec.group_requests and fresh_samples_of_one_prompt(samples)
+
+    async def _engine_failed(self, error: GenerateError) -> None:
+        """An engine failed, hung, refused the route or was removed (docs/elastic.md): that is no fault of the
+        samples', so it spends no attempt of their task. They keep what they had and their group returns to the
+        queue as a continuation, to be resumed on another engine; the engine's own health probes quarantine it.
+        The pause keeps a router without engines from spinning us. Any other error is the group's: raised."""
+        if not error.engine_fault:
+            raise error
+        self.stats.engine_errors += 1
+        self.stats.last_engine_error = f"GenerateError: {error}"
+        await asyncio.sleep(ENGINE_RETRY_SECONDS)
 
     def _restart(self, sample: Sample) -> None:
         """Forget an aborted sample's partial response (without --partial-rollout)."""
@@ -441,7 +481,10 @@ class RolloutWorker:
                 if sample.status is Status.ABORTED and not self.spec.partial_rollout:
                     self._restart(sample)  # a continuation keeps its prefix only with --partial-rollout
             unfinished = [s for s in samples if s.status in (Status.PENDING, Status.ABORTED)]
-            await asyncio.gather(*(self._generate_one(s) for s in unfinished))
+            if self._one_request_for(unfinished):
+                await self._generate_group(unfinished)
+            else:
+                await asyncio.gather(*(self._generate_one(s) for s in unfinished))
             if (entry := self.active.get(assignment.task.task_id)) is not None:
                 entry.phase = GroupPhase.ENDING
             fault_point("rollout.mid_generation")

@@ -18,6 +18,8 @@ running one instead) and measures on it, one after the other:
                 (vime/rollout_only.py); the rate of its ``rollout`` records;
   (d) main job  the same `vime train` without --debug-rollout-only: samples trained per second over the
                 ``train`` records (generation, training and weight sync; fully asynchronous).
+  (cg), (dg)    (c) and (d) with --rollout-group-requests: each group's samples in one request (vLLM's n)
+                instead of one request per sample; not in the default modes (``--modes a c cg``).
 
 Each is a rate in samples per second; the report divides (b), (c) and (d) by (a). (a) and (b) answer
 ``--rounds`` x concurrency requests after one untimed round (samples / seconds from the first request
@@ -60,10 +62,20 @@ sys.path.insert(0, os.path.join(REPO, "examples", "digit_shift"))
 
 from ceiling import SHAPES, Shape, demo_prompts, make_model, measure, start_engine, start_router  # noqa: E402
 
-MODES = {"a": "ceiling", "b": "router", "c": "rollout", "d": "main job"}
+MODES = {"a": "ceiling", "b": "router", "c": "rollout", "d": "main job", "cg": "rollout, grouped", "dg": "job, grouped"}
+# (c) and (d), and the same with --rollout-group-requests (a group's samples in one request of vLLM's n):
+# mode -> (the records counted, --debug-rollout-only, --rollout-group-requests)
+JOB_MODES = {
+    "c": ("rollout", True, False),
+    "d": ("train", False, False),
+    "cg": ("rollout", True, True),
+    "dg": ("train", False, True),
+}
 
 
-def job_args(run_dir: str, model: str, shape: Shape, steps: int, engine: str, *, rollout_only: bool) -> list[str]:
+def job_args(
+    run_dir: str, model: str, shape: Shape, steps: int, engine: str, *, rollout_only: bool, grouped: bool = False
+) -> list[str]:
     """The demo's command line (no evaluation, no checkpoint) for ``shape``, ``steps`` steps, on ``engine``."""
     from run_demo import demo_args
 
@@ -79,7 +91,7 @@ def job_args(run_dir: str, model: str, shape: Shape, steps: int, engine: str, *,
     for flag, width in (("--eval-prompt-data", 3), ("--save", 2), ("--save-interval", 2), ("--eval-interval", 2)):
         i = args.index(flag)
         del args[i : i + width]
-    extra = ["--debug-rollout-only"] if rollout_only else []
+    extra = (["--debug-rollout-only"] if rollout_only else []) + (["--rollout-group-requests"] if grouped else [])
     return args + ["--no-save-hf", "--rollout-external-engine-addrs", engine] + extra
 
 
@@ -144,12 +156,13 @@ def bench_shape(shape: Shape, options, out: str, smoke: bool) -> dict[str, float
                 router.stop()
             rates["b"] = rate.samples_per_s
             print(f"== {shape.name} (b) router: {rate.samples_per_s:.1f} samples/s, {rate.tokens_per_s:.0f} tok/s")
-        for mode, kind, rollout_only in (("c", "rollout", True), ("d", "train", False)):
+        for mode, (kind, rollout_only, grouped) in JOB_MODES.items():
             if mode not in options.modes:
                 continue
-            run_dir = os.path.join(work, MODES[mode].replace(" ", "_"))
-            args = job_args(run_dir, model, shape, warmup + rounds, address, rollout_only=rollout_only)
-            print(f"\n== {shape.name} ({mode}) {MODES[mode]}: vime train{' --debug-rollout-only' * rollout_only}")
+            run_dir = os.path.join(work, MODES[mode].replace(" ", "_").replace(",", ""))
+            args = job_args(run_dir, model, shape, warmup + rounds, address, rollout_only=rollout_only, grouped=grouped)
+            flags = args[args.index(address) + 1 :]  # what job_args added for the mode
+            print(f"\n== {shape.name} ({mode}) {MODES[mode]}: vime train {' '.join(flags)}")
             run_job(args, run_dir, f"({mode}) {shape.name}")
             rates[mode] = steady_rate(run_dir, kind, warmup)
     finally:
@@ -173,7 +186,7 @@ def main() -> int:
     options = parser.parse_args()
     smoke = options.smoke
     options.rounds = options.rounds or (2 if smoke else 3)
-    options.modes = options.modes or (["a", "b", "c"] if smoke else list(MODES))
+    options.modes = options.modes or (["a", "b", "c"] if smoke else ["a", "b", "c", "d"])
     shapes = [SHAPES[name] for name in options.shapes or (["demo"] if options.attach_engine else list(SHAPES))]
     if smoke:
         shapes = [dataclasses.replace(shape, prompts=4, n=2) for shape in shapes]
@@ -185,16 +198,24 @@ def main() -> int:
         if check_only:
             for shape in shapes:
                 model = make_model(os.path.join(out, shape.name), shape)
-                for mode, rollout_only in (("c", True), ("d", False)):
+                for mode, (_, rollout_only, grouped) in JOB_MODES.items():
                     check_args(
-                        job_args(os.path.join(out, mode), model, shape, 3, "127.0.0.1:1", rollout_only=rollout_only)
+                        job_args(
+                            os.path.join(out, mode),
+                            model,
+                            shape,
+                            3,
+                            "127.0.0.1:1",
+                            rollout_only=rollout_only,
+                            grouped=grouped,
+                        )
                     )
                 if shape.no_eos:
                     eos = check_no_eos(model, demo_prompts(model, 4))
                     assert eos < 1e-6, f"the {shape.name} model samples EOS with probability {eos}"
                     print(f"  {shape.name}: EOS probability at most {eos:.1e}")
             print(
-                f"\n== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for "
+                f"\n== bench/rollout --smoke: the models and the command lines of (c), (d), (cg) and (dg) checked for "
                 f"{len(shapes)} shape(s); no run (no --attach-engine HOST:PORT)"
             )
             return 0
@@ -212,7 +233,7 @@ def main() -> int:
         )
         for mode, rate in rates.items():
             ratio = f"   {mode}/a = {rate / rates['a']:.2f}" if "a" in rates and mode != "a" else ""
-            print(f"    ({mode}) {MODES[mode]:9s} {rate:8.1f} samples/s{ratio}")
+            print(f"    ({mode}) {MODES[mode]:16s} {rate:8.1f} samples/s{ratio}")
     print("  goals: (c)/(a) >= 0.85 on both shapes, (d)/(a) >= 0.8 on the demo shape")
     return 0
 

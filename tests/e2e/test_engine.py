@@ -245,6 +245,46 @@ def test_generate_returns_tokens_logprobs_and_versions(vllm_engine):
 
 
 @pytest.mark.e2e
+def test_a_group_request_gives_each_sample_its_own_choice(vllm_engine):
+    """--rollout-group-requests (vime.rollout.generate.generate_group): the fresh samples of one prompt are asked
+    for in one request of vLLM's n (counted by a loopback proxy in front of the engine); each sample gets a
+    whole choice: its tokens, the engine's log-probs of exactly those tokens (HF's, teacher-forced, within
+    1e-4) and their weight versions."""
+    import asyncio
+
+    import aiohttp
+
+    from tests.e2e.black_hole import BlackHoleProxy
+    from vime.rollout.generate import SamplingParams, generate_group
+    from vime.sample import Sample, Status
+
+    client = vllm_engine.client()
+    version = _next_version()
+    update_engine_weights(client, vllm_engine.model_dir, version, flush=True)  # the original weights
+    samples = [Sample(group_index=0, index=i, tokens=list(PROMPT), session_id=f"group-{i}") for i in range(6)]
+    proxy = BlackHoleProxy(vllm_engine.url)
+
+    async def ask() -> None:
+        async with aiohttp.ClientSession() as http:
+            await generate_group(http, proxy.url, samples, SamplingParams(max_new_tokens=8), timeout=60)
+
+    try:
+        asyncio.run(ask())
+    finally:
+        proxy.close()
+    assert [status for _, status in proxy.rollout_requests] == [200]  # one request for the six samples
+    model = _load_hf(vllm_engine.model_dir)
+    for sample in samples:
+        assert sample.status in (Status.COMPLETED, Status.TRUNCATED) and 1 <= sample.response_length <= 8
+        assert sample.weight_versions == [version] * sample.response_length
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor([sample.tokens])).logits[0].float(), -1)
+        expected = [float(log_probs[len(PROMPT) - 1 + i, t]) for i, t in enumerate(sample.response_tokens)]
+        assert sample.rollout_log_probs == pytest.approx(expected, abs=LOGPROB_ATOL)
+    assert len({tuple(s.response_tokens) for s in samples}) > 1  # sampled independently (temperature 1)
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("flush", [False, True], ids=["keep", "flush"])
 def test_update_weights_then_greedy_matches_hf(vllm_engine, perturbed, flush: bool):
     client = vllm_engine.client()

@@ -150,6 +150,9 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir, juicefs_mount):
             data_dir,
             "--rollout-storage-profile",
             "juicefs",
+            # Each group's four samples in one request (vLLM's n): the checks below hold for them as they do for
+            # one request per sample (the other end-to-end runs).
+            "--rollout-group-requests",
         ),
         cwd=REPO,
         capture_output=True,
@@ -182,6 +185,10 @@ def test_main_job_end_to_end(tmp_path, tiny_model_dir, juicefs_mount):
         for sample in group:
             assert sample.response_length == len(sample.weight_versions) == len(sample.rollout_log_probs)
             assert 0.0 <= sample.reward <= 1.0
+    # --rollout-group-requests: one generate request per group (one per sample would be 4 per group; a group
+    # a weight update interrupted is asked for again, hence some slack).
+    requests = sum(r["rollout_generate_requests"] for r in train)
+    assert 0 < requests < 2 * len(groups), (requests, len(groups))
     for name in ("metrics.jsonl", "reward_curve.png", "summary.json", os.path.join("hf_final", "config.json")):
         assert os.path.exists(os.path.join(run_dir, name)), name
     assert_nothing_left(run_dir)

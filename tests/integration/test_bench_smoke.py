@@ -72,7 +72,8 @@ SMOKE_ARGS = {"memory/run.py": ["--configs", "a,c,d,mt"]}
         ),
         pytest.param(
             "rollout/run.py",
-            "== bench/rollout --smoke: the models and the command lines of (c) and (d) checked for 2 shape(s)",
+            "== bench/rollout --smoke: the models and the command lines of (c), (d), (cg) and (dg) checked for 2 "
+            "shape(s)",
             1,
             id="rollout",
         ),

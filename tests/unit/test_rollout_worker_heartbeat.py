@@ -72,6 +72,7 @@ def worker_on(handle: ControllerHandle, store: StoreOptions, generate) -> Rollou
         n_samples_per_prompt=2,
         sampling=types.SimpleNamespace(as_dict=dict),
         custom_generate_function_path="test:generate",
+        group_requests=False,
         queue_volume=None,
     )
     worker.tokenizer = char_tokenizer

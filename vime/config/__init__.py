@@ -194,6 +194,11 @@ def validate(settings: TrainSettings) -> None:
         f"--rollout-batch-size x --n-samples-per-prompt = {samples_per_rollout} must be a multiple of "
         f"--global-batch-size {settings.global_batch_size}",
     )
+    require(
+        not (rollout.rollout_group_requests and settings.megatron.use_rollout_routing_replay),
+        "--rollout-group-requests",
+        "cannot be combined with --use-rollout-routing-replay (the experts are recorded per sample's request)",
+    )
     resolve_eval_datasets(settings.eval, rollout, settings.data)  # --eval-config read and checked now
     check_trainer_parallelism(settings)
     check_torch_recompute(settings)

@@ -265,6 +265,14 @@ class RolloutConfig:
         False,
         "Continue samples interrupted by a weight update from their generated prefix instead of regenerating them.",
     )
+    rollout_group_requests: bool = option(
+        False,
+        "Ask an engine for a group's fresh samples in one generate request (vLLM's n) instead of one request per "
+        "sample: one HTTP round trip through the router and one request for the engine's API server per group; "
+        "the group's samples are then generated on one engine. Samples continued after an interruption "
+        "(--partial-rollout) are asked for one by one. Not with --rollout-seed (per-sample seeds), "
+        "--custom-generate-function-path or --use-rollout-routing-replay. vime-specific.",
+    )
     rollout_stop: list[str] | None = option(
         None,
         "Stop strings for the inference engine during rollout (one or more; also in evaluation). Special tokens "
@@ -352,6 +360,16 @@ class RolloutConfig:
         )
         check_reward_flags(self)
         require(self.rollout_request_timeout > 0, "--rollout-request-timeout", "must be > 0")
+        if self.rollout_group_requests:
+            for flag, given, why in (
+                ("--rollout-seed", self.rollout_seed is not None, "each sample's request has a seed of its own"),
+                (
+                    "--custom-generate-function-path",
+                    self.custom_generate_function_path is not None,
+                    "the function makes each sample's requests itself",
+                ),
+            ):
+                require(not given, "--rollout-group-requests", f"cannot be combined with {flag} ({why})")
         check_sampling_controls(self)
         require(
             self.vllm_server_concurrency is None or self.vllm_server_concurrency >= 1,

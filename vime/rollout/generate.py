@@ -265,12 +265,38 @@ async def post_generate(
 ) -> Completion:
     """POST one generate request (``sampling_params`` in vLLM's names) with the session header;
     ``capture`` reads the sampler's heads / supports from the answer (the request must ask for them)."""
+    [completion] = await post_generate_choices(
+        http, base_url, token_ids, sampling_params, session_id=session_id, timeout=timeout, capture=capture
+    )
+    return completion
+
+
+async def post_generate_choices(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    token_ids: list[int],
+    sampling_params: dict[str, Any],
+    *,
+    session_id: str | None,
+    timeout: float,
+    capture: ScoreCenteringCapture | None = None,
+) -> list[Completion]:
+    """:func:`post_generate` for a request of ``sampling_params["n"]`` samples (1 when absent): one completion
+    per sample, in the engine's choice order."""
     url = base_url.rstrip("/") + GENERATE_PATH
     body = {"token_ids": list(token_ids), "sampling_params": sampling_params}
     output = await post_json(
         http, url, body, timeout=timeout, headers=session_headers(session_id), timeout_flag="--rollout-request-timeout"
     )
-    choice = output["choices"][0]
+    choices = sorted(output["choices"], key=lambda choice: choice.get("index", 0))
+    wanted = int(sampling_params.get("n", 1))
+    if len(choices) != wanted:
+        raise GenerateError(f"POST {url} asked for {wanted} samples and got {len(choices)}", engine_fault=False)
+    return [_completion(url, choice, capture) for choice in choices]
+
+
+def _completion(url: str, choice: dict[str, Any], capture: ScoreCenteringCapture | None) -> Completion:
+    """One choice of the answer from ``url``, as a :class:`Completion`."""
     ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []
     log_probs = [entry["logprob"] for entry in content] if len(content) == len(ids) else None
@@ -363,6 +389,36 @@ async def generate(
         _record_routes(sample, completion, request)
     sample.status = completion.status
     return sample
+
+
+async def generate_group(
+    session: aiohttp.ClientSession, base_url: str, samples: list[Sample], params: SamplingParams, *, timeout: float
+) -> list[Sample]:
+    """--rollout-group-requests: fresh samples of one prompt (no response yet, the same tokens) in one request
+    of ``n = len(samples)`` (vLLM samples each independently), each completion appended to its sample as
+    :func:`generate` appends one. The first sample's session id routes the request."""
+    first = samples[0]
+    remaining = params.remaining(first)
+    if remaining <= 0:
+        for sample in samples:
+            sample.status = Status.TRUNCATED
+        return samples
+    request = {**params.for_vllm(remaining), "n": len(samples)}
+    completions = await post_generate_choices(
+        session,
+        base_url,
+        first.tokens,
+        request,
+        session_id=first.session_id,
+        timeout=timeout,
+        capture=params.score_centering,
+    )
+    for sample, completion in zip(samples, completions, strict=True):
+        sample.append_response_tokens(
+            completion.token_ids, completion.log_probs, completion.versions, sampler=completion.sampler
+        )
+        sample.status = completion.status
+    return samples
 
 
 def _record_routes(sample: Sample, completion: Completion, request: dict[str, Any]) -> None:
