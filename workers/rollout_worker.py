@@ -41,6 +41,7 @@ from vime.rollout.generate import (
     SamplingParams,
     generate,
     generate_group,
+    refused_for_n,
     sampling_params_from_rollout,
 )
 from vime.rollout.rewards import RewardOptions, resolve_reward
@@ -207,6 +208,7 @@ class RolloutWorker:
         # --use-opd lives in the algorithm section, which the spec does not carry: read it where hooks do.
         self.use_opd = bool(getattr(spec.args, "use_opd", False))
         self.stats = RolloutWorkerStats()
+        self.group_requests_refused = False  # an engine refused a group request's n (above its --max-num-seqs)
         # The queue's volume filled (a straw publish or acceptance failed): the worker stops generating and its
         # run() ends with this error, which stops the run (the driver polls run(): workers/rollout_group.py).
         self.queue_full: DiskFull | None = None
@@ -416,7 +418,8 @@ class RolloutWorker:
                         f"returned {type(result).__name__}; it must return the Sample"
                     )
                 return result
-            self.stats.generate_requests += 1
+            if self.spec.sampling.remaining(sample) > 0:  # else nothing is sent
+                self.stats.generate_requests += 1
             return await generate(
                 self.session, self.spec.router_url, sample, self.spec.sampling, timeout=self.spec.request_timeout
             )
@@ -435,17 +438,32 @@ class RolloutWorker:
         if self._stopping.is_set():
             return  # draining: not started, they stay PENDING and go back with the group
         try:
-            self.stats.generate_requests += 1
+            if self.spec.sampling.remaining(samples[0]) > 0:  # else nothing is sent
+                self.stats.generate_requests += 1
             await generate_group(
                 self.session, self.spec.router_url, samples, self.spec.sampling, timeout=self.spec.request_timeout
             )
         except GenerateError as error:
-            await self._engine_failed(error)
+            if not refused_for_n(error):
+                await self._engine_failed(error)
+                return
+            # More samples a prompt than the engine runs at once: no fault of the group's (no attempt spent).
+            # This worker asks one request per sample from now on, and says so once.
+            if not self.group_requests_refused:
+                self.group_requests_refused = True
+                logger.warning(
+                    "--rollout-group-requests: the engine refused %d samples in one request (%s); this rollout "
+                    "worker sends one request per sample from now on",
+                    len(samples),
+                    error,
+                )
+            await asyncio.gather(*(self._generate_one(s) for s in samples))
 
     def _one_request_for(self, samples: list[Sample]) -> bool:
         """Whether ``samples`` are asked for in one request: --rollout-group-requests (start-up validation left out
-        per-sample seeds, custom generate functions and routing replay) and :func:`fresh_samples_of_one_prompt`."""
-        return self.spec.group_requests and fresh_samples_of_one_prompt(samples)
+        per-sample seeds, custom generate functions and routing replay), unless an engine refused it, and
+        :func:`fresh_samples_of_one_prompt`."""
+        return self.spec.group_requests and not self.group_requests_refused and fresh_samples_of_one_prompt(samples)
 
     async def _engine_failed(self, error: GenerateError) -> None:
         """An engine failed, hung, refused the route or was removed (docs/elastic.md): that is no fault of the

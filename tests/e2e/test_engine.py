@@ -285,6 +285,63 @@ def test_a_group_request_gives_each_sample_its_own_choice(vllm_engine):
 
 
 @pytest.mark.e2e
+def test_a_group_above_the_engine_s_max_num_seqs_falls_back_to_one_request_per_sample(vllm_engine):
+    """vLLM refuses a request of more samples than its scheduler runs at once (--max-num-seqs): a rollout worker
+    with --rollout-group-requests then asks for that group one sample at a time, spends no attempt of it, and
+    sends one request per sample from then on."""
+    import asyncio
+    import types
+
+    import aiohttp
+
+    from vime.rollout.generate import GenerateError, SamplingParams, generate_group, refused_for_n
+    from vime.sample import Sample, Status
+    from workers.rollout_worker import RolloutWorker, RolloutWorkerStats
+
+    client = vllm_engine.client()
+    update_engine_weights(client, vllm_engine.model_dir, _next_version(), flush=True)  # the original weights
+    import re
+
+    params = SamplingParams(max_new_tokens=1)
+
+    def group(size: int) -> list[Sample]:
+        return [Sample(group_index=0, index=i, tokens=list(PROMPT)) for i in range(size)]
+
+    async def refused(size: int) -> GenerateError:
+        async with aiohttp.ClientSession() as http:
+            with pytest.raises(GenerateError) as error:
+                await generate_group(http, vllm_engine.url, group(size), params, timeout=60)
+        return error.value
+
+    # Refused before anything is generated: above vLLM's VLLM_MAX_N_SEQUENCES (16384), then above the scheduler's
+    # max_num_seqs, which that message says.
+    assert refused_for_n(asyncio.run(refused(100_000)))
+    error = asyncio.run(refused(16_384))
+    assert refused_for_n(error) and not error.engine_fault, error
+    max_num_seqs = int(re.search(r"max_num_seqs \((\d+)\)", str(error)).group(1))
+    assert refused_for_n(asyncio.run(refused(max_num_seqs + 1)))
+
+    worker = RolloutWorker.__new__(RolloutWorker)  # only what _generate_group reads
+    worker.spec = types.SimpleNamespace(
+        group_requests=True, router_url=vllm_engine.url, sampling=params, request_timeout=60
+    )
+    worker.custom_generate, worker.stats, worker.group_requests_refused = None, RolloutWorkerStats(), False
+    worker._stopping = asyncio.Event()
+    samples = group(max_num_seqs + 1)
+
+    async def generate_with_the_worker() -> None:
+        async with aiohttp.ClientSession() as http:
+            worker.session = http
+            assert worker._one_request_for(samples)
+            await worker._generate_group(samples)
+
+    asyncio.run(generate_with_the_worker())
+    assert all(s.status in (Status.COMPLETED, Status.TRUNCATED) and s.response_length == 1 for s in samples)
+    assert worker.stats.generate_requests == 1 + len(samples) and worker.stats.engine_errors == 0
+    assert worker.group_requests_refused and not worker._one_request_for(group(2))
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("flush", [False, True], ids=["keep", "flush"])
 def test_update_weights_then_greedy_matches_hf(vllm_engine, perturbed, flush: bool):
     client = vllm_engine.client()

@@ -270,8 +270,10 @@ class RolloutConfig:
         "Ask an engine for a group's fresh samples in one generate request (vLLM's n) instead of one request per "
         "sample: one HTTP round trip through the router and one request for the engine's API server per group; "
         "the group's samples are then generated on one engine. Samples continued after an interruption "
-        "(--partial-rollout) are asked for one by one. Not with --rollout-seed (per-sample seeds), "
-        "--custom-generate-function-path or --use-rollout-routing-replay. vime-specific.",
+        "(--partial-rollout) are asked for one by one, and so is every group of a rollout worker once an engine "
+        "refused its n (more samples than the engine's --max-num-seqs; said once, no attempt spent). Not with "
+        "--rollout-seed (per-sample seeds), --custom-generate-function-path or --use-rollout-routing-replay. "
+        "vime-specific.",
     )
     rollout_stop: list[str] | None = option(
         None,

@@ -391,6 +391,16 @@ async def generate(
     return sample
 
 
+# How vLLM refuses a request of more samples than it takes: above its scheduler's --max-num-seqs ("sampling_params.n
+# must be at most the server's max_num_seqs"), or above VLLM_MAX_N_SEQUENCES ("n must be at most 16384").
+N_ABOVE_MAX_NUM_SEQS = "n must be at most"
+
+
+def refused_for_n(error: GenerateError) -> bool:
+    """Whether ``error`` is the engine refusing a group request's ``n`` (more samples than it takes at once)."""
+    return error.status == 400 and N_ABOVE_MAX_NUM_SEQS in str(error)
+
+
 async def generate_group(
     session: aiohttp.ClientSession, base_url: str, samples: list[Sample], params: SamplingParams, *, timeout: float
 ) -> list[Sample]:
