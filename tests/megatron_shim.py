@@ -250,6 +250,22 @@ MOE_VARIANTS = {
         qk_rope_head_dim=4,
         v_head_dim=8,
     ),
+    # Qwen3-Next: a gated delta-net layer (2 key heads, 4 value heads of 8 dimensions, convolution width 4), then
+    # softmax attention with a gated output, RoPE on a quarter of each head, zero-centred norms; MoE layers with a
+    # gated shared expert.
+    "qwen3_next": dict(
+        family="qwen3_next",
+        layer_types=["linear_attention", "full_attention"],
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=True,
+    ),
 }
 
 

@@ -101,6 +101,22 @@ def test_architecture_from_config_json(tiny):
             v_head_dim=8,
             yarn=(),
         ),
+        "qwen3_next": dict(
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_gate=True,
+            moe_router_pre_softmax=False,
+            moe_layers=(0, 1),
+            qk_layernorm=True,
+            rotary_percent=0.25,
+            attention_output_gate=True,
+            zero_centered_norms=True,
+            linear_attention_layers=(0,),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        ),
     }[name]
     assert {k: getattr(args, k) for k in expected} == expected
 

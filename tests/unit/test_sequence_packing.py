@@ -101,6 +101,43 @@ def test_models_that_cannot_be_packed_are_named():
     assert "does not build its attention mask" in packing_refusal(Custom())
 
 
+def test_models_that_carry_state_along_the_sequence_are_not_packed():
+    """A gated delta net (Qwen3-Next's linear attention) runs its recurrence and its causal convolution along the
+    row: packed, one sequence's state would flow into the next, which no attention mask stops. A model with such
+    layers runs right-padded; its log-probs then equal the sequences' own (right padding comes after them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.megatron_shim import MOE_VARIANTS
+
+    fields = {k: v for k, v in MOE_VARIANTS["qwen3_next"].items() if k != "family"}
+    config = AutoConfig.for_model(
+        "qwen3_next",
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        **fields,
+    )
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert "linear_attention layers carry state" in packing_refusal(model)
+    # what packing would do: the second sequence's log-probs change when the first precedes it in one row
+    first, second = torch.tensor([[3, 5, 7, 9, 11]]), torch.tensor([[2, 4, 6, 8]])
+    with torch.no_grad():
+        alone = model(input_ids=second).logits[0]
+        packed = model(
+            input_ids=torch.cat([first, second], 1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+        )
+    assert not torch.allclose(packed.logits[0, 5:], alone, atol=1e-4)
+    config.layer_types = ["full_attention", "full_attention"]  # (the modules stay: their convolution is found)
+    assert "convolution model.layers.0.linear_attn.conv1d" in packing_refusal(model)
+
+
 def _uniform_and_one_long(count: int, length: int) -> tuple:
     same = [Sample(tokens=[1] * length, response_length=length // 2) for _ in range(count)]
     ragged = [Sample(tokens=[1] * (length // 10), response_length=length // 20) for _ in range(count - 1)]

@@ -19,6 +19,12 @@ bias: each expert's score is the sigmoid of its logit; the top k are chosen by s
 ``n_group``/``topk_group`` groups), weighted by their scores renormalised over the k, times
 ``routed_scaling_factor``. Its first ``first_k_dense_replace`` layers are dense, its shared experts ungated, and
 RoPE rotates the first ``partial_rotary_factor`` of each head (``--rotary-percent``).
+
+Qwen3-Next (``qwen3_next``) is a hybrid: most layers mix tokens with a gated delta net (linear attention,
+megatron-core's ``GatedDeltaNet``), every ``full_attention_interval``-th with softmax attention whose output is
+gated (``sigmoid(gate) * out``, the gate projected beside each query head: ``--attention-output-gate``). Its
+RMSNorms hold their weight as an offset from one (``x_normed * (1 + w)``: ``--apply-layernorm-1p``), RoPE rotates
+a quarter of each head, and its MoE layers route as Qwen3-MoE's with a gated shared expert.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import math
 from vime.config.base import ConfigError
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_next",)  # gated delta-net (linear attention) layers between softmax-attention ones
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
 MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -38,6 +45,8 @@ FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 REFERENCE_LAYER_SPECS = {
     ("vime_plugins.models.glm4", "get_glm_spec"): "glm4",
     ("slime_plugins.models.glm4", "get_glm_spec"): "glm4",
+    ("vime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "qwen3_next",
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "qwen3_next",
 }
 
 
@@ -91,10 +100,31 @@ class ModelArgs:
     v_head_dim: int = 0
     # YaRN RoPE (rope_scaling type yarn; multi-latent attention only): its factor, original context and mscales.
     yarn: tuple[tuple[str, float], ...] = ()
+    # Qwen3-Next: the softmax attention's output gated per head; every RMSNorm (the gated delta net's own excepted)
+    # computing x_normed * (1 + weight)
+    attention_output_gate: bool = False
+    zero_centered_norms: bool = False
+    # Gated delta-net layers (0-based; the others are softmax attention) and their shape: key heads (queries share
+    # them) and value heads, each head's key and value dimensions, the causal convolution's width.
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are gated delta nets (linear attention) instead of softmax attention."""
+        return bool(self.linear_attention_layers)
+
+    def linear_attention_pattern(self) -> list[int]:
+        """megatron-core's ``linear_attention_freq`` as a list: 1 for a gated delta-net layer, 0 for attention."""
+        return [int(i in self.linear_attention_layers) for i in range(self.num_layers)]
 
     def moe_layer_pattern(self) -> list[int]:
         """megatron-core's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
@@ -178,7 +208,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
             )
         factor = float(scaling["factor"])
     rotary_percent = rotary_fraction(hf_config)
-    if family not in ("glm4", "glm4_moe") and rotary_percent != 1.0:
+    if family not in ("glm4", "glm4_moe", "qwen3_next") and rotary_percent != 1.0:
         raise ConfigError(
             "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
         )
@@ -188,6 +218,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
     elif mla and getattr(hf_config, "attention_bias", False):
         raise ConfigError("--hf-checkpoint", "multi-latent attention with attention_bias is not supported")
+    elif family in HYBRID_FAMILIES and getattr(hf_config, "attention_bias", False):
+        raise ConfigError("--hf-checkpoint", f"{family} with attention_bias is not supported by the Megatron backend")
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
     return ModelArgs(
@@ -204,7 +236,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
         # (MLA: the query and key/value latents' norms, q_a_layernorm and kv_a_layernorm, megatron-core's qk_layernorm)
-        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3") or bool(getattr(hf_config, "use_qk_norm", False)),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next")
+        or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
@@ -213,6 +246,40 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         post_sublayer_norms=family == "glm4",
         **mla,
         **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
+        **(_linear_attention_from_hf(hf_config) if family in HYBRID_FAMILIES else {}),
+    )
+
+
+def _linear_attention_from_hf(hf_config) -> dict:
+    """Qwen3-Next's gated delta-net layers (config.json's layer_types, else every full_attention_interval-th layer
+    is softmax attention), its gated attention and its zero-centred norms."""
+    layers = hf_config.num_hidden_layers
+    kinds = list(getattr(hf_config, "layer_types", None) or [])
+    if not kinds:
+        interval = int(getattr(hf_config, "full_attention_interval", 4) or 4)
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+    if len(kinds) != layers or unknown:
+        raise ConfigError(
+            "--hf-checkpoint",
+            f"layer_types must name linear_attention or full_attention for each of the {layers} layers "
+            f"(got {len(kinds)} entries{', unknown ' + str(unknown) if unknown else ''})",
+        )
+    key_heads, value_heads = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
+    if value_heads % key_heads:
+        raise ConfigError(
+            "--hf-checkpoint",
+            f"linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads {key_heads}",
+        )
+    return dict(
+        attention_output_gate=True,
+        zero_centered_norms=True,
+        linear_attention_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=hf_config.linear_key_head_dim,
+        linear_value_head_dim=hf_config.linear_value_head_dim,
+        linear_conv_kernel_dim=hf_config.linear_conv_kernel_dim,
     )
 
 
@@ -247,7 +314,8 @@ def _moe_from_hf(hf_config) -> dict:
             "--hf-checkpoint",
             f"{family} config with no MoE layer (decoder_sparse_step {step}, mlp_only_layers {sorted(dense)})",
         )
-    shared = getattr(hf_config, "shared_expert_intermediate_size", None) if family == "qwen2_moe" else None
+    gated_shared = family in ("qwen2_moe", "qwen3_next")  # a shared expert scaled by sigmoid(x . w)
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) if gated_shared else None
     return dict(
         num_experts=hf_config.num_experts,
         moe_router_topk=hf_config.num_experts_per_tok,
@@ -426,6 +494,9 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
         "rotary_interleaved": hf.rotary_interleaved,
         "post_self_attn_layernorm": hf.post_sublayer_norms,
         "post_mlp_layernorm": hf.post_sublayer_norms,
+        "apply_layernorm_1p": hf.zero_centered_norms,
+        "attention_output_gate": hf.attention_output_gate,
+        "use_gated_attention": hf.attention_output_gate,
     }
     for name, hf_value in switches.items():
         if getattr(flags, name, False) and not hf_value:

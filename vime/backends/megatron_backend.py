@@ -51,6 +51,7 @@ from vime.backends.data_parallel import DataParallel
 from vime.backends.megatron_gradients import global_norm, routed_expert_param_ids, tensor_parallel_partial_param_ids
 from vime.backends.megatron_setup import (
     check_expert_parallelism,
+    check_linear_attention,
     check_mla_parallelism,
     check_moe_tensor_parallelism,
     check_roles,
@@ -131,8 +132,11 @@ class MegatronBackend(RolloutTraining):
         if init_hook is not None:
             init_hook(self.user_args)
 
-        # Context parallelism runs megatron-core's own attention over padded rows (megatron_context).
-        self.packing = packing_mode(megatron.packing, mm.te_usable() and self.context is None)
+        check_linear_attention(megatron)
+        # Context parallelism and gated delta nets run megatron-core's own layers over padded rows.
+        self.packing = packing_mode(
+            megatron.packing, mm.te_usable() and self.context is None and not megatron.model.is_hybrid
+        )
         check_moe_tensor_parallelism(megatron)
         check_mla_parallelism(megatron)
         source = initial_canonical_source(spec, megatron)

@@ -49,6 +49,23 @@ multi-latent attention maps one to one (megatron-core's MLA keeps HF's per-head 
     decoder.layers.N.self_attention.linear_kv_up_proj.weight   <- self_attn.kv_b_proj.weight
     decoder.layers.N.self_attention.linear_proj.weight         <- self_attn.o_proj.weight
 
+Qwen3-Next (``qwen3_next``) routes and names its experts as Qwen2-MoE does. Its softmax-attention layers gate their
+output: HF's ``q_proj`` holds each head's query and then its gate, megatron-core's ``linear_qkv`` each query group's
+queries, then their gates, then its key and value (:func:`fuse_gated_qkv`). Its other layers are gated delta nets::
+
+    decoder.layers.N.self_attention.in_proj.weight         <- linear_attn.in_proj_qkvz, in_proj_ba (regrouped)
+    decoder.layers.N.self_attention.conv1d.weight          <- linear_attn.conv1d.weight
+    decoder.layers.N.self_attention.dt_bias                <- linear_attn.dt_bias
+    decoder.layers.N.self_attention.A_log                  <- linear_attn.A_log
+    decoder.layers.N.self_attention.out_norm.weight        <- linear_attn.norm.weight
+    decoder.layers.N.self_attention.out_proj.weight        <- linear_attn.out_proj.weight
+
+HF groups the delta net's input projections by key head (for each: its query, key, values and output gates, and its
+beta and alpha rows), megatron-core by kind (all queries, keys, values, gates, betas, alphas:
+:func:`fuse_gated_delta_net_projection`). Its norms keep their zero-centred weights as they are (the Megatron model
+computes ``1 + weight`` as HF does), and its checkpoints' multi-token-prediction weights (``mtp.*``) are left out, as
+HF's model leaves them.
+
 In Transformer Engine specs the latents' norms fold into the up projections (``layer_norm_weight``) and the
 input norm stays its own module. GLM-4.5's and DeepSeek-V3's checkpoints also hold the multi-token-prediction
 layers after the last decoder layer (``num_nextn_predict_layers``), which HF's model ignores as well: they are
@@ -71,7 +88,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vime.backends.megatron_args import MTP_FAMILIES, SIGMOID_ROUTED, ModelArgs
+from vime.backends.megatron_args import HYBRID_FAMILIES, MTP_FAMILIES, SIGMOID_ROUTED, ModelArgs
 
 _TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -147,6 +164,76 @@ def split_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch
     )
 
 
+def fuse_gated_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """HF's gated-attention projections (``q_proj``: each head's query rows, then its gate rows) -> megatron-core's
+    ``linear_qkv`` with ``attention_output_gate``: per query group, its heads' queries, their gates, its key, its
+    value."""
+    groups, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // groups
+    tail = q.shape[1:]
+    heads = q.reshape(groups, per_group, 2, d, *tail)
+    query, gate = (
+        heads[:, :, 0].reshape(groups, per_group * d, *tail),
+        heads[:, :, 1].reshape(groups, per_group * d, *tail),
+    )
+    fused = torch.cat([query, gate, k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1)
+    return fused.reshape(groups * 2 * (per_group + 1) * d, *tail)
+
+
+def split_gated_qkv(fused: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_gated_qkv`: HF's (q_proj, k_proj, v_proj)."""
+    groups, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // groups
+    tail = fused.shape[1:]
+    query, gate, k, v = fused.reshape(groups, 2 * (per_group + 1) * d, *tail).split(
+        [per_group * d, per_group * d, d, d], dim=1
+    )
+    heads = torch.stack([query.reshape(groups, per_group, d, *tail), gate.reshape(groups, per_group, d, *tail)], dim=2)
+    return (
+        heads.reshape(groups * per_group * 2 * d, *tail).contiguous(),
+        k.reshape(groups * d, *tail).contiguous(),
+        v.reshape(groups * d, *tail).contiguous(),
+    )
+
+
+def _delta_net_sizes(args: ModelArgs) -> tuple[int, int, int, int]:
+    """(key heads, value heads per key head, key head dim, value head dim) of a gated delta net."""
+    key_heads = args.linear_num_key_heads
+    return key_heads, args.linear_num_value_heads // key_heads, args.linear_key_head_dim, args.linear_value_head_dim
+
+
+def fuse_gated_delta_net_projection(qkvz: torch.Tensor, ba: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """HF's ``in_proj_qkvz`` and ``in_proj_ba`` (grouped by key head: its query, key, r values and r output gates;
+    its r betas and r alphas) -> megatron-core's ``in_proj`` (grouped by kind: queries, keys, values, gates, betas,
+    alphas)."""
+    key_heads, r, dk, dv = _delta_net_sizes(args)
+    hidden = qkvz.shape[-1]
+    q, k, v, z = qkvz.reshape(key_heads, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(key_heads, 2 * r, hidden).split([r, r], dim=1)
+    return torch.cat([part.reshape(-1, hidden) for part in (q, k, v, z, b, a)], dim=0)
+
+
+def split_gated_delta_net_projection(in_proj: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`fuse_gated_delta_net_projection`: HF's (in_proj_qkvz, in_proj_ba)."""
+    key_heads, r, dk, dv = _delta_net_sizes(args)
+    hidden = in_proj.shape[-1]
+    sizes = [key_heads * dk, key_heads * dk, key_heads * r * dv, key_heads * r * dv, key_heads * r, key_heads * r]
+    q, k, v, z, b, a = (part.reshape(key_heads, -1, hidden) for part in in_proj.split(sizes, dim=0))
+    qkvz = torch.cat([q, k, v, z], dim=1).reshape(-1, hidden).contiguous()
+    return qkvz, torch.cat([b, a], dim=1).reshape(-1, hidden).contiguous()
+
+
+# The gated delta net's tensors that map one to one: (Megatron suffix after ``decoder.layers.N.``, HF after
+# ``model.layers.N.linear_attn.``)
+_DELTA_NET_NAMES = [
+    ("self_attention.conv1d.weight", "conv1d.weight"),
+    ("self_attention.dt_bias", "dt_bias"),
+    ("self_attention.A_log", "A_log"),
+    ("self_attention.out_norm.weight", "norm.weight"),
+    ("self_attention.out_proj.weight", "out_proj.weight"),
+]
+
+
 # ---------------------------------------------------------------------------------------------- MLA
 def _mla_names(args: ModelArgs) -> list[tuple[str, str]]:
     """(Megatron suffix after ``decoder.layers.N.``, HF name after ``self_attn.``) of a multi-latent attention,
@@ -210,7 +297,10 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_layer(hf_name: str, args: ModelArgs) -> bool:
-    """A GLM-4.5 / DeepSeek-V3 multi-token-prediction layer (numbered after the decoder's last layer)."""
+    """A multi-token-prediction weight: GLM-4.5's / DeepSeek-V3's layers numbered after the decoder's last one,
+    Qwen3-Next's ``mtp.*``."""
+    if args.family in HYBRID_FAMILIES:
+        return hf_name.startswith("mtp.")
     layer = _HF_LAYER.match(hf_name)
     return args.family in MTP_FAMILIES and layer is not None and int(layer.group(1)) >= args.num_layers
 
@@ -230,21 +320,30 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         attn = p + "self_attn."
-        if args.multi_latent_attention:
+        if i in args.linear_attention_layers:
+            delta = p + "linear_attn."
+            out[m + "self_attention.in_proj.weight"] = fuse_gated_delta_net_projection(
+                take(delta + "in_proj_qkvz.weight"), take(delta + "in_proj_ba.weight"), args
+            )
+            for suffix, hf_name in _DELTA_NET_NAMES:
+                out[m + suffix] = take(delta + hf_name)
+        elif args.multi_latent_attention:
             for suffix, hf_name in _mla_names(args):
                 out[m + suffix] = take(attn + hf_name)
         else:
-            out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            fuse = fuse_gated_qkv if args.attention_output_gate else fuse_qkv
+            out[m + "self_attention.linear_qkv.weight"] = fuse(
                 take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight"), args
             )
         if args.add_qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias"), args
             )
-        if args.qk_layernorm and not args.multi_latent_attention:
-            out[m + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
-            out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
-        out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
+        if i not in args.linear_attention_layers:  # (a delta net's output projection is its out_proj)
+            if args.qk_layernorm and not args.multi_latent_attention:
+                out[m + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
+                out[m + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
+            out[m + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
         for suffix, hf_name in _mlp_names(args, i):
             if isinstance(hf_name, tuple):  # gate and up, fused by Megatron
@@ -274,11 +373,19 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = p + "self_attn."
         yield p + "input_layernorm.weight", mcore[m + "input_layernorm.weight"]
-        if args.multi_latent_attention:
+        if i in args.linear_attention_layers:
+            delta = p + "linear_attn."
+            qkvz, ba = split_gated_delta_net_projection(mcore[m + "self_attention.in_proj.weight"], args)
+            yield delta + "in_proj_qkvz.weight", qkvz
+            yield delta + "in_proj_ba.weight", ba
+            for suffix, hf_name in _DELTA_NET_NAMES:
+                yield delta + hf_name, mcore[m + suffix]
+        elif args.multi_latent_attention:
             for suffix, hf_name in _mla_names(args):
                 yield attn + hf_name, mcore[m + suffix]
         else:
-            q, k, v = split_qkv(mcore[m + "self_attention.linear_qkv.weight"], args)
+            split = split_gated_qkv if args.attention_output_gate else split_qkv
+            q, k, v = split(mcore[m + "self_attention.linear_qkv.weight"], args)
             yield attn + "q_proj.weight", q
             yield attn + "k_proj.weight", k
             yield attn + "v_proj.weight", v
@@ -287,10 +394,11 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
             yield attn + "q_proj.bias", q
             yield attn + "k_proj.bias", k
             yield attn + "v_proj.bias", v
-        if args.qk_layernorm and not args.multi_latent_attention:
-            yield attn + "q_norm.weight", mcore[m + "self_attention.q_layernorm.weight"]
-            yield attn + "k_norm.weight", mcore[m + "self_attention.k_layernorm.weight"]
-        yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]
+        if i not in args.linear_attention_layers:
+            if args.qk_layernorm and not args.multi_latent_attention:
+                yield attn + "q_norm.weight", mcore[m + "self_attention.q_layernorm.weight"]
+                yield attn + "k_norm.weight", mcore[m + "self_attention.k_layernorm.weight"]
+            yield attn + "o_proj.weight", mcore[m + "self_attention.linear_proj.weight"]
         yield p + "post_attention_layernorm.weight", mcore[m + "pre_mlp_layernorm.weight"]
         for suffix, hf_name in _mlp_names(args, i):
             if isinstance(hf_name, tuple):

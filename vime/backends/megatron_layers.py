@@ -1,5 +1,8 @@
 """Norm layers megatron-core's layer specs do not have on their own.
 
+- Qwen3-Next's zero-centred RMSNorms, ``x_normed * (1 + weight)`` (:class:`ZeroCenteredRMSNorm`): megatron-core's
+  torch norms refuse ``layernorm_zero_centered_gamma``, and folding the one into the weight would make the
+  round trip to HF inexact.
 - GLM-4's norms on the attention's and the MLP's outputs, before each residual add
   (:func:`with_post_sublayer_norms`).
 - Norms for megatron-core's own (non-Transformer-Engine) layer specs under sequence parallelism: megatron-core's
@@ -30,6 +33,26 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight is an offset from one: ``rms_normed(x) * (1 + weight)``, computed in float32 and cast
+    back as HF's Qwen3-Next does (Megatron-LM's ``--apply-layernorm-1p``). The signature is megatron-core's norm
+    interface; the weight carries ``sequence_parallel`` as :class:`SequenceParallelTorchNorm`'s do."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                f"--apply-layernorm-1p is built for RMSNorm here, not --normalization {config.normalization}"
+            )
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 def with_sequence_parallel_norms(spec, config):

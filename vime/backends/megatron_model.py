@@ -20,6 +20,7 @@ import warnings
 import torch
 
 from vime.backends.megatron_args import ModelArgs
+from vime.backends.megatron_linear_attention import linear_attention_config
 
 # megatron-core 0.16 warns about missing Apex / Transformer Engine and deprecated defaults at every import
 # and layer: noise for vime's users, who choose neither.
@@ -257,6 +258,14 @@ VIME_TRANSFORMER_FIELDS = frozenset(
         "bf16",
         "fp8",
         "fp4",  # vime trains in float32, or in bf16 with --bf16 (transformer_config sets it)
+        "attention_output_gate",
+        "experimental_attention_variant",
+        "linear_attention_freq",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
     }
 )
 
@@ -318,6 +327,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **_moe_config(args, moe or MoeOptions(), use_te),
+        **linear_attention_config(args),
         **(recompute or {}),
     )
     config_class = TransformerConfig
@@ -379,7 +389,10 @@ def build_gpt_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    use_te = te_usable() if use_te is None else use_te
+    # (Transformer Engine specs of the hybrid layers are not built: its fused norms would rename their weights)
+    use_te = (te_usable() and not args.is_hybrid) if use_te is None else use_te
+    if use_te and args.is_hybrid:
+        raise ValueError(f"{args.family}'s gated delta-net layers are built without Transformer Engine")
     if parallel.tensor > 1 or parallel.expert_tensor_size > 1:
         # megatron-core marks which tensors are split (tensor_model_parallel, partition_dim) only in its
         # initialisation code, and the gathers, shards and gradient norm here rely on those marks.
@@ -389,7 +402,14 @@ def build_gpt_model(
         from vime.backends.megatron_mla import allow_mla_without_te
 
         allow_mla_without_te()
-    if args.is_moe:
+    if args.is_hybrid:
+        from vime.backends.megatron_linear_attention import allow_gated_delta_net_without_fla, hybrid_block_spec
+
+        allow_gated_delta_net_without_fla()
+        if args.is_moe:
+            _megatron_without_te()
+        spec = hybrid_block_spec(config, args)
+    elif args.is_moe:
         # MoE and dense layers mixed as config.moe_layer_freq says; without Transformer Engine the experts
         # are megatron-core's SequentialMLP (one MLP per expert; no grouped GEMM, runs on CPU).
         _megatron_without_te()

@@ -64,6 +64,29 @@ def check_mla_parallelism(megatron: MegatronBackendSpec) -> None:
             )
 
 
+def check_linear_attention(megatron: MegatronBackendSpec) -> None:
+    """Gated delta-net layers (Qwen3-Next) train with tensor and context parallelism 1, on padded micro-batches:
+    megatron-core's ``GatedDeltaNet`` refuses packed sequences and context parallelism, and splitting its fused
+    input projection over tensor-parallel ranks (each kind of row split on its own) is not built here yet."""
+    model = megatron.model
+    if not model.is_hybrid:
+        return
+    for flag, size in (
+        ("--tensor-model-parallel-size", megatron.parallel.tensor),
+        ("--context-parallel-size", megatron.parallel.context),
+    ):
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size}: {model.family}'s gated delta-net layers train with 1 only yet; spread the model "
+                "with --pipeline-model-parallel-size and --expert-model-parallel-size"
+            )
+    if megatron.packing == "thd":
+        raise ValueError(
+            f"--megatron-packing thd: {model.family}'s gated delta-net layers take padded micro-batches only "
+            "(megatron-core's GatedDeltaNet refuses packed sequences); use 'padded' or 'auto'"
+        )
+
+
 def check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
     """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
     ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model

@@ -61,6 +61,23 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
         return f"{kind.__name__} does not build its attention mask with transformers.masking_utils"
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return f"{kind.__name__}.forward takes no position_ids"
+    return _recurrent_mixing(model, config)
+
+
+# layer_types entries of layers that mix tokens by attention alone (what the packed mask confines)
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def _recurrent_mixing(model: torch.nn.Module, config) -> str | None:
+    """Why ``model`` mixes tokens beyond its attention's reach, None if it does not. A recurrent layer (a gated
+    delta net, a state-space block: config.json's ``layer_types`` names it) or a convolution along the sequence
+    carries one packed sequence into the next, which no attention mask prevents."""
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if others:
+        return f"its {', '.join(others)} layers carry state from one packed sequence into the next"
+    convolution = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv1d)), None)
+    if convolution is not None:
+        return f"its convolution {convolution} runs along the sequence, across packed sequences"
     return None
 
 

@@ -88,10 +88,26 @@ class MegatronConfig:
     spec: list[str] | None = option(
         None,
         "A layer-spec plugin, MODULE FUNCTION (Megatron-LM). vime builds its models' layers itself and takes the "
-        "reference framework's GLM-4 spec (vime_plugins.models.glm4 get_glm_spec, or slime_plugins' of the same "
-        "name) as a statement that --hf-checkpoint is a GLM-4 model; any other spec is refused.",
+        "reference framework's specs of the models it builds as statements of --hf-checkpoint's architecture: "
+        "vime_plugins.models.glm4 get_glm_spec (GLM-4) and vime_plugins.models.qwen3_next get_qwen3_next_spec "
+        "(Qwen3-Next), or slime_plugins' of the same names; any other spec is refused.",
         nargs=2,
         metavar=("MODULE", "FUNCTION"),
+    )
+    apply_layernorm_1p: bool = option(
+        False,
+        "Norms hold their weight as an offset from one, x_normed * (1 + weight) (Megatron-LM's zero-centred gamma; "
+        "Qwen3-Next); must agree with config.json.",
+    )
+    attention_output_gate: bool = option(
+        False,
+        "Softmax attention's output scaled by sigmoid of a gate projected beside each query head, before the output "
+        "projection (Qwen3-Next's gated attention); must agree with config.json.",
+    )
+    use_gated_attention: bool = option(
+        False,
+        "The reference framework's name for --attention-output-gate (its Qwen3-Next and Qwen3.5 presets pass both); "
+        "must agree with config.json.",
     )
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")
