@@ -129,6 +129,9 @@ def tiny_hf_model(
         extra["head_dim"] = 32
     if family == "glm4":
         extra["head_dim"] = 16  # (config's default is GLM-4-9B's 128); partial_rotary_factor stays 0.5
+    if family == "qwen3_5_text":
+        kinds = ["full_attention" if i % 2 else "linear_attention" for i in range(num_layers)]
+        extra.update(QWEN3_5_LAYERS, layer_types=kinds)
     if rope_scaling:
         extra["rope_scaling"] = {
             "rope_type": "llama3",
@@ -180,6 +183,26 @@ def tiny_qwen2_with_tokenizer(out_dir: str) -> str:
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# Qwen3.5's hybrid layers at tiny sizes: a gated delta net (2 key heads, 4 value heads of 8 dimensions), then gated
+# softmax attention with heads of 16 dimensions, RoPE on a quarter of each (its multimodal sections 1 + 1 + 0).
+QWEN3_5_LAYERS = dict(
+    layer_types=["linear_attention", "full_attention"],
+    head_dim=16,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 MOE_VARIANTS = {
@@ -266,6 +289,9 @@ MOE_VARIANTS = {
         shared_expert_intermediate_size=24,
         norm_topk_prob=True,
     ),
+    # Qwen3.5-MoE's language model: Qwen3-Next's layers with the delta net's four input projections apart, RoPE
+    # sections for images (moot for text: its three position streams are equal) and always renormalised top-k weights.
+    "qwen3_5_moe_text": dict(family="qwen3_5_moe_text", shared_expert_intermediate_size=24, **QWEN3_5_LAYERS),
 }
 
 

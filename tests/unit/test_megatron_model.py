@@ -19,6 +19,8 @@ VARIANTS = {
     "qwen3_tied_head_dim": dict(family="qwen3", tie=True),
     # post-sublayer norms, interleaved and partial RoPE, QKV biases, a fused gate/up projection
     "glm4": dict(family="glm4"),
+    # a dense hybrid: a gated delta net, then gated attention; zero-centred norms, RoPE on a quarter of each head
+    "qwen3_5_text": dict(family="qwen3_5_text"),
 }
 
 

@@ -117,6 +117,16 @@ def test_architecture_from_config_json(tiny):
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
         ),
+        "qwen3_5_moe_text": dict(
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_gate=True,
+            moe_router_pre_softmax=False,  # always renormalised (its config has no norm_topk_prob)
+            moe_layers=(0, 1),
+            rotary_percent=0.25,
+            attention_output_gate=True,
+            zero_centered_norms=True,
+            linear_attention_layers=(0,),
+        ),
     }[name]
     assert {k: getattr(args, k) for k in expected} == expected
 

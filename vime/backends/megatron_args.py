@@ -20,11 +20,12 @@ bias: each expert's score is the sigmoid of its logit; the top k are chosen by s
 ``routed_scaling_factor``. Its first ``first_k_dense_replace`` layers are dense, its shared experts ungated, and
 RoPE rotates the first ``partial_rotary_factor`` of each head (``--rotary-percent``).
 
-Qwen3-Next (``qwen3_next``) is a hybrid: most layers mix tokens with a gated delta net (linear attention,
-megatron-core's ``GatedDeltaNet``), every ``full_attention_interval``-th with softmax attention whose output is
-gated (``sigmoid(gate) * out``, the gate projected beside each query head: ``--attention-output-gate``). Its
-RMSNorms hold their weight as an offset from one (``x_normed * (1 + w)``: ``--apply-layernorm-1p``), RoPE rotates
-a quarter of each head, and its MoE layers route as Qwen3-MoE's with a gated shared expert.
+Qwen3-Next (``qwen3_next``) and Qwen3.5's language models (``qwen3_5_text``, ``qwen3_5_moe_text``) are hybrids:
+most layers mix tokens with a gated delta net (linear attention, megatron-core's ``GatedDeltaNet``), the others
+(config.json's ``layer_types``) with softmax attention whose output is gated (``sigmoid(gate) * out``, the gate
+projected beside each query head: ``--attention-output-gate``). Their RMSNorms hold their weight as an offset from
+one (``x_normed * (1 + w)``: ``--apply-layernorm-1p``), RoPE rotates a quarter of each head, and their MoE layers
+route as Qwen3-MoE's with a gated shared expert.
 """
 
 from __future__ import annotations
@@ -34,19 +35,21 @@ import math
 
 from vime.config.base import ConfigError
 
-DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next")
-HYBRID_FAMILIES = ("qwen3_next",)  # gated delta-net (linear attention) layers between softmax-attention ones
+DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_5_text")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
+# gated delta-net (linear attention) layers between softmax-attention ones: Qwen3-Next and Qwen3.5's language models
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
 MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
-# The reference framework's layer-spec plugins (--spec MODULE FUNCTION) and the family whose layers each builds:
+# The reference framework's layer-spec plugins (--spec MODULE FUNCTION) and the families whose layers each builds:
 # vime builds those layers itself (the spec is read as a statement of the architecture, checked against config.json).
 REFERENCE_LAYER_SPECS = {
-    ("vime_plugins.models.glm4", "get_glm_spec"): "glm4",
-    ("slime_plugins.models.glm4", "get_glm_spec"): "glm4",
-    ("vime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "qwen3_next",
-    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): "qwen3_next",
+    ("vime_plugins.models.glm4", "get_glm_spec"): ("glm4",),
+    ("slime_plugins.models.glm4", "get_glm_spec"): ("glm4",),
+    ("vime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
+    ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
+    ("vime_plugins.models.qwen3_5", "get_qwen3_5_spec"): ("qwen3_5_text", "qwen3_5_moe_text"),
 }
 
 
@@ -208,7 +211,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
             )
         factor = float(scaling["factor"])
     rotary_percent = rotary_fraction(hf_config)
-    if family not in ("glm4", "glm4_moe", "qwen3_next") and rotary_percent != 1.0:
+    if family not in ("glm4", "glm4_moe", *HYBRID_FAMILIES) and rotary_percent != 1.0:
         raise ConfigError(
             "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
         )
@@ -236,7 +239,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
         # (MLA: the query and key/value latents' norms, q_a_layernorm and kv_a_layernorm, megatron-core's qk_layernorm)
-        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next")
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", *HYBRID_FAMILIES)
         or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
@@ -314,7 +317,7 @@ def _moe_from_hf(hf_config) -> dict:
             "--hf-checkpoint",
             f"{family} config with no MoE layer (decoder_sparse_step {step}, mlp_only_layers {sorted(dense)})",
         )
-    gated_shared = family in ("qwen2_moe", "qwen3_next")  # a shared expert scaled by sigmoid(x . w)
+    gated_shared = family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")  # a shared expert scaled by sigmoid(x . w)
     shared = getattr(hf_config, "shared_expert_intermediate_size", None) if gated_shared else None
     return dict(
         num_experts=hf_config.num_experts,
@@ -322,7 +325,8 @@ def _moe_from_hf(hf_config) -> dict:
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=shared or None,
         moe_shared_expert_gate=bool(shared),
-        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        # (Qwen3.5-MoE always renormalises; its config has no norm_topk_prob)
+        moe_router_pre_softmax=family != "qwen3_5_moe_text" and not bool(getattr(hf_config, "norm_topk_prob", False)),
         moe_layers=moe_layers,
     )
 

@@ -49,22 +49,25 @@ multi-latent attention maps one to one (megatron-core's MLA keeps HF's per-head 
     decoder.layers.N.self_attention.linear_kv_up_proj.weight   <- self_attn.kv_b_proj.weight
     decoder.layers.N.self_attention.linear_proj.weight         <- self_attn.o_proj.weight
 
-Qwen3-Next (``qwen3_next``) routes and names its experts as Qwen2-MoE does. Its softmax-attention layers gate their
+Qwen3-Next (``qwen3_next``) and Qwen3.5's language models (``qwen3_5_text``, ``qwen3_5_moe_text``) route and name their
+experts as Qwen2-MoE does. Its softmax-attention layers gate their
 output: HF's ``q_proj`` holds each head's query and then its gate, megatron-core's ``linear_qkv`` each query group's
 queries, then their gates, then its key and value (:func:`fuse_gated_qkv`). Its other layers are gated delta nets::
 
     decoder.layers.N.self_attention.in_proj.weight         <- linear_attn.in_proj_qkvz, in_proj_ba (regrouped)
+                                                              or in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
     decoder.layers.N.self_attention.conv1d.weight          <- linear_attn.conv1d.weight
     decoder.layers.N.self_attention.dt_bias                <- linear_attn.dt_bias
     decoder.layers.N.self_attention.A_log                  <- linear_attn.A_log
     decoder.layers.N.self_attention.out_norm.weight        <- linear_attn.norm.weight
     decoder.layers.N.self_attention.out_proj.weight        <- linear_attn.out_proj.weight
 
-HF groups the delta net's input projections by key head (for each: its query, key, values and output gates, and its
-beta and alpha rows), megatron-core by kind (all queries, keys, values, gates, betas, alphas:
-:func:`fuse_gated_delta_net_projection`). Its norms keep their zero-centred weights as they are (the Megatron model
-computes ``1 + weight`` as HF does), and its checkpoints' multi-token-prediction weights (``mtp.*``) are left out, as
-HF's model leaves them.
+Qwen3-Next's HF checkpoints group the delta net's input projections by key head (for each: its query, key, values
+and output gates, and its beta and alpha rows), megatron-core by kind (all queries, keys, values, gates, betas,
+alphas: :func:`fuse_gated_delta_net_projection`); Qwen3.5's keep four projections already grouped by kind
+(``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), which ``in_proj`` concatenates. The zero-centred
+norms' weights map unchanged (the Megatron model computes ``1 + weight`` as HF does), and the checkpoints'
+multi-token-prediction weights (``mtp.*``) are left out, as HF's model leaves them.
 
 In Transformer Engine specs the latents' norms fold into the up projections (``layer_norm_weight``) and the
 input norm stays its own module. GLM-4.5's and DeepSeek-V3's checkpoints also hold the multi-token-prediction
@@ -213,6 +216,31 @@ def fuse_gated_delta_net_projection(qkvz: torch.Tensor, ba: torch.Tensor, args: 
     return torch.cat([part.reshape(-1, hidden) for part in (q, k, v, z, b, a)], dim=0)
 
 
+# Qwen3.5's delta nets keep HF's four input projections apart, each already grouped by kind: (HF name after
+# ``linear_attn.``) in megatron-core's order within ``in_proj``
+_SEPARATE_PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+
+
+def _delta_net_in_proj(take, delta: str, args: ModelArgs) -> torch.Tensor:
+    """megatron-core's ``in_proj`` from an HF delta net's input projections (``take``: HF name -> tensor)."""
+    if args.family == "qwen3_next":
+        return fuse_gated_delta_net_projection(
+            take(delta + "in_proj_qkvz.weight"), take(delta + "in_proj_ba.weight"), args
+        )
+    return torch.cat([take(delta + name) for name in _SEPARATE_PROJECTIONS], dim=0)
+
+
+def _delta_net_hf_projections(in_proj: torch.Tensor, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """(HF name after ``linear_attn.``, tensor) of megatron-core's ``in_proj``."""
+    if args.family == "qwen3_next":
+        qkvz, ba = split_gated_delta_net_projection(in_proj, args)
+        return [("in_proj_qkvz.weight", qkvz), ("in_proj_ba.weight", ba)]
+    key_heads, r, dk, dv = _delta_net_sizes(args)
+    values = key_heads * r
+    parts = in_proj.split([2 * key_heads * dk + values * dv, values * dv, values, values], dim=0)
+    return [(name, part.contiguous()) for name, part in zip(_SEPARATE_PROJECTIONS, parts)]
+
+
 def split_gated_delta_net_projection(in_proj: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`fuse_gated_delta_net_projection`: HF's (in_proj_qkvz, in_proj_ba)."""
     key_heads, r, dk, dv = _delta_net_sizes(args)
@@ -322,9 +350,7 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         attn = p + "self_attn."
         if i in args.linear_attention_layers:
             delta = p + "linear_attn."
-            out[m + "self_attention.in_proj.weight"] = fuse_gated_delta_net_projection(
-                take(delta + "in_proj_qkvz.weight"), take(delta + "in_proj_ba.weight"), args
-            )
+            out[m + "self_attention.in_proj.weight"] = _delta_net_in_proj(take, delta, args)
             for suffix, hf_name in _DELTA_NET_NAMES:
                 out[m + suffix] = take(delta + hf_name)
         elif args.multi_latent_attention:
@@ -375,9 +401,8 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
         yield p + "input_layernorm.weight", mcore[m + "input_layernorm.weight"]
         if i in args.linear_attention_layers:
             delta = p + "linear_attn."
-            qkvz, ba = split_gated_delta_net_projection(mcore[m + "self_attention.in_proj.weight"], args)
-            yield delta + "in_proj_qkvz.weight", qkvz
-            yield delta + "in_proj_ba.weight", ba
+            for hf_name, tensor in _delta_net_hf_projections(mcore[m + "self_attention.in_proj.weight"], args):
+                yield delta + hf_name, tensor
             for suffix, hf_name in _DELTA_NET_NAMES:
                 yield delta + hf_name, mcore[m + suffix]
         elif args.multi_latent_attention:

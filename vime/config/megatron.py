@@ -89,8 +89,9 @@ class MegatronConfig:
         None,
         "A layer-spec plugin, MODULE FUNCTION (Megatron-LM). vime builds its models' layers itself and takes the "
         "reference framework's specs of the models it builds as statements of --hf-checkpoint's architecture: "
-        "vime_plugins.models.glm4 get_glm_spec (GLM-4) and vime_plugins.models.qwen3_next get_qwen3_next_spec "
-        "(Qwen3-Next), or slime_plugins' of the same names; any other spec is refused.",
+        "vime_plugins.models.glm4 get_glm_spec (GLM-4), vime_plugins.models.qwen3_next get_qwen3_next_spec "
+        "(Qwen3-Next; also slime_plugins' of these two names) and vime_plugins.models.qwen3_5 get_qwen3_5_spec "
+        "(Qwen3.5's language models); any other spec is refused.",
         nargs=2,
         metavar=("MODULE", "FUNCTION"),
     )
@@ -375,11 +376,12 @@ class MegatronConfig:
         from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, rotary_fraction
 
         if self.spec is not None:
-            family, model_type = REFERENCE_LAYER_SPECS[tuple(self.spec)], getattr(hf_config, "model_type", None)
+            families, model_type = REFERENCE_LAYER_SPECS[tuple(self.spec)], getattr(hf_config, "model_type", None)
             require(
-                model_type == family,
+                model_type in families,
                 "--spec",
-                f"{' '.join(self.spec)} builds {family} layers, but --hf-checkpoint's config.json is a {model_type}",
+                f"{' '.join(self.spec)} builds {' or '.join(families)} layers, but --hf-checkpoint's config.json is "
+                f"a {model_type}",
             )
 
         rotary = rotary_fraction(hf_config)

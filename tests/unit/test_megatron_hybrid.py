@@ -1,8 +1,10 @@
-"""Qwen3-Next (gated delta nets between gated softmax attention, zero-centred norms) in the Megatron backend: an RL
-step equal to the torch backend's (the HF model), the reference preset's flags checked against config.json, the
-parallel layouts not built yet refused, a torch_dist checkpoint's round trip.
+"""Hybrid models in the Megatron backend, Qwen3-Next and Qwen3.5 (gated delta nets between gated softmax attention,
+zero-centred norms): an RL step equal to the torch backend's (the HF model), the HF round trip, the reference
+presets' flags checked against config.json, the parallel layouts not built yet refused, a torch_dist checkpoint's
+round trip.
 
-(The logits against HF's model, the naming and the HF round trip are test_megatron_moe.py's qwen3_next variant.)"""
+(The logits against HF's model are test_megatron_moe.py's qwen3_next and qwen3_5_moe_text variants and
+test_megatron_model.py's qwen3_5_text.)"""
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from vime.backends.megatron_args import model_args_from_hf  # noqa: E402
 from vime.backends.megatron_convert import (  # noqa: E402
     fuse_gated_delta_net_projection,
     fuse_gated_qkv,
+    hf_to_mcore,
+    mcore_to_hf,
     read_hf_state_dict,
 )
 from vime.backends.megatron_layers import ZeroCenteredRMSNorm  # noqa: E402
@@ -35,11 +39,13 @@ def shim():
     mm.init_parallel(mm.Parallelism(), seed=1234)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return megatron_shim.tiny_moe_hf_model(
-        str(tmp_path_factory.mktemp("qwen3_next")), with_tokenizer=True, **megatron_shim.MOE_VARIANTS["qwen3_next"]
-    )
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def model_dir(request, tmp_path_factory):
+    """Qwen3-Next (MoE, fused delta-net projections) and a dense Qwen3.5 language model (four projections)."""
+    folder = str(tmp_path_factory.mktemp(request.param))
+    if request.param == "qwen3_5_text":
+        return megatron_shim.tiny_hf_model(folder, "qwen3_5_text", with_tokenizer=True)
+    return megatron_shim.tiny_moe_hf_model(folder, with_tokenizer=True, **megatron_shim.MOE_VARIANTS["qwen3_next"])
 
 
 def _model_args(folder: str):
@@ -73,6 +79,17 @@ def test_the_zero_centred_norm_scales_by_one_plus_its_weight():
     with torch.no_grad():
         norm.weight.copy_(torch.tensor([1.0, 0.0, -1.0, 0.5]))
     torch.testing.assert_close(norm(x * 3), torch.tensor([[2.0, -1.0, 0.0, -1.5]]))
+
+
+def test_hf_megatron_hf_round_trip_is_exact(model_dir):
+    args = _model_args(model_dir)
+    hf = read_hf_state_dict(model_dir)
+    mcore = hf_to_mcore(hf, args)
+    key_heads, value_heads = args.linear_num_key_heads, args.linear_num_value_heads
+    rows = 2 * key_heads * args.linear_key_head_dim + 2 * value_heads * args.linear_value_head_dim + 2 * value_heads
+    assert mcore["decoder.layers.0.self_attention.in_proj.weight"].shape == (rows, args.hidden_size)
+    back = mcore_to_hf(mcore, args)
+    assert back.keys() == hf.keys() and all(torch.equal(back[n], hf[n]) for n in hf)
 
 
 def _tiny_args():
@@ -150,9 +167,29 @@ QWEN3_NEXT_FLAGS = [
 ]
 
 
+# The reference's Qwen3.5 preset (scripts/models/qwen3.5-4B.sh), the tiny model's numbers.
+QWEN3_5_FLAGS = [
+    *("--spec", "vime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    "--disable-bias-linear",
+    "--qk-layernorm",
+    "--group-query-attention",
+    *("--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16"),
+    *("--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96"),
+    "--use-gated-attention",
+    *("--normalization", "RMSNorm"),
+    "--apply-layernorm-1p",
+    *("--position-embedding-type", "rope", "--norm-epsilon", "1e-6", "--rotary-percent", "0.25"),
+    "--swiglu",
+    *("--rotary-base", "10000"),
+    "--attention-output-gate",
+]
+
+
 def test_the_presets_flags_agree_with_config_json(model_dir):
-    settings = parse_train_args(_args(model_dir, *QWEN3_NEXT_FLAGS))
-    settings.megatron.check_against_hf(AutoConfig.from_pretrained(model_dir), "megatron")
+    config = AutoConfig.from_pretrained(model_dir)
+    flags = QWEN3_NEXT_FLAGS if config.model_type == "qwen3_next" else QWEN3_5_FLAGS
+    settings = parse_train_args(_args(model_dir, *flags))
+    settings.megatron.check_against_hf(config, "megatron")
 
 
 @pytest.mark.parametrize(
@@ -162,6 +199,7 @@ def test_the_presets_flags_agree_with_config_json(model_dir):
         (["--attention-output-gate"], "--attention-output-gate"),
         (["--use-gated-attention"], "--use-gated-attention"),
         (["--spec", "vime_plugins.models.qwen3_next", "get_qwen3_next_spec"], "--spec"),
+        (["--spec", "vime_plugins.models.qwen3_5", "get_qwen3_5_spec"], "--spec"),
     ],
 )
 def test_its_flags_on_another_model_are_refused(tmp_path, extra, flag):
@@ -190,7 +228,7 @@ def test_layouts_not_built_yet_are_refused_naming_the_flag(model_dir, parallel, 
 
     model = _model_args(model_dir)
     check_linear_attention(MegatronBackendSpec(model=model))
-    with pytest.raises(ValueError, match=f"^{flag}: qwen3_next's gated delta-net layers"):
+    with pytest.raises(ValueError, match=f"^{flag}: {model.family}'s gated delta-net layers"):
         check_linear_attention(MegatronBackendSpec(model=model, parallel=parallel, packing=packing))
 
 
