@@ -43,6 +43,7 @@ from vime.rollout.generate import (
     generate_group,
     refused_for_n,
     sampling_params_from_rollout,
+    sends_request,
 )
 from vime.rollout.rewards import RewardOptions, resolve_reward
 from vime.rollout.teacher import attach_teacher_log_probs
@@ -418,7 +419,7 @@ class RolloutWorker:
                         f"returned {type(result).__name__}; it must return the Sample"
                     )
                 return result
-            if self.spec.sampling.remaining(sample) > 0:  # else nothing is sent
+            if sends_request(sample, self.spec.sampling):
                 self.stats.generate_requests += 1
             return await generate(
                 self.session, self.spec.router_url, sample, self.spec.sampling, timeout=self.spec.request_timeout
@@ -438,7 +439,7 @@ class RolloutWorker:
         if self._stopping.is_set():
             return  # draining: not started, they stay PENDING and go back with the group
         try:
-            if self.spec.sampling.remaining(samples[0]) > 0:  # else nothing is sent
+            if sends_request(samples[0], self.spec.sampling):
                 self.stats.generate_requests += 1
             await generate_group(
                 self.session, self.spec.router_url, samples, self.spec.sampling, timeout=self.spec.request_timeout

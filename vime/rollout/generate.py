@@ -366,11 +366,9 @@ def sampler_rows(content: list[dict[str, Any]], capture: ScoreCenteringCapture) 
 async def generate(
     session: aiohttp.ClientSession, base_url: str, sample: Sample, params: SamplingParams, *, timeout: float
 ) -> Sample:
-    remaining = params.remaining(sample)
-    if remaining <= 0:
-        sample.status = Status.TRUNCATED
-        return sample
-    request = params.for_vllm(remaining, seed=params.request_seed(sample))
+    if not sends_request(sample, params):
+        return _truncated([sample])[0]
+    request = params.for_vllm(params.remaining(sample), seed=params.request_seed(sample))
     if params.routing_replay:
         request.update(routing.routing_request(sample))
     completion = await post_generate(
@@ -382,13 +380,31 @@ async def generate(
         timeout=timeout,
         capture=params.score_centering,
     )
+    _apply_completion(sample, completion, routes_request=request if params.routing_replay else None)
+    return sample
+
+
+def sends_request(sample: Sample, params: SamplingParams) -> bool:
+    """Whether generating ``sample`` asks an engine (False: no room is left for a token, and :func:`generate` only
+    marks it truncated)."""
+    return params.remaining(sample) > 0
+
+
+def _truncated(samples: list[Sample]) -> list[Sample]:
+    for sample in samples:
+        sample.status = Status.TRUNCATED
+    return samples
+
+
+def _apply_completion(sample: Sample, completion: Completion, *, routes_request: dict[str, Any] | None = None) -> None:
+    """``completion`` appended to ``sample`` (tokens, log-probs, weight versions, sampler rows; the experts it routed
+    to where ``routes_request`` asked for them), then its status set."""
     sample.append_response_tokens(
         completion.token_ids, completion.log_probs, completion.versions, sampler=completion.sampler
     )
-    if params.routing_replay:
-        _record_routes(sample, completion, request)
+    if routes_request is not None:
+        _record_routes(sample, completion, routes_request)
     sample.status = completion.status
-    return sample
 
 
 # How vLLM refuses a request of more samples than it takes: above its scheduler's --max-num-seqs ("sampling_params.n
@@ -408,12 +424,9 @@ async def generate_group(
     of ``n = len(samples)`` (vLLM samples each independently), each completion appended to its sample as
     :func:`generate` appends one. The first sample's session id routes the request."""
     first = samples[0]
-    remaining = params.remaining(first)
-    if remaining <= 0:
-        for sample in samples:
-            sample.status = Status.TRUNCATED
-        return samples
-    request = {**params.for_vllm(remaining), "n": len(samples)}
+    if not sends_request(first, params):
+        return _truncated(samples)
+    request = {**params.for_vllm(params.remaining(first)), "n": len(samples)}
     completions = await post_generate_choices(
         session,
         base_url,
@@ -424,10 +437,7 @@ async def generate_group(
         capture=params.score_centering,
     )
     for sample, completion in zip(samples, completions, strict=True):
-        sample.append_response_tokens(
-            completion.token_ids, completion.log_probs, completion.versions, sampler=completion.sampler
-        )
-        sample.status = completion.status
+        _apply_completion(sample, completion)
     return samples
 
 
