@@ -94,6 +94,7 @@ class Sampler:
         self.root = root
         self.latest: dict[int, tuple[str, float]] = {}
         self.by_program: dict[str, float] = defaultdict(float)
+        self.processes_by_program: dict[str, int] = defaultdict(int)
 
     def descendants(self) -> dict[int, float]:
         parents: dict[int, int] = {}
@@ -128,6 +129,7 @@ class Sampler:
     def retire(self, pid: int) -> None:
         name, seconds = self.latest.pop(pid)
         self.by_program[name] += seconds
+        self.processes_by_program[name] += 1
 
 
 def reap_all() -> list[tuple[int, int]]:
@@ -154,10 +156,12 @@ def report(sampler: Sampler, wall: float, leaked: list[str]) -> str:
         f"cpu_account: sampled from /proc, {sampled:.0f} s, {100 * sampled / (cores * wall):.1f}% (it also counts "
         "processes whose parent let the kernel reap them, e.g. with SIGCHLD ignored: their time reaches no "
         "parent's total)",
-        "cpu_account: by program (sampled; processes shorter than the interval are missed):",
+        "cpu_account: by program, with its processes' count and mean (sampled; processes shorter than the interval "
+        "are missed):",
     ]
     for name, seconds in sorted(sampler.by_program.items(), key=lambda kv: -kv[1])[:25]:
-        lines.append(f"  {seconds:9.1f} s  {100 * seconds / max(total, sampled, 1e-9):5.1f}%  {name}")
+        share, count = 100 * seconds / max(total, sampled, 1e-9), sampler.processes_by_program[name]
+        lines.append(f"  {seconds:9.1f} s  {share:5.1f}%  {count:5d} x {seconds / max(count, 1):6.1f} s  {name}")
     if leaked:
         lines.append(f"cpu_account: {len(leaked)} process(es) still alive when the command ended:")
         lines.extend(f"  {line}" for line in leaked[:40])
