@@ -202,9 +202,9 @@ def sample_from_row(row: dict[str, Any]):
 def export(data_dir: str, save: str | None, run_id: str, out: str, fmt: str, hf_checkpoint: str | None) -> dict:
     tokenizer = None
     if hf_checkpoint:
-        from transformers import AutoTokenizer
+        from vime.data.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(hf_checkpoint)
+        tokenizer = load_tokenizer(hf_checkpoint)
     report: dict[str, Any] = {}
     write_export(export_rows(data_dir, save, run_id, tokenizer, report), out, fmt, with_text=tokenizer is not None)
     return report

@@ -114,11 +114,10 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         check_chat_template(s.train.hf_checkpoint)
     tokenizer = None
     if eval_sets or s.rollout.rollout_max_prompt_len is not None:  # the driver's only uses of it
-        # AutoTokenizer's import costs ~2 CPU-seconds over AutoConfig's: a run without them leaves the tokenizer
-        # to the rollout workers, which load it anyway.
-        from transformers import AutoTokenizer
+        # (a run without them leaves the tokenizer to the rollout workers, which load it anyway)
+        from vime.data.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(s.train.hf_checkpoint)
+        tokenizer = load_tokenizer(s.train.hf_checkpoint)
     dataset, prompt_rows, prompts_total = filter_long_prompts(s, dataset, tokenizer, say)
     report_sampling_controls(s, say)
     return Inputs(

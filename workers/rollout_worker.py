@@ -29,6 +29,7 @@ import uuid
 import aiohttp
 
 from vime.data.prompt import render_prompt
+from vime.data.tokenizer import load_tokenizer
 from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
@@ -181,10 +182,8 @@ def fresh_samples_of_one_prompt(samples: list[Sample]) -> bool:
 
 class RolloutWorker:
     def __init__(self, spec: RolloutWorkerSpec, controller):
-        from transformers import AutoTokenizer
-
         self.spec, self.controller = spec, controller
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.hf_checkpoint)
+        self.tokenizer = load_tokenizer(spec.hf_checkpoint)
         self.transport = None  # opened by open_queue()
         self.writer_id, self.lease_id = None, spec.worker_id
         # straw allows one write in flight per store handle: a single writer thread serialises them.

@@ -18,9 +18,9 @@ _TOKENIZERS: dict[str, object] = {}
 
 def _tokenizer(path: str):
     if path not in _TOKENIZERS:
-        from transformers import AutoTokenizer
+        from vime.data.tokenizer import load_tokenizer
 
-        _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+        _TOKENIZERS[path] = load_tokenizer(path)
     return _TOKENIZERS[path]
 
 
