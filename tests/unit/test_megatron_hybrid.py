@@ -71,6 +71,48 @@ def test_an_rl_step_matches_the_torch_backend(model_dir):
     assert {n for n, _ in backend.hf_named_weights()} == set(read_hf_state_dict(model_dir))
 
 
+@pytest.fixture(scope="module")
+def vision_language_dir(tmp_path_factory):
+    return megatron_shim.tiny_qwen3_5_vl_model(str(tmp_path_factory.mktemp("qwen3_5_vl")), with_tokenizer=True)
+
+
+def test_a_vision_language_checkpoint_trains_its_language_model_and_exports_it_whole(vision_language_dir, tmp_path):
+    """Qwen3.5's checkpoints hold a vision tower beside the language model (model.language_model.*): the Megatron
+    backend trains the language model as the torch backend does (HF's Qwen3_5ForCausalLM over the same tensors),
+    and what it exports is the whole checkpoint again, the vision tower unchanged."""
+    from transformers import AutoModelForImageTextToText
+
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_spec import MegatronBackendSpec
+    from vime.backends.torch_backend import TorchBackend
+
+    model = _model_args(vision_language_dir)
+    assert (model.family, model.hf_prefix) == ("qwen3_5_text", "model.language_model.")
+    backend = MegatronBackend(trainer_spec(vision_language_dir), MegatronBackendSpec(model=model))
+    ours = backend.train_rollout(make_samples(0), 0)
+    theirs = TorchBackend(trainer_spec(vision_language_dir)).train_rollout(make_samples(0), 0)
+    assert_same_metrics(ours, theirs)
+    backend.save_hf(str(tmp_path / "out"))
+    source, exported = read_hf_state_dict(vision_language_dir), read_hf_state_dict(str(tmp_path / "out"))
+    assert exported.keys() == source.keys()
+    vision = [n for n in source if n.startswith("model.visual.")]
+    assert vision and all(torch.equal(exported[n], source[n]) for n in vision)
+    trained = dict(backend.hf_named_weights())
+    assert set(trained) == set(source) - set(vision)
+    assert all(torch.equal(exported[n], trained[n]) for n in trained)
+    assert not torch.equal(exported["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"], source[
+        "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])  # fmt: skip
+    _, loading = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]  # HF's vision-language model loads it whole
+
+
+def test_the_qwen3_5_preset_agrees_with_a_vision_language_config_json(vision_language_dir):
+    settings = parse_train_args(_args(vision_language_dir, *QWEN3_5_FLAGS))
+    settings.megatron.check_against_hf(AutoConfig.from_pretrained(vision_language_dir), "megatron")
+    said = refused_against_config_json(vision_language_dir, "--rotary-percent", "0.5")
+    assert said.startswith("--rotary-percent"), said
+
+
 def test_the_zero_centred_norm_scales_by_one_plus_its_weight():
     config = mm.transformer_config(_tiny_args(), mm.Parallelism())
     norm = ZeroCenteredRMSNorm(config, hidden_size=4, eps=0.0)

@@ -39,6 +39,9 @@ DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_5_text")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
 # gated delta-net (linear attention) layers between softmax-attention ones: Qwen3-Next and Qwen3.5's language models
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Vision-language checkpoints whose language model the Megatron backend trains (config.json's text_config; its
+# tensors under model.language_model., the vision tower's carried unchanged): model_type -> the language model's
+VISION_LANGUAGE_MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
 MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -107,6 +110,9 @@ class ModelArgs:
     # computing x_normed * (1 + weight)
     attention_output_gate: bool = False
     zero_centered_norms: bool = False
+    # Where the language model's tensors are in the HF checkpoint: model.embed_tokens, model.layers.N, model.norm
+    # (a vision-language checkpoint's: model.language_model.*); lm_head.weight is at the top in both.
+    hf_prefix: str = "model."
     # Gated delta-net layers (0-based; the others are softmax attention) and their shape: key heads (queries share
     # them) and value heads, each head's key and value dimensions, the causal convolution's width.
     linear_attention_layers: tuple[int, ...] = ()
@@ -175,8 +181,26 @@ def rotary_fraction(hf_config) -> float:
     return float(getattr(hf_config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0)
 
 
+def language_model_config(hf_config):
+    """The config of the language model: a vision-language checkpoint's text_config (VISION_LANGUAGE_MODELS),
+    else ``hf_config`` itself."""
+    if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_MODELS:
+        return hf_config.text_config
+    return hf_config
+
+
 def model_args_from_hf(hf_config) -> ModelArgs:
-    """The Megatron architecture of an HF config of a family in FAMILIES; anything else is refused."""
+    """The Megatron architecture of an HF config of a family in FAMILIES (or of a vision-language checkpoint's
+    language model: VISION_LANGUAGE_MODELS); anything else is refused."""
+    if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_MODELS:
+        text = hf_config.text_config
+        tied = getattr(hf_config, "tie_word_embeddings", None)
+        args = model_args_from_hf(text)
+        return dataclasses.replace(
+            args,
+            hf_prefix="model.language_model.",
+            tie_embeddings=args.tie_embeddings if tied is None else bool(tied),
+        )
     family = getattr(hf_config, "model_type", None)
     if family not in FAMILIES:
         raise ConfigError(

@@ -530,14 +530,17 @@ class MegatronBackend(RolloutTraining):
 
     def save_weights(self, path: str) -> None:
         """HF-named safetensors plus the HF config files: what an engine reloads (TP rank 0 writes)."""
-        from vime.backends.megatron_convert import mcore_to_hf, write_hf_safetensors
+        from vime.backends.megatron_convert import mcore_to_hf, untrained_hf_tensors, write_hf_safetensors
         from vime.backends.megatron_weights import gather_canonical
 
         with self.actor.weights_as(self.export_dtype):  # --bf16: the masters, in the engines' dtype
             canonical = gather_canonical(self.gpt, self.megatron.model)
         if not self._writes_files():
             return
-        write_hf_safetensors(mcore_to_hf(canonical, self.megatron.model), path)
+        model = self.megatron.model
+        # (a vision-language checkpoint's vision tower, not trained, goes with it: a whole checkpoint)
+        untrained = untrained_hf_tensors(self.spec.hf_checkpoint, model)
+        write_hf_safetensors({**mcore_to_hf(canonical, model), **untrained}, path)
         for name in ("config.json", "generation_config.json"):
             source = os.path.join(self.spec.hf_checkpoint, name)
             if os.path.isfile(source):

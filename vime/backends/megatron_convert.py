@@ -324,6 +324,28 @@ def _post_norm_names(args: ModelArgs) -> list[tuple[str, str]]:
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def outside_language_model(hf_name: str, args: ModelArgs) -> bool:
+    """A vision-language checkpoint's tensor that is not its language model's (the vision tower, its merger): not
+    trained, carried unchanged into what vime exports (:func:`untrained_hf_tensors`)."""
+    return args.hf_prefix != "model." and not hf_name.startswith((args.hf_prefix, "lm_head.", "mtp."))
+
+
+def untrained_hf_tensors(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The tensors of the HF checkpoint in ``folder`` outside its language model (none but a vision-language
+    checkpoint's), read alone from its safetensors."""
+    from safetensors import safe_open
+
+    if args.hf_prefix == "model.":
+        return {}
+    out = {}
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, name), framework="pt") as tensors:
+            for key in tensors.keys():  # (safe_open: keys(), no iteration)
+                if outside_language_model(key, args):
+                    out[key] = tensors.get_tensor(key)
+    return out
+
+
 def _is_mtp_layer(hf_name: str, args: ModelArgs) -> bool:
     """A multi-token-prediction weight: GLM-4.5's / DeepSeek-V3's layers numbered after the decoder's last one,
     Qwen3-Next's ``mtp.*``."""
@@ -343,9 +365,10 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
         used.add(name)
         return hf[name]
 
-    out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight")}
+    lm = args.hf_prefix
+    out = {"embedding.word_embeddings.weight": take(lm + "embed_tokens.weight")}
     for i in range(args.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        p, m = f"{lm}layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         attn = p + "self_attn."
         if i in args.linear_attention_layers:
@@ -378,12 +401,20 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
                 out[m + suffix] = take(p + hf_name)
         for suffix, hf_name in _post_norm_names(args):
             out[m + suffix] = take(p + hf_name)
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    out["decoder.final_layernorm.weight"] = take(lm + "norm.weight")
     if not args.tie_embeddings:
         out["output_layer.weight"] = take("lm_head.weight")
     elif "lm_head.weight" in hf:
         used.add("lm_head.weight")  # a tied checkpoint may store the shared tensor twice
-    left = sorted(set(hf) - used - {n for n in hf if n.endswith("rotary_emb.inv_freq") or _is_mtp_layer(n, args)})
+    left = sorted(
+        set(hf)
+        - used
+        - {
+            n
+            for n in hf
+            if n.endswith("rotary_emb.inv_freq") or _is_mtp_layer(n, args) or outside_language_model(n, args)
+        }
+    )
     if left:
         raise ValueError(f"HF tensors with no Megatron counterpart ({args.family}): {left[:8]}")
     return out
@@ -394,9 +425,10 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
     """(HF name, tensor) of a canonical Megatron state dict, in HF's order; a tied lm_head is left out
     (as HF's save_pretrained does)."""
     mcore = from_te_names(mcore)
-    yield "model.embed_tokens.weight", mcore["embedding.word_embeddings.weight"][: args.vocab_size]
+    lm = args.hf_prefix
+    yield lm + "embed_tokens.weight", mcore["embedding.word_embeddings.weight"][: args.vocab_size]
     for i in range(args.num_layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        p, m = f"{lm}layers.{i}.", f"decoder.layers.{i}."
         attn = p + "self_attn."
         yield p + "input_layernorm.weight", mcore[m + "input_layernorm.weight"]
         if i in args.linear_attention_layers:
@@ -434,7 +466,7 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
                 yield p + hf_name, mcore[m + suffix]
         for suffix, hf_name in _post_norm_names(args):
             yield p + hf_name, mcore[m + suffix]
-    yield "model.norm.weight", mcore["decoder.final_layernorm.weight"]
+    yield lm + "norm.weight", mcore["decoder.final_layernorm.weight"]
     if not args.tie_embeddings:
         yield "lm_head.weight", mcore["output_layer.weight"][: args.vocab_size]
 

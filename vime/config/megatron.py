@@ -364,9 +364,10 @@ class MegatronConfig:
     def check_against_hf(self, hf_config, train_backend: str | None = None) -> None:
         """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag.
         ``train_backend`` (when known) refuses R3 with the torch backend, which cannot replay routes."""
-        from vime.backends.megatron_args import check_flags_against_hf
+        from vime.backends.megatron_args import check_flags_against_hf, language_model_config
 
         check_flags_against_hf(self, hf_config)
+        hf_config = language_model_config(hf_config)  # (a vision-language checkpoint: its language model's)
         positions = getattr(hf_config, "max_position_embeddings", None)
         require(
             self.max_position_embeddings is None or positions is None or self.max_position_embeddings == positions,
