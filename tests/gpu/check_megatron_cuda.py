@@ -10,8 +10,9 @@ GPU and checks, each against a run it can be compared with:
   1. float32 (TF32 off) takes the torch backend's first two steps on the CPU: loss, gradient norm and the
      trainer/rollout log-prob gap within 1e-4 relative (dense Qwen2; GLM-4, its norms after the attention and
      the MLP Transformer Engine's where it is installed; then Qwen3-MoE, GLM-4.5's sigmoid routing with an expert
-     bias, and DeepSeek-V3's multi-latent attention with YaRN RoPE: megatron-core's MLA on CUDA, with Transformer
-     Engine's attention core where it is installed);
+     bias, DeepSeek-V3's multi-latent attention with YaRN RoPE: megatron-core's MLA on CUDA, with Transformer
+     Engine's attention core where it is installed; and Qwen3-Next's gated delta nets, on flash-linear-attention's
+     kernels where that package is installed, else megatron-core's torch delta rule);
   2. --bf16: bf16 model and float32 masters, gradient norms within 10% of float32's; the log-prob gap printed;
   3. --use-distributed-optimizer (vime's ZeRO-1, one rank here) takes the plain optimizer's steps;
   4. a torch_dist checkpoint written on the GPU resumes in a fresh trainer with the same next step;
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             name: megatron_shim.tiny_moe_hf_model(
                 os.path.join(work, name), with_tokenizer=True, **megatron_shim.MOE_VARIANTS[name]
             )
-            for name in ("qwen3_moe", "glm4_moe", "deepseek_v3")
+            for name in ("qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next")
         }
         glm4 = megatron_shim.tiny_hf_model(os.path.join(work, "glm4"), "glm4", with_tokenizer=True)
         rollouts = [make_samples(seed) for seed in (0, 1)]
