@@ -292,6 +292,9 @@ MOE_VARIANTS = {
     # Qwen3.5-MoE's language model: Qwen3-Next's layers with the delta net's four input projections apart, RoPE
     # sections for images (moot for text: its three position streams are equal) and always renormalised top-k weights.
     "qwen3_5_moe_text": dict(family="qwen3_5_moe_text", shared_expert_intermediate_size=24, **QWEN3_5_LAYERS),
+    # MiniMax-M2: sigmoid routing with a (random, nonzero) expert bias, RoPE on half of each head, query and key
+    # norms over all heads at once.
+    "minimax_m2": dict(family="minimax_m2", head_dim=16, rotary_dim=8),
 }
 
 
@@ -362,7 +365,12 @@ def tiny_moe_hf_model(
     from vime.tools.make_tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer() if with_tokenizer else None
-    experts = {"num_local_experts": 4} if family == "mixtral" else {"num_experts": 4, "moe_intermediate_size": 24}
+    if family == "mixtral":
+        experts = {"num_local_experts": 4}
+    elif family == "minimax_m2":  # its experts' size is intermediate_size
+        experts = {"num_local_experts": 4, "intermediate_size": 24}
+    else:
+        experts = {"num_experts": 4, "moe_intermediate_size": 24}
     fields = dict(
         vocab_size=len(tokenizer) if tokenizer else 16,
         hidden_size=32,
@@ -378,9 +386,8 @@ def tiny_moe_hf_model(
         eos_token_id=0,
         pad_token_id=0,
         dtype="float32",
-        **experts,
     )
-    config = AutoConfig.for_model(family, **{**fields, **overrides})
+    config = AutoConfig.for_model(family, **{**fields, **experts, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -127,6 +127,18 @@ def test_architecture_from_config_json(tiny):
             zero_centered_norms=True,
             linear_attention_layers=(0,),
         ),
+        "minimax_m2": dict(
+            moe_ffn_hidden_size=24,
+            moe_layers=(0, 1),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=None,
+            moe_router_num_groups=None,
+            moe_shared_expert_intermediate_size=None,
+            qk_layernorm=True,
+            qk_norm_over_heads=True,
+            rotary_percent=0.5,
+        ),
     }[name]
     assert {k: getattr(args, k) for k in expected} == expected
 
@@ -146,10 +158,11 @@ def test_expert_names_and_shapes(tiny):
     mcore = hf_to_mcore(hf, args)
     first = args.moe_layers[0]
     layer = f"decoder.layers.{first}.mlp."
-    hf_block = f"model.layers.{first}." + ("block_sparse_moe." if name == "mixtral" else "mlp.")
+    mixtral_names = name in ("mixtral", "minimax_m2")
+    hf_block = f"model.layers.{first}." + ("block_sparse_moe." if mixtral_names else "mlp.")
     assert torch.equal(mcore[layer + "router.weight"], hf[hf_block + "gate.weight"])
     fc1 = mcore[layer + "experts.local_experts.3.linear_fc1.weight"]
-    gate, up = ("w1", "w3") if name == "mixtral" else ("gate_proj", "up_proj")
+    gate, up = ("w1", "w3") if mixtral_names else ("gate_proj", "up_proj")
     expert = f"{hf_block}experts.3."
     assert torch.equal(fc1, torch.cat([hf[f"{expert}{gate}.weight"], hf[f"{expert}{up}.weight"]]))
     assert fc1.shape == (2 * args.moe_ffn_hidden_size, args.hidden_size)
@@ -166,6 +179,10 @@ def test_expert_names_and_shapes(tiny):
         assert torch.equal(mcore[layer + "shared_experts.linear_fc2.weight"], shared_down)
         assert "decoder.layers.0.mlp.linear_fc1.weight" in mcore  # the dense layer (first_k_dense_replace)
         assert "decoder.layers.0.mlp.router.weight" not in mcore
+    if name == "minimax_m2":  # its bias beside the router; its query norm over all heads
+        assert torch.equal(mcore[layer + "router.expert_bias"], hf[hf_block + "e_score_correction_bias"])
+        query_norm = mcore[f"decoder.layers.{first}.self_attention.q_layernorm.weight"]
+        assert query_norm.shape == (args.num_attention_heads * args.kv_channels,)
 
 
 def test_transformer_engine_names(tiny):

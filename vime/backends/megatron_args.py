@@ -26,6 +26,10 @@ most layers mix tokens with a gated delta net (linear attention, megatron-core's
 projected beside each query head: ``--attention-output-gate``). Their RMSNorms hold their weight as an offset from
 one (``x_normed * (1 + w)``: ``--apply-layernorm-1p``), RoPE rotates a quarter of each head, and their MoE layers
 route as Qwen3-MoE's with a gated shared expert.
+
+MiniMax-M2 (``minimax_m2``) routes as DeepSeek-V3 does without groups or scaling (sigmoid scores, an expert bias),
+rotates half of each head, and norms its queries and keys over each token's whole projection (every head at
+once) rather than head by head (``qk_norm_over_heads``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,16 @@ import math
 from vime.config.base import ConfigError
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_5_text")
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
+MOE_FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "minimax_m2",
+)
 # gated delta-net (linear attention) layers between softmax-attention ones: Qwen3-Next and Qwen3.5's language models
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Vision-language checkpoints whose language model the Megatron backend trains (config.json's text_config; its
@@ -53,6 +66,7 @@ REFERENCE_LAYER_SPECS = {
     ("vime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
     ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
     ("vime_plugins.models.qwen3_5", "get_qwen3_5_spec"): ("qwen3_5_text", "qwen3_5_moe_text"),
+    ("vime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): ("minimax_m2",),
 }
 
 
@@ -106,6 +120,9 @@ class ModelArgs:
     v_head_dim: int = 0
     # YaRN RoPE (rope_scaling type yarn; multi-latent attention only): its factor, original context and mscales.
     yarn: tuple[tuple[str, float], ...] = ()
+    # MiniMax-M2: the query and key norms (qk_layernorm) over each token's whole projection, all heads at once,
+    # instead of over each head
+    qk_norm_over_heads: bool = False
     # Qwen3-Next: the softmax attention's output gated per head; every RMSNorm (the gated delta net's own excepted)
     # computing x_normed * (1 + weight)
     attention_output_gate: bool = False
@@ -235,7 +252,7 @@ def model_args_from_hf(hf_config) -> ModelArgs:
             )
         factor = float(scaling["factor"])
     rotary_percent = rotary_fraction(hf_config)
-    if family not in ("glm4", "glm4_moe", *HYBRID_FAMILIES) and rotary_percent != 1.0:
+    if family not in ("glm4", "glm4_moe", "minimax_m2", *HYBRID_FAMILIES) and rotary_percent != 1.0:
         raise ConfigError(
             "--hf-checkpoint", f"partial_rotary_factor {rotary_percent} is not supported for {family} models"
         )
@@ -263,13 +280,14 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
         # (MLA: the query and key/value latents' norms, q_a_layernorm and kv_a_layernorm, megatron-core's qk_layernorm)
-        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", *HYBRID_FAMILIES)
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", "minimax_m2", *HYBRID_FAMILIES)
         or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
         max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
         rotary_percent=rotary_percent,
         rotary_interleaved=family == "glm4",
+        qk_norm_over_heads=family == "minimax_m2",
         post_sublayer_norms=family == "glm4",
         **mla,
         **(_moe_from_hf(hf_config) if family in MOE_FAMILIES else {}),
@@ -316,6 +334,8 @@ def _moe_from_hf(hf_config) -> dict:
     layers = hf_config.num_hidden_layers
     if family in SIGMOID_ROUTED:
         return _sigmoid_routed_moe_from_hf(hf_config)
+    if family == "minimax_m2":
+        return _minimax_moe_from_hf(hf_config)
     if family == "mixtral":
         if getattr(hf_config, "sliding_window", None):
             raise ConfigError("--hf-checkpoint", "sliding-window attention is not supported by the Megatron backend")
@@ -352,6 +372,24 @@ def _moe_from_hf(hf_config) -> dict:
         # (Qwen3.5-MoE always renormalises; its config has no norm_topk_prob)
         moe_router_pre_softmax=family != "qwen3_5_moe_text" and not bool(getattr(hf_config, "norm_topk_prob", False)),
         moe_layers=moe_layers,
+    )
+
+
+def _minimax_moe_from_hf(hf_config) -> dict:
+    """MiniMax-M2's MoE: every layer's experts (``intermediate_size`` each), routed as DeepSeek-V3's are without
+    groups or scaling: sigmoid scores, the top k chosen by score plus the expert bias, their scores renormalised."""
+    if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) > 0:
+        raise ConfigError(
+            "--hf-checkpoint",
+            "MiniMax-M2's router_jitter_noise > 0 is not supported (training would route differently from the engines)",
+        )
+    return dict(
+        num_experts=hf_config.num_local_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.intermediate_size,
+        moe_layers=tuple(range(hf_config.num_hidden_layers)),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
     )
 
 

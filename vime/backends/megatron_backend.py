@@ -54,6 +54,7 @@ from vime.backends.megatron_setup import (
     check_linear_attention,
     check_mla_parallelism,
     check_moe_tensor_parallelism,
+    check_query_key_norms_over_heads,
     check_roles,
     context_split,
     packing_mode,
@@ -133,6 +134,7 @@ class MegatronBackend(RolloutTraining):
             init_hook(self.user_args)
 
         check_linear_attention(megatron)
+        check_query_key_norms_over_heads(megatron)
         # Context parallelism and gated delta nets run megatron-core's own layers over padded rows.
         self.packing = packing_mode(
             megatron.packing, mm.te_usable() and self.context is None and not megatron.model.is_hybrid

@@ -69,6 +69,10 @@ alphas: :func:`fuse_gated_delta_net_projection`); Qwen3.5's keep four projection
 norms' weights map unchanged (the Megatron model computes ``1 + weight`` as HF does), and the checkpoints'
 multi-token-prediction weights (``mtp.*``) are left out, as HF's model leaves them.
 
+MiniMax-M2 (``minimax_m2``) names its experts as Mixtral does (``block_sparse_moe.experts.E.w1/w3/w2``), its
+expert bias ``block_sparse_moe.e_score_correction_bias``, and its query and key norms' weights cover every head
+(``q_norm.weight`` [heads x head_dim]), as megatron-core's norms over the whole projection hold them.
+
 In Transformer Engine specs the latents' norms fold into the up projections (``layer_norm_weight``) and the
 input norm stays its own module. GLM-4.5's and DeepSeek-V3's checkpoints also hold the multi-token-prediction
 layers after the last decoder layer (``num_nextn_predict_layers``), which HF's model ignores as well: they are
@@ -288,13 +292,15 @@ def _mlp_names(args: ModelArgs, layer: int) -> list[tuple[str, str | tuple[str, 
     if not args.is_moe or layer not in args.moe_layers:
         fc1 = "mlp.gate_up_proj.weight" if args.family == "glm4" else ("mlp.gate_proj.weight", "mlp.up_proj.weight")
         return [("mlp.linear_fc1.weight", fc1), ("mlp.linear_fc2.weight", "mlp.down_proj.weight")]
-    if args.family == "mixtral":
+    if args.family in ("mixtral", "minimax_m2"):
         block, gate, up, down = "block_sparse_moe.", "w1", "w3", "w2"
     else:
         block, gate, up, down = "mlp.", "gate_proj", "up_proj", "down_proj"
     names: list[tuple[str, str | tuple[str, str]]] = [("mlp.router.weight", block + "gate.weight")]
     if args.moe_router_enable_expert_bias:
-        names.append(("mlp.router.expert_bias", block + "gate.e_score_correction_bias"))
+        # (MiniMax-M2 keeps its bias beside the router, not in it)
+        bias = "e_score_correction_bias" if args.family == "minimax_m2" else "gate.e_score_correction_bias"
+        names.append(("mlp.router.expert_bias", block + bias))
     for e in range(args.num_experts):
         expert = f"{block}experts.{e}."
         names.append(

@@ -1,5 +1,6 @@
 """Norm layers megatron-core's layer specs do not have on their own.
 
+- MiniMax-M2's query and key norms over the whole projection (:func:`with_query_key_norms_over_heads`).
 - Qwen3-Next's zero-centred RMSNorms, ``x_normed * (1 + weight)`` (:class:`ZeroCenteredRMSNorm`): megatron-core's
   torch norms refuse ``layernorm_zero_centered_gamma``, and folding the one into the weight would make the
   round trip to HF inexact.
@@ -53,6 +54,47 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class _NormOverHeads(torch.nn.Module):
+    """RMSNorm over each token's whole query (or key) projection, every head at once (MiniMax-M2's q_norm and
+    k_norm), in megatron-core's per-head norm slot: it takes ``[..., heads, head_dim]`` and returns that shape.
+    HF's arithmetic: float32 statistics, the weight applied to the normalised input cast back. Built for tensor
+    parallelism 1 (over split heads the statistics would need a sum over ranks)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(heads * head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = x.flatten(-2).float()
+        normed = whole * torch.rsqrt(whole.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(x.dtype)).view_as(x)
+
+
+class QueryNormOverHeads(_NormOverHeads):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        super().__init__(config.num_attention_heads, hidden_size, eps)
+
+
+class KeyNormOverHeads(_NormOverHeads):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_megatron_options):
+        super().__init__(config.num_query_groups, hidden_size, eps)
+
+
+def with_query_key_norms_over_heads(spec):
+    """A decoder block spec (``TransformerBlockSubmodules``) whose layers norm queries and keys over all heads at
+    once (:class:`QueryNormOverHeads`, :class:`KeyNormOverHeads`)."""
+    layers = []
+    for layer in spec.layer_specs:
+        attention = layer.submodules.self_attention
+        norms = dict(q_layernorm=QueryNormOverHeads, k_layernorm=KeyNormOverHeads)
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **norms))
+        layers.append(
+            dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+        )
+    return dataclasses.replace(spec, layer_specs=layers)
 
 
 def with_sequence_parallel_norms(spec, config):

@@ -422,6 +422,10 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if args.qk_norm_over_heads:
+        from vime.backends.megatron_layers import with_query_key_norms_over_heads
+
+        spec = with_query_key_norms_over_heads(spec)
     if args.post_sublayer_norms:
         from vime.backends.megatron_layers import with_post_sublayer_norms
 

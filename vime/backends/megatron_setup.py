@@ -87,6 +87,17 @@ def check_linear_attention(megatron: MegatronBackendSpec) -> None:
         )
 
 
+def check_query_key_norms_over_heads(megatron: MegatronBackendSpec) -> None:
+    """MiniMax-M2's query and key norms span all heads: under tensor parallelism each rank holds some heads, and the
+    norms' statistics would need a sum over the ranks, which is not built."""
+    size = megatron.parallel.tensor
+    if megatron.model.qk_norm_over_heads and size > 1:
+        raise ValueError(
+            f"--tensor-model-parallel-size {size}: {megatron.model.family}'s query and key norms over all heads train "
+            "with 1 only yet; spread the model with --pipeline-model-parallel-size and --expert-model-parallel-size"
+        )
+
+
 def check_expert_parallelism(megatron: MegatronBackendSpec) -> None:
     """Expert (EP) and expert tensor (ETP) parallelism: experts spread over ranks, or split inside."""
     ep, etp, model = megatron.parallel.expert, megatron.parallel.expert_tensor_size, megatron.model

@@ -90,8 +90,9 @@ class MegatronConfig:
         "A layer-spec plugin, MODULE FUNCTION (Megatron-LM). vime builds its models' layers itself and takes the "
         "reference framework's specs of the models it builds as statements of --hf-checkpoint's architecture: "
         "vime_plugins.models.glm4 get_glm_spec (GLM-4), vime_plugins.models.qwen3_next get_qwen3_next_spec "
-        "(Qwen3-Next; also slime_plugins' of these two names) and vime_plugins.models.qwen3_5 get_qwen3_5_spec "
-        "(Qwen3.5's language models); any other spec is refused.",
+        "(Qwen3-Next; also slime_plugins' of these two names), vime_plugins.models.qwen3_5 get_qwen3_5_spec "
+        "(Qwen3.5's language models) and vime_plugins.models.minimax_m2 get_minimax_m2_layer_spec (MiniMax-M2); any "
+        "other spec is refused.",
         nargs=2,
         metavar=("MODULE", "FUNCTION"),
     )
