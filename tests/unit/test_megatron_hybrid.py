@@ -6,6 +6,8 @@ round trip.
 (The logits against HF's model are test_megatron_moe.py's qwen3_next and qwen3_5_moe_text variants and
 test_megatron_model.py's qwen3_5_text.)"""
 
+import os
+
 import pytest
 import torch
 
@@ -104,6 +106,28 @@ def test_a_vision_language_checkpoint_trains_its_language_model_and_exports_it_w
         "model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])  # fmt: skip
     _, loading = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
     assert not loading["missing_keys"] and not loading["unexpected_keys"]  # HF's vision-language model loads it whole
+
+
+def test_the_multi_token_prediction_weights_are_exported_unchanged(model_dir, tmp_path):
+    """A released checkpoint's MTP layers (mtp.*; HF's model ignores them) are not trained; the export carries them,
+    so that it stays a whole checkpoint."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vime.backends.megatron_backend import MegatronBackend
+    from vime.backends.megatron_spec import MegatronBackendSpec
+
+    folder = str(tmp_path / "with_mtp")
+    shutil.copytree(model_dir, folder)
+    mtp = {"mtp.fc.weight": torch.randn(4, 8), "mtp.layers.0.input_layernorm.weight": torch.randn(8)}
+    save_file(mtp, os.path.join(folder, "model-mtp.safetensors"))
+    backend = MegatronBackend(trainer_spec(folder), MegatronBackendSpec(model=_model_args(folder)))
+    backend.save_weights(str(tmp_path / "out"))
+    exported = read_hf_state_dict(str(tmp_path / "out"))
+    assert all(torch.equal(exported[name], tensor) for name, tensor in mtp.items())
+    assert exported.keys() == read_hf_state_dict(folder).keys()
+    assert not {n for n, _ in backend.hf_named_weights()} & set(mtp)  # the engines' updates leave them as loaded
 
 
 def test_the_qwen3_5_preset_agrees_with_a_vision_language_config_json(vision_language_dir):

@@ -551,3 +551,23 @@ def test_a_dense_model_takes_moot_expert_sizes_but_not_spread_experts(tmp_path):
     check_expert_parallelism(MegatronBackendSpec(model=model, parallel=Parallelism(tensor=2, expert_tensor=1)))
     with pytest.raises(ValueError, match="^--expert-model-parallel-size 2: qwen2 has no experts"):
         check_expert_parallelism(MegatronBackendSpec(model=model, parallel=Parallelism(expert=2)))
+
+
+def test_glm_multi_token_prediction_layers_are_carried_not_converted(glm4_moe_dir, tmp_path):
+    """GLM-4.5's checkpoints number their MTP layer after the decoder's last: the Megatron model leaves it out and
+    the export takes it unchanged (untrained_hf_tensors); a decoder layer is never mistaken for one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from vime.backends.megatron_convert import untrained_hf_tensors
+
+    folder = str(tmp_path / "with_mtp")
+    shutil.copytree(glm4_moe_dir, folder)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(32, 64), "model.layers.2.enorm.weight": torch.randn(32)}
+    save_file(mtp, os.path.join(folder, "model-mtp.safetensors"))
+    args = model_args_from_hf(AutoConfig.from_pretrained(folder))
+    mcore = hf_to_mcore(read_hf_state_dict(folder), args)  # (no tensor left without a counterpart)
+    assert not any(name.startswith("decoder.layers.2.") for name in mcore)
+    carried = untrained_hf_tensors(folder, args)
+    assert carried.keys() == mtp.keys() and all(torch.equal(carried[n], mtp[n]) for n in mtp)

@@ -540,7 +540,7 @@ class MegatronBackend(RolloutTraining):
         if not self._writes_files():
             return
         model = self.megatron.model
-        # (a vision-language checkpoint's vision tower, not trained, goes with it: a whole checkpoint)
+        # (what the model does not hold, the vision tower or MTP layers, goes with it unchanged: a whole checkpoint)
         untrained = untrained_hf_tensors(self.spec.hf_checkpoint, model)
         write_hf_safetensors({**mcore_to_hf(canonical, model), **untrained}, path)
         for name in ("config.json", "generation_config.json"):

@@ -75,8 +75,8 @@ expert bias ``block_sparse_moe.e_score_correction_bias``, and its query and key 
 
 In Transformer Engine specs the latents' norms fold into the up projections (``layer_norm_weight``) and the
 input norm stays its own module. GLM-4.5's and DeepSeek-V3's checkpoints also hold the multi-token-prediction
-layers after the last decoder layer (``num_nextn_predict_layers``), which HF's model ignores as well: they are
-left out.
+layers after the last decoder layer (``num_nextn_predict_layers``), which HF's model ignores as well: the Megatron
+model leaves them out, and exports carry them unchanged (:func:`untrained_hf_tensors`).
 
 Megatron fuses Q, K and V group by group: for each of the ``num_query_groups`` key/value heads, the
 rows of its ``heads / groups`` query heads, then its key head, then its value head. Transformer
@@ -331,23 +331,22 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def outside_language_model(hf_name: str, args: ModelArgs) -> bool:
-    """A vision-language checkpoint's tensor that is not its language model's (the vision tower, its merger): not
-    trained, carried unchanged into what vime exports (:func:`untrained_hf_tensors`)."""
+    """A vision-language checkpoint's tensor that is not its language model's (the vision tower, its merger)."""
     return args.hf_prefix != "model." and not hf_name.startswith((args.hf_prefix, "lm_head.", "mtp."))
 
 
 def untrained_hf_tensors(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The tensors of the HF checkpoint in ``folder`` outside its language model (none but a vision-language
-    checkpoint's), read alone from its safetensors."""
+    """The tensors of the HF checkpoint in ``folder`` that the Megatron model does not hold: a vision-language
+    checkpoint's vision tower and the multi-token-prediction layers (GLM-4.5's, DeepSeek-V3's, Qwen3-Next's). They
+    are not trained, and what vime exports carries them unchanged: a whole checkpoint, which an engine with MTP
+    speculative decoding or a vision tower loads. Read alone from the safetensors (their headers list the names)."""
     from safetensors import safe_open
 
-    if args.hf_prefix == "model.":
-        return {}
     out = {}
     for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         with safe_open(os.path.join(folder, name), framework="pt") as tensors:
             for key in tensors.keys():  # (safe_open: keys(), no iteration)
-                if outside_language_model(key, args):
+                if outside_language_model(key, args) or _is_mtp_layer(key, args):
                     out[key] = tensors.get_tensor(key)
     return out
 
