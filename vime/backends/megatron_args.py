@@ -123,8 +123,8 @@ class ModelArgs:
     # MiniMax-M2: the query and key norms (qk_layernorm) over each token's whole projection, all heads at once,
     # instead of over each head
     qk_norm_over_heads: bool = False
-    # Qwen3-Next: the softmax attention's output gated per head; every RMSNorm (the gated delta net's own excepted)
-    # computing x_normed * (1 + weight)
+    # Qwen3-Next, Qwen3.5: the softmax attention's output gated per head; every RMSNorm (the gated delta net's own
+    # excepted) computing x_normed * (1 + weight)
     attention_output_gate: bool = False
     zero_centered_norms: bool = False
     # Where the language model's tensors are in the HF checkpoint: model.embed_tokens, model.layers.N, model.norm
@@ -210,7 +210,12 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     """The Megatron architecture of an HF config of a family in FAMILIES (or of a vision-language checkpoint's
     language model: VISION_LANGUAGE_MODELS); anything else is refused."""
     if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_MODELS:
-        text = hf_config.text_config
+        text, expected = hf_config.text_config, VISION_LANGUAGE_MODELS[hf_config.model_type]
+        if getattr(text, "model_type", None) != expected:
+            raise ConfigError(
+                "--hf-checkpoint",
+                f"{hf_config.model_type}'s text_config is a {getattr(text, 'model_type', None)}, not a {expected}",
+            )
         tied = getattr(hf_config, "tie_word_embeddings", None)
         args = model_args_from_hf(text)
         return dataclasses.replace(
@@ -296,8 +301,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
 
 
 def _linear_attention_from_hf(hf_config) -> dict:
-    """Qwen3-Next's gated delta-net layers (config.json's layer_types, else every full_attention_interval-th layer
-    is softmax attention), its gated attention and its zero-centred norms."""
+    """A hybrid's gated delta-net layers (config.json's layer_types, else every full_attention_interval-th layer is
+    softmax attention), its gated attention and its zero-centred norms."""
     layers = hf_config.num_hidden_layers
     kinds = list(getattr(hf_config, "layer_types", None) or [])
     if not kinds:

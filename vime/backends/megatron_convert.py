@@ -49,10 +49,10 @@ multi-latent attention maps one to one (megatron-core's MLA keeps HF's per-head 
     decoder.layers.N.self_attention.linear_kv_up_proj.weight   <- self_attn.kv_b_proj.weight
     decoder.layers.N.self_attention.linear_proj.weight         <- self_attn.o_proj.weight
 
-Qwen3-Next (``qwen3_next``) and Qwen3.5's language models (``qwen3_5_text``, ``qwen3_5_moe_text``) route and name their
-experts as Qwen2-MoE does. Its softmax-attention layers gate their
-output: HF's ``q_proj`` holds each head's query and then its gate, megatron-core's ``linear_qkv`` each query group's
-queries, then their gates, then its key and value (:func:`fuse_gated_qkv`). Its other layers are gated delta nets::
+Qwen3-Next (``qwen3_next``) and Qwen3.5's language models (``qwen3_5_text``, ``qwen3_5_moe_text``) route and
+name their experts as Qwen2-MoE does. Their softmax-attention layers gate their output: HF's ``q_proj`` holds each
+head's query and then its gate, megatron-core's ``linear_qkv`` each query group's queries, then their gates, then
+its key and value (:func:`fuse_gated_qkv`). Their other layers are gated delta nets::
 
     decoder.layers.N.self_attention.in_proj.weight         <- linear_attn.in_proj_qkvz, in_proj_ba (regrouped)
                                                               or in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
@@ -66,8 +66,10 @@ Qwen3-Next's HF checkpoints group the delta net's input projections by key head 
 and output gates, and its beta and alpha rows), megatron-core by kind (all queries, keys, values, gates, betas,
 alphas: :func:`fuse_gated_delta_net_projection`); Qwen3.5's keep four projections already grouped by kind
 (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), which ``in_proj`` concatenates. The zero-centred
-norms' weights map unchanged (the Megatron model computes ``1 + weight`` as HF does), and the checkpoints'
-multi-token-prediction weights (``mtp.*``) are left out, as HF's model leaves them.
+norms' weights map unchanged (the Megatron model computes ``1 + weight`` as HF does). The checkpoints'
+multi-token-prediction weights (``mtp.*``) are not in the Megatron model, as HF's model ignores them, and exports
+carry them unchanged; so does a vision-language checkpoint's vision tower (Qwen3.5's: the language model's tensors
+are then under ``model.language_model.``, ``ModelArgs.hf_prefix``).
 
 MiniMax-M2 (``minimax_m2``) names its experts as Mixtral does (``block_sparse_moe.experts.E.w1/w3/w2``), its
 expert bias ``block_sparse_moe.e_score_correction_bias``, and its query and key norms' weights cover every head
