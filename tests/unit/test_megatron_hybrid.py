@@ -159,22 +159,8 @@ def test_hf_megatron_hf_round_trip_is_exact(model_dir):
 
 
 def _tiny_args():
-    from vime.backends.megatron_args import ModelArgs
-
-    return ModelArgs(
-        family="qwen3_next",
-        num_layers=1,
-        hidden_size=8,
-        ffn_hidden_size=8,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=3,
-        vocab_size=8,
-        norm_epsilon=1e-6,
-        rotary_base=10000.0,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        tie_embeddings=False,
+    return megatron_shim.tiny_model_args(
+        "qwen3_next",
         attention_output_gate=True,
         zero_centered_norms=True,
         linear_num_key_heads=2,

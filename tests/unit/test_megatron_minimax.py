@@ -53,31 +53,11 @@ def test_an_rl_step_matches_the_torch_backend(model_dir):
 
 
 def test_the_norm_over_heads_is_one_rms_over_the_whole_projection():
-    config = mm.transformer_config(_tiny_args(), mm.Parallelism())
+    args = megatron_shim.tiny_model_args("minimax_m2", num_attention_heads=2, num_query_groups=1, kv_channels=2)
+    config = mm.transformer_config(args, mm.Parallelism())
     norm = QueryNormOverHeads(config, hidden_size=2, eps=0.0)  # 2 heads of 2 dimensions
     x = torch.tensor([[[3.0, 3.0], [1.0, 1.0]]])  # the heads' scales differ: a norm per head would even them
     torch.testing.assert_close(norm(x), x / (5.0**0.5))  # rms over all four values is sqrt(5)
-
-
-def _tiny_args():
-    from vime.backends.megatron_args import ModelArgs
-
-    return ModelArgs(
-        family="minimax_m2",
-        num_layers=1,
-        hidden_size=4,
-        ffn_hidden_size=4,
-        num_attention_heads=2,
-        num_query_groups=1,
-        kv_channels=2,
-        vocab_size=8,
-        norm_epsilon=1e-6,
-        rotary_base=10000.0,
-        add_qkv_bias=False,
-        qk_layernorm=True,
-        tie_embeddings=False,
-        qk_norm_over_heads=True,
-    )
 
 
 # The reference's MiniMax-M2.5 preset (scripts/models/minimax-m2.sh), the tiny model's numbers.

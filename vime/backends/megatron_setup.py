@@ -47,39 +47,40 @@ def check_moe_tensor_parallelism(megatron: MegatronBackendSpec) -> None:
         )
 
 
+def _refuse_spread(what: str, sizes: dict[str, int]) -> None:
+    """``what`` (a model part) is built for the parallel sizes ``sizes`` (flag -> size) at 1 only yet: a larger one
+    is refused, naming its flag."""
+    for flag, size in sizes.items():
+        if size > 1:
+            raise ValueError(
+                f"{flag} {size}: {what} trains with 1 only yet; spread the model with --pipeline-model-parallel-size "
+                "and --expert-model-parallel-size"
+            )
+
+
 def check_mla_parallelism(megatron: MegatronBackendSpec) -> None:
     """Multi-latent attention is built for tensor and context parallelism 1 only yet: at tensor parallelism 2,
     megatron-core's own MLA layers under vime's gradient reduction (vime.backends.megatron_gradients) gave wrong
     gradients (docs/megatron.md, "Multi-latent attention"), and context parallelism was not tried."""
-    if not megatron.model.multi_latent_attention:
-        return
-    for flag, size in (
-        ("--tensor-model-parallel-size", megatron.parallel.tensor),
-        ("--context-parallel-size", megatron.parallel.context),
-    ):
-        if size > 1:
-            raise ValueError(
-                f"{flag} {size}: multi-latent attention ({megatron.model.family}) trains with 1 only yet; "
-                "spread the model with --pipeline-model-parallel-size and --expert-model-parallel-size"
-            )
+    if megatron.model.multi_latent_attention:
+        parallel = megatron.parallel
+        _refuse_spread(
+            f"multi-latent attention ({megatron.model.family})",
+            {"--tensor-model-parallel-size": parallel.tensor, "--context-parallel-size": parallel.context},
+        )
 
 
 def check_linear_attention(megatron: MegatronBackendSpec) -> None:
-    """Gated delta-net layers (Qwen3-Next) train with tensor and context parallelism 1, on padded micro-batches:
-    megatron-core's ``GatedDeltaNet`` refuses packed sequences and context parallelism, and splitting its fused
-    input projection over tensor-parallel ranks (each kind of row split on its own) is not built here yet."""
-    model = megatron.model
+    """Gated delta-net layers (Qwen3-Next, Qwen3.5) train with tensor and context parallelism 1, on padded
+    micro-batches: megatron-core's ``GatedDeltaNet`` refuses packed sequences and context parallelism, and splitting
+    its fused input projection over tensor-parallel ranks (each kind of row split on its own) is not built here yet."""
+    model, parallel = megatron.model, megatron.parallel
     if not model.is_hybrid:
         return
-    for flag, size in (
-        ("--tensor-model-parallel-size", megatron.parallel.tensor),
-        ("--context-parallel-size", megatron.parallel.context),
-    ):
-        if size > 1:
-            raise ValueError(
-                f"{flag} {size}: {model.family}'s gated delta-net layers train with 1 only yet; spread the model "
-                "with --pipeline-model-parallel-size and --expert-model-parallel-size"
-            )
+    _refuse_spread(
+        f"{model.family}'s gated delta-net layers",
+        {"--tensor-model-parallel-size": parallel.tensor, "--context-parallel-size": parallel.context},
+    )
     if megatron.packing == "thd":
         raise ValueError(
             f"--megatron-packing thd: {model.family}'s gated delta-net layers take padded micro-batches only "
@@ -90,11 +91,10 @@ def check_linear_attention(megatron: MegatronBackendSpec) -> None:
 def check_query_key_norms_over_heads(megatron: MegatronBackendSpec) -> None:
     """MiniMax-M2's query and key norms span all heads: under tensor parallelism each rank holds some heads, and the
     norms' statistics would need a sum over the ranks, which is not built."""
-    size = megatron.parallel.tensor
-    if megatron.model.qk_norm_over_heads and size > 1:
-        raise ValueError(
-            f"--tensor-model-parallel-size {size}: {megatron.model.family}'s query and key norms over all heads train "
-            "with 1 only yet; spread the model with --pipeline-model-parallel-size and --expert-model-parallel-size"
+    if megatron.model.qk_norm_over_heads:
+        _refuse_spread(
+            f"{megatron.model.family}'s query and key norms over all heads",
+            {"--tensor-model-parallel-size": megatron.parallel.tensor},
         )
 
 
