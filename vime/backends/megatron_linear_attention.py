@@ -1,4 +1,4 @@
-"""Qwen3-Next's hybrid decoder in megatron-core: gated delta-net layers (linear attention, megatron-core's
+"""Qwen3-Next's and Qwen3.5's hybrid decoder in megatron-core: gated delta-net layers (linear attention, megatron-core's
 ``GatedDeltaNet``) between softmax-attention layers whose output is gated, from megatron-core's own modules.
 
 megatron-core 0.16.1 builds such a decoder from Transformer Engine specs only (its experimental-attention block
@@ -9,7 +9,7 @@ of a model that has them (the delta net's gated output norm excepted: HF's is a 
 
 What the layer takes: right-padded micro-batches only (``GatedDeltaNet`` refuses packed sequences; a row's padding
 comes after its tokens, so the recurrence never carries it into them), tensor and context parallelism 1
-(``check_linear_attention_parallelism``).
+(``vime.backends.megatron_setup.check_linear_attention``).
 
 ``GatedDeltaNet`` refuses to build without flash-linear-attention (fla), whose l2norm and chunked delta-rule kernels
 it calls. megatron-core carries a torch version of that rule (its deterministic mode's, a port of HF's); where fla

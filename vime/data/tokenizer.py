@@ -103,7 +103,7 @@ def _read_record(record_path: str) -> dict | None:
 
 
 def _load_recorded(path: str, record: dict):
-    """The recorded class's tokenizer of ``path`` if it has the recorded fingerprint, else None (said once)."""
+    """The recorded class's tokenizer of ``path`` if it has the recorded fingerprint, else None (the reason logged)."""
     try:
         if not record["module"].startswith("transformers."):
             return None  # remote code: AutoTokenizer decides whether it may run
