@@ -96,7 +96,12 @@ def megatron_to_hf(
 ) -> str:
     """Write the HF model of the Megatron checkpoint ``load`` (architecture from ``hf_config``) to ``save``."""
     from vime.backends import megatron_checkpoint as mc
-    from vime.backends.megatron_convert import mcore_to_hf, merge_tp_shards, write_hf_safetensors
+    from vime.backends.megatron_convert import (
+        mcore_to_hf,
+        merge_tp_shards,
+        untrained_hf_tensors,
+        write_hf_safetensors,
+    )
 
     config, args = _hf_args(hf_config)
     folder = mc.resolve_step_folder(load, ckpt_step)
@@ -121,7 +126,10 @@ def megatron_to_hf(
     else:
         target = _DTYPES[dtype]
     os.makedirs(save, exist_ok=True)
-    write_hf_safetensors({k: v.to(target) for k, v in mcore_to_hf(canonical, args).items()}, save)
+    hf = {k: v.to(target) for k, v in mcore_to_hf(canonical, args).items()}
+    # What the Megatron model does not hold (a vision tower, MTP layers) comes unchanged from hf_config's own weights
+    # where that folder has them: the output is then a whole checkpoint.
+    write_hf_safetensors({**hf, **untrained_hf_tensors(hf_config, args, mtp_layers=True)}, save)
     for name in sorted(os.listdir(hf_config)):
         source = os.path.join(hf_config, name)
         if os.path.isfile(source) and not name.endswith(_WEIGHT_SUFFIXES):

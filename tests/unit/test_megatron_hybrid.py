@@ -109,8 +109,8 @@ def test_a_vision_language_checkpoint_trains_its_language_model_and_exports_it_w
 
 
 def test_the_multi_token_prediction_weights_are_exported_unchanged(model_dir, tmp_path):
-    """A released checkpoint's MTP layers (mtp.*; HF's model ignores them) are not trained; the export carries them,
-    so that it stays a whole checkpoint."""
+    """A released checkpoint's MTP layers (mtp.*; HF's model ignores them) are not trained; the final export
+    carries them, so that it stays a whole checkpoint, and the weights published at each step leave them out."""
     import shutil
 
     from safetensors.torch import save_file
@@ -123,11 +123,27 @@ def test_the_multi_token_prediction_weights_are_exported_unchanged(model_dir, tm
     mtp = {"mtp.fc.weight": torch.randn(4, 8), "mtp.layers.0.input_layernorm.weight": torch.randn(8)}
     save_file(mtp, os.path.join(folder, "model-mtp.safetensors"))
     backend = MegatronBackend(trainer_spec(folder), MegatronBackendSpec(model=_model_args(folder)))
-    backend.save_weights(str(tmp_path / "out"))
+    backend.save_hf(str(tmp_path / "out"))
     exported = read_hf_state_dict(str(tmp_path / "out"))
     assert all(torch.equal(exported[name], tensor) for name, tensor in mtp.items())
     assert exported.keys() == read_hf_state_dict(folder).keys()
-    assert not {n for n, _ in backend.hf_named_weights()} & set(mtp)  # the engines' updates leave them as loaded
+    # the weights the engines load at each step leave them as loaded
+    backend.save_weights(str(tmp_path / "published"))
+    assert not set(read_hf_state_dict(str(tmp_path / "published"))) & set(mtp)
+    assert not {n for n, _ in backend.hf_named_weights()} & set(mtp)
+
+
+def test_the_conversion_commands_round_trip_a_vision_language_checkpoint(vision_language_dir, tmp_path):
+    """vime tools convert-hf-to-megatron / convert-megatron-to-hf on Qwen3.5's vision-language checkpoint: the
+    language model goes through Megatron, the vision tower comes back from --hf-config's weights; exact."""
+    from vime.cli import main
+
+    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
+    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", vision_language_dir, "--save", mcore]) == 0
+    command = ["tools", "convert-megatron-to-hf", "--load", mcore, "--save", back, "--hf-config", vision_language_dir]
+    assert main([*command, "--dtype", "float32"]) == 0
+    left, right = read_hf_state_dict(vision_language_dir), read_hf_state_dict(back)
+    assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
 
 
 def test_the_qwen3_5_preset_agrees_with_a_vision_language_config_json(vision_language_dir):

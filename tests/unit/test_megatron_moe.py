@@ -569,5 +569,6 @@ def test_glm_multi_token_prediction_layers_are_carried_not_converted(glm4_moe_di
     args = model_args_from_hf(AutoConfig.from_pretrained(folder))
     mcore = hf_to_mcore(read_hf_state_dict(folder), args)  # (no tensor left without a counterpart)
     assert not any(name.startswith("decoder.layers.2.") for name in mcore)
-    carried = untrained_hf_tensors(folder, args)
+    carried = untrained_hf_tensors(folder, args, mtp_layers=True)
     assert carried.keys() == mtp.keys() and all(torch.equal(carried[n], mtp[n]) for n in mtp)
+    assert untrained_hf_tensors(folder, args, mtp_layers=False) == {}

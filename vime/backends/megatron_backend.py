@@ -532,6 +532,11 @@ class MegatronBackend(RolloutTraining):
 
     def save_weights(self, path: str) -> None:
         """HF-named safetensors plus the HF config files: what an engine reloads (TP rank 0 writes)."""
+        self._write_hf(path, mtp_layers=False)
+
+    def _write_hf(self, path: str, *, mtp_layers: bool) -> None:
+        """The model as HF safetensors, with what it does not hold carried unchanged (the vision tower; with
+        ``mtp_layers`` the checkpoint's multi-token-prediction layers), and the HF config files."""
         from vime.backends.megatron_convert import mcore_to_hf, untrained_hf_tensors, write_hf_safetensors
         from vime.backends.megatron_weights import gather_canonical
 
@@ -540,8 +545,7 @@ class MegatronBackend(RolloutTraining):
         if not self._writes_files():
             return
         model = self.megatron.model
-        # (what the model does not hold, the vision tower or MTP layers, goes with it unchanged: a whole checkpoint)
-        untrained = untrained_hf_tensors(self.spec.hf_checkpoint, model)
+        untrained = untrained_hf_tensors(self.spec.hf_checkpoint, model, mtp_layers=mtp_layers)
         write_hf_safetensors({**mcore_to_hf(canonical, model), **untrained}, path)
         for name in ("config.json", "generation_config.json"):
             source = os.path.join(self.spec.hf_checkpoint, name)
@@ -549,7 +553,8 @@ class MegatronBackend(RolloutTraining):
                 shutil.copyfile(source, os.path.join(path, name))
 
     def save_hf(self, path: str) -> None:
-        self.save_weights(path)
+        """A whole HF checkpoint (hf_final): the model, what it does not hold, the config and the tokenizer."""
+        self._write_hf(path, mtp_layers=True)
         if self._writes_files():
             self.tokenizer.save_pretrained(path)
         if self.critic is not None and self.critic_save:

@@ -337,18 +337,20 @@ def outside_language_model(hf_name: str, args: ModelArgs) -> bool:
     return args.hf_prefix != "model." and not hf_name.startswith((args.hf_prefix, "lm_head.", "mtp."))
 
 
-def untrained_hf_tensors(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The tensors of the HF checkpoint in ``folder`` that the Megatron model does not hold: a vision-language
-    checkpoint's vision tower and the multi-token-prediction layers (GLM-4.5's, DeepSeek-V3's, Qwen3-Next's). They
-    are not trained, and what vime exports carries them unchanged: a whole checkpoint, which an engine with MTP
-    speculative decoding or a vision tower loads. Read alone from the safetensors (their headers list the names)."""
+def untrained_hf_tensors(folder: str, args: ModelArgs, *, mtp_layers: bool) -> dict[str, torch.Tensor]:
+    """The tensors of the HF checkpoint in ``folder`` that the Megatron model does not hold, read alone from its
+    safetensors (their headers list the names): a vision-language checkpoint's vision tower and, with
+    ``mtp_layers``, the multi-token-prediction layers (GLM-4.5's, DeepSeek-V3's, Qwen3-Next's). They are not
+    trained; what vime exports carries them unchanged (the weights published at each step carry the vision tower,
+    the final and checkpoint exports the MTP layers too: a whole checkpoint, which an engine with MTP speculative
+    decoding loads; DeepSeek-V3's MTP layer is an MoE layer of its own, too large to rewrite at every step)."""
     from safetensors import safe_open
 
     out = {}
     for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         with safe_open(os.path.join(folder, name), framework="pt") as tensors:
             for key in tensors.keys():  # (safe_open: keys(), no iteration)
-                if outside_language_model(key, args) or _is_mtp_layer(key, args):
+                if outside_language_model(key, args) or (mtp_layers and _is_mtp_layer(key, args)):
                     out[key] = tensors.get_tensor(key)
     return out
 
