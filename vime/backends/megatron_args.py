@@ -209,8 +209,9 @@ def language_model_config(hf_config):
 def model_args_from_hf(hf_config) -> ModelArgs:
     """The Megatron architecture of an HF config of a family in FAMILIES (or of a vision-language checkpoint's
     language model: VISION_LANGUAGE_MODELS); anything else is refused."""
-    if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_MODELS:
-        text, expected = hf_config.text_config, VISION_LANGUAGE_MODELS[hf_config.model_type]
+    text = language_model_config(hf_config)
+    if text is not hf_config:
+        expected = VISION_LANGUAGE_MODELS[hf_config.model_type]
         if getattr(text, "model_type", None) != expected:
             raise ConfigError(
                 "--hf-checkpoint",

@@ -346,6 +346,8 @@ def untrained_hf_tensors(folder: str, args: ModelArgs, *, mtp_layers: bool) -> d
     decoding loads; DeepSeek-V3's MTP layer is an MoE layer of its own, too large to rewrite at every step)."""
     from safetensors import safe_open
 
+    if args.hf_prefix == "model." and not mtp_layers:
+        return {}  # (no vision tower: nothing to read; the case of every step's weights for most models)
     out = {}
     for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
         with safe_open(os.path.join(folder, name), framework="pt") as tensors:
