@@ -27,6 +27,8 @@ from vime.runtime.process import kill_processes_with_token
 pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "digit_shift")
 
+GROUPS_PER_STEP = 8  # --rollout-batch-size of every run below
+
 
 def vime_args(model: str, run_dir: str, *extra: str) -> list[str]:
     return [
@@ -45,7 +47,7 @@ def vime_args(model: str, run_dir: str, *extra: str) -> list[str]:
         "--custom-rm-path",
         os.path.join(EXAMPLE, "reward.py") + ":reward",
         "--rollout-batch-size",
-        "8",
+        str(GROUPS_PER_STEP),
         "--n-samples-per-prompt",
         "4",
         "--rollout-max-response-len",
@@ -291,7 +293,15 @@ def ctrl_c_and_resume(tmp_path, tiny_model_dir, engine_flags: list[str], engine_
     from vime.recovery import checkpoint as ckpt
 
     done = ckpt.latest_step(save)
-    args[args.index("--num-rollout") + 1] = str(done + 2)
+    # The resumed run first trains the groups accepted before the Ctrl-C and not in its checkpoint (up to
+    # --max-staleness + 1 steps of them): two steps only would often be these alone, the continuations
+    # still generating when the run ends. Two steps past that backlog train groups generated after the
+    # resume, and the continuations are leased before any fresh prompt (queue/tasks.py).
+    from vime.queue.journal_view import JournalView
+
+    accepted = len(JournalView.read(os.path.join(run_dir, "rollout_data")).accepted())
+    backlog = accepted - ckpt.read_state(save, done).consumer_cursor
+    args[args.index("--num-rollout") + 1] = str(done + -(-backlog // GROUPS_PER_STEP) + 2)
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"resuming from {ckpt.iteration_dir(save, done)}" in result.stdout
