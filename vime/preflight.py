@@ -40,6 +40,8 @@ HOOK_FLAGS = (
     ("algorithm", "--custom-pg-loss-reducer-function-path"),
     ("hooks", "--custom-convert-samples-to-train-data-path"),
     ("hooks", "--rollout-all-samples-process-path"),
+    ("hooks", "--custom-rollout-log-function-path"),
+    ("hooks", "--custom-eval-rollout-log-function-path"),
     ("eval", "--eval-function-path"),
     ("data", "--data-source-path"),
 )

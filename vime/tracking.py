@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import msgspec
 
 from vime.errors import UserError
+from vime.runtime.log_hooks import UNTRACKED, USER_METRICS
 
 STATE_FILE = "tracking.json"
 # Fields that place a record (kind, step), and the driver's wall clock since its own start, which restarts
@@ -68,15 +69,21 @@ def write_state(folder: str, state: TrackingState) -> None:
 
 def row_of(record: dict[str, Any]) -> dict[str, float]:
     """The tracker values of one metrics.jsonl record: its numbers, named ``<kind>/<field>`` (an evaluation's
-    ``eval/<dataset>/<field>``), and ``events/<kind>[/<event>]``: 1 for a record that reports an event."""
+    ``eval/<dataset>/<field>``), and ``events/<kind>[/<event>]``: 1 for a record that reports an event. A
+    logging hook's numbers (the record's ``user_metrics``) keep the names the hook gave them, and the fields
+    it logged itself (``untracked``) are left out (vime/runtime/log_hooks.py)."""
     kind = str(record.get("kind") or "record")
+    user_metrics = dict(_numbers(record.get(USER_METRICS) or {}))
+    left_out = {USER_METRICS, UNTRACKED, *record.get(UNTRACKED, ())}
+    record = {name: value for name, value in record.items() if name not in left_out}
     if kind == "eval":
         prefix = f"eval/{record.get('dataset', 'default')}/"
         fields = {k.removeprefix("eval_"): v for k, v in record.items() if k != "dataset"}
     else:
         prefix, fields = f"{kind}/", record
     row = {prefix + name: float(value) for name, value in _numbers(fields)}
-    if kind not in ("train", "eval", "weight_sync"):  # the others are events: engines, workers, restarts
+    row.update(user_metrics)
+    if kind not in ("train", "eval", "weight_sync", "eval_log"):  # the others are events: engines, workers, ...
         row["events/" + kind + (f"/{record['event']}" if record.get("event") else "")] = 1.0
     return row
 

@@ -391,6 +391,7 @@ class TrainingRun:
         self.restarter = self._trainer_restarter()
         disk = FreeSpaceWatch.from_settings(s, say=self.log.say)  # free space and --min-free-disk-gb
         rollout_id = self.step = start_step
+        last_taken = time.monotonic()  # what a rollout took: the time between two batches taken
         while rollout_id < s.train.num_rollout:
             interrupts.raise_if_interrupted()
             try:
@@ -398,8 +399,11 @@ class TrainingRun:
             except StopIteration:
                 self.log.say(f"--num-epoch {s.data.num_epoch} exhausted the prompts after {rollout_id} rollout(s)")
                 break
+            rollout_time, last_taken = time.monotonic() - last_taken, time.monotonic()
             try:
-                metrics = self._train_step(rollout_id, taken, colocation, sync_number=sync_number + 1)
+                metrics = self._train_step(
+                    rollout_id, taken, colocation, sync_number=sync_number + 1, rollout_time=rollout_time
+                )
             except (TrainerDied, TrainerStepFailed) as error:  # restored in place, or the run stops
                 rollout_id = self._restart_trainer(error, rollout_id + 1, colocation)
                 sync_number = 1  # the restore published once, flushing
@@ -421,9 +425,12 @@ class TrainingRun:
             self._publish(self.version + 1, sync_number=sync_number + 1)
         return self.version
 
-    def _train_step(self, rollout_id: int, taken, colocation, *, sync_number: int) -> dict[str, Any]:
+    def _train_step(
+        self, rollout_id: int, taken, colocation, *, sync_number: int, rollout_time: float = 0.0
+    ) -> dict[str, Any]:
         """Train on ``taken``, publish the new weights, checkpoint or commit: the trainer's part of a step
-        (what a trainer restored in place redoes). Returns the step's metrics."""
+        (what a trainer restored in place redoes). Returns the step's metrics; ``rollout_time``: the seconds
+        since the previous step's batch was taken (what --custom-rollout-log-function-path is told)."""
         import ray
 
         from vime.workers.trainer_restart import TrainerStepFailed
@@ -431,7 +438,9 @@ class TrainingRun:
         s, step = self.s, rollout_id + 1
         colocation.before_training()
         try:
-            metrics = self.processes.trainer.train_rollout(rollout_id, taken.groups, self.version, self.lineage)
+            metrics = self.processes.trainer.train_rollout(
+                rollout_id, taken.groups, self.version, self.lineage, rollout_time=rollout_time
+            )
         except ray.exceptions.RayTaskError as error:
             if isinstance(_unwrap(error), UserError):
                 raise  # the user's to fix: it would fail again after a restart

@@ -87,10 +87,17 @@ class TrainerGroup:
         """Wait until every rank has built its backend (loaded --hf-checkpoint)."""
         self._wait([rank.ready.remote() for rank in self.ranks], self.timeout, "starting the trainer")
 
-    def train_rollout(self, rollout_id: int, groups: list, policy_version: int, lineage=None) -> dict:
+    def train_rollout(
+        self, rollout_id: int, groups: list, policy_version: int, lineage=None, rollout_time: float = 0.0
+    ) -> dict:
         """One step on ``groups``; no time bound (a step's length is the user's)."""
         return self._wait(
-            [rank.train_rollout.remote(rollout_id, groups, policy_version, lineage=lineage) for rank in self.ranks],
+            [
+                rank.train_rollout.remote(
+                    rollout_id, groups, policy_version, lineage=lineage, rollout_time=rollout_time
+                )
+                for rank in self.ranks
+            ],
             None,
             f"training step {rollout_id + 1}",
         )

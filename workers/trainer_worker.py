@@ -7,6 +7,7 @@ retrains the accepted groups after that cursor: training is exactly-once per sur
 
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
 import dataclasses
@@ -25,6 +26,7 @@ from vime.queue.transport import make_transport
 from vime.recovery.faults import fault_point
 from vime.recovery.lineage import Lineage
 from vime.rollout.rewards import reward_by_source
+from vime.runtime.log_hooks import RolloutLogHook, hook_fields
 from vime.sample import Sample
 from vime.weights.publisher import Publication, WeightPublisher
 
@@ -36,6 +38,19 @@ def tokens_per_version(samples: list[Sample]) -> dict[str, int]:
     """Trained response tokens by the weight version that generated them (keys are versions)."""
     counts = collections.Counter(v for s in samples for v in s.weight_versions)
     return {str(version): counts[version] for version in sorted(counts)}
+
+
+# The step's metrics computed from its samples (and the driver's rollout throughput): what a
+# --custom-rollout-log-function-path that logged the rollout itself keeps out of the trackers.
+ROLLOUT_METRICS = (
+    "reward_mean",
+    "response_length_mean",
+    "truncated_fraction",
+    "staleness_mean",
+    "staleness_max",
+    "tokens_per_version",
+    "rollout_tokens_per_s",
+)
 
 
 class CorruptGroup(UserError, RuntimeError):
@@ -55,6 +70,7 @@ class TrainerWorkerSpec:
     delta_checksum: str | None = None  # --update-weight-delta-checksum, as usable here
     weight_buffer_bytes: int = 0  # --update-weight-buffer-size: NCCL broadcast buckets (0: one per tensor)
     weight_scratch_dir: str | None = None  # --update-weight-trainer-dir: the delta parent's folder (<dir>/trainer)
+    hook_args: argparse.Namespace | None = None  # the run's args, as --custom-rollout-log-function-path gets them
 
     @classmethod
     def from_settings(
@@ -119,6 +135,7 @@ class TrainerWorkerSpec:
                 if s.weights.update_weight_trainer_dir
                 else None
             ),
+            hook_args=s.args,
         )
 
 
@@ -147,6 +164,8 @@ class TrainerWorker:
             max_workers=len(self.readers), thread_name_prefix="queue-read"
         )
         self.publisher: WeightPublisher | None = None  # built at the first publication
+        log_path = spec.backend.hooks.custom_rollout_log_function_path if spec.backend.hooks else None
+        self.rollout_log = RolloutLogHook(log_path, spec.hook_args) if log_path and rank == 0 else None
         self.sender = None  # NcclWeightSender with --update-weight-transport nccl
         self.nccl_metadata: list = []  # what the engines receive, in broadcast order
 
@@ -212,13 +231,20 @@ class TrainerWorker:
         return [sample for group in groups for sample in by_position[group.position]]
 
     def train_rollout(
-        self, rollout_id: int, groups: list[AcceptedGroup], policy_version: int, lineage: Lineage | None = None
+        self,
+        rollout_id: int,
+        groups: list[AcceptedGroup],
+        policy_version: int,
+        lineage: Lineage | None = None,
+        rollout_time: float = 0.0,
     ) -> dict[str, float]:
         """Train on one rollout's groups with the policy at ``policy_version``; returns its metrics.
-        ``lineage``: the run's restores in place, so that staleness counts steps, not version numbers."""
+        ``lineage``: the run's restores in place, so that staleness counts steps, not version numbers;
+        ``rollout_time``: what --custom-rollout-log-function-path is told the rollout took."""
         started = time.perf_counter()
         samples = self.read_groups(groups)
         read_seconds = time.perf_counter() - started
+        logged = self.rollout_log(rollout_id, samples, rollout_time) if self.rollout_log else None
         fault_point("trainer.mid_step")
         metrics = self.backend.train_rollout(samples, policy_version)
         self._save_debug_train_data(rollout_id)
@@ -236,8 +262,10 @@ class TrainerWorker:
             truncated_fraction=sum(s.status.value == "truncated" for s in samples) / len(samples),
         )
         metrics["tokens_per_version"] = tokens_per_version(samples)
-        if len({s.source_name for s in samples}) > 1:  # one source: reward_mean says it all
-            metrics.update(reward_by_source(samples))
+        by_source = reward_by_source(samples) if len({s.source_name for s in samples}) > 1 else {}
+        metrics.update(by_source)  # one source: reward_mean says it all
+        if logged is not None:
+            metrics.update(hook_fields(*logged, defaults=[*ROLLOUT_METRICS, *by_source]))
         return metrics
 
     def _save_debug_train_data(self, rollout_id: int) -> None:

@@ -68,7 +68,8 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     # the rollout worker's hooks, which see every scored group; the trainer trains a custom loss and saves its data.
     all_samples_log = tmp_path / "all_samples.jsonl"
     custom_config = tmp_path / "custom.yaml"
-    custom_config.write_text(f"all_samples_log: {all_samples_log}\n")
+    rollout_log = tmp_path / "rollout_log.jsonl"
+    custom_config.write_text(f"all_samples_log: {all_samples_log}\nrollout_log: {rollout_log}\n")
     result = subprocess.run(
         vime_train(
             model_dir,
@@ -77,6 +78,10 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
             str(custom_config),
             "--rollout-all-samples-process-path",
             f"{HOOKS}:record_all_samples",
+            "--custom-rollout-log-function-path",
+            f"{HOOKS}:log_rollout",
+            "--custom-eval-rollout-log-function-path",
+            f"{HOOKS}:log_eval",
             "--loss-type",
             "custom_loss",
             "--custom-loss-function-path",
@@ -129,6 +134,24 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     assert len(evals) == 1 and all(r["eval_reward"] == 0.75 for r in evals)  # 3 of 4 held-out rows "known"
     assert evals[0]["step"] == 3  # only after training (--skip-eval-before-train)
 
+    # The logging hooks: the rollout's was called by the trainer with each step's samples, before training,
+    # and its metric joined the step's record; it logged the rollout itself (it said so): vime's own rollout
+    # metrics stay in metrics.jsonl but not in the trackers. The eval's saw the held-out set's data.
+    calls = [json.loads(line) for line in open(rollout_log)]
+    assert [c["rollout_id"] for c in calls] == [0, 1, 2], calls
+    assert all(c["samples"] == 8 and c["sources"] == ["odd"] and c["hf_checkpoint"] for c in calls), calls
+    assert all(c["rollout_time"] >= 0 for c in calls) and calls[1]["rollout_time"] > 0, calls
+    from vime.tracking import row_of
+
+    for record in train:
+        assert record["user_metrics"] == {"custom/correct_fraction": 0.5}, record
+        row = row_of(record)
+        assert row["custom/correct_fraction"] == 0.5 and "train/reward_mean" not in row and "train/samples" in row
+    [eval_log] = [r for r in records if r["kind"] == "eval_log"]
+    assert eval_log["step"] == 3
+    assert eval_log["user_metrics"] == {"custom/held_out/known_fraction": 0.75, "custom/held_out/rollout_id": 3}
+    assert row_of(evals[0])["eval/held_out/reward"] == 0.75  # it returned False: vime's own eval metrics too
+
     assert all(math.isfinite(r["custom_pg_loss"]) for r in train)  # the custom loss's own metric
     seen = [json.loads(line) for line in open(all_samples_log)]
     assert {g["source"] for g in seen} == {"even", "odd"}  # the filtered "even" groups too
@@ -170,6 +193,11 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
             "do not accept vime's call process(args, all_samples, data_source)",
         ),
         ("--custom-advantage-function-path", "tests.plugins.no_such.f", "module 'tests.plugins.no_such' not found"),
+        (
+            "--custom-rollout-log-function-path",
+            f"{HOOKS}:record_all_samples",
+            "do not accept vime's call log(rollout_id, args, samples, rollout_extra_metrics, rollout_time)",
+        ),
     ],
 )
 def test_bad_hook_paths_fail_before_anything_starts(tmp_path, model_dir, flag, path, reason):

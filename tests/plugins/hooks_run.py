@@ -68,3 +68,33 @@ def record_all_samples(args, all_samples, data_source):
     with open(args.all_samples_log, "a") as f:
         for group in all_samples:
             f.write(json.dumps({"source": group[0].source_name, "rewards": [s.reward for s in group]}) + "\n")
+
+
+def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """--custom-rollout-log-function-path: one line per call to args.rollout_log (--custom-config-path), a
+    metric of its own, and True: it logged the rollout itself."""
+    import json
+
+    with open(args.rollout_log, "a") as f:
+        record = {
+            "rollout_id": rollout_id,
+            "samples": len(samples),
+            "sources": sorted({s.source_name for s in samples}),
+            "rollout_time": rollout_time,
+            "hf_checkpoint": bool(args.hf_checkpoint),  # the run's whole args, not only the trainer's
+        }
+        f.write(json.dumps(record) + "\n")
+    rollout_extra_metrics["custom/correct_fraction"] = sum(s.reward == 1.0 for s in samples) / len(samples)
+    return True
+
+
+def log_eval(rollout_id, args, data, extra_metrics):
+    """--custom-eval-rollout-log-function-path: a metric per held-out set from the data it is given; False:
+    vime logs its own eval metrics as well."""
+    for name, entry in data.items():
+        assert len(entry["rewards"]) == len(entry["samples"]), entry
+        extra_metrics[f"custom/{name}/known_fraction"] = sum(s.source_name == "known" for s in entry["samples"]) / len(
+            entry["samples"]
+        )
+        extra_metrics[f"custom/{name}/rollout_id"] = rollout_id
+    return False

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from vime.data.source import DataKeys, PromptDataset, PromptRecord
-from vime.rollout.evaluate import EvalDataSource, evaluate_dataset, interpret_eval_output
+from vime.rollout.evaluate import EvalDataSource, eval_output_data, evaluate_dataset, interpret_eval_output
 from vime.rollout.generate import SamplingParams, append_observation, session_headers
 from vime.rollout.types import RolloutFnEvalOutput
-from vime.sample import Sample
+from vime.sample import Sample, Status
 
 EVAL_FUNCTION = """
 from vime.rollout.types import RolloutFnEvalOutput
@@ -69,8 +69,11 @@ def test_eval_function_runs_on_a_parquet_set(tmp_path, tokenizer):
             eval_function_path=f"{tmp_path}/my_eval.py:generate_rollout",
         )
     )
-    assert result["reward"] == 0.75 and result["samples"] == 8
-    assert result["reward/easy"] == 1.0 and result["reward/hard"] == 0.0 and result["calls"] == 1.0
+    metrics = result.metrics
+    assert metrics["reward"] == 0.75 and metrics["samples"] == 8
+    assert metrics["reward/easy"] == 1.0 and metrics["reward/hard"] == 0.0 and metrics["calls"] == 1.0
+    # What --custom-eval-rollout-log-function-path is given for the set: the function's own entry.
+    assert result.data["rewards"] == [1.0] * 6 + [0.0] * 2 and len(result.data["samples"]) == 8
     assert sys.modules["vime_plugin_my_eval"].CALLS == [(7, "held_out", True)]
 
 
@@ -88,6 +91,14 @@ def test_eval_answers_in_several_forms_and_a_bad_one():
     assert interpret_eval_output({"s": {"rewards": [1, 0, 0, 1]}}, "s", "f")["samples"] == 4
     wrapped = RolloutFnEvalOutput(data={"s": {"rewards": [1.0], "response_lengths": [3]}}, metrics={"m": 2})
     assert interpret_eval_output(wrapped, "s", "f") == {"reward": 1.0, "response_length": 3.0, "samples": 1.0, "m": 2.0}
+    # The data --custom-eval-rollout-log-function-path is given, from each form.
+    scored[1].status = Status.TRUNCATED
+    data = eval_output_data(scored, "s")
+    assert data["rewards"] == [1.0, 0.0] and data["truncated"] == [False, True] and data["samples"] == scored
+    assert eval_output_data({"s": {"rewards": [1, 0]}}, "s") == {"rewards": [1, 0]}
+    assert eval_output_data(wrapped, "s") == {"rewards": [1.0], "response_lengths": [3]}
+    built = eval_output_data({"s": {"samples": scored}}, "s")
+    assert built["rewards"] == [1.0, 0.0] and built["samples"] == scored
     with pytest.raises(TypeError, match=r"--eval-function-path my\.py:f: for held-out set 's' it returned NoneType"):
         interpret_eval_output(None, "s", "my.py:f")
 

@@ -39,6 +39,22 @@ class HooksConfig:
         "ones: process(args, all_samples, data_source), called by the rollout worker once per scored group "
         "(all_samples: [group]) whether --dynamic-sampling-filter-path kept it or not.",
     )
+    custom_rollout_log_function_path: str | None = option(
+        None,
+        "Path to a function called with each step's rollout: log(rollout_id, args, samples, "
+        "rollout_extra_metrics, rollout_time), by the trainer's rank 0 before it trains on them (rollout_id: the "
+        "step minus one; rollout_time: seconds since the previous step's rollout was taken). The numbers it puts "
+        "in the rollout_extra_metrics dict are logged with the step under the names it gives; returning True "
+        "means it logged the rollout itself: vime's own rollout metrics (reward, lengths, staleness) then stay "
+        "out of the trackers (metrics.jsonl and the progress line keep them).",
+    )
+    custom_eval_rollout_log_function_path: str | None = option(
+        None,
+        "Path to a function called after each evaluation: log(rollout_id, args, data, extra_metrics), by the "
+        "driver; data maps each held-out set's name to {'rewards', 'truncated', 'samples'} (what "
+        "--eval-function-path returned for it, when given). The numbers it puts in the extra_metrics dict are "
+        "logged at the evaluation's step; returning True keeps vime's own eval metrics out of the trackers.",
+    )
     save_debug_train_data: str | None = option(
         None,
         "Save one train-side debug file per training step (torch.save of a dict of per-sample lists: tokens, "

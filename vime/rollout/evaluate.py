@@ -13,6 +13,7 @@ are put in every sample's metadata.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -25,7 +26,8 @@ from vime.data.source import PromptSource
 from vime.rollout.generate import SamplingParams, generate
 from vime.rollout.rewards import Reward
 from vime.rollout.types import RolloutFnEvalOutput
-from vime.sample import Sample
+from vime.runtime.log_hooks import UNTRACKED, USER_METRICS, EvalLogHook
+from vime.sample import Sample, Status
 
 EVAL_FLAG = "--eval-function-path"
 
@@ -101,6 +103,38 @@ def summarize(samples: list[Sample]) -> dict[str, float]:
     return result
 
 
+@dataclasses.dataclass
+class EvalResult:
+    """One held-out set's evaluation: its ``metrics`` (reward, response_length, samples, ...) and its ``data``
+    as the reference framework's eval logging receives it ({"rewards", "truncated", "samples"}; with
+    --eval-function-path, what that function returned for the set)."""
+
+    metrics: dict[str, float]
+    data: dict[str, Any]
+
+
+def samples_data(samples: list[Sample]) -> dict[str, Any]:
+    """``{"rewards", "truncated", "samples"}`` of scored samples, one entry each."""
+    return {
+        "rewards": [float(s.reward) for s in samples],
+        "truncated": [s.status == Status.TRUNCATED for s in samples],
+        "samples": samples,
+    }
+
+
+def eval_output_data(output: Any, name: str) -> dict[str, Any]:
+    """What an eval function returned for set ``name`` (checked already by :func:`interpret_eval_output`),
+    as a data entry: its own dict for the set, or one built from a list of scored Samples."""
+    if isinstance(output, RolloutFnEvalOutput):
+        output = output.data
+    if isinstance(output, list):
+        return samples_data(output)
+    entry = output.get(name, output)
+    if isinstance(entry.get("samples"), list) and "rewards" not in entry:
+        return {**samples_data(entry["samples"]), **entry}
+    return entry
+
+
 def interpret_eval_output(output: Any, name: str, path: str) -> dict[str, float]:
     """An eval function's answer as {"reward", "response_length", "samples", ...}.
 
@@ -156,7 +190,7 @@ async def evaluate_dataset(
     eval_function_path: str | None = None,
     config: EvalDataset | None = None,
     chat_template_kwargs: dict | None = None,
-) -> dict[str, float]:
+) -> EvalResult:
     source = EvalDataSource(
         name,
         dataset,
@@ -171,7 +205,7 @@ async def evaluate_dataset(
 
         function = load_hook(EVAL_FLAG, eval_function_path)
         output = await call_maybe_async(function, args, rollout_id, source, evaluation=True)
-        return interpret_eval_output(output, name, eval_function_path)
+        return EvalResult(interpret_eval_output(output, name, eval_function_path), eval_output_data(output, name))
 
     limit = asyncio.Semaphore(concurrency)
 
@@ -187,7 +221,7 @@ async def evaluate_dataset(
     # Scored by group, as in training (a --group-rm function sees a prompt's responses together).
     await asyncio.gather(*(reward.score_group(args, group) for group in groups))
     samples = [sample for group in groups for sample in group]
-    return summarize(samples)
+    return EvalResult(summarize(samples), samples_data(samples))
 
 
 def eval_sampling(config: EvalDataset, *, skip_special_tokens: bool = False, seed: int | None = None) -> SamplingParams:
@@ -208,11 +242,14 @@ def eval_sampling(config: EvalDataset, *, skip_special_tokens: bool = False, see
 class HeldOutEvaluation:
     """The run's held-out evaluation: every held-out set (--eval-prompt-data or --eval-config) generated
     through the router with its resolved sampling settings, each result written to ``metrics.jsonl`` (kind
-    ``eval``) and said in the progress output. ``eval_sets`` pairs each set's :class:`EvalDataset` with its
-    loaded prompts; ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
+    ``eval``) and said in the progress output; then --custom-eval-rollout-log-function-path, given every
+    set's data, its numbers written as a record of kind ``eval_log``. ``eval_sets`` pairs each set's
+    :class:`EvalDataset` with its loaded prompts; ``log`` is the run's :class:`vime.metrics.MetricsLog`."""
 
     def __init__(self, settings, eval_sets: list[tuple[EvalDataset, Any]], tokenizer, reward: Reward, log):
         self.s, self.eval_sets, self.tokenizer, self.reward, self.log = settings, eval_sets, tokenizer, reward, log
+        log_path = settings.hooks.custom_eval_rollout_log_function_path if eval_sets else None
+        self.log_hook = EvalLogHook(log_path, settings.args) if log_path else None
 
     def sampling(self, config: EvalDataset) -> SamplingParams:
         """The engine settings of one held-out set (stop strings and ids, context limit, seed included)."""
@@ -222,7 +259,7 @@ class HeldOutEvaluation:
     def run(self, router_url: str, *, version: int, step: int, label: str) -> dict[str, float]:
         """The reward of each set (by name) for the weights of ``version``, served behind ``router_url``."""
         s = self.s
-        results = {}
+        results, records, data = {}, [], {}
         for config, dataset in self.eval_sets:
             name = config.name
             started = time.monotonic()
@@ -244,19 +281,27 @@ class HeldOutEvaluation:
                     config=config,
                 )
             )
-            results[name] = result["reward"]
-            self.log.write(
+            metrics, data[name] = result.metrics, result.data
+            results[name] = metrics["reward"]
+            records.append(
                 {
                     "kind": "eval",
                     "step": step,
                     "weight_version": version,
                     "dataset": name,
-                    "eval_reward": result["reward"],
-                    "eval_response_length": result["response_length"],
+                    "eval_reward": metrics["reward"],
+                    "eval_response_length": metrics["response_length"],
                 }
             )
             self.log.say(
-                f"held-out reward on {name!r} {label} (weight version {version}): {result['reward']:.3f} "
-                f"({int(result['samples'])} samples, {time.monotonic() - started:.1f}s)"
+                f"held-out reward on {name!r} {label} (weight version {version}): {metrics['reward']:.3f} "
+                f"({int(metrics['samples'])} samples, {time.monotonic() - started:.1f}s)"
             )
+        extra, logged_itself = self.log_hook(step, data) if self.log_hook else ({}, False)
+        for record in records:
+            if logged_itself:
+                record[UNTRACKED] = ["eval_reward", "eval_response_length"]
+            self.log.write(record)
+        if self.log_hook:
+            self.log.write({"kind": "eval_log", "step": step, USER_METRICS: extra})
         return results

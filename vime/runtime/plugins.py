@@ -53,6 +53,10 @@ HOOKS: dict[str, Hook] = {
     ),
     "--custom-convert-samples-to-train-data-path": Hook("convert_samples_to_train_data(args, samples)", 2),
     "--rollout-all-samples-process-path": Hook("process(args, all_samples, data_source)", 3),
+    "--custom-rollout-log-function-path": Hook(
+        "log(rollout_id, args, samples, rollout_extra_metrics, rollout_time)", 5
+    ),
+    "--custom-eval-rollout-log-function-path": Hook("log(rollout_id, args, data, extra_metrics)", 4),
 }
 
 
