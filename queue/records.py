@@ -16,6 +16,8 @@ its last durable prefix instead.
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,9 +27,10 @@ from straw.errors import CorruptData
 
 if TYPE_CHECKING:
     import torch
-# torch (and straw.tensor, which imports it) are imported by the functions that encode or decode tensors: the
-# controller imports this module for its queue but decodes a group only on a rare path, and torch's import
-# costs it ~1.5 CPU-seconds at each start (two cores, the CI machine).
+# torch (and straw.tensor, which imports it) are imported only to decode a group, or to encode a capture given as
+# a torch tensor: the rollout workers encode every group they publish with numpy (tensor_record below) and the
+# controller imports this module for its queue, and torch's import costs each such process ~1.7 CPU-seconds at
+# its start (two cores, the CI machine; a CI run starts ~80 rollout workers).
 
 from vime.errors import InternalError
 from vime.sample import Sample, Status
@@ -86,12 +89,54 @@ def expand(segments: list[tuple[int, int, int]]) -> list[int]:
     return versions
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    import torch
+# straw's tensor.v1 format (straw/tensor.py, tensor_record): the little-endian bytes of the C-ordered array, and
+# metadata naming its shape, dtype and kind with the SHA-256 of each CHUNK_BYTES of them. tests/unit/
+# test_records.py checks that tensor_record writes what straw's own writes.
+TENSOR_CODEC = "tensor.v1"
+CHUNK_BYTES = 4 * 1024**2
+TENSOR_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    return torch.as_tensor(np.asarray(value))
+
+def tensor_record(value: np.ndarray, identity: str, *, kind: str) -> Record:
+    """The ``tensor.v1`` record of ``value``, written with numpy (straw's own writer takes torch)."""
+    if sys.byteorder != "little":
+        raise InternalError("tensor.v1 records are little-endian; this host is not")
+    value = np.ascontiguousarray(value)
+    if value.dtype.name not in TENSOR_DTYPES:
+        raise InternalError(f"{kind}: dtype {value.dtype.name} has no tensor.v1 encoding")
+    payload = memoryview(value.reshape(-1).view(np.uint8)).cast("B") if value.size else memoryview(b"")
+    metadata = {
+        "shape": list(value.shape),
+        "dtype": value.dtype.name,
+        "kind": kind,
+        "chunk_bytes": CHUNK_BYTES,
+        "chunks": [
+            hashlib.sha256(payload[i : i + CHUNK_BYTES]).hexdigest() for i in range(0, len(payload), CHUNK_BYTES)
+        ],
+    }
+    return Record(identity, payload, TENSOR_CODEC, metadata)
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (a capture a user's generate function made), without importing torch
+    (whoever made one imported it)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(value, torch_module.Tensor)
+
+
+def _field_record(parts: list, identity: str, kind: str) -> Record:
+    """One field's record: the samples' rows one after another (a torch capture goes through straw's writer:
+    numpy has no bfloat16)."""
+    try:
+        if any(_is_torch_tensor(part) for part in parts):
+            import torch
+            from straw.tensor import tensor_record as straw_tensor_record
+
+            value = torch.cat([torch.as_tensor(part).detach().cpu() for part in parts])
+            return straw_tensor_record(value, identity, kind=kind)
+        return tensor_record(np.concatenate(parts), identity, kind=kind)
+    except (RuntimeError, ValueError) as error:  # e.g. R3 captures of different layer counts in one group
+        raise IncompleteCapture(f"{kind}: the samples of a group disagree on its shape ({error})") from None
 
 
 def check_capture(sample: Sample) -> None:
@@ -118,18 +163,17 @@ def check_capture(sample: Sample) -> None:
         raise IncompleteCapture("rollout_log_probs must have one entry per response token")
 
 
-def _sample_tensors(sample: Sample) -> dict[str, torch.Tensor]:
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {"tokens": torch.tensor(sample.tokens, dtype=torch.int32)}
+def _sample_tensors(sample: Sample) -> dict[str, Any]:
+    """A sample's tensor fields: numpy arrays, and a capture given as a torch tensor as it is."""
+    tensors: dict[str, Any] = {"tokens": np.asarray(sample.tokens, dtype=np.int32)}
     loss_mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
-    tensors["loss_mask"] = torch.tensor(loss_mask, dtype=torch.uint8)
+    tensors["loss_mask"] = np.asarray(loss_mask, dtype=np.uint8)
     if sample.rollout_log_probs is not None:
-        tensors["rollout_log_probs"] = torch.tensor(sample.rollout_log_probs, dtype=torch.float32)
+        tensors["rollout_log_probs"] = np.asarray(sample.rollout_log_probs, dtype=np.float32)
     for name in OPTIONAL_TENSORS:
         value = getattr(sample, name)
         if value is not None:
-            tensors[name] = _as_tensor(value)
+            tensors[name] = value if _is_torch_tensor(value) else np.asarray(value)
     return tensors
 
 
@@ -137,14 +181,11 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
     """Header records (one per sample) then one tensor record per field. ``owner`` (task_id,
     attempt_id) is stamped on each record: straw accepts a result only if every record belongs to
     the completing attempt."""
-    import torch
-    from straw.tensor import tensor_record
-
     for sample in samples:
         check_capture(sample)
     per_sample = [_sample_tensors(sample) for sample in samples]
     fields = list(dict.fromkeys(name for tensors in per_sample for name in tensors))
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in fields}
+    parts: dict[str, list] = {name: [] for name in fields}
     offsets = {name: 0 for name in fields}
     records = []
     for sample, tensors in zip(samples, per_sample):
@@ -172,29 +213,32 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
         )
         records.append(Record(f"{prefix}:s{sample.index}", msgspec.msgpack.encode(header), HEADER_CODEC, dict(owner)))
     for name in fields:
-        try:
-            value = torch.cat(parts[name])
-        except RuntimeError as error:  # e.g. R3 captures of different layer counts in one group
-            raise IncompleteCapture(f"{name}: the samples of a group disagree on its shape ({error})") from None
-        record = tensor_record(value, f"{prefix}:{name}", kind=name)
+        record = _field_record(parts[name], f"{prefix}:{name}", name)
         records.append(Record(record.record_id, record.payload, record.codec, {**record.metadata, **owner}))
     return records
 
 
-def _tensor_from_record(record: Record) -> torch.Tensor:
-    import torch
-
+def _field_from_record(record: Record) -> np.ndarray | torch.Tensor:
+    """One field's rows: a capture as a torch tensor (what the trainer computes with, in any dtype, bfloat16
+    included), the tokens, loss masks and log-probs as numpy arrays (they become lists: no torch needed to
+    read a group's prefix, as a rollout worker resuming a continuation does)."""
     meta = record.metadata
-    dtype = getattr(torch, meta["dtype"])
-    if not record.payload:
-        return torch.empty(meta["shape"], dtype=dtype)
-    return torch.frombuffer(bytearray(record.payload), dtype=dtype).reshape(meta["shape"])
+    if meta.get("kind") in OPTIONAL_TENSORS:
+        import torch
+
+        dtype = getattr(torch, meta["dtype"])
+        if not record.payload:
+            return torch.empty(meta["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(record.payload), dtype=dtype).reshape(meta["shape"])
+    if meta["dtype"] not in TENSOR_DTYPES:
+        raise CorruptData(f"record {record.record_id}: unexpected dtype {meta['dtype']} for {meta.get('kind')}")
+    return np.frombuffer(bytes(record.payload), dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
 
 
 def decode_group(records: list[Record]) -> list[Sample]:
     """Inverse of encode_group. Raises CorruptData on anything that does not parse as written."""
     headers: list[tuple[str, SampleHeader]] = []
-    fields: dict[str, torch.Tensor] = {}
+    fields: dict[str, np.ndarray | torch.Tensor] = {}
     for record in records:
         if record.codec == HEADER_CODEC:
             try:
@@ -204,8 +248,8 @@ def decode_group(records: list[Record]) -> list[Sample]:
             if header.schema != 2:
                 raise CorruptData(f"record {record.record_id}: unsupported sample schema {header.schema}")
             headers.append((record.record_id, header))
-        elif record.codec == "tensor.v1":
-            fields[record.metadata.get("kind")] = _tensor_from_record(record)
+        elif record.codec == TENSOR_CODEC:
+            fields[record.metadata.get("kind")] = _field_from_record(record)
         else:
             raise CorruptData(f"record {record.record_id}: unexpected codec {record.codec}")
     samples = []
@@ -214,7 +258,8 @@ def decode_group(records: list[Record]) -> list[Sample]:
         for name, (start, end) in header.rows.items():
             if name not in fields or end > len(fields[name]):
                 raise CorruptData(f"record {record_id}: tensor {name!r} rows [{start}, {end}) are missing")
-            tensors[name] = fields[name][start:end].clone()
+            rows = fields[name][start:end]
+            tensors[name] = rows.clone() if name in OPTIONAL_TENSORS else rows  # a capture keeps only its rows
         if "tokens" not in tensors or "loss_mask" not in tensors:
             raise CorruptData(f"record {record_id}: tokens or loss mask missing")
         sample = Sample(

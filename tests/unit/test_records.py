@@ -1,12 +1,16 @@
 """Record codec: every field round-trips through real straw storage; bad captures never publish."""
 
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 from straw.errors import CorruptData
 
-from vime.queue.records import IncompleteCapture, decode_group, encode_group, expand, run_length
+from vime.queue import records
+from vime.queue.records import IncompleteCapture, decode_group, encode_group, expand, run_length, tensor_record
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.sample import Sample, Status
@@ -128,3 +132,55 @@ def test_corrupted_payload_is_detected(tmp_path):
         f.write(data)
     with pytest.raises(CorruptData):
         StrawTransport(StoreOptions(str(tmp_path), "run")).read(ref)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(7, dtype=np.int32),
+        np.array([], dtype=np.float32),
+        np.ones((3, 2, 4), dtype=np.uint8),
+        np.array([True, False]),
+        np.linspace(-1, 1, 12, dtype=np.float64).reshape(3, 4)[:, ::2],  # not contiguous
+        np.arange((5 << 20) // 8, dtype=np.int64),  # more than one 4 MiB chunk
+    ],
+)
+def test_the_numpy_tensor_record_is_straw_s_own(value):
+    """vime writes tensor.v1 records with numpy (no torch in the rollout workers); straw reads them as its own."""
+    from straw.tensor import CHUNK_BYTES, tensor_record as straw_tensor_record
+
+    ours = tensor_record(value, "r:x", kind="x")
+    theirs = straw_tensor_record(torch.from_numpy(np.ascontiguousarray(value)), "r:x", kind="x")
+    assert CHUNK_BYTES == records.CHUNK_BYTES
+    assert (ours.record_id, ours.codec, ours.metadata) == (theirs.record_id, theirs.codec, theirs.metadata)
+    assert bytes(ours.payload) == bytes(theirs.payload)
+
+
+def test_a_rollout_worker_encodes_and_reads_a_group_without_importing_torch():
+    """Encoding is what every rollout worker does for each group, and reading one the prefix of a continuation
+    it resumes; torch's import would cost each worker ~1.7 CPU-s."""
+    code = (
+        "import sys\n"
+        "from vime.queue.records import encode_group\n"
+        "from vime.sample import Sample, Status\n"
+        "s = Sample(tokens=[1, 2, 3], response_length=2, rollout_log_probs=[-0.5, -1.0], weight_versions=[1, 2],"
+        " reward=1.0, status=Status.COMPLETED, teacher_log_probs=[-0.1, -0.2])\n"
+        "records = encode_group([s], 'g', {'task_id': 't', 'attempt_id': 'a'})\n"
+        "assert len(records) == 5, records\n"
+        "from vime.queue.records import decode_group\n"
+        "s.teacher_log_probs = None\n"  # a capture is decoded as a torch tensor: the trainer computes with it
+        "[back] = decode_group(encode_group([s], 'g', {'task_id': 't', 'attempt_id': 'a'}))\n"
+        "assert (back.tokens, back.rollout_log_probs, back.loss_mask) == ([1, 2, 3], [-0.5, -1.0], [1, 1]), back\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_a_capture_given_as_a_torch_tensor_keeps_its_dtype():
+    sample = Sample(tokens=[1, 2, 3], response_length=2, weight_versions=[1, 1], status=Status.COMPLETED)
+    sample.teacher_log_probs = torch.tensor([-0.5, -0.25], dtype=torch.bfloat16)
+    [decoded] = decode_group(encode_group([sample], "g", OWNER))
+    assert decoded.teacher_log_probs.dtype == torch.bfloat16
+    assert decoded.teacher_log_probs.tolist() == [-0.5, -0.25]
