@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from straw.errors import CorruptData, InvalidReference
 
-from vime.backends.torch_backend import TorchBackend, TorchTrainerSpec
+from vime.backends.trainer_spec import TorchTrainerSpec
 from vime.errors import UserError
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.tasks import AcceptedGroup
@@ -174,6 +174,8 @@ class TrainerWorker:
             from vime.backends.megatron_backend import MegatronBackend
 
             return MegatronBackend(self.spec.backend, self.spec.megatron)
+        from vime.backends.torch_backend import TorchBackend  # torch: in the ranks, not in the driver
+
         return TorchBackend(self.spec.backend)
 
     def rendezvous_endpoint(self) -> tuple[str, int]:

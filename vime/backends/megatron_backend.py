@@ -64,7 +64,8 @@ from vime.backends.megatron_spec import MegatronBackendSpec, initial_canonical_s
 from vime.backends.precision import engine_dtype
 from vime.backends.rollout_training import RolloutTraining, seed_everything, use_deterministic_algorithms
 from vime.backends.sharded_optimizer import ShardGroup, StateAccess, make_sharded_role
-from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_objective, make_role
+from vime.backends.torch_backend import ModelRole, make_objective, make_role
+from vime.backends.trainer_spec import TorchTrainerSpec
 from vime.config.base import ConfigError
 from vime.config.roles import RoleOverrides
 from vime.rl.batch import Forward

@@ -14,7 +14,7 @@ from vime.backends.megatron_args import ModelArgs, resolve_model_args
 from vime.backends.megatron_model import MoeOptions, Parallelism
 
 if TYPE_CHECKING:
-    from vime.backends.torch_backend import TorchTrainerSpec
+    from vime.backends.trainer_spec import TorchTrainerSpec
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -54,7 +54,8 @@ import torch
 from vime.backends.data_parallel import DataParallel
 from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import accumulate_grad_into, copy_parameter_attributes, installed, parameter_places
-from vime.backends.torch_backend import ModelRole, TorchTrainerSpec, make_optimizer
+from vime.backends.torch_backend import ModelRole, make_optimizer
+from vime.backends.trainer_spec import TorchTrainerSpec
 from vime.config.roles import RoleOverrides
 
 # Elements each rank contributes to one all-gather: bounds the receive buffer to N x this many float32 values.
