@@ -421,3 +421,53 @@ def tiny_moe_hf_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def tiny_qwen3_omni_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool = False) -> str:
+    """A tiny random Qwen3-Omni checkpoint without its speech talker (Qwen3OmniMoeForConditionalGeneration with
+    enable_audio_output false: the thinker's Qwen3-MoE-like language model under thinker.model., its head
+    thinker.lm_head, a one-block vision tower and audio encoder), every tensor random, the routers' large (as
+    tiny_moe_hf_model's: HF and Megatron pick the same experts)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeForConditionalGeneration
+
+    from vime.tools.make_tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer() if with_tokenizer else None
+    text = dict(
+        vocab_size=len(tokenizer) if tokenizer else 16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        moe_intermediate_size=24,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+    )
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+        spatial_merge_size=1, temporal_patch_size=1, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+    audio = dict(
+        num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32, output_dim=32,
+        n_window=4, n_window_infer=4, conv_chunksize=4, downsample_hidden_size=8,
+    )  # fmt: skip
+    config = AutoConfig.for_model(
+        "qwen3_omni_moe",
+        thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio),
+        enable_audio_output=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (1.0 if name.endswith("mlp.gate.weight") else 0.05))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

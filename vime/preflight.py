@@ -111,6 +111,8 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
     else:
         check_config_file(s.train.hf_checkpoint)
+    if s.train.train_backend == "torch":
+        check_torch_backend_trains_it(s.train.hf_checkpoint)
     check_tokenizer_files(s.train.hf_checkpoint)
     if s.data.apply_chat_template:
         check_chat_template(s.train.hf_checkpoint)
@@ -160,6 +162,25 @@ def check_config_file(folder: str) -> None:
         raise ConfigError("--hf-checkpoint", f"{path} cannot be read as JSON: {error}") from None
     if not isinstance(config, dict):
         raise ConfigError("--hf-checkpoint", f"{path} holds a {type(config).__name__}, not a JSON object")
+
+
+# Checkpoints HF has no causal-LM class for (the torch backend trains through AutoModelForCausalLM), and what to do
+MEGATRON_ONLY_MODELS = {"qwen3_omni_moe": "Qwen3-Omni: the Megatron backend trains its thinker's language model"}
+
+
+def check_torch_backend_trains_it(folder: str) -> None:
+    """The torch backend can load --hf-checkpoint's model (read from config.json, without transformers)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # (said by the checks that read it)
+    if model_type in MEGATRON_ONLY_MODELS:
+        raise ConfigError(
+            "--train-backend",
+            f"torch cannot train --hf-checkpoint's {model_type} (HF has no causal-LM class for it); use "
+            f"--train-backend megatron ({MEGATRON_ONLY_MODELS[model_type]})",
+        )
 
 
 # A folder with none of these has no tokenizer AutoTokenizer could load (fast, sentencepiece, BPE or WordPiece).

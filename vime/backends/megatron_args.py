@@ -49,12 +49,32 @@ MOE_FAMILIES = (
     "qwen3_next",
     "qwen3_5_moe_text",
     "minimax_m2",
+    "qwen3_omni_moe_text",
 )
 # gated delta-net (linear attention) layers between softmax-attention ones: Qwen3-Next and Qwen3.5's language models
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-# Vision-language checkpoints whose language model the Megatron backend trains (config.json's text_config; its
-# tensors under model.language_model., the vision tower's carried unchanged): model_type -> the language model's
-VISION_LANGUAGE_MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LanguageModelLayout:
+    """Where a multimodal checkpoint keeps its language model: the config's path to its text config (and that
+    config's model_type), the prefix of its decoder's tensors and the name of its output head."""
+
+    text_model_type: str
+    config_path: tuple[str, ...]
+    hf_prefix: str
+    hf_head: str
+
+
+# Multimodal checkpoints whose language model the Megatron backend trains, the other towers (vision, audio, a
+# speech talker) carried unchanged: Qwen3.5's vision-language models, and Qwen3-Omni's thinker.
+VISION_LANGUAGE_MODELS = {
+    "qwen3_5": LanguageModelLayout("qwen3_5_text", ("text_config",), "model.language_model.", "lm_head.weight"),
+    "qwen3_5_moe": LanguageModelLayout("qwen3_5_moe_text", ("text_config",), "model.language_model.", "lm_head.weight"),
+    "qwen3_omni_moe": LanguageModelLayout(
+        "qwen3_omni_moe_text", ("thinker_config", "text_config"), "thinker.model.", "thinker.lm_head.weight"
+    ),
+}
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid scores + expert bias, dense first layers, ungated shared experts
 MTP_FAMILIES = SIGMOID_ROUTED  # checkpoints with multi-token-prediction layers after the decoder's last
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -67,6 +87,7 @@ REFERENCE_LAYER_SPECS = {
     ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"): ("qwen3_next",),
     ("vime_plugins.models.qwen3_5", "get_qwen3_5_spec"): ("qwen3_5_text", "qwen3_5_moe_text"),
     ("vime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): ("minimax_m2",),
+    ("vime_plugins.models.qwen3_omni_moe", "get_qwen3_omni_model_provider"): ("qwen3_omni_moe_text",),
 }
 
 
@@ -128,8 +149,9 @@ class ModelArgs:
     attention_output_gate: bool = False
     zero_centered_norms: bool = False
     # Where the language model's tensors are in the HF checkpoint: model.embed_tokens, model.layers.N, model.norm
-    # (a vision-language checkpoint's: model.language_model.*); lm_head.weight is at the top in both.
+    # and lm_head.weight (a multimodal checkpoint's: VISION_LANGUAGE_MODELS).
     hf_prefix: str = "model."
+    hf_head: str = "lm_head.weight"
     # Gated delta-net layers (0-based; the others are softmax attention) and their shape: key heads (queries share
     # them) and value heads, each head's key and value dimensions, the causal convolution's width.
     linear_attention_layers: tuple[int, ...] = ()
@@ -201,9 +223,22 @@ def rotary_fraction(hf_config) -> float:
 def language_model_config(hf_config):
     """The config of the language model: a vision-language checkpoint's text_config (VISION_LANGUAGE_MODELS),
     else ``hf_config`` itself."""
-    if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_MODELS:
-        return hf_config.text_config
-    return hf_config
+    layout = VISION_LANGUAGE_MODELS.get(getattr(hf_config, "model_type", None))
+    if layout is None:
+        return hf_config
+    config = hf_config
+    for name in layout.config_path:
+        config = getattr(config, name)
+    return config
+
+
+def _tied_along(hf_config, path: tuple[str, ...]):
+    """tie_word_embeddings of ``hf_config`` and of each config on ``path`` but the last (None where not set)."""
+    config = hf_config
+    yield getattr(config, "tie_word_embeddings", None)
+    for name in path[:-1]:
+        config = getattr(config, name)
+        yield getattr(config, "tie_word_embeddings", None)
 
 
 def model_args_from_hf(hf_config) -> ModelArgs:
@@ -211,17 +246,20 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     language model: VISION_LANGUAGE_MODELS); anything else is refused."""
     text = language_model_config(hf_config)
     if text is not hf_config:
-        expected = VISION_LANGUAGE_MODELS[hf_config.model_type]
-        if getattr(text, "model_type", None) != expected:
+        layout = VISION_LANGUAGE_MODELS[hf_config.model_type]
+        if getattr(text, "model_type", None) != layout.text_model_type:
             raise ConfigError(
                 "--hf-checkpoint",
-                f"{hf_config.model_type}'s text_config is a {getattr(text, 'model_type', None)}, not a {expected}",
+                f"{hf_config.model_type}'s {'.'.join(layout.config_path)} is a {getattr(text, 'model_type', None)}, "
+                f"not a {layout.text_model_type}",
             )
-        tied = getattr(hf_config, "tie_word_embeddings", None)
+        # Whether the head is tied: the outermost config that says (Qwen3-Omni's thinker config, not its text's)
+        tied = next((t for t in _tied_along(hf_config, layout.config_path) if t is not None), None)
         args = model_args_from_hf(text)
         return dataclasses.replace(
             args,
-            hf_prefix="model.language_model.",
+            hf_prefix=layout.hf_prefix,
+            hf_head=layout.hf_head,
             tie_embeddings=args.tie_embeddings if tied is None else bool(tied),
         )
     family = getattr(hf_config, "model_type", None)
@@ -286,7 +324,8 @@ def model_args_from_hf(hf_config) -> ModelArgs:
         rotary_base=theta,
         add_qkv_bias=qkv_bias,
         # (MLA: the query and key/value latents' norms, q_a_layernorm and kv_a_layernorm, megatron-core's qk_layernorm)
-        qk_layernorm=family in ("qwen3", "qwen3_moe", "deepseek_v3", "minimax_m2", *HYBRID_FAMILIES)
+        qk_layernorm=family
+        in ("qwen3", "qwen3_moe", "qwen3_omni_moe_text", "deepseek_v3", "minimax_m2", *HYBRID_FAMILIES)
         or bool(getattr(hf_config, "use_qk_norm", False)),
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         rope_scaling_factor=factor,
@@ -569,6 +608,7 @@ def resolve_model_args(flags, hf_config) -> ModelArgs:
         "apply_layernorm_1p": hf.zero_centered_norms,
         "attention_output_gate": hf.attention_output_gate,
         "use_gated_attention": hf.attention_output_gate,
+        "use_qwen_vl": hf.hf_prefix != "model.",  # a multimodal checkpoint (VISION_LANGUAGE_MODELS)
     }
     for name, hf_value in switches.items():
         if getattr(flags, name, False) and not hf_value:

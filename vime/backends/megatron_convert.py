@@ -334,7 +334,7 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def outside_language_model(hf_name: str, args: ModelArgs) -> bool:
     """A vision-language checkpoint's tensor that is not its language model's (the vision tower, its merger)."""
-    return args.hf_prefix != "model." and not hf_name.startswith((args.hf_prefix, "lm_head.", "mtp."))
+    return args.hf_prefix != "model." and not hf_name.startswith((args.hf_prefix, args.hf_head, "mtp."))
 
 
 def untrained_hf_tensors(folder: str, args: ModelArgs, *, mtp_layers: bool) -> dict[str, torch.Tensor]:
@@ -414,9 +414,9 @@ def hf_to_mcore(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch
             out[m + suffix] = take(p + hf_name)
     out["decoder.final_layernorm.weight"] = take(lm + "norm.weight")
     if not args.tie_embeddings:
-        out["output_layer.weight"] = take("lm_head.weight")
-    elif "lm_head.weight" in hf:
-        used.add("lm_head.weight")  # a tied checkpoint may store the shared tensor twice
+        out["output_layer.weight"] = take(args.hf_head)
+    elif args.hf_head in hf:
+        used.add(args.hf_head)  # a tied checkpoint may store the shared tensor twice
     left = sorted(
         set(hf)
         - used
@@ -479,7 +479,7 @@ def iter_mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> Iterato
             yield p + hf_name, mcore[m + suffix]
     yield lm + "norm.weight", mcore["decoder.final_layernorm.weight"]
     if not args.tie_embeddings:
-        yield "lm_head.weight", mcore["output_layer.weight"][: args.vocab_size]
+        yield args.hf_head, mcore["output_layer.weight"][: args.vocab_size]
 
 
 def mcore_to_hf(mcore: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:

@@ -91,8 +91,9 @@ class MegatronConfig:
         "reference framework's specs of the models it builds as statements of --hf-checkpoint's architecture: "
         "vime_plugins.models.glm4 get_glm_spec (GLM-4), vime_plugins.models.qwen3_next get_qwen3_next_spec "
         "(Qwen3-Next; also slime_plugins' of these two names), vime_plugins.models.qwen3_5 get_qwen3_5_spec "
-        "(Qwen3.5's language models) and vime_plugins.models.minimax_m2 get_minimax_m2_layer_spec (MiniMax-M2); any "
-        "other spec is refused.",
+        "(Qwen3.5's language models), vime_plugins.models.minimax_m2 get_minimax_m2_layer_spec (MiniMax-M2) and "
+        "vime_plugins.models.qwen3_omni_moe get_qwen3_omni_model_provider (Qwen3-Omni's thinker); any other spec "
+        "is refused.",
         nargs=2,
         metavar=("MODULE", "FUNCTION"),
     )
@@ -110,6 +111,12 @@ class MegatronConfig:
         False,
         "The reference framework's name for --attention-output-gate (its Qwen3-Next and Qwen3.5 presets pass both); "
         "must agree with config.json.",
+    )
+    use_qwen_vl: bool = option(
+        False,
+        "--hf-checkpoint is a Qwen multimodal checkpoint (Qwen3.5's vision-language models, Qwen3-Omni): the "
+        "language model is trained, the vision and audio towers are carried unchanged into every export (the "
+        "reference's Qwen-VL model provider); must agree with config.json.",
     )
     use_rope_scaling: bool = option(False, "Llama 3.x RoPE frequency scaling.")
     rope_scaling_factor: float | None = option(None, "Llama 3.x RoPE scaling factor (with --use-rope-scaling).")

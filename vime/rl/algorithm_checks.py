@@ -369,5 +369,7 @@ def _vocab_size(model_dir: str | None) -> int | None:
             config = json.load(f)
     except (OSError, TypeError, ValueError):
         return None
-    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    # (a multimodal checkpoint's language model: Qwen3.5's text_config, Qwen3-Omni's thinker_config.text_config)
+    text = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or {}
+    size = config.get("vocab_size") or text.get("vocab_size")
     return int(size) if size else None
