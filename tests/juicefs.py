@@ -318,23 +318,44 @@ class ClientNode:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
-    def kill(self, timeout: float = 30) -> list[str]:
-        """SIGKILL every process of the node at once (a host lost with its Ray node and its JuiceFS client);
-        returns each one's program and first argument, once none is left."""
+    def kill(self, timeout: float = 30, *, client_first: bool = False) -> list[str]:
+        """SIGKILL every process of the node (a host lost with its Ray node and its JuiceFS client); returns each
+        one's program and first argument, once none is left. ``client_first``: the JuiceFS client is killed, and
+        gone, before the others, so that nothing they do as they die reaches the volume, as nothing does from a
+        lost host: killed together, a process's closing of its files (releasing its locks) may reach the client
+        before it dies, and free a lock at once (a fence test found its lost host's lock free, once)."""
+        processes = {pid: self._command(pid) for pid in self.processes()}
+        clients = [pid for pid, words in processes.items() if client_first and words and _is_juicefs_mount(words)]
         killed = []
-        for pid in self.processes():
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-                # (program, first argument); a daemon may have rewritten its command line into one string
-                words = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+        for group in (clients, [pid for pid in processes if pid not in clients]):
+            for pid in group:
+                words = processes[pid]
                 killed.append(" ".join([os.path.basename(words[0]), *words[1:2]]) if words else f"pid {pid}")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+            while left := [pid for pid in group if pid in self.processes()]:
+                assert time.monotonic() < deadline, f"processes of the killed node are still alive: {left}"
+                time.sleep(0.05)
         self.proc.wait(timeout=timeout)
         deadline = time.monotonic() + timeout
         while left := self.processes():
             assert time.monotonic() < deadline, f"processes of the killed node are still alive: {left}"
             time.sleep(0.1)
         return killed
+
+    @staticmethod
+    def _command(pid: int) -> list[str]:
+        """The words of ``pid``'s command line ([] when it is gone); a daemon may have rewritten its own into one
+        string (JuiceFS does), so the words are split again."""
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").split()
+        return []
+
+
+def _is_juicefs_mount(words: list[str]) -> bool:
+    """Whether a command line is a JuiceFS client's (``juicefs mount ...``), not a shell's that starts one."""
+    return os.path.basename(words[0]) == "juicefs" and "mount" in words
 
 
 @contextlib.contextmanager
