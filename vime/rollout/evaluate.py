@@ -283,16 +283,18 @@ class HeldOutEvaluation:
             )
             metrics, data[name] = result.metrics, result.data
             results[name] = metrics["reward"]
-            records.append(
-                {
-                    "kind": "eval",
-                    "step": step,
-                    "weight_version": version,
-                    "dataset": name,
-                    "eval_reward": metrics["reward"],
-                    "eval_response_length": metrics["response_length"],
-                }
-            )
+            record = {
+                "kind": "eval",
+                "step": step,
+                "weight_version": version,
+                "dataset": name,
+                "eval_reward": metrics["reward"],
+                "eval_response_length": metrics["response_length"],
+            }
+            if self.log_hook:  # written once the hook said whether it logged the evaluation itself
+                records.append(record)
+            else:
+                self.log.write(record)
             self.log.say(
                 f"held-out reward on {name!r} {label} (weight version {version}): {metrics['reward']:.3f} "
                 f"({int(metrics['samples'])} samples, {time.monotonic() - started:.1f}s)"
