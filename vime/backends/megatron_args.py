@@ -221,8 +221,8 @@ def rotary_fraction(hf_config) -> float:
 
 
 def language_model_config(hf_config):
-    """The config of the language model: a vision-language checkpoint's text_config (VISION_LANGUAGE_MODELS),
-    else ``hf_config`` itself."""
+    """The config of the language model: a multimodal checkpoint's (VISION_LANGUAGE_MODELS: Qwen3.5's text_config,
+    Qwen3-Omni's thinker_config.text_config), else ``hf_config`` itself."""
     layout = VISION_LANGUAGE_MODELS.get(getattr(hf_config, "model_type", None))
     if layout is None:
         return hf_config
