@@ -27,10 +27,11 @@ from straw.errors import CorruptData
 
 if TYPE_CHECKING:
     import torch
-# torch (and straw.tensor, which imports it) are imported only to decode a group, or to encode a capture given as
-# a torch tensor: the rollout workers encode every group they publish with numpy (tensor_record below) and the
-# controller imports this module for its queue, and torch's import costs each such process ~1.7 CPU-seconds at
-# its start (two cores, the CI machine; a CI run starts ~80 rollout workers).
+# torch (and straw.tensor, which imports it) are imported only for a capture (R3, top-k, teacher log-probs): one
+# given as a torch tensor to encode, or decoded for the trainer. The rollout workers encode every group they publish
+# and read a continuation's prefix with numpy (tensor_record, _field_from_record), and the controller imports this
+# module for its queue: torch's import would cost each such process ~1.7 CPU-seconds at its start (two cores, the
+# CI machine; a CI run starts ~80 rollout workers).
 
 from vime.errors import InternalError
 from vime.sample import Sample, Status
