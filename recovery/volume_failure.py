@@ -16,6 +16,7 @@ error, which the driver reports as the volume's failure, naming the flag).
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -31,6 +32,13 @@ RETRY_SECONDS = 2.0
 PROBE_NAME = "controller.volume-probe"
 # The exit status of a controller that ended itself so that a new owner recovers the queue (Ray restarts it).
 RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL
+# Incarnations in a row that ended so, without a step committed between them, after which the next one stops the run
+# instead: a volume that takes the probe's write but keeps failing the queue's own (a JuiceFS lock that was being
+# waited for when the metadata server died fails with EIO again and again) would otherwise spend Ray's restarts one
+# by one and end with "the controller died", not naming the volume. Counted in RESTARTS_NAME in the queue's directory
+# (a write the probe just showed the volume takes), removed by the next committed step.
+MAX_VOLUME_RESTARTS = 3
+RESTARTS_NAME = "controller.volume-restarts"
 
 
 def ridden_out_cause(volume: WrittenVolume, error: BaseException) -> str | None:
@@ -95,3 +103,46 @@ def wait_until_writable(
                 raise
             say(f"the queue's volume {data_dir} does not take a write ({error}); trying again for {left:.0f}s more")
         time.sleep(retry_seconds)
+
+
+def volume_restarts(data_dir: str) -> int:
+    """How many incarnations in a row ended on a failed write of the queue (0: none, or unreadable)."""
+    try:
+        with open(os.path.join(data_dir, RESTARTS_NAME)) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def count_volume_restart(data_dir: str) -> None:
+    """One more incarnation ended on a failed write (best effort: a volume failing this write too keeps Ray's own
+    restart limit as the bound)."""
+    restarts = volume_restarts(data_dir) + 1  # (read before the file is opened for writing, which empties it)
+    try:
+        with open(os.path.join(data_dir, RESTARTS_NAME), "w") as f:
+            f.write(f"{restarts}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        pass
+
+
+def forget_volume_restarts(data_dir: str) -> None:
+    """A step was committed: the queue's writes go through again, and the count starts over."""
+    try:
+        os.unlink(os.path.join(data_dir, RESTARTS_NAME))
+    except FileNotFoundError:
+        pass
+
+
+def refuse_after_volume_restarts(data_dir: str) -> None:
+    """Raise the volume's error (EIO, naming the count's file in the queue's directory: the driver stops the run
+    naming --rollout-data-dir) when :data:`MAX_VOLUME_RESTARTS` incarnations in a row ended on a failed write."""
+    restarts = volume_restarts(data_dir)
+    if restarts >= MAX_VOLUME_RESTARTS:
+        raise OSError(
+            errno.EIO,
+            f"Input/output error: the queue's writes failed again after {restarts} restarts of its controller "
+            "(the volume takes a new file's write, not the queue's)",
+            os.path.join(data_dir, RESTARTS_NAME),
+        )

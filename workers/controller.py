@@ -47,7 +47,10 @@ from vime.recovery.faults import CONTROLLER_STRAW, StrawWriteFaults, fault_point
 from vime.recovery.lineage import Lineage
 from vime.recovery.volume_failure import (
     VOLUME_WAIT_SECONDS,
+    count_volume_restart,
     end_this_process,
+    forget_volume_restarts,
+    refuse_after_volume_restarts,
     ridden_out_cause,
     wait_until_writable,
 )
@@ -209,6 +212,7 @@ class Controller:
             # Maybe the incarnation after a failed write: the volume takes a write first. A volume still failing
             # after the wait ends the run (its error, raised here, is not one to restart on again).
             wait_until_writable(spec.store.data_dir, wait_seconds=spec.volume_wait_seconds, say=logger.warning)
+            refuse_after_volume_restarts(spec.store.data_dir)  # the last few incarnations met the same failure
         try:
             self._open_queue()
         except (*FAILED_WRITE, OSError) as error:
@@ -257,6 +261,7 @@ class Controller:
         )
         logger.error(message)
         print(message, file=sys.stderr, flush=True)
+        count_volume_restart(self.spec.store.data_dir)
         end_this_process()
 
     # ------------------------------------------------------------------ lifecycle
@@ -567,6 +572,8 @@ class Controller:
         self.queue.commit_consumer(
             self.consumer_token, cursor, state_ref, request_id=f"commit-{self.incarnation}-{step}-{cursor}"
         )
+        if self.spec.restart_on_volume_failure:
+            forget_volume_restarts(self.spec.store.data_dir)  # the queue's writes go through again
         if self.spec.store.collect_online:
             report = self.queue.collect_garbage()
             self.reclaimed_bytes += report.get("reclaimed_bytes", 0)

@@ -13,7 +13,14 @@ from straw.errors import IndeterminateCommit, StorageUnavailable, UnsafeRecovery
 
 from tests.controller_spec import controller_spec, write_prompts
 from vime.recovery.disk_full import VolumeFailed, WrittenVolume
-from vime.recovery.volume_failure import PROBE_NAME, ridden_out_cause, wait_until_writable
+from vime.recovery.volume_failure import (
+    MAX_VOLUME_RESTARTS,
+    PROBE_NAME,
+    RESTARTS_NAME,
+    forget_volume_restarts,
+    ridden_out_cause,
+    wait_until_writable,
+)
 from vime.workers import controller as controller_module
 from vime.workers.controller import Controller
 
@@ -114,3 +121,36 @@ def test_the_controller_ends_itself_on_a_failed_write_only_when_ray_restarts_it(
     again = Controller(spec)
     assert again.ready()["incarnation"] != restartable.incarnation
     again.shutdown()
+
+
+def test_incarnations_that_keep_failing_the_same_write_stop_the_run_naming_the_flag(tmp_path, monkeypatch):
+    """A volume that takes the probe's write but keeps failing the queue's (CI once: a JuiceFS lock waited for when
+    Redis died failed with EIO in every incarnation, until Ray's ten restarts were spent and the run stopped saying
+    only that the controller died): after MAX_VOLUME_RESTARTS incarnations in a row ended so, the next one raises
+    the volume's error, which the driver reports naming --rollout-data-dir; a committed step starts the count over."""
+
+    def end() -> None:
+        raise Ended
+
+    monkeypatch.setattr(controller_module, "end_this_process", end)
+    prompts = write_prompts(tmp_path, 8)
+    spec = controller_spec(tmp_path / "actor", prompts, restart_on_volume_failure=True, volume_wait_seconds=0.2)
+    failed = StorageUnavailable("write inode:17 error: Input/output error (os error 5)")
+    for _ in range(MAX_VOLUME_RESTARTS):
+        incarnation = Controller(spec)
+        with pytest.raises(Ended):
+            incarnation.first_failed_write(failed)
+        incarnation.shutdown()
+    with pytest.raises(OSError, match=f"failed again after {MAX_VOLUME_RESTARTS} restarts") as refused:
+        Controller(spec)
+    queue = WrittenVolume.queue(str(tmp_path / "actor" / "queue"), 1, save="/data/save")
+    said = RuntimeError(f"The actor died because of an error raised in its creation task ...\nOSError: {refused.value}")
+    with pytest.raises(VolumeFailed, match="^the volume of --rollout-data-dir .* failed a call: the run"):
+        with queue.stop_when_full("the run"):
+            raise said
+    # A committed step (the queue's writes go through again) starts the count over.
+    forget_volume_restarts(str(tmp_path / "actor" / "queue"))
+    again = Controller(spec)
+    again.commit(1, 0, [0], [])
+    again.shutdown()
+    assert not (tmp_path / "actor" / "queue" / RESTARTS_NAME).exists()
