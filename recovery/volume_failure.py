@@ -36,7 +36,7 @@ RESTART_EXIT_STATUS = 75  # EX_TEMPFAIL
 # instead: a volume that takes the probe's write but keeps failing the queue's own (a JuiceFS lock that was being
 # waited for when the metadata server died fails with EIO again and again) would otherwise spend Ray's restarts one
 # by one and end with "the controller died", not naming the volume. Counted in RESTARTS_NAME in the queue's directory
-# (a write the probe just showed the volume takes), removed by the next committed step.
+# (a write the probe just showed the volume takes), removed by the next committed step and by a new run's driver.
 MAX_VOLUME_RESTARTS = 3
 RESTARTS_NAME = "controller.volume-restarts"
 

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vime.data.source import DataKeys
+from vime.recovery.volume_failure import forget_volume_restarts
 from vime.runtime import interrupts
 
 if TYPE_CHECKING:
@@ -169,6 +170,10 @@ class RunProcesses:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         on_driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        if s.queue.rollout_data_transport == "straw":
+            # A new run: the restarts an earlier run's controllers counted on this queue are not this run's.
+            with contextlib.suppress(OSError):  # (a volume failing now: the controller waits for it)
+                forget_volume_restarts(self.store_options.data_dir)
         self.controller = (
             ray.remote(num_cpus=0, max_restarts=10, max_task_retries=-1, name=Controller.ACTOR_NAME)(Controller)
             .options(scheduling_strategy=on_driver_node)
