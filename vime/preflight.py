@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime.backends import ref_load_conversion
+from vime.backends.megatron_args import language_model_config, resolve_model_args
 from vime.config import SECTIONS, ConfigError, TrainSettings
 from vime.config.evaluation import EvalDataset, resolve_eval_datasets
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
@@ -106,6 +107,11 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
 
         hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
         s.megatron.check_against_hf(hf_config, s.train.train_backend)
+        s.architecture.check_against_hf(
+            language_model_config(hf_config),
+            train_backend=s.train.train_backend,
+            padded_vocab=megatron_padded_vocab(s, hf_config),
+        )
         if s.train.train_backend == "megatron":
             s.perf.check_model_name(hf_config)
         check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
@@ -143,11 +149,24 @@ def hf_config_checks_apply(s: TrainSettings) -> bool:
     --rollout-stop-token-ids against the vocabulary. Reading it costs the driver ~3 CPU-seconds (transformers'
     configuration classes import torch), which a run without these checks does not pay: its trainer reads the
     config anyway, as it builds the model."""
+    from vime.config.architecture import ArchitectureConfig
     from vime.config.megatron import MegatronConfig
 
     return (
-        s.train.train_backend == "megatron" or s.megatron != MegatronConfig() or bool(s.rollout.rollout_stop_token_ids)
+        s.train.train_backend == "megatron"
+        or s.megatron != MegatronConfig()
+        or s.architecture != ArchitectureConfig()
+        or bool(s.rollout.rollout_stop_token_ids)
     )
+
+
+def megatron_padded_vocab(s: TrainSettings, hf_config) -> int | None:
+    """The Megatron backend's embedding rows for --padded-vocab-size's check (None: not needed)."""
+    if s.train.train_backend != "megatron" or s.architecture.padded_vocab_size is None:
+        return None
+    m = s.megatron
+    model = resolve_model_args(m, hf_config)
+    return model.padded_vocab_size(m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
 
 
 def check_config_file(folder: str) -> None:
@@ -372,11 +391,12 @@ def report_train_backend(s: TrainSettings, say: Callable[[str], None]) -> None:
     """Which trainer the run uses, and why when --train-backend was not given (it depends on the machine)."""
     if not s.backend_by_default:
         return
-    why = (
-        "the default where this machine has CUDA GPUs and megatron-core"
-        if s.train.train_backend == "megatron"
-        else "the default on a machine without CUDA GPUs or without megatron-core, which Megatron needs"
-    )
+    if s.train.train_backend == "megatron":
+        why = "the default where this machine has CUDA GPUs and megatron-core"
+    elif s.megatron.names_torch_only_model():
+        why = "the default for the model --spec names, which only the torch backend trains (HF's implementation)"
+    else:
+        why = "the default on a machine without CUDA GPUs or without megatron-core, which Megatron needs"
     say(f"training backend: {s.train.train_backend} ({why})")
 
 

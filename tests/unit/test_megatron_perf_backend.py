@@ -112,3 +112,17 @@ def test_the_router_dtype_reaches_a_moe_model(tmp_path):
     args = model_args_from_hf(AutoConfig.from_pretrained(moe_dir))
     assert transformer_config(args, Parallelism(), moe=MoeOptions()).moe_router_dtype == "fp32"
     assert transformer_config(args, Parallelism(), moe=MoeOptions(router_dtype="fp64")).moe_router_dtype == "fp64"
+
+
+def test_enable_experimental_sets_megatron_cores_flag_in_the_trainer(model_dir):
+    from megatron.core import config as core_config
+
+    flags = ["--train-backend", "megatron", "--ray-address", "10.0.0.1:6379", "--enable-experimental"]
+    assert MegatronBackendSpec.from_settings(parse_train_args(base(model_dir, *flags))).experimental
+    assert not MegatronBackendSpec.from_settings(parse_train_args(base(model_dir, *flags[:-1]))).experimental
+    core_config.set_experimental_flag(False)
+    try:
+        MegatronBackend(trainer_spec(model_dir), megatron_spec(model_dir, experimental=True))
+        assert core_config.is_experimental_enabled()
+    finally:
+        core_config.set_experimental_flag(False)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from vime.backends.hf_config import config_value
 from vime.config.base import ConfigError
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_5_text")
@@ -88,7 +89,19 @@ REFERENCE_LAYER_SPECS = {
     ("vime_plugins.models.qwen3_5", "get_qwen3_5_spec"): ("qwen3_5_text", "qwen3_5_moe_text"),
     ("vime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"): ("minimax_m2",),
     ("vime_plugins.models.qwen3_omni_moe", "get_qwen3_omni_model_provider"): ("qwen3_omni_moe_text",),
+    # Models vime's Megatron backend does not build (TORCH_BACKEND_FAMILIES): the torch backend trains HF's
+    # implementation of them, and the spec is checked against config.json all the same.
+    ("vime_plugins.models.gemma4", "get_gemma4_spec"): ("gemma4_text",),
+    ("vime_plugins.models.gpt_oss", "get_gpt_oss_spec"): ("gpt_oss",),
+    ("vime_plugins.models.glm5.glm5", "get_glm5_spec"): ("glm_moe_dsa",),
+    ("slime_plugins.models.glm5.glm5", "get_glm5_spec"): ("glm_moe_dsa",),
 }
+# The reference's Megatron model providers (--custom-model-provider-path MODULE.FUNCTION), read as --spec is.
+REFERENCE_MODEL_PROVIDERS = {"vime_plugins.models.gemma4_provider.model_provider": ("gemma4_text",)}
+# Families of the reference's presets that only the torch backend trains here: Gemma 4 (sliding-window and global
+# layers of two head sizes), gpt-oss (attention sinks, sliding windows, a clamped GeGLU) and GLM-5 (DeepSeek's
+# sparse attention with its indexer).
+TORCH_BACKEND_FAMILIES = ("gemma4_text", "gpt_oss", "glm_moe_dsa")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,10 +235,13 @@ def rotary_fraction(hf_config) -> float:
 
 def language_model_config(hf_config):
     """The config of the language model: a multimodal checkpoint's (VISION_LANGUAGE_MODELS: Qwen3.5's text_config,
-    Qwen3-Omni's thinker_config.text_config), else ``hf_config`` itself."""
+    Qwen3-Omni's thinker_config.text_config; others' HF ``get_text_config()``, Gemma 4's text_config), else
+    ``hf_config`` itself."""
     layout = VISION_LANGUAGE_MODELS.get(getattr(hf_config, "model_type", None))
     if layout is None:
-        return hf_config
+        # Another multimodal checkpoint (Gemma 4's): HF's own accessor finds its text config.
+        get_text_config = getattr(hf_config, "get_text_config", None)
+        return get_text_config() if callable(get_text_config) else hf_config
     config = hf_config
     for name in layout.config_path:
         config = getattr(config, name)
@@ -244,9 +260,9 @@ def _tied_along(hf_config, path: tuple[str, ...]):
 def model_args_from_hf(hf_config) -> ModelArgs:
     """The Megatron architecture of an HF config of a family in FAMILIES (or of a vision-language checkpoint's
     language model: VISION_LANGUAGE_MODELS); anything else is refused."""
-    text = language_model_config(hf_config)
-    if text is not hf_config:
-        layout = VISION_LANGUAGE_MODELS[hf_config.model_type]
+    layout = VISION_LANGUAGE_MODELS.get(getattr(hf_config, "model_type", None))
+    if layout is not None:
+        text = language_model_config(hf_config)
         if getattr(text, "model_type", None) != layout.text_model_type:
             raise ConfigError(
                 "--hf-checkpoint",
@@ -524,22 +540,26 @@ def check_flags_against_hf(flags, hf_config) -> None:
         model_args_from_hf(hf_config)
     except ConfigError:
         # Not an architecture the Megatron backend builds (the torch backend trains any HF causal LM):
-        # only the plain numbers can be compared. The Megatron backend refuses it when it starts.
+        # only the plain numbers can be compared (a multimodal checkpoint's: its language model's). The Megatron
+        # backend refuses it at start-up (check_megatron_builds_it).
+        text = language_model_config(hf_config)
         _compare_numbers(
             flags,
             {
-                "num_layers": getattr(hf_config, "num_hidden_layers", None),
-                "hidden_size": getattr(hf_config, "hidden_size", None),
-                "ffn_hidden_size": getattr(hf_config, "intermediate_size", None),
-                "vocab_size": getattr(hf_config, "vocab_size", None),
-                "num_attention_heads": getattr(hf_config, "num_attention_heads", None),
-                "num_query_groups": getattr(hf_config, "num_key_value_heads", None),
-                "norm_epsilon": getattr(hf_config, "rms_norm_eps", None),
-                "q_lora_rank": getattr(hf_config, "q_lora_rank", None),
-                "kv_lora_rank": getattr(hf_config, "kv_lora_rank", None),
-                "qk_head_dim": getattr(hf_config, "qk_nope_head_dim", None),
-                "qk_pos_emb_head_dim": getattr(hf_config, "qk_rope_head_dim", None),
-                "v_head_dim": getattr(hf_config, "v_head_dim", None),
+                "num_layers": config_value(text, "num_hidden_layers"),
+                "hidden_size": config_value(text, "hidden_size"),
+                "ffn_hidden_size": config_value(text, "intermediate_size"),
+                "vocab_size": config_value(text, "vocab_size"),
+                "num_attention_heads": config_value(text, "num_attention_heads"),
+                "num_query_groups": config_value(text, "num_key_value_heads"),
+                # (multi-latent attention: Megatron-LM's kv_channels is each head's query/key part without RoPE)
+                "kv_channels": config_value(text, "qk_nope_head_dim") or config_value(text, "head_dim"),
+                "norm_epsilon": config_value(text, "rms_norm_eps"),
+                "q_lora_rank": config_value(text, "q_lora_rank"),
+                "kv_lora_rank": config_value(text, "kv_lora_rank"),
+                "qk_head_dim": config_value(text, "qk_nope_head_dim"),
+                "qk_pos_emb_head_dim": config_value(text, "qk_rope_head_dim"),
+                "v_head_dim": config_value(text, "v_head_dim"),
             },
         )
         if getattr(flags, "use_rollout_routing_replay", False):
@@ -551,6 +571,19 @@ def check_flags_against_hf(flags, hf_config) -> None:
             ) from None
         return
     resolve_model_args(flags, hf_config)
+
+
+def check_megatron_builds_it(hf_config) -> None:
+    """The Megatron backend builds --hf-checkpoint's model (said at start-up, not by a trainer that fails later);
+    raises ConfigError naming the flag."""
+    model_type = getattr(language_model_config(hf_config), "model_type", None)
+    if model_type in TORCH_BACKEND_FAMILIES:
+        raise ConfigError(
+            "--train-backend",
+            f"megatron: vime's Megatron backend does not build --hf-checkpoint's {model_type} layers; "
+            "--train-backend torch trains HF's implementation of it",
+        )
+    model_args_from_hf(hf_config)
 
 
 def _compare_numbers(flags, hf_values: dict) -> None:

@@ -99,6 +99,10 @@ class MegatronBackend(RolloutTraining):
         seed_everything(spec.seed)
         if spec.deterministic_mode:
             use_deterministic_algorithms()
+        if megatron.experimental:
+            from megatron.core.config import set_experimental_flag
+
+            set_experimental_flag(True)
         mm.init_parallel(megatron.parallel, seed=spec.seed)
         from megatron.core import parallel_state as ps
 

@@ -33,6 +33,7 @@ class MegatronBackendSpec:
     recompute: dict | None = None  # TransformerConfig recompute_* fields
     # TransformerConfig fields from Megatron-LM flags (config.megatron_lm) and vime's kernel flags (megatron_perf).
     config_overrides: dict | None = None
+    experimental: bool = False  # --enable-experimental: megatron-core's experimental flag
     moe: MoeOptions = dataclasses.field(default_factory=MoeOptions)  # MoE training; routing_replay = R3
     init_hook_path: str | None = None
     before_log_prob_hook_path: str | None = None
@@ -81,6 +82,7 @@ class MegatronBackendSpec:
                 **s.perf.transformer_fields(),
             }
             or None,
+            experimental=s.perf.enable_experimental,
             moe=MoeOptions(
                 load_balancing_type=m.moe_router_load_balancing_type,
                 aux_loss_coeff=m.moe_aux_loss_coeff,

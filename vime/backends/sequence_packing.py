@@ -64,6 +64,35 @@ def packing_refusal(model: torch.nn.Module) -> str | None:
     return _recurrent_mixing(model, config)
 
 
+# Two short sequences the packing probe runs packed and the second alone (ids valid in any vocabulary).
+PROBE_FIRST, PROBE_SECOND = [3, 1, 4], [1, 5, 9, 2]
+
+
+def packed_leak(model: torch.nn.Module) -> str | None:
+    """Why ``model`` (whole, not sharded: a forward of its own) lets one packed sequence see the one before it,
+    measured; None if it does not. A model class may use masking_utils yet build its masks without the position
+    ids (transformers' gpt-oss does), which nothing in its signature shows: the probe runs two sequences packed (a
+    7-token forward) and the second alone, whose outputs must agree. A leak moves them by a fraction of their
+    scale (tiny random models: ~20%); the tolerance, 2%, is above bf16's rounding of the same sums. The reference
+    model and the critic's body are built from the same modeling code and share the verdict."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([PROBE_FIRST + PROBE_SECOND], device=device)
+    positions = torch.tensor([list(range(len(PROBE_FIRST))) + list(range(len(PROBE_SECOND)))], device=device)
+    training = model.training
+    model.eval()  # (no dropout)
+    try:
+        with torch.no_grad():
+            # (without a cache, as in training: transformers looks for packed sequences only then)
+            packed = model(input_ids=ids, position_ids=positions, use_cache=False)[0][0, len(PROBE_FIRST) :].float()
+            alone = model(input_ids=ids[:, len(PROBE_FIRST) :], use_cache=False)[0][0].float()
+    finally:
+        model.train(training)
+    if (packed - alone).abs().max() > 0.02 * max(1.0, float(alone.abs().max())):
+        name = type(model).__name__
+        return f"{name} attends across packed sequences (its attention masks do not follow the position ids)"
+    return None
+
+
 # layer_types entries of layers that mix tokens by attention alone (what the packed mask confines)
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 
@@ -72,23 +101,28 @@ def _recurrent_mixing(model: torch.nn.Module, config) -> str | None:
     """Why ``model`` mixes tokens beyond its attention's reach, None if it does not. A recurrent layer (a gated
     delta net, a state-space block: config.json's ``layer_types`` names it) or a convolution along the sequence
     carries one packed sequence into the next, which no attention mask prevents."""
-    others = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    layer_types = getattr(config.get_text_config(), "layer_types", None)  # (a multimodal model's: its LM's)
+    others = sorted(set(layer_types or ()) - ATTENTION_LAYER_TYPES)
     if others:
-        return f"its {', '.join(others)} layers carry state from one packed sequence into the next"
+        return (
+            f"its {', '.join(others)} layers mix tokens beyond what the packed mask confines (a recurrent state, "
+            "an indexer's own top-k), from one packed sequence into the next"
+        )
     convolution = next((name for name, module in model.named_modules() if isinstance(module, torch.nn.Conv1d)), None)
     if convolution is not None:
         return f"its convolution {convolution} runs along the sequence, across packed sequences"
     return None
 
 
-def all_packable(models: list[torch.nn.Module | None]) -> bool:
+def all_packable(models: list[torch.nn.Module | None], leak: str | None = None) -> bool:
     """Whether every one of ``models`` (the policy, the reference, the critic's body; None: absent) takes packed
-    sequences. If one does not, the micro-batches of all run right-padded, and the log says why, once."""
-    for model in filter(None, models):
-        reason = packing_refusal(model)
-        if reason is not None:
-            logger.warning("micro-batches run right-padded, not packed back to back: %s", reason)
-            return False
+    sequences, ``leak`` being :func:`packed_leak`'s verdict on the policy. If one does not, the micro-batches of all
+    run right-padded, and the log says why, once."""
+    reasons = (packing_refusal(model) for model in filter(None, models))
+    reason = next((r for r in reasons if r is not None), leak)
+    if reason is not None:
+        logger.warning("micro-batches run right-padded, not packed back to back: %s", reason)
+        return False
     return True
 
 
@@ -173,6 +207,7 @@ def packing_pays(batch: PackedBatch, config) -> bool:
     attend eight times more pairs packed: those stay padded; a micro-batch with one long sample packs."""
     if config._attn_implementation in BLOCK_SPARSE_ATTENTION:
         return True
+    config = config.get_text_config()  # (a multimodal model's sizes are its language model's: Gemma 4's text_config)
     hidden = config.hidden_size
     mlp = getattr(config, "intermediate_size", None) or 4 * hidden
     layers = getattr(config, "num_hidden_layers", None) or 1

@@ -30,7 +30,7 @@ from vime.backends.lr_schedule import LRSchedule
 from vime.backends.precision import MasterWeights, engine_dtype, master_weights
 from vime.backends.random_state import restore_rng_state, rng_state
 from vime.backends.rollout_training import RolloutTraining, seed_everything, use_deterministic_algorithms
-from vime.backends.sequence_packing import all_packable, forward_layout
+from vime.backends.sequence_packing import all_packable, forward_layout, packed_leak
 from vime.backends.trainer_spec import TorchTrainerSpec
 from vime.backends.value_model import (
     CRITIC_OPTIMIZER_FILE,
@@ -266,6 +266,8 @@ class TorchBackend(RolloutTraining):
         self.device = training_device(spec.device)
         self.model = AutoModelForCausalLM.from_pretrained(initial_weights(spec), dtype=torch.float32).to(self.device)
         self.model.train()
+        # Whether packed sequences stay apart in this model class: measured on the whole model, before sharding.
+        packing_leak = packed_leak(self.model)
         if spec.recompute_granularity == "full":
             enable_full_recompute(self.model)
         if self.sharding is not None:
@@ -295,7 +297,7 @@ class TorchBackend(RolloutTraining):
                 self.sharding.shard(self.ref_model)
         self.objective = make_objective(spec)
         # Micro-batches run packed back to back (no padding) where every model can take them.
-        self.packing = all_packable([self.model, self.ref_model, self.critic and self.critic.module.body])
+        self.packing = all_packable([self.model, self.ref_model, self.critic and self.critic.module.body], packing_leak)
         # --bf16: weights reach the engines from the float32 masters, cast to the engines' dtype.
         self.export_dtype = engine_dtype(spec.engine_dtype, spec.hf_checkpoint) if spec.bf16 else None
 

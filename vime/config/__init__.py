@@ -14,6 +14,7 @@ import os
 
 from vime.config import router as router_args, vllm as vllm_args
 from vime.config.algorithm import AlgorithmConfig
+from vime.config.architecture import ArchitectureConfig
 from vime.config.base import ConfigError, add_section_arguments, require, section_from_args
 from vime.config.checkpoint import CheckpointConfig
 from vime.config.elastic import ElasticConfig
@@ -48,6 +49,7 @@ SECTIONS = [
     ("elastic", ElasticConfig, "Engine health and elastic rollout"),
     ("tracking", TrackingConfig, "Experiment tracking (wandb, TensorBoard)"),
     ("perf", MegatronPerfConfig, "Megatron-LM kernels, fusions, precision, optimizer offload and memory"),
+    ("architecture", ArchitectureConfig, "Megatron-LM attention, activation and vocabulary variants (checked)"),
 ]
 
 
@@ -70,6 +72,7 @@ class TrainSettings:
     elastic: ElasticConfig
     tracking: TrackingConfig
     perf: MegatronPerfConfig
+    architecture: ArchitectureConfig
     vllm: vllm_args.VllmConfig
     router_args: dict
     megatron: MegatronConfig
@@ -167,7 +170,10 @@ def parse_train_args(argv: list[str]) -> TrainSettings:
         megatron_lm=passthrough,
     )
     if settings.train.train_backend is None:  # before the checks: many depend on the backend
-        settings.train.train_backend = args.train_backend = default_train_backend()
+        backend = default_train_backend()
+        if backend == "megatron" and settings.megatron.names_torch_only_model():
+            backend = "torch"  # the script's --spec names a model only the torch backend trains
+        settings.train.train_backend = args.train_backend = backend
         settings.backend_by_default = True
     validate(settings)
     finalize(settings)

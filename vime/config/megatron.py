@@ -92,10 +92,27 @@ class MegatronConfig:
         "vime_plugins.models.glm4 get_glm_spec (GLM-4), vime_plugins.models.qwen3_next get_qwen3_next_spec "
         "(Qwen3-Next; also slime_plugins' of these two names), vime_plugins.models.qwen3_5 get_qwen3_5_spec "
         "(Qwen3.5's language models), vime_plugins.models.minimax_m2 get_minimax_m2_layer_spec (MiniMax-M2) and "
-        "vime_plugins.models.qwen3_omni_moe get_qwen3_omni_model_provider (Qwen3-Omni's thinker); any other spec "
-        "is refused.",
+        "vime_plugins.models.qwen3_omni_moe get_qwen3_omni_model_provider (Qwen3-Omni's thinker); and, for models "
+        "only the torch backend trains (HF's implementation), vime_plugins.models.gemma4 get_gemma4_spec (Gemma 4), "
+        "vime_plugins.models.gpt_oss get_gpt_oss_spec (gpt-oss) and vime_plugins.models.glm5.glm5 get_glm5_spec "
+        "(GLM-5, also slime_plugins'); any other spec is refused.",
         nargs=2,
         metavar=("MODULE", "FUNCTION"),
+    )
+    custom_model_provider_path: str | None = option(
+        None,
+        "A Megatron model provider, MODULE.FUNCTION (the reference's). vime builds its models itself and takes the "
+        "reference's providers as --spec is taken, statements of --hf-checkpoint's architecture: "
+        "vime_plugins.models.gemma4_provider.model_provider (Gemma 4, which the torch backend trains); any other "
+        "provider is refused.",
+    )
+    allgather_cp: bool = option(
+        False,
+        "Split sequences over the context-parallel ranks in contiguous chunks gathered whole, not in the zigzag "
+        "layout (the reference's; for DeepSeek's sparse-attention models, DeepSeek-V3.2 and GLM-5). With "
+        "--context-parallel-size 1 it changes nothing, as in the reference; vime's context parallelism (the "
+        "Megatron backend's, which does not build those models) keeps the zigzag layout, so it is refused with "
+        "--context-parallel-size > 1.",
     )
     apply_layernorm_1p: bool = option(
         False,
@@ -369,30 +386,49 @@ class MegatronConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
             raise ConfigError("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid")
 
+    def names_torch_only_model(self) -> bool:
+        """--spec or --custom-model-provider-path names a model only the torch backend trains (HF's)."""
+        from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, REFERENCE_MODEL_PROVIDERS, TORCH_BACKEND_FAMILIES
+
+        named = [
+            *REFERENCE_LAYER_SPECS.get(tuple(self.spec or ()), ()),
+            *REFERENCE_MODEL_PROVIDERS.get(self.custom_model_provider_path, ()),
+        ]
+        return bool(named) and all(family in TORCH_BACKEND_FAMILIES for family in named)
+
     def check_against_hf(self, hf_config, train_backend: str | None = None) -> None:
         """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag.
         ``train_backend`` (when known) refuses R3 with the torch backend, which cannot replay routes."""
         from vime.backends.megatron_args import check_flags_against_hf, language_model_config
 
         check_flags_against_hf(self, hf_config)
-        hf_config = language_model_config(hf_config)  # (a vision-language checkpoint: its language model's)
+        given_config, hf_config = hf_config, language_model_config(hf_config)  # (a multimodal one: its LM's)
         positions = getattr(hf_config, "max_position_embeddings", None)
         require(
             self.max_position_embeddings is None or positions is None or self.max_position_embeddings == positions,
             "--max-position-embeddings",
             f"{self.max_position_embeddings} disagrees with --hf-checkpoint's config.json ({positions})",
         )
-        from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, rotary_fraction
+        from vime.backends.megatron_args import (
+            REFERENCE_LAYER_SPECS,
+            REFERENCE_MODEL_PROVIDERS,
+            check_megatron_builds_it,
+            rotary_fraction,
+        )
 
-        if self.spec is not None:
-            families, model_type = REFERENCE_LAYER_SPECS[tuple(self.spec)], getattr(hf_config, "model_type", None)
+        model_type = getattr(hf_config, "model_type", None)
+        for flag, families, given in (
+            ("--spec", REFERENCE_LAYER_SPECS.get(tuple(self.spec or ())), " ".join(self.spec or ())),
+            ("--custom-model-provider-path", REFERENCE_MODEL_PROVIDERS.get(self.custom_model_provider_path), None),
+        ):
             require(
-                model_type in families,
-                "--spec",
-                f"{' '.join(self.spec)} builds {' or '.join(families)} layers, but --hf-checkpoint's config.json is "
-                f"a {model_type}",
+                families is None or model_type in families,
+                flag,
+                f"{given or self.custom_model_provider_path} builds {' or '.join(families or ())} layers, but "
+                f"--hf-checkpoint's config.json is a {model_type}",
             )
-
+        if train_backend == "megatron":
+            check_megatron_builds_it(given_config)
         rotary = rotary_fraction(hf_config)
         require(
             self.rotary_percent is None or abs(self.rotary_percent - rotary) < 1e-9,
@@ -469,6 +505,23 @@ class MegatronConfig:
                 f"{' '.join(self.spec)}: vime builds its models' layers itself and takes only the reference "
                 f"framework's specs of models it builds ({known}); a custom layer spec is not supported",
             )
+        if self.custom_model_provider_path is not None:
+            from vime.backends.megatron_args import REFERENCE_MODEL_PROVIDERS
+
+            require(
+                self.custom_model_provider_path in REFERENCE_MODEL_PROVIDERS,
+                "--custom-model-provider-path",
+                f"{self.custom_model_provider_path}: vime builds its models itself and takes only the reference "
+                f"framework's providers of models it trains ({'; '.join(REFERENCE_MODEL_PROVIDERS)}); a custom "
+                "Megatron model provider is not supported",
+            )
+        require(
+            not (self.allgather_cp and self.context_parallel_size > 1),
+            "--allgather-cp",
+            f"with --context-parallel-size {self.context_parallel_size}: the reference allows the all-gather layout "
+            "for DeepSeek's sparse-attention models only (DeepSeek-V3.2, GLM-5), which vime's Megatron backend does "
+            "not build; its context parallelism keeps the zigzag layout (leave --allgather-cp out)",
+        )
         require(
             self.rotary_percent is None or 0 < self.rotary_percent <= 1,
             "--rotary-percent",

@@ -35,6 +35,7 @@ FUSION_DESTINATIONS = {
     "no_gradient_accumulation_fusion": "gradient_accumulation_fusion",
     "no_masked_softmax_fusion": "masked_softmax_fusion",
     "no_bias_dropout_fusion": "bias_dropout_fusion",
+    "no_bias_gelu_fusion": "bias_gelu_fusion",
 }
 
 
@@ -122,6 +123,16 @@ class MegatronPerfConfig:
     )
     no_bias_dropout_fusion: bool = option(
         False, "Disable the fused bias + dropout + add kernel (Megatron-LM). vime's Megatron backend never uses it."
+    )
+    no_bias_gelu_fusion: bool = option(
+        False,
+        "Disable the fused bias + GeLU kernel (Megatron-LM). vime's Megatron backend never uses it (nor any fused "
+        "bias + activation).",
+    )
+    enable_experimental: bool = option(
+        False,
+        "Switch on megatron-core's experimental features (Megatron-LM: megatron.core.config's experimental flag), "
+        "set in the Megatron backend's trainers; the torch backend has none.",
     )
     optimizer_cpu_offload: bool = option(
         False,
@@ -374,6 +385,13 @@ class MegatronPerfConfig:
                 f"{', '.join(fusions)}: vime's Megatron backend never uses these fused kernels (it builds its "
                 "models with the fusions off on every device), so the flags change nothing"
                 + ("" if megatron else "; the torch backend has no such fusions either")
+            )
+        if self.enable_experimental:
+            notes.append(
+                "--enable-experimental: megatron-core's experimental flag is set in the Megatron backend's trainers"
+                if megatron
+                else "--enable-experimental: no effect on the torch backend (megatron-core's experimental features "
+                "are the Megatron backend's)"
             )
         offload = [
             flag

@@ -1,0 +1,16 @@
+"""Reading values of an HF model's config (``transformers.PretrainedConfig``) for vime's checks of model flags.
+
+Kept apart from the backends' modules so that the flag declarations (vime.config) can read a config without
+importing them. Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+
+def config_value(config, name: str):
+    """config.json's ``name`` (None where absent). In a heterogeneous config (Gemma 4's, layers of two head sizes) a
+    per-layer attribute reads as its global value, the one every layer without its own takes."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return vars(config).get(name)
