@@ -11,7 +11,9 @@ as a training step would, and moves on without training them:
   rollout at most ``--max-staleness`` + 1 steps of groups ahead of the driver, as in training.
 
 Each step writes a ``rollout`` record to metrics.jsonl: ``step``, ``groups``, ``samples``,
-``response_tokens`` (accepted since the step before), ``step_seconds``, ``samples_per_s``, ``queue_depth``.
+``response_tokens`` (accepted since the step before), ``step_seconds``, ``samples_per_s``, ``queue_depth``, and
+what --custom-rollout-log-function-path answers (called by the trainer's rank 0 on the step's samples, as in
+training, with ``rollout_time`` the step's seconds).
 bench/rollout/run.py measures vime's rollout path alone with it.
 """
 
@@ -22,6 +24,10 @@ import os
 import time
 
 from vime.runtime import interrupts
+
+# A rollout record's metrics of the step's data, which the trackers leave out when
+# --custom-rollout-log-function-path says it logged the data itself (vime/runtime/log_hooks.py).
+DATA_METRICS = ("groups", "samples", "response_tokens", "groups_regenerated")
 
 
 def rollout_only(run, start_step: int, version: int) -> int:
@@ -66,6 +72,8 @@ def rollout_only(run, start_step: int, version: int) -> int:
             "groups_regenerated": len(taken.skipped),
         }
         last_time, last_tokens = now, stats.accepted_response_tokens
+        if s.hooks.custom_rollout_log_function_path:  # the trainer's rank 0 reads the samples and calls it
+            record.update(run.processes.trainer.log_rollout(step - 1, taken.groups, seconds, list(DATA_METRICS)))
         run.log.write(record)
         run.log.say(
             f"rollout {step:>4}/{s.train.num_rollout} | {samples} samples in {seconds:.2f}s "

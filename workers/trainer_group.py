@@ -102,6 +102,15 @@ class TrainerGroup:
             f"training step {rollout_id + 1}",
         )
 
+    def log_rollout(self, rollout_id: int, groups: list, rollout_time: float, defaults: list[str]) -> dict:
+        """--custom-rollout-log-function-path on a step no rank trains (rank 0 holds the hook); no time bound (the
+        hook's length is the user's)."""
+        return self._wait(
+            [self.ranks[0].log_rollout.remote(rollout_id, groups, rollout_time, defaults)],
+            None,
+            f"logging rollout {rollout_id + 1}",
+        )
+
     def load_checkpoint(self, folder: str, *, optimizer: bool = True, timeout: float = 3600.0) -> None:
         """Every rank loads its part of ``folder``; ``optimizer=False`` (--no-load-optim): not the optimizers."""
         self._wait(

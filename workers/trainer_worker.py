@@ -14,7 +14,7 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from straw.errors import CorruptData, InvalidReference
 
@@ -269,6 +269,17 @@ class TrainerWorker:
         if logged is not None:
             metrics.update(hook_fields(*logged, defaults=[*ROLLOUT_METRICS, *by_source]))
         return metrics
+
+    def log_rollout(
+        self, rollout_id: int, groups: list[AcceptedGroup], rollout_time: float, defaults: list[str]
+    ) -> dict[str, Any]:
+        """--custom-rollout-log-function-path on a step that is not trained (--debug-rollout-only): rank 0 reads
+        the step's samples and calls the hook as a training step would; the record's fields it adds (``defaults``:
+        the record's own metrics of that data, left out of the trackers when the hook logged it itself)."""
+        if self.rollout_log is None:
+            return {}
+        logged = self.rollout_log(rollout_id, self.read_groups(groups), rollout_time)
+        return hook_fields(*logged, defaults=defaults)
 
     def _save_debug_train_data(self, rollout_id: int) -> None:
         """--save-debug-train-data: rank 0 writes the step's training data (the backend kept it)."""

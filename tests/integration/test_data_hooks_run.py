@@ -181,6 +181,49 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     assert_nothing_left(run_dir)
 
 
+def test_the_rollout_log_hook_sees_each_step_of_a_rollout_only_run(tmp_path, model_dir):
+    """--debug-rollout-only trains nothing, yet --custom-rollout-log-function-path is called on each step's samples
+    (by the trainer's rank 0, as in training) and its metric joins the step's rollout record."""
+    run_dir, rollout_log = str(tmp_path / "run"), tmp_path / "rollout_log.jsonl"
+    custom_config = tmp_path / "custom.yaml"
+    custom_config.write_text(f"rollout_log: {rollout_log}\n")
+    result = subprocess.run(
+        vime_train(
+            model_dir,
+            run_dir,
+            "--debug-rollout-only",
+            "--custom-config-path",
+            str(custom_config),
+            "--custom-rollout-log-function-path",
+            f"{HOOKS}:log_rollout",
+            "--num-rollout",
+            "2",
+            "--data-source-path",
+            f"{HOOKS}:ParitySource",
+            "--rollout-function-path",
+            f"{HOOKS}:generate_rollout",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    calls = [json.loads(line) for line in open(rollout_log)]
+    assert [c["rollout_id"] for c in calls] == [0, 1] and all(c["samples"] == 8 for c in calls), calls
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert [r["step"] for r in rollouts] == [1, 2] and not [r for r in records if r["kind"] == "train"]
+    from vime.tracking import row_of
+
+    for record, call in zip(rollouts, calls):
+        assert set(record["user_metrics"]) == {"custom/correct_fraction"}, record
+        assert call["rollout_time"] == pytest.approx(record["step_seconds"]), (call, record)
+        row = row_of(record)  # it logged the data itself: vime's counts of it stay out of the trackers
+        assert "custom/correct_fraction" in row and "rollout/samples" not in row and "rollout/queue_depth" in row
+    assert_nothing_left(run_dir)
+
+
 @pytest.mark.parametrize(
     "flag, path, reason",
     [

@@ -46,7 +46,8 @@ class HooksConfig:
         "step minus one; rollout_time: seconds since the previous step's rollout was taken). The numbers it puts "
         "in the rollout_extra_metrics dict are logged with the step under the names it gives; returning True "
         "means it logged the rollout itself: vime's own rollout metrics (reward, lengths, staleness) then stay "
-        "out of the trackers (metrics.jsonl and the progress line keep them).",
+        "out of the trackers (metrics.jsonl and the progress line keep them). With --debug-rollout-only it is "
+        "called on each step's samples too, which are not trained.",
     )
     custom_eval_rollout_log_function_path: str | None = option(
         None,
