@@ -503,7 +503,7 @@ class MegatronConfig:
                 tuple(self.spec) in REFERENCE_LAYER_SPECS,
                 "--spec",
                 f"{' '.join(self.spec)}: vime builds its models' layers itself and takes only the reference "
-                f"framework's specs of models it builds ({known}); a custom layer spec is not supported",
+                f"framework's specs of models it trains ({known}); a custom layer spec is not supported",
             )
         if self.custom_model_provider_path is not None:
             from vime.backends.megatron_args import REFERENCE_MODEL_PROVIDERS
