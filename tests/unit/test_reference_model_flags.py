@@ -82,3 +82,25 @@ def test_an_unknown_loss_mask_type_is_refused(qwen_dir, capsys):
 
 def test_use_mcore_models_is_accepted(qwen_dir):
     assert parse_train_args(_args(qwen_dir, "--use-mcore-models")).megatron.use_mcore_models
+
+
+# ---------------------------------------------------------------------------------------------- multi-token prediction
+def test_mtp_num_layers_is_checked_against_config_json(qwen_dir, tmp_path):
+    """--mtp-num-layers states the checkpoint's multi-token-prediction layers (carried unchanged, not built);
+    training them is refused naming the flag, as is its loss weight without it."""
+    from tests.megatron_shim import tiny_moe_hf_model
+
+    glm_dir = tiny_moe_hf_model(str(tmp_path / "glm4_moe"), "glm4_moe", num_nextn_predict_layers=1)
+    parse_train_args(_args(glm_dir, "--mtp-num-layers", "1")).megatron.check_against_hf(
+        AutoConfig.from_pretrained(glm_dir)
+    )
+    for folder, value, declared in [(glm_dir, "2", 1), (qwen_dir, "1", 0)]:
+        s = parse_train_args(_args(folder, "--mtp-num-layers", value))
+        with pytest.raises(ConfigError, match=f"^--mtp-num-layers: {value} disagrees .*\\({declared} multi-token"):
+            s.megatron.check_against_hf(AutoConfig.from_pretrained(folder))
+    with pytest.raises(ConfigError, match="^--enable-mtp-training: training the multi-token-prediction layers is not"):
+        parse_train_args(_args(glm_dir, "--mtp-num-layers", "1", "--enable-mtp-training"))
+    with pytest.raises(ConfigError, match="^--mtp-loss-scaling-factor: is read only with --enable-mtp-training"):
+        parse_train_args(_args(glm_dir, "--mtp-loss-scaling-factor", "0.2"))
+    with pytest.raises(ConfigError, match="^--mtp-num-layers: must be >= 0, got -1"):
+        parse_train_args(_args(glm_dir, "--mtp-num-layers", "-1"))

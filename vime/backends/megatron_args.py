@@ -570,6 +570,16 @@ def check_flags_against_hf(flags, hf_config) -> None:
     resolve_model_args(flags, hf_config)
 
 
+def mtp_layers_of(hf_config) -> int:
+    """The multi-token-prediction layers config.json declares (DeepSeek-V3's and GLM-4.5's num_nextn_predict_layers,
+    Qwen3-Next's and Qwen3.5's mtp_num_hidden_layers); 0 where it declares none."""
+    for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        value = config_value(hf_config, name)
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def check_megatron_builds_it(hf_config) -> None:
     """The Megatron backend builds --hf-checkpoint's model (said at start-up, not by a trainer that fails later);
     raises ConfigError naming the flag."""

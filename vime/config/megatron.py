@@ -295,6 +295,23 @@ class MegatronConfig:
         "--enable-return-routed-experts) and forced in every Megatron forward over it; the router's "
         "probabilities for those experts are still the trainer's, so the router keeps learning.",
     )
+    mtp_num_layers: int | None = option(
+        None,
+        "Multi-token-prediction layers of the model (Megatron-LM; DeepSeek-V3's and GLM-4.5's draft layers): must "
+        "agree with config.json (num_nextn_predict_layers, or mtp_num_hidden_layers). vime's backends do not build "
+        "them: the checkpoint's are carried unchanged into every export, so the engines' speculative decoding keeps "
+        "using them, as the reference's do when they are not trained.",
+    )
+    enable_mtp_training: bool = option(
+        False,
+        "Train the multi-token-prediction layers with a loss on the rollouts' tokens (the reference's). Not built "
+        "in vime, which carries those layers unchanged: refused at start-up.",
+    )
+    mtp_loss_scaling_factor: float | None = option(
+        None,
+        "Weight of the multi-token-prediction loss (Megatron-LM; its default 0.1). Read only with "
+        "--enable-mtp-training, which vime does not build.",
+    )
     recompute_granularity: str | None = option(
         None,
         "Activation recomputation: 'full' recomputes each layer's forward in the backward pass (the torch "
@@ -413,6 +430,7 @@ class MegatronConfig:
             REFERENCE_LAYER_SPECS,
             REFERENCE_MODEL_PROVIDERS,
             check_megatron_builds_it,
+            mtp_layers_of,
             rotary_fraction,
         )
 
@@ -429,6 +447,14 @@ class MegatronConfig:
             )
         if train_backend == "megatron":
             check_megatron_builds_it(given_config)
+        if self.mtp_num_layers is not None:
+            layers = mtp_layers_of(hf_config)
+            require(
+                layers == self.mtp_num_layers,
+                "--mtp-num-layers",
+                f"{self.mtp_num_layers} disagrees with --hf-checkpoint's config.json ({layers} multi-token-prediction "
+                "layers)",
+            )
         rotary = rotary_fraction(hf_config)
         require(
             self.rotary_percent is None or abs(self.rotary_percent - rotary) < 1e-9,
@@ -515,6 +541,23 @@ class MegatronConfig:
                 f"framework's providers of models it trains ({'; '.join(REFERENCE_MODEL_PROVIDERS)}); a custom "
                 "Megatron model provider is not supported",
             )
+        require(
+            not self.enable_mtp_training,
+            "--enable-mtp-training",
+            "training the multi-token-prediction layers is not built in vime: its backends carry the checkpoint's "
+            "MTP layers unchanged into every export (leave the flag and --mtp-loss-scaling-factor out; "
+            "--mtp-num-layers alone is accepted)",
+        )
+        require(
+            self.mtp_loss_scaling_factor is None,
+            "--mtp-loss-scaling-factor",
+            "is read only with --enable-mtp-training, which vime does not build",
+        )
+        require(
+            self.mtp_num_layers is None or self.mtp_num_layers >= 0,
+            "--mtp-num-layers",
+            f"must be >= 0, got {self.mtp_num_layers}",
+        )
         require(
             not (self.allgather_cp and self.context_parallel_size > 1),
             "--allgather-cp",
