@@ -1,13 +1,15 @@
 """Record codec: a group of samples <-> straw records (DESIGN §3).
 
-Each sample has one header record (codec ``vime.sample.v1``: a msgspec struct with the scalar
+A group is one header record (codec ``vime.group.v1``: for each sample a msgspec struct with the scalar
 fields, metadata, label, response text, run-length weight versions and, per tensor field, the
-rows that belong to it). Its tensors are straw ``tensor.v1`` records, one per field for the whole
+rows that belong to it) and straw ``tensor.v1`` records, one per field for the whole
 group (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering / OPD teacher
-captures), the samples' rows one after another: a group is a handful of records instead of a few per sample,
-which is what straw's per-record cost and its advice (batch small writes) call for, and one
-sample's rows can still be read alone. straw checksums every record, so a corrupted payload fails
-loudly when it is read.
+captures), the samples' rows one after another: a group is a handful of records (four for a plain group) instead
+of a few per sample, which is what straw's per-record cost and its advice (batch small writes) call for; on a
+JuiceFS volume each record is several FUSE writes, and the client's CPU per write is what a publication costs
+there (docs/juicefs.md). One sample's rows can still be read alone. Groups written before the group header
+(one ``vime.sample.v1`` record per sample) are read as they were. straw checksums every record, so a corrupted
+payload fails loudly when it is read.
 
 A capture whose rows do not match the tokens (R3 rows != len(tokens) - 1, score-centering or teacher
 log-prob rows != response_length) is refused here: it is never published, and the task retries from
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 from vime.errors import InternalError
 from vime.sample import Sample, Status
 
-HEADER_CODEC = "vime.sample.v1"
-CODECS = ("bytes.v1", "json.v1", "tensor.v1", HEADER_CODEC)
+HEADER_CODEC = "vime.sample.v1"  # one record per sample: the groups written before GROUP_HEADER_CODEC
+GROUP_HEADER_CODEC = "vime.group.v1"  # one record per group: every sample's header
+CODECS = ("bytes.v1", "json.v1", "tensor.v1", HEADER_CODEC, GROUP_HEADER_CODEC)
 
 # Optional per-token captures and their stored dtype (None: keep the dtype given).
 OPTIONAL_TENSORS = (
@@ -178,8 +181,13 @@ def _sample_tensors(sample: Sample) -> dict[str, Any]:
     return tensors
 
 
+class GroupHeader(msgspec.Struct, frozen=True):
+    schema: int
+    samples: list[SampleHeader]
+
+
 def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> list[Record]:
-    """Header records (one per sample) then one tensor record per field. ``owner`` (task_id,
+    """The group's header record (every sample's header) then one tensor record per field. ``owner`` (task_id,
     attempt_id) is stamped on each record: straw accepts a result only if every record belongs to
     the completing attempt."""
     for sample in samples:
@@ -188,7 +196,7 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
     fields = list(dict.fromkeys(name for tensors in per_sample for name in tensors))
     parts: dict[str, list] = {name: [] for name in fields}
     offsets = {name: 0 for name in fields}
-    records = []
+    headers = []
     for sample, tensors in zip(samples, per_sample):
         rows = {}
         for name, value in tensors.items():
@@ -212,7 +220,9 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
             rows=rows,
             source=sample.source,
         )
-        records.append(Record(f"{prefix}:s{sample.index}", msgspec.msgpack.encode(header), HEADER_CODEC, dict(owner)))
+        headers.append(header)
+    group = GroupHeader(schema=1, samples=headers)
+    records = [Record(f"{prefix}:h", msgspec.msgpack.encode(group), GROUP_HEADER_CODEC, dict(owner))]
     for name in fields:
         record = _field_record(parts[name], f"{prefix}:{name}", name)
         records.append(Record(record.record_id, record.payload, record.codec, {**record.metadata, **owner}))
@@ -236,19 +246,36 @@ def _field_from_record(record: Record) -> np.ndarray | torch.Tensor:
     return np.frombuffer(bytes(record.payload), dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
 
 
+def _headers_of(record: Record) -> list[SampleHeader]:
+    """The sample headers of a header record (a group's, or one sample's as groups were written before)."""
+    try:
+        if record.codec == GROUP_HEADER_CODEC:
+            group = msgspec.msgpack.decode(record.payload, type=GroupHeader)
+            if group.schema != 1:
+                raise CorruptData(f"record {record.record_id}: unsupported group schema {group.schema}")
+            headers = group.samples
+        else:
+            headers = [msgspec.msgpack.decode(record.payload, type=SampleHeader)]
+    except msgspec.DecodeError as error:
+        raise CorruptData(f"record {record.record_id}: unreadable sample header ({error})") from None
+    for header in headers:
+        if header.schema != 2:
+            raise CorruptData(f"record {record.record_id}: unsupported sample schema {header.schema}")
+    return headers
+
+
+def sample_headers(records) -> list[SampleHeader]:
+    """The sample headers among ``records`` (a group's), without decoding its tensors; raises CorruptData."""
+    return [h for r in records if r.codec in (HEADER_CODEC, GROUP_HEADER_CODEC) for h in _headers_of(r)]
+
+
 def decode_group(records: list[Record]) -> list[Sample]:
     """Inverse of encode_group. Raises CorruptData on anything that does not parse as written."""
     headers: list[tuple[str, SampleHeader]] = []
     fields: dict[str, np.ndarray | torch.Tensor] = {}
     for record in records:
-        if record.codec == HEADER_CODEC:
-            try:
-                header = msgspec.msgpack.decode(record.payload, type=SampleHeader)
-            except msgspec.DecodeError as error:
-                raise CorruptData(f"record {record.record_id}: unreadable sample header ({error})") from None
-            if header.schema != 2:
-                raise CorruptData(f"record {record.record_id}: unsupported sample schema {header.schema}")
-            headers.append((record.record_id, header))
+        if record.codec in (HEADER_CODEC, GROUP_HEADER_CODEC):
+            headers.extend((record.record_id, header) for header in _headers_of(record))
         elif record.codec == TENSOR_CODEC:
             fields[record.metadata.get("kind")] = _field_from_record(record)
         else:

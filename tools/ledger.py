@@ -149,15 +149,11 @@ def read_facts(store, ref) -> GroupFacts | None:
     """The facts of the group at ``ref``; None when its payload was reclaimed or is unreadable."""
     from straw.errors import QueueError
 
-    from vime.queue.records import HEADER_CODEC, SampleHeader
+    from vime.queue.records import sample_headers
 
     try:
-        headers = [
-            msgspec.msgpack.decode(record.payload, type=SampleHeader)
-            for record in store.read(ref)
-            if record.codec == HEADER_CODEC
-        ]
-    except (QueueError, OSError, msgspec.DecodeError):
+        headers = sample_headers(store.read(ref))
+    except (QueueError, OSError):  # (CorruptData is a QueueError)
         return None
     if not headers:
         return None

@@ -94,6 +94,34 @@ def test_every_field_round_trips_through_straw(tmp_path):
     assert back[0].source_name == "dyn"
 
 
+def test_a_group_is_one_header_record_and_one_record_per_field():
+    group = [full_sample(0), full_sample(1, response_length=2)]
+    written = encode_group(group, "g", OWNER)
+    assert [r.codec for r in written].count(records.GROUP_HEADER_CODEC) == 1 and written[0].record_id == "g:h"
+    assert len(written) == 1 + len({r.metadata.get("kind") for r in written[1:]})  # the header, then the fields
+    assert [h.index for h in records.sample_headers(written)] == [0, 1]
+
+
+def test_a_group_written_with_a_header_record_per_sample_is_still_read():
+    """Groups published before the group header (one vime.sample.v1 record per sample) decode as they did: a queue
+    written by an earlier vime is resumed by this one."""
+    import msgspec
+    from straw import Record
+
+    group = [full_sample(0), full_sample(1, response_length=2)]
+    header, *tensors = encode_group(group, "g", OWNER)
+    per_sample = [
+        Record(f"g:s{h.index}", msgspec.msgpack.encode(h), records.HEADER_CODEC, dict(OWNER))
+        for h in records.sample_headers([header])
+    ]
+    for a, b in zip(group, decode_group(per_sample + tensors)):
+        assert_same(a, b)
+    assert [h.index for h in records.sample_headers(per_sample + tensors)] == [0, 1]
+    bad = Record("g:h", msgspec.msgpack.encode(records.GroupHeader(schema=9, samples=[])), header.codec, dict(OWNER))
+    with pytest.raises(CorruptData, match="unsupported group schema 9"):
+        decode_group([bad, *tensors])
+
+
 def test_minimal_sample_round_trips_in_memory():
     sample = Sample(index=0, tokens=[1, 2], response_length=1, weight_versions=[0], reward=None)
     (back,) = decode_group(list(encode_group([sample], "x", OWNER)))
