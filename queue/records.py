@@ -1,6 +1,7 @@
 """Record codec: a group of samples <-> straw records (DESIGN §3).
 
-A group is one header record (codec ``vime.group.v1``: for each sample a msgspec struct with the scalar
+A group is one header record (codec ``vime.sample.v1``, marked as the group's: for each sample a msgspec struct
+with the scalar
 fields, metadata, label, response text, run-length weight versions and, per tensor field, the
 rows that belong to it) and straw ``tensor.v1`` records, one per field for the whole
 group (tokens, loss mask, sampler log-probs, and the optional R3 / score-centering / OPD teacher
@@ -8,7 +9,7 @@ captures), the samples' rows one after another: a group is a handful of records 
 of a few per sample, which is what straw's per-record cost and its advice (batch small writes) call for; on a
 JuiceFS volume each record is several FUSE writes, and the client's CPU per write is what a publication costs
 there (docs/juicefs.md). One sample's rows can still be read alone. Groups written before the group header
-(one ``vime.sample.v1`` record per sample) are read as they were. straw checksums every record, so a corrupted
+(one header record per sample) are read as they were. straw checksums every record, so a corrupted
 payload fails loudly when it is read.
 
 A capture whose rows do not match the tokens (R3 rows != len(tokens) - 1, score-centering or teacher
@@ -38,9 +39,13 @@ if TYPE_CHECKING:
 from vime.errors import InternalError
 from vime.sample import Sample, Status
 
-HEADER_CODEC = "vime.sample.v1"  # one record per sample: the groups written before GROUP_HEADER_CODEC
-GROUP_HEADER_CODEC = "vime.group.v1"  # one record per group: every sample's header
-CODECS = ("bytes.v1", "json.v1", "tensor.v1", HEADER_CODEC, GROUP_HEADER_CODEC)
+# The codec of the header records. A group's header holds every sample's (its record's metadata says
+# ``"header": "group"``); a record without that mark is one sample's, as groups were written until 2026-12-06. The
+# codec set is part of a straw queue's identity (run.json): a queue opened with another set is refused
+# (UnsafeRecovery), so a queue created by an earlier vime could not be resumed. The set stays as it was.
+HEADER_CODEC = "vime.sample.v1"
+GROUP_HEADER = {"header": "group"}
+CODECS = ("bytes.v1", "json.v1", "tensor.v1", HEADER_CODEC)
 
 # Optional per-token captures and their stored dtype (None: keep the dtype given).
 OPTIONAL_TENSORS = (
@@ -222,7 +227,7 @@ def encode_group(samples: list[Sample], prefix: str, owner: dict[str, str]) -> l
         )
         headers.append(header)
     group = GroupHeader(schema=1, samples=headers)
-    records = [Record(f"{prefix}:h", msgspec.msgpack.encode(group), GROUP_HEADER_CODEC, dict(owner))]
+    records = [Record(f"{prefix}:h", msgspec.msgpack.encode(group), HEADER_CODEC, {**GROUP_HEADER, **owner})]
     for name in fields:
         record = _field_record(parts[name], f"{prefix}:{name}", name)
         records.append(Record(record.record_id, record.payload, record.codec, {**record.metadata, **owner}))
@@ -249,7 +254,7 @@ def _field_from_record(record: Record) -> np.ndarray | torch.Tensor:
 def _headers_of(record: Record) -> list[SampleHeader]:
     """The sample headers of a header record (a group's, or one sample's as groups were written before)."""
     try:
-        if record.codec == GROUP_HEADER_CODEC:
+        if record.metadata.get("header") == GROUP_HEADER["header"]:
             group = msgspec.msgpack.decode(record.payload, type=GroupHeader)
             if group.schema != 1:
                 raise CorruptData(f"record {record.record_id}: unsupported group schema {group.schema}")
@@ -266,7 +271,7 @@ def _headers_of(record: Record) -> list[SampleHeader]:
 
 def sample_headers(records) -> list[SampleHeader]:
     """The sample headers among ``records`` (a group's), without decoding its tensors; raises CorruptData."""
-    return [h for r in records if r.codec in (HEADER_CODEC, GROUP_HEADER_CODEC) for h in _headers_of(r)]
+    return [h for r in records if r.codec == HEADER_CODEC for h in _headers_of(r)]
 
 
 def decode_group(records: list[Record]) -> list[Sample]:
@@ -274,7 +279,7 @@ def decode_group(records: list[Record]) -> list[Sample]:
     headers: list[tuple[str, SampleHeader]] = []
     fields: dict[str, np.ndarray | torch.Tensor] = {}
     for record in records:
-        if record.codec in (HEADER_CODEC, GROUP_HEADER_CODEC):
+        if record.codec == HEADER_CODEC:
             headers.extend((record.record_id, header) for header in _headers_of(record))
         elif record.codec == TENSOR_CODEC:
             fields[record.metadata.get("kind")] = _field_from_record(record)

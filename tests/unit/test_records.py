@@ -97,7 +97,8 @@ def test_every_field_round_trips_through_straw(tmp_path):
 def test_a_group_is_one_header_record_and_one_record_per_field():
     group = [full_sample(0), full_sample(1, response_length=2)]
     written = encode_group(group, "g", OWNER)
-    assert [r.codec for r in written].count(records.GROUP_HEADER_CODEC) == 1 and written[0].record_id == "g:h"
+    assert [r.codec for r in written].count(records.HEADER_CODEC) == 1 and written[0].record_id == "g:h"
+    assert written[0].metadata == {**records.GROUP_HEADER, **OWNER}
     assert len(written) == 1 + len({r.metadata.get("kind") for r in written[1:]})  # the header, then the fields
     assert [h.index for h in records.sample_headers(written)] == [0, 1]
 
@@ -117,9 +118,27 @@ def test_a_group_written_with_a_header_record_per_sample_is_still_read():
     for a, b in zip(group, decode_group(per_sample + tensors)):
         assert_same(a, b)
     assert [h.index for h in records.sample_headers(per_sample + tensors)] == [0, 1]
-    bad = Record("g:h", msgspec.msgpack.encode(records.GroupHeader(schema=9, samples=[])), header.codec, dict(OWNER))
+    unknown = msgspec.msgpack.encode(records.GroupHeader(schema=9, samples=[]))
+    bad = Record("g:h", unknown, header.codec, header.metadata)
     with pytest.raises(CorruptData, match="unsupported group schema 9"):
         decode_group([bad, *tensors])
+
+
+def test_the_codec_set_is_the_one_existing_queues_were_created_with(tmp_path, monkeypatch):
+    """straw keeps a queue's codec set in its identity and refuses to recover it with another: a new codec would
+    make every queue created by an earlier vime impossible to resume. The group header kept the codec."""
+    from straw.errors import UnsafeRecovery
+
+    import vime.queue.rollout_queue as rollout_queue
+    from vime.queue.rollout_queue import StoreOptions, StrawRolloutQueue
+
+    assert records.CODECS == ("bytes.v1", "json.v1", "tensor.v1", "vime.sample.v1")
+    options = StoreOptions(str(tmp_path / "queue"), "run")
+    StrawRolloutQueue.open(options, owner="test", lease_seconds=60).close()
+    StrawRolloutQueue.open(options, owner="test", lease_seconds=60).close()  # recovered with the same set
+    monkeypatch.setattr(rollout_queue, "CODECS", (*records.CODECS, "vime.other.v1"))
+    with pytest.raises(UnsafeRecovery, match="identity/configuration mismatch"):
+        StrawRolloutQueue.open(options, owner="test", lease_seconds=60)
 
 
 def test_minimal_sample_round_trips_in_memory():

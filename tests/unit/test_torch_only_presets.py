@@ -161,7 +161,7 @@ def test_each_gpt_oss_flag_is_checked_against_config_json(checkpoints, flag, val
         start_up_checks(settings, checkpoints["gpt_oss"])
 
 
-def test_gpt_oss_flags_on_a_model_without_those_features_are_refused(checkpoints):
+def test_gpt_oss_flags_on_a_model_without_those_features_are_refused(checkpoints, tmp_path):
     qwen3 = checkpoints["qwen3"]
     for extra, said in [
         (["--quick-geglu"], "^--quick-geglu: --hf-checkpoint's qwen3 does not compute the quick GeGLU"),
@@ -174,6 +174,9 @@ def test_gpt_oss_flags_on_a_model_without_those_features_are_refused(checkpoints
     ]:
         with pytest.raises(ConfigError, match=said):
             start_up_checks(parse_train_args(_args(qwen3, *extra)), qwen3)
+    qwen2 = save_config(tmp_path, "qwen2", num_hidden_layers=2, sliding_window=8)
+    with pytest.raises(ConfigError, match=r"^--window-size: 8,0 disagrees .*\(no sliding window\)"):
+        start_up_checks(parse_train_args(_args(qwen2, "--window-size", "8,0")), qwen2)  # a window no layer uses
     # What a plain model does, stated, passes.
     plain = ["--softmax-type", "vanilla", "--glu-linear-offset", "0", "--tokenizer-type", "HuggingFaceTokenizer"]
     start_up_checks(parse_train_args(_args(qwen3, *plain)), qwen3)

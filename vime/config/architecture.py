@@ -35,6 +35,18 @@ def window_pair(text: str) -> tuple[int, int]:
     return left, right
 
 
+def sliding_window(text_config) -> int | None:
+    """config.json's sliding window where some layer uses it (None: none does; Qwen2's configs hold a
+    sliding_window that use_sliding_window, or their layer_types, leave unused)."""
+    window = config_value(text_config, "sliding_window")
+    layer_types = config_value(text_config, "layer_types")
+    if layer_types is not None:
+        used = "sliding_attention" in layer_types
+    else:
+        used = config_value(text_config, "use_sliding_window") is not False
+    return window if used else None
+
+
 @dataclasses.dataclass(kw_only=True)
 class ArchitectureConfig:
     quick_geglu: bool = option(
@@ -161,7 +173,7 @@ class ArchitectureConfig:
             )
 
     def _check_windows(self, text_config) -> None:
-        window = config_value(text_config, "sliding_window")
+        window = sliding_window(text_config)
         if self.window_size is not None:
             require(
                 window == window_pair(self.window_size)[0],
