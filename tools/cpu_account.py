@@ -14,6 +14,12 @@ kernel's exact sum for the whole process tree (``RUSAGE_CHILDREN`` after the rea
 program is sampled from /proc every ``--interval`` seconds, so a process shorter than that is missed by
 it (never by the total): it says where the time goes, not to the second.
 
+Under pytest the sampled time is also summed by the test file that started each process: pytest sets
+``PYTEST_CURRENT_TEST`` while a test runs, and every process the test starts (a `vime train` driver, the Ray
+daemons and actors it starts, their vLLM engines) inherits it in its environment, which /proc/PID/environ keeps
+as it was when the process started. The pytest processes themselves, with the unit tests they run in-process,
+count under one label.
+
 Descendants still alive ``--linger`` seconds after COMMAND exits are listed (something it leaked) and left
 running, not waited for. The exit status is COMMAND's.
 """
@@ -87,14 +93,34 @@ def program_name(pid: int) -> str | None:
     return comm
 
 
+# What pytest sets in its environment while a test runs ("tests/e2e/test_x.py::test_y (call)").
+CURRENT_TEST = b"PYTEST_CURRENT_TEST="
+OUTSIDE_TESTS = "(pytest itself, its in-process tests, and processes started outside a test)"
+
+
+def started_by_test_file(pid: int) -> str:
+    """The test file whose test started ``pid`` (PYTEST_CURRENT_TEST as it inherited it), else OUTSIDE_TESTS."""
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return OUTSIDE_TESTS
+    for entry in environment.split(b"\0"):
+        if entry.startswith(CURRENT_TEST):
+            return entry[len(CURRENT_TEST) :].decode(errors="replace").split("::")[0]
+    return OUTSIDE_TESTS
+
+
 class Sampler:
-    """The latest CPU seconds seen for each live descendant, summed by program name when it ends."""
+    """The latest CPU seconds seen for each live descendant, summed by program name (and by the test file that
+    started it) when it ends."""
 
     def __init__(self, root: int) -> None:
         self.root = root
         self.latest: dict[int, tuple[str, float]] = {}
+        self.test_file: dict[int, str] = {}  # read once, when the process is first seen
         self.by_program: dict[str, float] = defaultdict(float)
         self.processes_by_program: dict[str, int] = defaultdict(int)
+        self.by_test_file: dict[str, float] = defaultdict(float)
 
     def descendants(self) -> dict[int, float]:
         parents: dict[int, int] = {}
@@ -123,6 +149,8 @@ class Sampler:
                 name = self.latest[pid][0]  # a zombie has no command line left: keep the title it had
             name = name or "?"
             self.latest[pid] = (name, seconds)
+            if pid not in self.test_file:
+                self.test_file[pid] = started_by_test_file(pid)
         for pid in [p for p in self.latest if p not in live]:
             self.retire(pid)
 
@@ -130,6 +158,7 @@ class Sampler:
         name, seconds = self.latest.pop(pid)
         self.by_program[name] += seconds
         self.processes_by_program[name] += 1
+        self.by_test_file[self.test_file.pop(pid, OUTSIDE_TESTS)] += seconds
 
 
 def reap_all() -> list[tuple[int, int]]:
@@ -162,6 +191,10 @@ def report(sampler: Sampler, wall: float, leaked: list[str]) -> str:
     for name, seconds in sorted(sampler.by_program.items(), key=lambda kv: -kv[1])[:25]:
         share, count = 100 * seconds / max(total, sampled, 1e-9), sampler.processes_by_program[name]
         lines.append(f"  {seconds:9.1f} s  {share:5.1f}%  {count:5d} x {seconds / max(count, 1):6.1f} s  {name}")
+    if set(sampler.by_test_file) != {OUTSIDE_TESTS}:
+        lines.append("cpu_account: by the test file whose test started the process (sampled):")
+        for test_file, seconds in sorted(sampler.by_test_file.items(), key=lambda kv: -kv[1])[:30]:
+            lines.append(f"  {seconds:9.1f} s  {100 * seconds / max(total, sampled, 1e-9):5.1f}%  {test_file}")
     if leaked:
         lines.append(f"cpu_account: {len(leaked)} process(es) still alive when the command ended:")
         lines.extend(f"  {line}" for line in leaked[:40])

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vime.backends import ref_load_conversion
-from vime.backends.megatron_args import language_model_config, resolve_model_args
+from vime.backends.megatron_args import ModelArgs, language_model_config
 from vime.config import SECTIONS, ConfigError, TrainSettings
 from vime.config.evaluation import EvalDataset, resolve_eval_datasets
 from vime.config.vllm import check_against_vllm, check_topology_against_vllm
@@ -106,11 +106,11 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
-        s.megatron.check_against_hf(hf_config, s.train.train_backend)
+        model = s.megatron.check_against_hf(hf_config, s.train.train_backend)
         s.architecture.check_against_hf(
             language_model_config(hf_config),
             train_backend=s.train.train_backend,
-            padded_vocab=megatron_padded_vocab(s, hf_config),
+            padded_vocab=megatron_padded_vocab(s, model),
         )
         if s.train.train_backend == "megatron":
             s.perf.check_model_name(hf_config)
@@ -160,12 +160,12 @@ def hf_config_checks_apply(s: TrainSettings) -> bool:
     )
 
 
-def megatron_padded_vocab(s: TrainSettings, hf_config) -> int | None:
-    """The Megatron backend's embedding rows for --padded-vocab-size's check (None: not needed)."""
-    if s.train.train_backend != "megatron" or s.architecture.padded_vocab_size is None:
+def megatron_padded_vocab(s: TrainSettings, model: ModelArgs | None) -> int | None:
+    """The Megatron backend's embedding rows of ``model`` (what MegatronConfig.check_against_hf resolved) for
+    --padded-vocab-size's check (None: not needed, or not a model the Megatron backend builds)."""
+    if s.train.train_backend != "megatron" or s.architecture.padded_vocab_size is None or model is None:
         return None
     m = s.megatron
-    model = resolve_model_args(m, hf_config)
     return model.padded_vocab_size(m.make_vocab_size_divisible_by, m.tensor_model_parallel_size)
 
 

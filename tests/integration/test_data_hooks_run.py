@@ -52,6 +52,34 @@ def vime_train(model_dir, run_dir, *extra):
     ]
 
 
+def run_hooks_job(tmp_path, model_dir, run_dir, logs: dict[str, object], *extra) -> subprocess.CompletedProcess:
+    """`vime train` with the hooks module's data source, rollout function and rollout log hook, its custom config
+    holding ``logs`` (where the hooks write what they saw); the test fails here if the run does."""
+    custom_config = tmp_path / "custom.yaml"
+    custom_config.write_text("".join(f"{key}: {path}\n" for key, path in logs.items()))
+    result = subprocess.run(
+        vime_train(
+            model_dir,
+            run_dir,
+            "--custom-config-path",
+            str(custom_config),
+            "--custom-rollout-log-function-path",
+            f"{HOOKS}:log_rollout",
+            "--data-source-path",
+            f"{HOOKS}:ParitySource",
+            "--rollout-function-path",
+            f"{HOOKS}:generate_rollout",
+            *extra,
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     held_out = tmp_path / "held_out.parquet"
     pq.write_table(
@@ -67,60 +95,45 @@ def test_data_source_filter_and_eval_function_in_one_run(tmp_path, model_dir):
     # The reference framework's sample and loss hooks (issue 19) in the same run: the custom config's keys reach
     # the rollout worker's hooks, which see every scored group; the trainer trains a custom loss and saves its data.
     all_samples_log = tmp_path / "all_samples.jsonl"
-    custom_config = tmp_path / "custom.yaml"
     rollout_log = tmp_path / "rollout_log.jsonl"
-    custom_config.write_text(f"all_samples_log: {all_samples_log}\nrollout_log: {rollout_log}\n")
-    result = subprocess.run(
-        vime_train(
-            model_dir,
-            run_dir,
-            "--custom-config-path",
-            str(custom_config),
-            "--rollout-all-samples-process-path",
-            f"{HOOKS}:record_all_samples",
-            "--custom-rollout-log-function-path",
-            f"{HOOKS}:log_rollout",
-            "--custom-eval-rollout-log-function-path",
-            f"{HOOKS}:log_eval",
-            "--loss-type",
-            "custom_loss",
-            "--custom-loss-function-path",
-            "tests.plugins.objective_hooks.reinforce_loss",
-            "--save-debug-train-data",
-            str(tmp_path / "debug" / "train_{rollout_id}.pt"),
-            "--num-rollout",
-            "3",
-            "--num-epoch",
-            "2",
-            "--data-source-path",
-            f"{HOOKS}:ParitySource",
-            "--rollout-function-path",
-            f"{HOOKS}:generate_rollout",
-            "--dynamic-sampling-filter-path",
-            "vime.rollout.filters.check_reward_nonzero_std",
-            "--eval-function-path",
-            f"{HOOKS}:evaluate",
-            "--eval-prompt-data",
-            "held_out",
-            str(held_out),
-            "--input-key",
-            "prompt",
-            "--label-key",
-            "label",
-            # Issue 19's prompt controls on a real run: every prompt has 4 tokens, so the filter keeps all 12 (its
-            # rows still reach the controller); no evaluation before training; refills in multiples of 4.
-            "--rollout-max-prompt-len",
-            "4",
-            "--skip-eval-before-train",
-            "--over-sampling-batch-size",
-            "4",
-        ),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_hooks_job(
+        tmp_path,
+        model_dir,
+        run_dir,
+        {"all_samples_log": all_samples_log, "rollout_log": rollout_log},
+        "--rollout-all-samples-process-path",
+        f"{HOOKS}:record_all_samples",
+        "--custom-eval-rollout-log-function-path",
+        f"{HOOKS}:log_eval",
+        "--loss-type",
+        "custom_loss",
+        "--custom-loss-function-path",
+        "tests.plugins.objective_hooks.reinforce_loss",
+        "--save-debug-train-data",
+        str(tmp_path / "debug" / "train_{rollout_id}.pt"),
+        "--num-rollout",
+        "3",
+        "--num-epoch",
+        "2",
+        "--dynamic-sampling-filter-path",
+        "vime.rollout.filters.check_reward_nonzero_std",
+        "--eval-function-path",
+        f"{HOOKS}:evaluate",
+        "--eval-prompt-data",
+        "held_out",
+        str(held_out),
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        # Issue 19's prompt controls on a real run: every prompt has 4 tokens, so the filter keeps all 12 (its
+        # rows still reach the controller); no evaluation before training; refills in multiples of 4.
+        "--rollout-max-prompt-len",
+        "4",
+        "--skip-eval-before-train",
+        "--over-sampling-batch-size",
+        "4",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "--rollout-max-prompt-len 4: 0 of 12 prompts are longer" in result.stdout + result.stderr
     assert "--over-sampling-batch-size 4: " in result.stdout + result.stderr
 
@@ -185,30 +198,9 @@ def test_the_rollout_log_hook_sees_each_step_of_a_rollout_only_run(tmp_path, mod
     """--debug-rollout-only trains nothing, yet --custom-rollout-log-function-path is called on each step's samples
     (by the trainer's rank 0, as in training) and its metric joins the step's rollout record."""
     run_dir, rollout_log = str(tmp_path / "run"), tmp_path / "rollout_log.jsonl"
-    custom_config = tmp_path / "custom.yaml"
-    custom_config.write_text(f"rollout_log: {rollout_log}\n")
-    result = subprocess.run(
-        vime_train(
-            model_dir,
-            run_dir,
-            "--debug-rollout-only",
-            "--custom-config-path",
-            str(custom_config),
-            "--custom-rollout-log-function-path",
-            f"{HOOKS}:log_rollout",
-            "--num-rollout",
-            "2",
-            "--data-source-path",
-            f"{HOOKS}:ParitySource",
-            "--rollout-function-path",
-            f"{HOOKS}:generate_rollout",
-        ),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_hooks_job(
+        tmp_path, model_dir, run_dir, {"rollout_log": rollout_log}, "--debug-rollout-only", "--num-rollout", "2"
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     calls = [json.loads(line) for line in open(rollout_log)]
     assert [c["rollout_id"] for c in calls] == [0, 1] and all(c["samples"] == 8 for c in calls), calls
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]

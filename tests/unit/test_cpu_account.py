@@ -39,6 +39,29 @@ def test_an_orphan_s_cpu_time_is_counted_and_the_command_s_status_returned(tmp_p
     assert "python -c" in text and "still alive" not in text, text
 
 
+def test_time_is_summed_by_the_test_file_that_started_the_process(tmp_path):
+    """A process started while pytest's PYTEST_CURRENT_TEST names a test (here set by hand, as pytest sets it
+    in its own environment) counts under that test's file, orphaned or not; the rest under one label."""
+    report = tmp_path / "report.txt"
+    test = "PYTEST_CURRENT_TEST='tests/e2e/test_made_up.py::test_one (call)'"
+    command = f"({test} setsid {sys.executable} -c '{BURN}' &); {sys.executable} -c '{BURN}'"
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--interval", "0.1", "--linger", "120", "--report", str(report), "--"]
+        + ["bash", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # this test's own: not inherited
+    )
+    assert done.returncode == 0, done.stderr
+    text = report.read_text()
+    section = text[text.index("by the test file") :].splitlines()[1:]
+    by_file = section[: next((i for i, line in enumerate(section) if not line.startswith(" ")), None)]
+    seconds = {line.split("%", 1)[1].strip(): float(line.split()[0]) for line in by_file}
+    assert seconds["tests/e2e/test_made_up.py"] >= 0.5, text  # the orphan's 0.8 s, sampled every 0.1 s
+    assert seconds["(pytest itself, its in-process tests, and processes started outside a test)"] >= 0.5, text
+
+
 def test_a_descendant_outliving_the_linger_is_listed_not_waited_for(tmp_path):
     report = tmp_path / "report.txt"
     # Its output goes to a file: the leaked sleep keeps whatever it inherited open.

@@ -84,11 +84,11 @@ MEGATRON = ("--train-backend", "megatron", "--ray-address", "auto")  # (a cluste
 def start_up_checks(settings, folder) -> None:
     """What vime.preflight checks against config.json (check_inputs, without the data and the engines)."""
     hf_config = AutoConfig.from_pretrained(folder)
-    settings.megatron.check_against_hf(hf_config, settings.train.train_backend)
+    model = settings.megatron.check_against_hf(hf_config, settings.train.train_backend)
     settings.architecture.check_against_hf(
         language_model_config(hf_config),
         train_backend=settings.train.train_backend,
-        padded_vocab=megatron_padded_vocab(settings, hf_config),
+        padded_vocab=megatron_padded_vocab(settings, model),
     )
 
 

@@ -531,10 +531,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_flags_against_hf(flags, hf_config) -> None:
-    """Every model flag given (a switch: given as on) must agree with the HF config; raises ConfigError."""
+def check_flags_against_hf(flags, hf_config) -> ModelArgs | None:
+    """Every model flag given (a switch: given as on) must agree with the HF config; raises ConfigError. Returns
+    the architecture the Megatron backend would build (:func:`resolve_model_args`), or None where it builds none
+    (the torch backend trains any HF causal LM)."""
     try:
-        model_args_from_hf(hf_config)
+        hf = model_args_from_hf(hf_config)
     except ConfigError:
         # Not an architecture the Megatron backend builds (the torch backend trains any HF causal LM):
         # only the plain numbers can be compared (a multimodal checkpoint's: its language model's). The Megatron
@@ -566,8 +568,8 @@ def check_flags_against_hf(flags, hf_config) -> None:
                 "--use-rollout-routing-replay",
                 f"needs --train-backend megatron with a mixture-of-experts model ({families})",
             ) from None
-        return
-    resolve_model_args(flags, hf_config)
+        return None
+    return _checked_against(flags, hf)
 
 
 def mtp_layers_of(hf_config) -> int:
@@ -609,7 +611,11 @@ def _compare_numbers(flags, hf_values: dict) -> None:
 
 def resolve_model_args(flags, hf_config) -> ModelArgs:
     """The architecture from the Megatron flags (``MegatronConfig``), completed and checked by config.json."""
-    hf = model_args_from_hf(hf_config)
+    return _checked_against(flags, model_args_from_hf(hf_config))
+
+
+def _checked_against(flags, hf: ModelArgs) -> ModelArgs:
+    """``hf`` (config.json's architecture) once every model flag given agrees with it; raises ConfigError."""
     _compare_numbers(
         flags,
         {

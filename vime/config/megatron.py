@@ -10,8 +10,12 @@ out means "as config.json says", not "off". ``scripts/models/*.sh`` hold the fla
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from vime.config.base import ConfigError, option, require
+
+if TYPE_CHECKING:
+    from vime.backends.megatron_args import ModelArgs
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -403,22 +407,29 @@ class MegatronConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
             raise ConfigError("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid")
 
+    def _named_families(self) -> dict[str, tuple[str, ...] | None]:
+        """The model families --spec and --custom-model-provider-path each build (None: the flag names none)."""
+        from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, REFERENCE_MODEL_PROVIDERS
+
+        return {
+            "--spec": REFERENCE_LAYER_SPECS.get(tuple(self.spec or ())),
+            "--custom-model-provider-path": REFERENCE_MODEL_PROVIDERS.get(self.custom_model_provider_path),
+        }
+
     def names_torch_only_model(self) -> bool:
         """--spec or --custom-model-provider-path names a model only the torch backend trains (HF's)."""
-        from vime.backends.megatron_args import REFERENCE_LAYER_SPECS, REFERENCE_MODEL_PROVIDERS, TORCH_BACKEND_FAMILIES
+        from vime.backends.megatron_args import TORCH_BACKEND_FAMILIES
 
-        named = [
-            *REFERENCE_LAYER_SPECS.get(tuple(self.spec or ()), ()),
-            *REFERENCE_MODEL_PROVIDERS.get(self.custom_model_provider_path, ()),
-        ]
+        named = [family for families in self._named_families().values() for family in families or ()]
         return bool(named) and all(family in TORCH_BACKEND_FAMILIES for family in named)
 
-    def check_against_hf(self, hf_config, train_backend: str | None = None) -> None:
+    def check_against_hf(self, hf_config, train_backend: str | None = None) -> ModelArgs | None:
         """Model flags are cross-checks of the HF config (either backend); a mismatch names the flag.
-        ``train_backend`` (when known) refuses R3 with the torch backend, which cannot replay routes."""
+        ``train_backend`` (when known) refuses R3 with the torch backend, which cannot replay routes. Returns the
+        architecture the Megatron backend builds from it (None: a model only the torch backend trains)."""
         from vime.backends.megatron_args import check_flags_against_hf, language_model_config
 
-        check_flags_against_hf(self, hf_config)
+        model = check_flags_against_hf(self, hf_config)
         given_config, hf_config = hf_config, language_model_config(hf_config)  # (a multimodal one: its LM's)
         positions = getattr(hf_config, "max_position_embeddings", None)
         require(
@@ -426,24 +437,16 @@ class MegatronConfig:
             "--max-position-embeddings",
             f"{self.max_position_embeddings} disagrees with --hf-checkpoint's config.json ({positions})",
         )
-        from vime.backends.megatron_args import (
-            REFERENCE_LAYER_SPECS,
-            REFERENCE_MODEL_PROVIDERS,
-            check_megatron_builds_it,
-            mtp_layers_of,
-            rotary_fraction,
-        )
+        from vime.backends.megatron_args import check_megatron_builds_it, mtp_layers_of, rotary_fraction
 
         model_type = getattr(hf_config, "model_type", None)
-        for flag, families, given in (
-            ("--spec", REFERENCE_LAYER_SPECS.get(tuple(self.spec or ())), " ".join(self.spec or ())),
-            ("--custom-model-provider-path", REFERENCE_MODEL_PROVIDERS.get(self.custom_model_provider_path), None),
-        ):
+        given = {"--spec": " ".join(self.spec or ()), "--custom-model-provider-path": self.custom_model_provider_path}
+        for flag, families in self._named_families().items():
             require(
                 families is None or model_type in families,
                 flag,
-                f"{given or self.custom_model_provider_path} builds {' or '.join(families or ())} layers, but "
-                f"--hf-checkpoint's config.json is a {model_type}",
+                f"{given[flag]} builds {' or '.join(families or ())} layers, but --hf-checkpoint's config.json is a "
+                f"{model_type}",
             )
         if train_backend == "megatron":
             check_megatron_builds_it(given_config)
@@ -492,6 +495,7 @@ class MegatronConfig:
                 "--use-rollout-routing-replay",
                 f"needs --train-backend megatron (the {train_backend} backend cannot force the recorded experts)",
             )
+        return model
 
     def validate(self) -> None:
         require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size", "must be >= 1")
