@@ -19,19 +19,24 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def test_an_orphan_s_cpu_time_is_counted_and_the_command_s_status_returned(tmp_path):
-    report = tmp_path / "report.txt"
-    command = f"(setsid {sys.executable} -c '{BURN}' &); exit 3"
-    before = children_cpu()
-    done = subprocess.run(
+def account_for(shell_command: str, report: Path) -> subprocess.CompletedProcess:
+    """The wrapper over ``bash -c shell_command``, sampling every 0.1 s, its report written to ``report``."""
+    return subprocess.run(
         # --linger: on a loaded machine (the suite's other workers) 0.8 s of CPU can take many seconds of wall
-        # time; the wrapper waits only until the orphan is gone.
+        # time; the wrapper waits only until the orphans are gone.
         [sys.executable, str(TOOL), "--interval", "0.1", "--linger", "120", "--report", str(report), "--"]
-        + ["bash", "-c", command],
+        + ["bash", "-c", shell_command],
         capture_output=True,
         text=True,
         timeout=180,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # this test's own: not inherited
     )
+
+
+def test_an_orphan_s_cpu_time_is_counted_and_the_command_s_status_returned(tmp_path):
+    report = tmp_path / "report.txt"
+    before = children_cpu()
+    done = account_for(f"(setsid {sys.executable} -c '{BURN}' &); exit 3", report)
     counted = children_cpu() - before
     assert done.returncode == 3, done.stderr
     assert counted >= 0.7, f"only {counted:.2f} s counted: the orphan's 0.8 s did not reach the total"
@@ -44,15 +49,7 @@ def test_time_is_summed_by_the_test_file_that_started_the_process(tmp_path):
     in its own environment) counts under that test's file, orphaned or not; the rest under one label."""
     report = tmp_path / "report.txt"
     test = "PYTEST_CURRENT_TEST='tests/e2e/test_made_up.py::test_one (call)'"
-    command = f"({test} setsid {sys.executable} -c '{BURN}' &); {sys.executable} -c '{BURN}'"
-    done = subprocess.run(
-        [sys.executable, str(TOOL), "--interval", "0.1", "--linger", "120", "--report", str(report), "--"]
-        + ["bash", "-c", command],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # this test's own: not inherited
-    )
+    done = account_for(f"({test} setsid {sys.executable} -c '{BURN}' &); {sys.executable} -c '{BURN}'", report)
     assert done.returncode == 0, done.stderr
     text = report.read_text()
     section = text[text.index("by the test file") :].splitlines()[1:]
