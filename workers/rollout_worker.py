@@ -34,6 +34,7 @@ from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
+from vime.recovery import faults
 from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import StrawWriteFaults, fault_point
 from vime.rollout.filters import FLAG as FILTER_FLAG, interpret as interpret_filter
@@ -343,6 +344,10 @@ class RolloutWorker:
         """
         rollout_id = 0
         while not self._stopping.is_set():
+            # A test may keep this worker from leasing (VIME_FAULT_HOLDS "rollout.before_call", by call number) while
+            # another one must get the prompts; it holds no lease meanwhile.
+            while faults.held("rollout.before_call", rollout_id + 1) and not self._stopping.is_set():
+                await asyncio.sleep(0.05)
             source = self.function_source = LeasedDataSource(self)
             try:
                 await self._one_rollout_call(source, rollout_id)

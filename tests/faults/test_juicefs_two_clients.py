@@ -62,17 +62,19 @@ def wait_until(condition, timeout: float, what: str, job, proc, node=None) -> No
 def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write_loses_nothing(
     job, juicefs_mount, tmp_path
 ):
-    state, release, never, delays_off = (tmp_path / name for name in ("faults", "release", "never", "delays-off"))
+    state, release, never, worker_0_leases = (tmp_path / n for n in ("faults", "release", "never", "worker-0-leases"))
     state.mkdir()
+    worker_0_leases.touch()
     # The head (node 1: the driver's actors, the trainer, rollout worker 0) notices a lost node within ~3 s
-    # instead of Ray's ~15 s. Worker 0 is slowed (1 s a call) until the kill, so that node 2's worker gets most
-    # of the groups once it generates; at full speed after it, so that the run ends soon.
+    # instead of Ray's ~15 s. Worker 0 leases prompts while worker_0_leases exists: from node 2's first generation
+    # until node 2 is killed it leases none (its calls held, VIME_FAULT_HOLDS), so that node 2's worker gets the
+    # prompts, however slowly it starts, and the run cannot run out of them before node 2's events.
     head_env = dict(
         os.environ,
         RAY_health_check_period_ms="1000",
         RAY_health_check_failure_threshold="3",
-        VIME_FAULT_DELAYS="rollout.mid_generation=1",
-        VIME_FAULT_DELAYS_OFF=str(delays_off),
+        VIME_FAULT_HOLDS="rollout.before_call=1",
+        VIME_FAULT_RELEASE=str(worker_0_leases),
     )
     head, port = start_ray_head(tmp_path / "head.log", env=head_env)
     proc = None
@@ -104,6 +106,7 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
             wait_until(lambda: generating in job.last_log(), 300, "node 2's worker generating", job, proc, node)
             assert "joined with vime_rollout=1: starting a rollout worker there" in job.last_log()
             assert "at 127.0.0.2" in job.last_log()
+            worker_0_leases.unlink()  # worker 0 ends the call it is in (two groups at most), then leases no more
             release.touch()
             held = state / f"{MID_WRITE}.held"
             wait_until(
@@ -118,7 +121,7 @@ def test_a_second_client_s_groups_are_trained_once_and_its_node_killed_mid_write
             accepted_from_node2 = accepted_by_worker(job.data_dir)["rollout-1"]
             killed = node.kill()  # node 2 is lost mid-write: its Ray node, its worker and its JuiceFS client
         assert any(k.startswith("raylet") for k in killed) and "juicefs mount" in killed, killed
-        delays_off.touch()
+        worker_0_leases.touch()  # node 1 finishes the run
         proc.wait(timeout=300)
     finally:
         if proc is not None:

@@ -448,8 +448,8 @@ class MegatronConfig:
                 f"{given[flag]} builds {' or '.join(families or ())} layers, but --hf-checkpoint's config.json is a "
                 f"{model_type}",
             )
-        if train_backend == "megatron":
-            check_megatron_builds_it(given_config)
+        if train_backend == "megatron" and model is None:
+            check_megatron_builds_it(given_config)  # raises: the Megatron backend builds no such model
         if self.mtp_num_layers is not None:
             layers = mtp_layers_of(hf_config)
             require(
