@@ -40,14 +40,19 @@ STOP_BOUND_S = 180
 REDIS_OUTAGE_S = float(os.environ.get("VIME_TEST_REDIS_OUTAGE_S", "10"))  # longer outages: by hand
 
 
-def slow_run_at_step_3(tmp_path, fault_model, mount_point: str) -> tuple[Job, subprocess.Popen]:
+def slow_run_at_step_3(
+    tmp_path, fault_model, mount_point: str, *, release: str | None = None
+) -> tuple[Job, subprocess.Popen]:
     """A run of the harness's job with its queue on ``mount_point``, its steps slowed to 1 s each so that it is
-    still training when the fault comes, started and waited for until it logs step 3."""
+    still training when the fault comes, started and waited for until it logs step 3. ``release``: the run is
+    also held before its 5th step until that file exists (it cannot end before a fault that must find it
+    running, however fast the machine)."""
     with open(os.path.join(EXAMPLE, "train.jsonl")) as f:
         (tmp_path / "prompts.jsonl").write_text("".join(f.readlines()[:NUM_PROMPTS]))
     queue_dir = os.path.join(mount_point, "rollout_data")
     job = Job(str(tmp_path), fault_model, queue_dir=queue_dir, storage_profile="juicefs")
-    proc = job.start(env={"VIME_FAULT_DELAYS": "trainer.mid_step=1"})
+    hold = {"VIME_FAULT_HOLDS": "driver.before_step=5", "VIME_FAULT_RELEASE": release} if release else {}
+    proc = job.start(env={"VIME_FAULT_DELAYS": "trainer.mid_step=1", **hold})
     deadline = time.monotonic() + 240
     while "step    3/" not in job.last_log():
         assert proc.poll() is None, f"the run ended before step 3:\n{job.last_log()[-3000:]}"
@@ -91,13 +96,16 @@ def test_the_metadata_server_killed_and_restarted_mid_run_is_ridden_out_or_stops
         redis_metadata(str(tmp_path / "redis")) as redis,
         juicefs_volume(str(tmp_path / "volume"), *HEARTBEAT, meta=redis.url) as mount_point,
     ):
-        job, proc = slow_run_at_step_3(tmp_path, fault_model, mount_point)
+        release = tmp_path / "release"
+        job, proc = slow_run_at_step_3(tmp_path, fault_model, mount_point, release=str(release))
         client_log = os.path.join(os.path.dirname(mount_point), "juicefs.log")
         refused_before = open(client_log).read().count("connection refused")
+        assert proc.poll() is None, f"the run ended before its metadata server died:\n{job.last_log()[-3000:]}"
         redis.kill()
         time.sleep(REDIS_OUTAGE_S)
         assert open(client_log).read().count("connection refused") > refused_before  # the client did miss it
         redis.start()  # a run that stopped meanwhile (the clear stop below) is resumed once Redis is back
+        release.touch()  # the run, held before its 5th step, was still running through the whole outage
         try:
             code = proc.wait(timeout=STOP_BOUND_S + 120)
         except subprocess.TimeoutExpired:
