@@ -106,12 +106,7 @@ def check_inputs(s: TrainSettings, say: Callable[[str], None]) -> Inputs:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(s.train.hf_checkpoint)
-        model = s.megatron.check_against_hf(hf_config, s.train.train_backend)
-        s.architecture.check_against_hf(
-            language_model_config(hf_config),
-            train_backend=s.train.train_backend,
-            padded_vocab=megatron_padded_vocab(s, model),
-        )
+        check_model_flags(s, hf_config)
         if s.train.train_backend == "megatron":
             s.perf.check_model_name(hf_config)
         check_stop_token_ids(s, getattr(hf_config, "vocab_size", None))
@@ -157,6 +152,16 @@ def hf_config_checks_apply(s: TrainSettings) -> bool:
         or s.megatron != MegatronConfig()
         or s.architecture != ArchitectureConfig()
         or bool(s.rollout.rollout_stop_token_ids)
+    )
+
+
+def check_model_flags(s: TrainSettings, hf_config) -> None:
+    """The model and architecture flags against --hf-checkpoint's config.json; raises ConfigError naming the flag."""
+    model = s.megatron.check_against_hf(hf_config, s.train.train_backend)
+    s.architecture.check_against_hf(
+        language_model_config(hf_config),
+        train_backend=s.train.train_backend,
+        padded_vocab=megatron_padded_vocab(s, model),
     )
 
 

@@ -10,9 +10,8 @@ import torch
 from transformers import AutoConfig
 
 from tests.train_args import minimal_train_argv as _args
-from vime.backends.megatron_args import language_model_config
 from vime.config import ConfigError, parse_train_args
-from vime.preflight import megatron_padded_vocab, report_megatron_perf_flags
+from vime.preflight import check_model_flags, report_megatron_perf_flags
 
 # The reference's MODEL_ARGS (scripts/models/gpt-oss-20B.sh, gemma4-12B.sh, glm5-744B-A40B.sh), as data.
 GPT_OSS_20B = """--spec vime_plugins.models.gpt_oss get_gpt_oss_spec --num-layers 24 --hidden-size 2880
@@ -82,14 +81,9 @@ MEGATRON = ("--train-backend", "megatron", "--ray-address", "auto")  # (a cluste
 
 
 def start_up_checks(settings, folder) -> None:
-    """What vime.preflight checks against config.json (check_inputs, without the data and the engines)."""
-    hf_config = AutoConfig.from_pretrained(folder)
-    model = settings.megatron.check_against_hf(hf_config, settings.train.train_backend)
-    settings.architecture.check_against_hf(
-        language_model_config(hf_config),
-        train_backend=settings.train.train_backend,
-        padded_vocab=megatron_padded_vocab(settings, model),
-    )
+    """What vime.preflight checks of the model flags against config.json (check_inputs, without the data and the
+    engines)."""
+    check_model_flags(settings, AutoConfig.from_pretrained(folder))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
