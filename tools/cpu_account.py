@@ -18,7 +18,8 @@ Under pytest the sampled time is also summed by the test file that started each 
 ``PYTEST_CURRENT_TEST`` while a test runs, and every process the test starts (a `vime train` driver, the Ray
 daemons and actors it starts, their vLLM engines) inherits it in its environment, which /proc/PID/environ keeps
 as it was when the process started. The pytest processes themselves, with the unit tests they run in-process,
-count under one label.
+count under one label. A third table names the largest (test file, program) pairs: which program of which file's
+tests takes the time, and in how many processes.
 
 Descendants still alive ``--linger`` seconds after COMMAND exits are listed (something it leaked) and left
 running, not waited for. The exit status is COMMAND's.
@@ -121,6 +122,9 @@ class Sampler:
         self.by_program: dict[str, float] = defaultdict(float)
         self.processes_by_program: dict[str, int] = defaultdict(int)
         self.by_test_file: dict[str, float] = defaultdict(float)
+        # (test file, program): which program of which file's tests takes the time, and in how many processes
+        self.by_file_and_program: dict[tuple[str, str], float] = defaultdict(float)
+        self.processes_by_file_and_program: dict[tuple[str, str], int] = defaultdict(int)
 
     def descendants(self) -> dict[int, float]:
         parents: dict[int, int] = {}
@@ -158,7 +162,10 @@ class Sampler:
         name, seconds = self.latest.pop(pid)
         self.by_program[name] += seconds
         self.processes_by_program[name] += 1
-        self.by_test_file[self.test_file.pop(pid, OUTSIDE_TESTS)] += seconds
+        test_file = self.test_file.pop(pid, OUTSIDE_TESTS)
+        self.by_test_file[test_file] += seconds
+        self.by_file_and_program[test_file, name] += seconds
+        self.processes_by_file_and_program[test_file, name] += 1
 
 
 def reap_all() -> list[tuple[int, int]]:
@@ -195,6 +202,11 @@ def report(sampler: Sampler, wall: float, leaked: list[str]) -> str:
         lines.append("cpu_account: by the test file whose test started the process (sampled):")
         for test_file, seconds in sorted(sampler.by_test_file.items(), key=lambda kv: -kv[1])[:30]:
             lines.append(f"  {seconds:9.1f} s  {100 * seconds / max(total, sampled, 1e-9):5.1f}%  {test_file}")
+        lines.append("cpu_account: the largest (test file, program) pairs, with their processes' count and mean:")
+        pairs = sorted(sampler.by_file_and_program.items(), key=lambda kv: -kv[1])[:25]
+        for (test_file, name), seconds in pairs:
+            count = sampler.processes_by_file_and_program[test_file, name]
+            lines.append(f"  {seconds:9.1f} s  {count:5d} x {seconds / max(count, 1):6.1f} s  {name}  {test_file}")
     if leaked:
         lines.append(f"cpu_account: {len(leaked)} process(es) still alive when the command ended:")
         lines.extend(f"  {line}" for line in leaked[:40])

@@ -64,9 +64,13 @@ def resumes_once_space_is_freed(job: Job, ballast: str, *extra: str) -> None:
 
 
 def test_a_queue_volume_that_fills_mid_run_stops_it_clearly_and_load_resumes_once_space_is_freed(job):
-    # Held before step 2 until the volume is full: the queue cannot finish the epoch before that.
+    # Held before step 3 until the volume is full: after step 2's checkpoint (--save-interval 2), so that the resume
+    # has one to start from whichever write meets the full volume first (the driver's commit of step 3, before any
+    # checkpoint of its own, or a rollout worker's publication while the trainer goes on), and before the queue can
+    # have finished the epoch (6 steps; the staleness bound keeps the rollout worker at most a step or two ahead).
     with mounted_tmpfs(job.data_dir, size="16m") as volume:
-        ballast = stops_when_the_volume_fills(job, volume, "--rollout-data-dir", after_step=1)
+        ballast = stops_when_the_volume_fills(job, volume, "--rollout-data-dir", after_step=2)
+        assert (ckpt.latest_step(job.save) or 0) >= 2, job.last_log()[-3000:]
         resumes_once_space_is_freed(job, ballast)
 
 

@@ -57,6 +57,9 @@ def test_time_is_summed_by_the_test_file_that_started_the_process(tmp_path):
     seconds = {line.split("%", 1)[1].strip(): float(line.split()[0]) for line in by_file}
     assert seconds["tests/e2e/test_made_up.py"] >= 0.5, text  # the orphan's 0.8 s, sampled every 0.1 s
     assert seconds["(pytest itself, its in-process tests, and processes started outside a test)"] >= 0.5, text
+    pairs = text[text.index("(test file, program) pairs") :].splitlines()[1:]
+    made_up = [line.split() for line in pairs if line.endswith("  python -c  tests/e2e/test_made_up.py")]
+    assert len(made_up) == 1 and float(made_up[0][0]) >= 0.5 and made_up[0][2:4] == ["1", "x"], text
 
 
 def test_a_descendant_outliving_the_linger_is_listed_not_waited_for(tmp_path):
