@@ -14,6 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("WANDB_API_KEY", None)
 os.environ.setdefault("WANDB_SILENT", "true")
+# OpenMP threads (torch's intra-op pool in the trainers and in the pytest workers' in-process tests) sleep between
+# parallel regions instead of spinning: the suite's three workers keep both cores busy, and a thread that spins on a
+# core while the thread it waits for is descheduled takes that core from everyone. Measured with the cores kept
+# busy by two other processes, one fault test: its trainer 12.4-14.5 CPU-s and 275-294 s with libgomp's default
+# policy, 6.3-7.9 CPU-s and 110-225 s with PASSIVE; on an idle machine no difference (5.0-6.5 CPU-s either way).
+# Read by libgomp when torch loads it, so it must be set before anything imports torch; every process the tests
+# start inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture

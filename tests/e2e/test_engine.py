@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import stat
+import tempfile
 import threading
 import time
 import uuid
@@ -505,6 +507,7 @@ def test_start_with_bad_model_path_fails_with_log_tail_and_leaves_nothing(tmp_pa
     )  # no hub here: fail on the path, not on the network
     server.start()
     pid = server.process.pid
+    assert server.ipc_dir and os.path.isdir(server.ipc_dir)  # its IPC sockets' folder, made for this start
     try:
         with pytest.raises(EngineStartError) as info:
             server.wait_healthy(timeout=180)
@@ -515,8 +518,22 @@ def test_start_with_bad_model_path_fails_with_log_tail_and_leaves_nothing(tmp_pa
         assert not server.process.alive()
         assert kill_processes_with_token(token) == []  # nothing of it is left to sweep
         assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+        assert not os.path.exists(server.ipc_dir)  # removed with the engine
     finally:
         server.stop()
+
+
+def test_the_engine_s_ipc_sockets_live_in_a_folder_of_its_own(vllm_engine, monkeypatch: pytest.MonkeyPatch):
+    """vLLM binds its processes' ZeroMQ sockets under VLLM_RPC_BASE_PATH and leaves them when it stops (three
+    files in /tmp a start): each engine gets a folder of its own, which stop() removes (checked by the bad-model
+    test above); a user's own VLLM_RPC_BASE_PATH is kept as it is."""
+    folder = vllm_engine.server.ipc_dir
+    assert folder and os.path.dirname(folder) == tempfile.gettempdir()
+    sockets = [name for name in os.listdir(folder) if stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode)]
+    assert sockets, f"the running engine bound no socket in {folder}"
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/users/own")
+    server = VllmServer("/m", log_path="/dev/null", run_token="tok")
+    assert server.ipc_dir is None and "VLLM_RPC_BASE_PATH" not in server.process.extra_env
 
 
 def _is_zombie(pid: int) -> bool:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -168,6 +171,14 @@ class VllmServer:
         if "enable-return-routed-experts" in (vllm_args or {}) and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ:
             # vLLM 0.32 captures routed experts (R3) only in its V2 model runner (it refuses otherwise).
             full_env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        # vLLM binds its processes' ZeroMQ IPC sockets under VLLM_RPC_BASE_PATH (default: the temp folder) and leaves
+        # them there when it stops: measured, three socket files in /tmp for each start and clean stop (thousands
+        # on a machine that runs the tests). Each engine gets a folder of its own, removed when it stops; a user's
+        # own VLLM_RPC_BASE_PATH is kept, and left alone.
+        self.ipc_dir: str | None = None
+        if "VLLM_RPC_BASE_PATH" not in os.environ and "VLLM_RPC_BASE_PATH" not in full_env:
+            self.ipc_dir = os.path.join(tempfile.gettempdir(), f"vime-vllm-ipc-{uuid.uuid4().hex[:12]}")
+            full_env["VLLM_RPC_BASE_PATH"] = self.ipc_dir
         self.process = ManagedProcess(
             argv, log_path=log_path, run_token=run_token, env=full_env, name=f"vllm:{self.port}"
         )
@@ -182,6 +193,8 @@ class VllmServer:
     def start(self) -> VllmServer:
         if not port_is_free(self.host, self.port):
             raise PortInUseError(self.host, self.port, "vLLM engine")
+        if self.ipc_dir is not None:
+            os.makedirs(self.ipc_dir, mode=0o700, exist_ok=True)
         self.process.start()
         return self
 
@@ -205,13 +218,16 @@ class VllmServer:
             time.sleep(poll_interval)
 
     def _fail(self, reason: str) -> NoReturn:
-        self.process.stop(timeout=10)
+        self.stop(timeout=10)
         raise EngineStartError(
             self.url, f"{reason}; log {self.log_path}, last lines:\n{self.process.log_tail(_LOG_TAIL_LINES)}"
         )
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        return self.process.stop(timeout)
+        status = self.process.stop(timeout)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)  # the process tree is gone: nothing binds them now
+        return status
 
     def __enter__(self) -> VllmServer:
         return self
