@@ -1,7 +1,8 @@
 """queue/gc.py's wait for a dead writer's gate. The real case (a SIGKILLed writer whose JuiceFS lock is let go a
 moment late) is timing-dependent; it is the fault test tests/faults/test_fault_injection.py
-::test_rollout_worker_killed_mid_generation[juicefs]. Here a stand-in store, which only says WriterBusy a given
-number of times, pins down the rule: wait while busy, give up at the deadline."""
+::test_rollout_workers_and_the_controller_killed_mid_run_are_replaced_and_every_prompt_trains_once[juicefs] (its
+kill in the middle of a generation). Here a stand-in store, which only says WriterBusy a given number of times,
+pins down the rule: wait while busy, give up at the deadline."""
 
 import time
 
