@@ -10,8 +10,10 @@ calls in flight retried against the new one). So the controller ends its own pro
 
 Only a volume that *failed a call* is ridden out so: a full volume and one whose file system is gone still stop the
 run with their own message (recovery/disk_full.py), since no restart helps before the user frees space or mounts
-the volume again; nor does a volume still failing after the wait (the new incarnation then raises the volume's
-error, which the driver reports as the volume's failure, naming the flag).
+the volume again; nor does a volume still failing after the wait, or one whose last few incarnations met the same
+failure (:func:`volume_restarts_refusal`). The new incarnation then comes up without taking the queue and answers
+every call with the volume's error, which the driver reports as the volume's failure, naming the flag. It does not
+raise it from its constructor: Ray would print that error, traceback and all, once for every call in flight.
 """
 
 from __future__ import annotations
@@ -135,14 +137,15 @@ def forget_volume_restarts(data_dir: str) -> None:
         pass
 
 
-def refuse_after_volume_restarts(data_dir: str) -> None:
-    """Raise the volume's error (EIO, naming the count's file in the queue's directory: the driver stops the run
-    naming --rollout-data-dir) when :data:`MAX_VOLUME_RESTARTS` incarnations in a row ended on a failed write."""
+def volume_restarts_refusal(data_dir: str) -> OSError | None:
+    """The volume's error (EIO, naming the count's file in the queue's directory: the driver stops the run naming
+    --rollout-data-dir) when :data:`MAX_VOLUME_RESTARTS` incarnations in a row ended on a failed write; else None."""
     restarts = volume_restarts(data_dir)
-    if restarts >= MAX_VOLUME_RESTARTS:
-        raise OSError(
-            errno.EIO,
-            f"Input/output error: the queue's writes failed again after {restarts} restarts of its controller "
-            "(the volume takes a new file's write, not the queue's)",
-            os.path.join(data_dir, RESTARTS_NAME),
-        )
+    if restarts < MAX_VOLUME_RESTARTS:
+        return None
+    return OSError(
+        errno.EIO,
+        f"Input/output error: the queue's writes failed again after {restarts} restarts of its controller "
+        "(the volume takes a new file's write, not the queue's)",
+        os.path.join(data_dir, RESTARTS_NAME),
+    )

@@ -50,8 +50,8 @@ from vime.recovery.volume_failure import (
     count_volume_restart,
     end_this_process,
     forget_volume_restarts,
-    refuse_after_volume_restarts,
     ridden_out_cause,
+    volume_restarts_refusal,
     wait_until_writable,
 )
 
@@ -83,6 +83,8 @@ def on_the_queue(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
+        if self.refusal is not None:
+            raise self.refusal
         if self.fence is not None:
             self.fence.ensure_held()
         try:
@@ -208,11 +210,22 @@ class Controller:
         self.queue_failure: Exception | None = None  # the first failed write of the queue (@on_the_queue)
         self.queue_volume = WrittenVolume.queue(spec.store.data_dir, spec.store.segment_mib, save=None)
         self.fence = None
+        # The volume's error, where this incarnation refuses to take the queue: every call answers it.
+        self.refusal: OSError | None = None
         if spec.transport == "straw" and spec.restart_on_volume_failure:
             # Maybe the incarnation after a failed write: the volume takes a write first. A volume still failing
-            # after the wait ends the run (its error, raised here, is not one to restart on again).
-            wait_until_writable(spec.store.data_dir, wait_seconds=spec.volume_wait_seconds, say=logger.warning)
-            refuse_after_volume_restarts(spec.store.data_dir)  # the last few incarnations met the same failure
+            # after the wait, or whose last few incarnations met the same failure, ends the run: not by raising
+            # here (Ray would print that error, traceback and all, for each call in flight, before the driver's
+            # one line), but by coming up without the queue and answering every call with the volume's error,
+            # which the driver reports naming --rollout-data-dir.
+            try:
+                wait_until_writable(spec.store.data_dir, wait_seconds=spec.volume_wait_seconds, say=logger.warning)
+                self.refusal = volume_restarts_refusal(spec.store.data_dir)
+            except OSError as error:
+                self.refusal = error
+            if self.refusal is not None:
+                logger.error(f"{self.incarnation}: not taking the queue: {self.refusal}")
+                return
         try:
             self._open_queue()
         except (*FAILED_WRITE, OSError) as error:
@@ -266,6 +279,8 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     def ready(self) -> dict[str, Any]:
+        if self.refusal is not None:
+            raise self.refusal
         return {
             "incarnation": self.incarnation,
             "consumed": self.consumed,
@@ -274,6 +289,8 @@ class Controller:
         }
 
     def shutdown(self) -> None:
+        if self.refusal is not None:
+            return  # it never took the queue
         if self.fence is None or self.fence.taken_by is None:  # a queue another controller took is left to it
             self.queue.close()
         if self.fence is not None:

@@ -110,13 +110,22 @@ def test_the_controller_ends_itself_on_a_failed_write_only_when_ray_restarts_it(
         restartable.first_failed_write(unknown)
     assert ended == ["ended"]
     restartable.shutdown()
-    # Its next incarnation finds the volume still failing after its wait: it raises the volume's error (the run
-    # stops, naming the flag) instead of ending itself for another restart, and takes nothing of the queue.
+    # Its next incarnation finds the volume still failing after its wait: it answers every call with the volume's
+    # error (the run stops, naming the flag) instead of ending itself for another restart, and takes nothing of the
+    # queue (a constructor that raised would have Ray print the error with its traceback for every call in flight).
     (tmp_path / "actor" / "queue" / PROBE_NAME).mkdir()
     spec = controller_spec(tmp_path / "actor", prompts, restart_on_volume_failure=True, volume_wait_seconds=0.2)
-    with pytest.raises(OSError) as failing:
-        Controller(spec)
-    assert failing.value.filename == str(tmp_path / "actor" / "queue" / PROBE_NAME) and ended == ["ended"]
+    refusing = Controller(spec)
+    for call in (
+        refusing.ready,
+        refusing.stats,
+        lambda: refusing.lease("worker", 2),
+        lambda: refusing.commit(1, 0, [0], []),
+    ):
+        with pytest.raises(OSError) as failing:
+            call()
+        assert failing.value.filename == str(tmp_path / "actor" / "queue" / PROBE_NAME) and ended == ["ended"]
+    refusing.shutdown()
     (tmp_path / "actor" / "queue" / PROBE_NAME).rmdir()  # the volume answers again: the queue is recovered
     again = Controller(spec)
     assert again.ready()["incarnation"] != restartable.incarnation
@@ -126,8 +135,9 @@ def test_the_controller_ends_itself_on_a_failed_write_only_when_ray_restarts_it(
 def test_incarnations_that_keep_failing_the_same_write_stop_the_run_naming_the_flag(tmp_path, monkeypatch):
     """A volume that takes the probe's write but keeps failing the queue's (CI once: a JuiceFS lock waited for when
     Redis died failed with EIO in every incarnation, until Ray's ten restarts were spent and the run stopped saying
-    only that the controller died): after MAX_VOLUME_RESTARTS incarnations in a row ended so, the next one raises
-    the volume's error, which the driver reports naming --rollout-data-dir; a committed step starts the count over."""
+    only that the controller died): after MAX_VOLUME_RESTARTS incarnations in a row ended so, the next one answers
+    every call with the volume's error, which the driver reports naming --rollout-data-dir; a committed step starts
+    the count over."""
 
     def end() -> None:
         raise Ended
@@ -141,8 +151,10 @@ def test_incarnations_that_keep_failing_the_same_write_stop_the_run_naming_the_f
         with pytest.raises(Ended):
             incarnation.first_failed_write(failed)
         incarnation.shutdown()
+    refusing = Controller(spec)
     with pytest.raises(OSError, match=f"failed again after {MAX_VOLUME_RESTARTS} restarts") as refused:
-        Controller(spec)
+        refusing.sync(0, 0, 0)
+    refusing.shutdown()
     queue = WrittenVolume.queue(str(tmp_path / "actor" / "queue"), 1, save="/data/save")
     said = RuntimeError(f"The actor died because of an error raised in its creation task ...\nOSError: {refused.value}")
     with pytest.raises(VolumeFailed, match="^the volume of --rollout-data-dir .* failed a call: the run"):
