@@ -15,6 +15,7 @@ class Calls:
     def __init__(self) -> None:
         self.fence = None  # no queue fence to check (queue/fence.py's tests check the controller's)
         self.queue_failure = None
+        self.refusal: OSError | None = None  # an incarnation that refused the queue (recovery/volume_failure.py)
         self.next_error: Exception | None = None
         self.told: list[Exception] = []  # the failed writes first_failed_write was told of
 
@@ -59,3 +60,14 @@ def test_the_first_failed_write_passes_as_it_is_and_the_refusals_after_it_name_i
     assert calls.queue_failure is append and calls.told == [append]
     calls.next_error = None
     assert calls.call() == "ok"
+
+
+def test_an_incarnation_that_refused_the_queue_answers_every_call_with_the_volume_s_error():
+    calls = Calls()
+    calls.refusal = OSError(5, "Input/output error: the queue's writes failed again after 3 restarts")
+    calls.next_error = AssertionError("the method ran")  # it must not: the queue was never taken
+    for call in (calls.call, calls.outer):
+        with pytest.raises(OSError) as refused:
+            call()
+        assert refused.value is calls.refusal
+    assert calls.told == [] and calls.queue_failure is None  # not a failed write of this incarnation's
