@@ -74,6 +74,13 @@ class QueueBroken(UserError, RuntimeError):
     One argument, as Ray rebuilds it."""
 
 
+def refuse_if_refused(refusal: OSError | None) -> None:
+    """Raise the volume's error of an incarnation that refused the queue (None: it took it). Each time without the
+    traceback of the times before: one exception object answers every call, and each raise would add its frames."""
+    if refusal is not None:
+        raise refusal.with_traceback(None)
+
+
 def on_the_queue(method: Callable) -> Callable:
     """A controller call on the queue. It runs only while this controller still holds the queue's fence (else
     :class:`QueueTaken`: another controller took the queue while this one was taken for gone; queue/fence.py). The
@@ -83,8 +90,7 @@ def on_the_queue(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        if self.refusal is not None:
-            raise self.refusal
+        refuse_if_refused(self.refusal)
         if self.fence is not None:
             self.fence.ensure_held()
         try:
@@ -279,8 +285,7 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     def ready(self) -> dict[str, Any]:
-        if self.refusal is not None:
-            raise self.refusal
+        refuse_if_refused(self.refusal)
         return {
             "incarnation": self.incarnation,
             "consumed": self.consumed,
