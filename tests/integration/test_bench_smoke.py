@@ -41,7 +41,11 @@ def run_smoke(script: str, *args: str, timeout: float) -> str:
 # is (c) on 4 ranks; each configuration's ranks are fresh processes (~3.5 CPU-s each to import torch), and
 # those two would add 6 of its 14. Of the Megatron backend's, (mt): megatron-core's path with recompute, chunked
 # log-probs and tensor parallelism (its parameter count); (ma) and (mc) differ from it in flags only.
-SMOKE_ARGS = {"memory/run.py": ["--configs", "a,c,d,mt"]}
+SMOKE_ARGS = {
+    "memory/run.py": ["--configs", "a,c,d,mt"],
+    # more flags for the jobs of (c) and (d): vime train parses them with the rest of each command line
+    "rollout/run.py": ["--job-args", "--flush-cache-interval 0"],
+}
 
 
 @pytest.mark.parametrize(
@@ -96,3 +100,23 @@ def test_bench_smoke_without_engine(script, result_line, count):
         sections = {chunk.split(":", 1)[0]: chunk for chunk in out.split("\n== ")[1:]}
         for mode in ("sync", "async-flush", "async-keep"):
             assert mode in sections and "(skipped:" not in sections[mode], out
+
+
+def test_bench_rollout_refuses_a_job_flag_vime_train_refuses_before_starting_its_engine():
+    """A --job-args flag that `vime train` refuses ends the benchmark, naming the flag, before its engine starts."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "bench/rollout/run.py",
+            *("--shapes", "demo", "--modes", "a", "d", "--job-args", "--flush-cache-interval x"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "--flush-cache-interval" in result.stderr and "invalid int value: 'x'" in result.stderr, result.stderr[
+        -2000:
+    ]
+    assert "starting the engine" not in result.stdout, result.stdout[-2000:]
