@@ -45,6 +45,9 @@ from vime.workers.run_processes import RunProcesses
 from vime.workers.step_records import StepRecords
 
 POLL_SECONDS = 0.05
+# How long one call waits in the controller for a step's groups (Controller.take_groups_or_wait): between two
+# calls the driver looks at its engines, nodes and rollout workers, so this bounds how late it sees them.
+GROUPS_WAIT_SECONDS = 0.5
 
 
 class RunError(UserError, RuntimeError):
@@ -297,9 +300,16 @@ class TrainingRun:
                 last_progress = time.monotonic()
                 time.sleep(POLL_SECONDS)
                 continue
+            # The controller holds the call until the step's groups are there, or GROUPS_WAIT_SECONDS: the loop
+            # polls the engines and the workers at least that often meanwhile.
             taken = ray.get(
-                self.processes.controller.take_groups.remote(
-                    self.cursor, count, self.version, self.trained, lineage=self.lineage
+                self.processes.controller.take_groups_or_wait.remote(
+                    self.cursor,
+                    count,
+                    self.version,
+                    self.trained,
+                    lineage=self.lineage,
+                    wait_seconds=GROUPS_WAIT_SECONDS,
                 )
             )
             if taken.groups:

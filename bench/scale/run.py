@@ -450,8 +450,8 @@ def snapshot(consumer, data_dir: str, pids: dict[str, list[int]]) -> dict:
 
 
 class Consumer:
-    """Takes accepted groups as `vime train --debug-rollout-only` does: take_groups at the driver's cursor (a
-    batch at a time, nothing trained, weights at version 0), then commit each step."""
+    """Takes accepted groups as `vime train --debug-rollout-only` does: take_groups_or_wait at the driver's cursor
+    (a batch at a time, nothing trained, weights at version 0), then commit each step."""
 
     def __init__(self, controller, batch: int):
         self.controller, self.batch = controller, batch
@@ -462,12 +462,17 @@ class Consumer:
     def loop(self) -> None:
         import ray
 
+        from vime.train import GROUPS_WAIT_SECONDS
+
         try:
             while not self.stop:
                 # full batches, as the driver takes them (a partial one only at the end of the data)
-                taken = ray.get(self.controller.take_groups.remote(self.cursor, self.batch, 0, 0))
+                taken = ray.get(
+                    self.controller.take_groups_or_wait.remote(
+                        self.cursor, self.batch, 0, 0, wait_seconds=GROUPS_WAIT_SECONDS
+                    )
+                )
                 if not taken.groups:
-                    time.sleep(0.05)
                     continue
                 self.step += 1
                 self.skipped.extend(taken.skipped)
