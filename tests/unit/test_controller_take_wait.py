@@ -12,49 +12,30 @@ import time
 import pytest
 
 from tests.controller_spec import controller_spec, write_prompts
-from vime.queue.rollout_queue import StoreOptions
-from vime.queue.transport import StrawTransport
-from vime.sample import Sample, Status
+from tests.unit.test_controller_queue import publish
 from vime.workers.controller import Controller
 
 
-def accept(controller: Controller, transport: StrawTransport, leased) -> int:
-    """Publish ``leased``'s group (two samples) and have the controller accept it, as a rollout worker does."""
-    a = leased.assignment
-    samples = [
-        Sample(
-            group_index=a.task.group_index,
-            index=i,
-            prompt_index=a.task.prompt_index,
-            tokens=[1, 2, 3],
-            response_length=1,
-            reward=1.0,
-            status=Status.COMPLETED,
-            weight_versions=[0],
-        )
-        for i in range(2)
-    ]
-    submission = f"{a.lease.task_id}-{a.lease.attempt_id}"
-    ref = transport.publish(samples, task_id=a.lease.task_id, attempt_id=a.lease.attempt_id, submission_id=submission)
-    return controller.complete(a.lease, submission, ref, 2, 2, 0)
+def accept(controller: Controller, tmp_path, leased) -> int:
+    """Publish ``leased``'s group and have the controller accept it, as a rollout worker does."""
+    submission, ref = publish(tmp_path, "straw", leased)
+    return controller.complete(leased.assignment.lease, submission, ref, 2, 2, 0)
 
 
 @pytest.fixture
 def leased(tmp_path):
-    """A controller (2 groups a rollout) with one rollout's two groups leased, none accepted yet; a transport."""
+    """A controller (2 groups a rollout) with one rollout's two groups leased, none accepted yet; its folder."""
     controller = Controller(controller_spec(tmp_path, write_prompts(tmp_path, 16), groups_per_rollout=2))
-    transport = StrawTransport(StoreOptions(str(tmp_path / "queue"), "run"))
     items = controller.lease("w", 2)
     assert len(items) == 2
-    yield controller, transport, items
-    transport.close()
+    yield controller, tmp_path, items
     controller.shutdown()
 
 
 def test_a_step_s_groups_already_accepted_are_taken_at_once(leased):
-    controller, transport, items = leased
+    controller, folder, items = leased
     for item in items:
-        accept(controller, transport, item)
+        accept(controller, folder, item)
     started = time.monotonic()
     taken = asyncio.run(controller.take_groups_or_wait(0, 2, 0, 0, wait_seconds=30.0))
     assert [g.position for g in taken.groups] == [0, 1] and taken.next_cursor == 2
@@ -62,15 +43,15 @@ def test_a_step_s_groups_already_accepted_are_taken_at_once(leased):
 
 
 def test_a_take_waits_for_the_step_s_last_group_and_returns_when_it_is_accepted(leased):
-    controller, transport, (first, second) = leased
-    accept(controller, transport, first)
+    controller, folder, (first, second) = leased
+    accept(controller, folder, first)
 
     async def scenario():
         waiting = asyncio.create_task(controller.take_groups_or_wait(0, 2, 0, 0, wait_seconds=30.0))
         await asyncio.sleep(0.2)
         assert not waiting.done()  # one group of two: the call waits (an acceptance of the first woke nothing)
         accepted_at = time.monotonic()
-        accept(controller, transport, second)
+        accept(controller, folder, second)
         taken = await asyncio.wait_for(waiting, 10.0)
         return taken, time.monotonic() - accepted_at
 
@@ -80,8 +61,8 @@ def test_a_take_waits_for_the_step_s_last_group_and_returns_when_it_is_accepted(
 
 
 def test_a_take_that_finds_too_few_groups_returns_none_after_its_wait(leased):
-    controller, transport, (first, _) = leased
-    accept(controller, transport, first)
+    controller, folder, (first, _) = leased
+    accept(controller, folder, first)
     started = time.monotonic()
     taken = asyncio.run(controller.take_groups_or_wait(0, 2, 0, 0, wait_seconds=0.4))
     assert taken.groups == [] and taken.skipped == [] and taken.next_cursor == 0
