@@ -10,6 +10,7 @@ queue as well, so releasing their staging frees nothing that is still needed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -84,14 +85,75 @@ def publication_receipt(store, writer: str, submission: str, deadline: float, po
             time.sleep(poll)
 
 
-def attempts_by_writer(view: JournalView) -> dict[str, list[tuple[str, str]]]:
-    attempts: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for event in view.of_type("Leased"):
-        for lease in event["leases"]:
-            writer = writer_of(lease["worker_id"])
-            if writer:
-                attempts[writer].append((lease["task_id"], lease["attempt_id"]))
-    return attempts
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    at: int  # the index of its Leased event in the journal
+    task_id: str
+    attempt_id: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.task_id, self.attempt_id
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterPublications:
+    """What the journal says about the producers' publications: each writer's attempts, which of them were
+    accepted (and when), and which payloads the queue adopted (accepted groups, continuation prefixes).
+
+    A rollout worker publishes several finished groups at a time (workers/group_publisher.py) under the
+    submission id of the first one (queue/transport.py ``publication_id``), so a group the queue never accepted
+    is found under its own attempt's id when it led its publication, and otherwise under the id of the group that
+    led it, one this writer leased and then published with it. That leader, if accepted, was accepted after the
+    group was leased."""
+
+    attempts: dict[str, list[Attempt]]
+    accepted_at: dict[tuple[str, str], int]  # attempt -> the index of its Completed event
+    adopted: frozenset[str]  # digests
+
+    @classmethod
+    def of(cls, view: JournalView) -> WriterPublications:
+        attempts: dict[str, list[Attempt]] = defaultdict(list)
+        accepted_at: dict[tuple[str, str], int] = {}
+        adopted = set()
+        for at, event in enumerate(view.events):
+            kind = event.get("type")
+            if kind == "Leased":
+                for lease in event["leases"]:
+                    writer = writer_of(lease["worker_id"])
+                    if writer:
+                        attempts[writer].append(Attempt(at, lease["task_id"], lease["attempt_id"]))
+            elif kind == "Completed":
+                accepted_at[(event["lease"]["task_id"], event["lease"]["attempt_id"])] = at
+                adopted.add(event["receipt"]["result_ref"]["digest"])
+            elif kind == "Yielded" and event.get("input_ref"):
+                adopted.add(event["input_ref"]["digest"])
+        return cls(dict(attempts), accepted_at, frozenset(adopted))
+
+    def unadopted(self, store, writer: str, deadline: float, *, continuations: bool = True) -> list:
+        """The publications of ``writer`` that the queue did not adopt (references, each once): its groups, and
+        its continuation prefixes unless ``continuations`` is false. Raises WriterBusy when the writer's gate stays
+        held past ``deadline`` (see publication_receipt)."""
+        found = {}
+        first_unfound = None  # the earliest lease of a group not accepted and not found under its own id
+        for attempt in self.attempts.get(writer, []):  # in the order of their leases
+            if continuations:
+                refs = publication_receipt(store, writer, partial_submission_id(*attempt.key), deadline)
+                found.update((ref.digest, ref) for ref in refs or [])
+            if attempt.key in self.accepted_at:
+                continue
+            refs = publication_receipt(store, writer, group_submission_id(*attempt.key), deadline)
+            found.update((ref.digest, ref) for ref in refs or [])
+            if refs is None and first_unfound is None:
+                first_unfound = attempt.at
+        if first_unfound is not None:
+            # Published with a group accepted later, or never published (its writer died while generating it):
+            # the leaders of the publications it could have joined.
+            for attempt in self.attempts[writer]:
+                if self.accepted_at.get(attempt.key, -1) > first_unfound:
+                    refs = publication_receipt(store, writer, group_submission_id(*attempt.key), deadline)
+                    found.update((ref.digest, ref) for ref in refs or [])
+        return [ref for digest, ref in found.items() if digest not in self.adopted]
 
 
 def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
@@ -102,10 +164,7 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
     inside straw and is skipped (a later reap, or ``vime queue gc``, retires it); so is one whose gate stays
     held past :data:`GATE_WAIT_SECONDS` after its retirement (``writers_busy``).
     """
-    view = JournalView.read(data_dir)
-    attempts = attempts_by_writer(view)
-    completed = {(e["lease"]["task_id"], e["lease"]["attempt_id"]) for e in view.of_type("Completed")}
-    inputs = {e["input_ref"]["digest"] for e in view.of_type("Yielded") if e.get("input_ref")}
+    publications = WriterPublications.of(JournalView.read(data_dir))
     retired = released = unstarted = busy = 0
     deadline = time.monotonic() + GATE_WAIT_SECONDS
     for writer in dead:
@@ -120,17 +179,13 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
             continue
         retired += 1
         try:
-            for task_id, attempt_id in attempts.get(writer, []):
-                candidates = [] if (task_id, attempt_id) in completed else [group_submission_id(task_id, attempt_id)]
-                candidates.append(partial_submission_id(task_id, attempt_id))
-                for submission in candidates:
-                    refs = publication_receipt(store, writer, submission, deadline)
-                    orphans = [r for r in refs or [] if r.digest not in inputs]
-                    if orphans:
-                        store.release_publications(orphans)
-                        released += len(orphans)
+            orphans = publications.unadopted(store, writer, deadline)
         except WriterBusy:
             busy += 1
+            continue
+        if orphans:
+            store.release_publications(orphans)
+            released += len(orphans)
     return {
         "writers_retired": retired,
         "publications_released": released,

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from straw import Record, RecordSetRef
+from straw import Publication, RecordSetRef
 from straw.errors import IndeterminateCommit
 
 from vime.queue.records import decode_group, encode_group
@@ -29,8 +29,19 @@ from vime.sample import Sample
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupToPublish:
+    """One group's payload and the attempt it belongs to (``submission_id``: the group's own, queue/gc.py)."""
+
+    samples: list[Sample]
+    task_id: str
+    attempt_id: str
+    submission_id: str
+
+
 class GroupTransport(Protocol):
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> Any: ...
+    def publish_groups(self, groups: Sequence[GroupToPublish]) -> list[Any]: ...
     def read(self, ref: Any) -> list[Sample]: ...
     def discard(self, ref: Any) -> None: ...
     def close(self) -> None: ...
@@ -41,7 +52,14 @@ class FailedPublication:
     """A publication straw raised on: what to publish again, alike, should straw ask for it."""
 
     submission_id: str
-    records: list[Record]
+    groups: list[Publication]
+
+
+def publication_id(groups: Sequence[GroupToPublish]) -> str:
+    """The straw submission id of one publication of ``groups``: the first group's own. A dead writer's
+    publications are looked up by the submission ids of the attempts it leased (queue/gc.py), and every
+    publication starts with one of them; a group published alone keeps its id, as before batches."""
+    return groups[0].submission_id
 
 
 class StrawTransport:
@@ -50,38 +68,47 @@ class StrawTransport:
         self.failed: FailedPublication | None = None  # the last publication that raised, until resolved
 
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> RecordSetRef:
-        owner = {"task_id": task_id, "attempt_id": attempt_id}
-        records = encode_group(samples, submission_id, owner)
+        return self.publish_groups([GroupToPublish(samples, task_id, attempt_id, submission_id)])[0]
+
+    def publish_groups(self, groups: Sequence[GroupToPublish]) -> list[RecordSetRef]:
+        """Several groups in one durable publication (one set of straw's fsyncs), one reference per group in
+        their order. They succeed or fail together."""
+        encoded = [
+            Publication(
+                tuple(encode_group(g.samples, g.submission_id, {"task_id": g.task_id, "attempt_id": g.attempt_id}))
+            )
+            for g in groups
+        ]
+        submission_id = publication_id(groups)
         unresolved = self.failed
         try:
-            return self._publish(records, submission_id)
+            return self._publish(encoded, submission_id)
         except IndeterminateCommit:
             if unresolved is None or unresolved.submission_id == submission_id:
-                self.failed = FailedPublication(submission_id, records)
+                self.failed = FailedPublication(submission_id, encoded)
                 raise
         except Exception:
-            self.failed = FailedPublication(submission_id, records)
+            self.failed = FailedPublication(submission_id, encoded)
             raise
         # straw refused this one for the earlier failure: resolve that first (which raises, the earlier one still
         # pending, while the volume fails), then publish this one.
         self._resolve(unresolved)
         try:
-            return self._publish(records, submission_id)
+            return self._publish(encoded, submission_id)
         except Exception:
-            self.failed = FailedPublication(submission_id, records)
+            self.failed = FailedPublication(submission_id, encoded)
             raise
 
-    def _publish(self, records: list[Record], submission_id: str) -> RecordSetRef:
-        ref = self.store.publish(records, submission_id=submission_id)
+    def _publish(self, groups: list[Publication], submission_id: str) -> list[RecordSetRef]:
+        refs = list(self.store.publish_many(groups, submission_id=submission_id))
         self.failed = None  # a publication went through: nothing of this handle is pending any more
-        return ref
+        return refs
 
     def _resolve(self, failed: FailedPublication) -> None:
         """Publish ``failed`` again under its submission id (straw completes or confirms it), then release it:
-        its caller gave its group up when it failed, so no queue entry will ever adopt it."""
+        its caller gave its groups up when it failed, so no queue entry will ever adopt them."""
         logger.warning("publishing %s again (straw could not confirm it) before the next one", failed.submission_id)
-        ref = self._publish(failed.records, failed.submission_id)
-        self.store.release_publications([ref])
+        self.store.release_publications(self._publish(failed.groups, failed.submission_id))
 
     def read(self, ref: RecordSetRef) -> list[Sample]:
         return decode_group(list(self.store.read(ref)))
@@ -110,6 +137,12 @@ class ObjectStoreTransport:
         import ray
 
         return ObjectRefBox(ray.put(samples))
+
+    def publish_groups(self, groups: Sequence[GroupToPublish]) -> list[ObjectRefBox]:
+        return [
+            self.publish(g.samples, task_id=g.task_id, attempt_id=g.attempt_id, submission_id=g.submission_id)
+            for g in groups
+        ]
 
     def read(self, ref: ObjectRefBox) -> list[Sample]:
         import ray

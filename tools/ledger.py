@@ -58,7 +58,7 @@ from typing import Any
 
 import msgspec
 
-from vime.queue.gc import group_submission_id, never_registered, never_started, writer_of
+from vime.queue.gc import WriterPublications, never_registered, never_started
 from vime.queue.journal_view import JournalView
 from vime.queue.tasks import AcceptedGroup, regenerated_id
 from vime.recovery.lineage import Lineage
@@ -143,6 +143,18 @@ class GroupFacts:
 
     tokens: int  # response tokens
     versions: frozenset[int]  # weight versions of those tokens
+
+
+def publication_owner(store, ref) -> tuple[str | None, str | None]:
+    """The (task id, attempt id) that published the group at ``ref`` (every record carries them); (None, None)
+    when its payload was reclaimed or is unreadable."""
+    from straw.errors import QueueError
+
+    try:
+        metadata = next(iter(store.read(ref))).metadata
+    except (QueueError, OSError, StopIteration):
+        return None, None
+    return metadata.get("task_id"), metadata.get("attempt_id")
 
 
 def read_facts(store, ref) -> GroupFacts | None:
@@ -316,25 +328,22 @@ def compute(
             in_flight += 1
 
     # --- released orphans: group payloads published under an attempt the queue never accepted
-    completed = {(e["lease"]["task_id"], e["lease"]["attempt_id"]) for e in view.of_type("Completed")}
+    publications = WriterPublications.of(view)
     current = {lease["task_id"]: lease["attempt_id"] for e in view.of_type("Leased") for lease in e["leases"]}
     unchecked = 0
-    for event in view.of_type("Leased"):
-        for lease in event["leases"]:
-            key, writer = (lease["task_id"], lease["attempt_id"]), writer_of(lease["worker_id"])
-            if key in completed or writer is None:
-                continue
-            if never_registered(data_dir, writer) or never_started(data_dir, writer):
-                continue  # a writer killed before its first publication, or while creating its journal: nothing
-            if stages.get(key[0]) == "leased" and current[key[0]] == key[1]:
+    for writer, attempts in publications.attempts.items():
+        if never_registered(data_dir, writer) or never_started(data_dir, writer):
+            continue  # a writer killed before its first publication, or while creating its journal: nothing
+        try:
+            orphans = publications.unadopted(store, writer, deadline=0.0, continuations=False)
+        except WriterBusy:  # publishing right now (a live run): its attempts are still in flight
+            unchecked += sum(a.key not in publications.accepted_at for a in attempts)
+            continue
+        for ref in orphans:
+            task_id, attempt_id = publication_owner(store, ref)
+            if stages.get(task_id) == "leased" and current.get(task_id) == attempt_id:
                 continue  # the attempt is still on: a group it published may yet be accepted
-            try:
-                refs = store.publication_receipt(writer, api="publish", submission_id=group_submission_id(*key))
-            except WriterBusy:  # publishing right now (a live run): its attempt is still in flight
-                unchecked += 1
-                continue
-            for ref in refs or []:
-                count(Fate.RELEASED_ORPHAN, read_facts(store, ref))
+            count(Fate.RELEASED_ORPHAN, read_facts(store, ref))
 
     trained_twice = {str(key): n - 1 for key, n in trained_keys.items() if n > 1}
     report = run.to_json()

@@ -81,6 +81,7 @@ class TrainingRun:
         self.colocation = None  # vime.workers.colocation.ColocatedMemory with --colocate's offload
         self.engine_errors_seen = 0  # the rollout workers' engine_errors at the last step
         self.requests_seen = 0  # and their generate_requests
+        self.publications_seen = 0  # and their queue publications
         self.last_saved_step: int | None = None
         self.volumes = RunVolumes.from_settings(settings)  # each said by its flag when it fills
         self.version = 0  # the weight version every engine serves
@@ -166,7 +167,8 @@ class TrainingRun:
     def _engine_health(self) -> dict[str, Any]:
         """For the step's record and progress line: engines serving, the engine faults since the last step
         (quarantines, restarts, drops), the generate requests sent meanwhile and those that engines failed (each
-        sent its group back to the queue; no attempt of the prompt was spent)."""
+        sent its group back to the queue; no attempt of the prompt was spent), and the queue publications the
+        accepted groups took."""
         import ray
 
         health = self.processes.serving.health() if self.processes.serving is not None else {}
@@ -182,6 +184,9 @@ class TrainingRun:
         requests = sum(s.generate_requests for s in stats)
         health["rollout_generate_requests"] = max(0, requests - self.requests_seen)
         self.requests_seen = requests
+        publications = sum(s.queue_publications for s in stats)
+        health["rollout_queue_publications"] = max(0, publications - self.publications_seen)
+        self.publications_seen = publications
         return health
 
     def _restore(self) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from vime.data.tokenizer import load_tokenizer
 from vime.errors import MemberDied
 from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
-from vime.queue.transport import make_transport
+from vime.queue.transport import GroupToPublish, make_transport
 from vime.recovery import faults
 from vime.recovery.disk_full import DiskFull, RunVolumes, WrittenVolume
 from vime.recovery.faults import StrawWriteFaults, fault_point
@@ -52,6 +52,7 @@ from vime.rollout.teacher import attach_teacher_log_probs
 from vime.rollout.types import RolloutFnTrainOutput
 from vime.runtime.plugins import call_maybe_async, load_hook
 from vime.sample import Sample, Status
+from vime.workers.group_publisher import GroupPublisher
 
 logger = logging.getLogger("vime.rollout")
 
@@ -168,6 +169,7 @@ class RolloutWorkerStats:
     last_error: str = ""
     engine_errors: int = 0  # requests an engine failed (no attempt spent: the group went back)
     generate_requests: int = 0  # generate requests sent (custom generate functions' own not counted)
+    queue_publications: int = 0  # straw publications of finished groups (one for each set that finished together)
     last_engine_error: str = ""
 
 
@@ -186,6 +188,7 @@ class RolloutWorker:
         self.spec, self.controller = spec, controller
         self.tokenizer = load_tokenizer(spec.hf_checkpoint)
         self.transport = None  # opened by open_queue()
+        self.publisher: GroupPublisher | None = None  # finished groups to the queue, several at a time; open_queue()
         self.writer_id, self.lease_id = None, spec.worker_id
         # straw allows one write in flight per store handle: a single writer thread serialises them.
         self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
@@ -232,6 +235,7 @@ class RolloutWorker:
             # alone, the publications this worker left unaccepted if it dies (vime.queue.gc).
             self.writer_id = getattr(self.transport, "writer_id", None)
             self.lease_id = f"{self.spec.worker_id}@{self.writer_id}" if self.writer_id else self.spec.worker_id
+            self.publisher = GroupPublisher(self.transport, self.writer)
         return {"worker_id": self.spec.worker_id, "lease_id": self.lease_id, "writer_id": self.writer_id}
 
     async def run(self) -> RolloutWorkerStats:
@@ -282,6 +286,8 @@ class RolloutWorker:
         self._stopping.set()
 
     def get_stats(self) -> RolloutWorkerStats:
+        if self.publisher is not None:
+            self.stats.queue_publications = self.publisher.publications
         return self.stats
 
     async def _drain_active(self) -> None:
@@ -623,12 +629,7 @@ class RolloutWorker:
             await self._attach_teacher(samples)
         submission_id = group_submission_id(lease.task_id, lease.attempt_id)
         try:
-            ref = await asyncio.get_running_loop().run_in_executor(
-                self.writer,
-                lambda: self.transport.publish(
-                    samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=submission_id
-                ),
-            )
+            ref = await self.publisher.publish(GroupToPublish(samples, lease.task_id, lease.attempt_id, submission_id))
         except Exception as error:
             raise InfrastructureFault(
                 f"publishing group {lease.task_id} to the queue failed: {type(error).__name__}: {error}"

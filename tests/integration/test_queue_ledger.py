@@ -9,7 +9,7 @@ import pytest
 
 from tests.controller_spec import completed_group, controller_spec, write_prompts
 from vime.queue.rollout_queue import StoreOptions
-from vime.queue.transport import StrawTransport
+from vime.queue.transport import GroupToPublish, StrawTransport
 from vime.recovery.checkpoint import CheckpointState, save_checkpoint
 from vime.recovery.lineage import Lineage
 from vime.tools import queue_cli
@@ -176,6 +176,38 @@ def test_a_group_published_but_never_accepted_is_a_released_orphan(run, tmp_path
     assert books["closes"], books
     assert (groups(books)["generated"], groups(books)["waiting"], groups(books)["released_orphan"]) == (2, 1, 1)
     assert books["run"]["tokens"]["released_orphan"] == 2 * RESPONSE
+
+
+@pytest.mark.parametrize("accepted", [0, 1])
+def test_groups_published_together_and_never_accepted_are_released_orphans(run, accepted):
+    """A rollout worker publishes the groups that finished together in one straw publication, under its first
+    group's id (workers/group_publisher.py). It dies after one of three was accepted (the first, or the second):
+    the two others are found (under the first's id, or by their own when their group led), counted as released
+    orphans, and released by the next controller's reap; the accepted one stays the queue's."""
+    items = [run.lease() for _ in range(3)]
+    groups_ = [
+        GroupToPublish(
+            completed_group(item.assignment.task, RESPONSE),
+            item.assignment.lease.task_id,
+            item.assignment.lease.attempt_id,
+            f"{item.assignment.lease.task_id}-{item.assignment.lease.attempt_id}",
+        )
+        for item in items
+    ]
+    refs = run.transport.publish_groups(groups_)
+    kept = items[accepted].assignment.lease
+    assert run.controller.complete(kept, groups_[accepted].submission_id, refs[accepted], 2, 2 * RESPONSE, 0) == 0
+    run.close()
+    Controller(run.spec).shutdown()  # a new controller revokes the dead run's leases
+    books = ledger(run.data_dir)
+    assert books["closes"], books
+    assert (groups(books)["generated"], groups(books)["waiting"], groups(books)["released_orphan"]) == (3, 1, 2)
+    controller = Controller(run.spec)
+    try:
+        assert controller.reap_writers([])["publications_released"] == 2
+        assert list(controller.queue.store.read(refs[accepted]))  # the accepted group is still whole
+    finally:
+        controller.shutdown()
 
 
 def test_a_writer_killed_while_its_journal_was_created_published_nothing(run):

@@ -192,6 +192,7 @@ def stub_worker(args):
     import concurrent.futures
     import types
 
+    from vime.workers.group_publisher import GroupPublisher
     from vime.workers.rollout_worker import RolloutWorker, RolloutWorkerStats
 
     worker = RolloutWorker.__new__(RolloutWorker)
@@ -201,8 +202,9 @@ def stub_worker(args):
     worker.stats = RolloutWorkerStats()
     worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     worker.transport = types.SimpleNamespace(
-        publish=lambda samples, **_: [list(s.teacher_log_probs or []) for s in samples]
+        publish_groups=lambda groups: [[list(s.teacher_log_probs or []) for s in g.samples] for g in groups]
     )
+    worker.publisher = GroupPublisher(worker.transport, worker.writer)
     worker.controller = StubController()
     return worker
 

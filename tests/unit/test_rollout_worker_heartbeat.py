@@ -22,6 +22,7 @@ from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import make_transport
 from vime.sample import Status
 from vime.workers.controller import Controller
+from vime.workers.group_publisher import GroupPublisher
 from vime.workers.rollout_worker import GroupPhase, InFlight, RolloutWorker, RolloutWorkerStats
 
 
@@ -85,6 +86,7 @@ def worker_on(handle: ControllerHandle, store: StoreOptions, generate) -> Rollou
     worker._stopping = asyncio.Event()
     worker.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     worker.transport = make_transport("straw", store)
+    worker.publisher = GroupPublisher(worker.transport, worker.writer)
     worker.controller = handle
     worker.queue_full = None
     return worker
