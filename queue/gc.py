@@ -130,13 +130,18 @@ class WriterPublications:
                 adopted.add(event["input_ref"]["digest"])
         return cls(dict(attempts), accepted_at, frozenset(adopted))
 
-    def unadopted(self, store, writer: str, deadline: float, *, continuations: bool = True) -> list:
+    def unadopted(
+        self, store, writer: str, deadline: float, *, continuations: bool = True, still_on: frozenset = frozenset()
+    ) -> list:
         """The publications of ``writer`` that the queue did not adopt (references, each once): its groups, and
-        its continuation prefixes unless ``continuations`` is false. Raises WriterBusy when the writer's gate stays
-        held past ``deadline`` (see publication_receipt)."""
+        its continuation prefixes unless ``continuations`` is false. The attempts in ``still_on`` (a live run's
+        leases) are not looked for, though a publication found for another may hold their groups. Raises WriterBusy
+        when the writer's gate stays held past ``deadline`` (see publication_receipt)."""
         found = {}
         first_unfound = None  # the earliest lease of a group not accepted and not found under its own id
         for attempt in self.attempts.get(writer, []):  # in the order of their leases
+            if attempt.key in still_on:
+                continue
             if continuations:
                 refs = publication_receipt(store, writer, partial_submission_id(*attempt.key), deadline)
                 found.update((ref.digest, ref) for ref in refs or [])

@@ -330,19 +330,20 @@ def compute(
     # --- released orphans: group payloads published under an attempt the queue never accepted
     publications = WriterPublications.of(view)
     current = {lease["task_id"]: lease["attempt_id"] for e in view.of_type("Leased") for lease in e["leases"]}
+    # Attempts still on: a group they published may yet be accepted.
+    still_on = frozenset((t, current[t]) for t, stage in stages.items() if stage == "leased" and t in current)
     unchecked = 0
     for writer, attempts in publications.attempts.items():
         if never_registered(data_dir, writer) or never_started(data_dir, writer):
             continue  # a writer killed before its first publication, or while creating its journal: nothing
         try:
-            orphans = publications.unadopted(store, writer, deadline=0.0, continuations=False)
+            orphans = publications.unadopted(store, writer, deadline=0.0, continuations=False, still_on=still_on)
         except WriterBusy:  # publishing right now (a live run): its attempts are still in flight
             unchecked += sum(a.key not in publications.accepted_at for a in attempts)
             continue
         for ref in orphans:
-            task_id, attempt_id = publication_owner(store, ref)
-            if stages.get(task_id) == "leased" and current.get(task_id) == attempt_id:
-                continue  # the attempt is still on: a group it published may yet be accepted
+            if publication_owner(store, ref) in still_on:
+                continue  # published beside a group looked for, by an attempt still on
             count(Fate.RELEASED_ORPHAN, read_facts(store, ref))
 
     trained_twice = {str(key): n - 1 for key, n in trained_keys.items() if n > 1}

@@ -210,6 +210,27 @@ def test_groups_published_together_and_never_accepted_are_released_orphans(run, 
         controller.shutdown()
 
 
+def test_a_group_published_beside_an_orphan_is_not_one_while_its_attempt_is_on(run):
+    """Two groups in one publication: the first's lease moved on (its group went back to the queue), the second's is
+    still on. The first is a released orphan; the second, found in the same receipt, may yet be accepted."""
+    first, second = run.lease(), run.lease()
+    published = [
+        GroupToPublish(
+            completed_group(item.assignment.task, RESPONSE),
+            item.assignment.lease.task_id,
+            item.assignment.lease.attempt_id,
+            f"{item.assignment.lease.task_id}-{item.assignment.lease.attempt_id}",
+        )
+        for item in (first, second)
+    ]
+    run.transport.publish_groups(published)
+    run.controller.return_partial(first.assignment.lease, first.assignment.task, None)
+    run.close()
+    books = ledger(run.data_dir)
+    assert books["closes"], books
+    assert (groups(books)["generated"], groups(books)["released_orphan"]) == (1, 1)
+
+
 def test_a_writer_killed_while_its_journal_was_created_published_nothing(run):
     """A SIGKILL can land between a producer creating its straw journal and writing its first transaction
     (seen in the random-kill fault test): straw refuses to read such a writer's receipts, and there is
