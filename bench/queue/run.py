@@ -344,7 +344,7 @@ def main_job(
     seconds = steady[-1]["time"] - records[warmup - 1]["time"]
     publications = sum(r.get("rollout_queue_publications", 0) for r in steady)
     if publications:  # the straw queue: how many groups shared a publication (workers/group_publisher.py)
-        groups = sum(r["samples"] for r in steady) // int(args[args.index("--n-samples-per-prompt") + 1])
+        groups = int(sum(r["samples"] for r in steady)) // int(args[args.index("--n-samples-per-prompt") + 1])
         print(f"   {label}: {groups} groups trained, {publications} queue publications in the steady steps")
     return sum(r["samples"] for r in steady) / seconds
 
