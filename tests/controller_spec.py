@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 
 from vime.data.source import DataKeys
+from vime.queue.gc import group_submission_id
 from vime.queue.rollout_queue import StoreOptions
+from vime.queue.transport import GroupToPublish
 from vime.sample import Sample, Status
 from vime.workers.controller import ControllerSpec
 
@@ -58,3 +60,13 @@ def completed_group(task, response: int, version: int = 0) -> list[Sample]:
         )
         for i in range(2)
     ]
+
+
+def group_to_publish(item, response: int) -> GroupToPublish:
+    """What a rollout worker hands its publisher for the leased prompt ``item`` (a LeasedPrompt): the task's
+    completed group (``completed_group``) under its attempt's submission id."""
+    lease = item.assignment.lease
+    samples = completed_group(item.assignment.task, response)
+    return GroupToPublish(
+        samples, lease.task_id, lease.attempt_id, group_submission_id(lease.task_id, lease.attempt_id)
+    )

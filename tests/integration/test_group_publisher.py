@@ -14,9 +14,8 @@ import concurrent.futures
 import pytest
 from straw.errors import StorageUnavailable
 
-from tests.controller_spec import completed_group, controller_spec, write_prompts
+from tests.controller_spec import controller_spec, group_to_publish, write_prompts
 from tests.integration.test_publication_after_eio import FailingSyncs
-from vime.queue.gc import group_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import GroupToPublish, StrawTransport
 from vime.workers.controller import Controller
@@ -42,11 +41,7 @@ def run(tmp_path):
 
 
 def group_of(item) -> GroupToPublish:
-    lease, task = item.assignment.lease, item.assignment.task
-    samples = completed_group(task, RESPONSE)
-    return GroupToPublish(
-        samples, lease.task_id, lease.attempt_id, group_submission_id(lease.task_id, lease.attempt_id)
-    )
+    return group_to_publish(item, RESPONSE)
 
 
 async def publish_together(publisher: GroupPublisher, items) -> list:

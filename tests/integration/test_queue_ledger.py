@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from tests.controller_spec import completed_group, controller_spec, write_prompts
+from tests.controller_spec import completed_group, controller_spec, group_to_publish, write_prompts
 from vime.queue.rollout_queue import StoreOptions
-from vime.queue.transport import GroupToPublish, StrawTransport
+from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, save_checkpoint
 from vime.recovery.lineage import Lineage
 from vime.tools import queue_cli
@@ -185,15 +185,7 @@ def test_groups_published_together_and_never_accepted_are_released_orphans(run, 
     the two others are found (under the first's id, or by their own when their group led), counted as released
     orphans, and released by the next controller's reap; the accepted one stays the queue's."""
     items = [run.lease() for _ in range(3)]
-    groups_ = [
-        GroupToPublish(
-            completed_group(item.assignment.task, RESPONSE),
-            item.assignment.lease.task_id,
-            item.assignment.lease.attempt_id,
-            f"{item.assignment.lease.task_id}-{item.assignment.lease.attempt_id}",
-        )
-        for item in items
-    ]
+    groups_ = [group_to_publish(item, RESPONSE) for item in items]
     refs = run.transport.publish_groups(groups_)
     kept = items[accepted].assignment.lease
     assert run.controller.complete(kept, groups_[accepted].submission_id, refs[accepted], 2, 2 * RESPONSE, 0) == 0
@@ -214,16 +206,7 @@ def test_a_group_published_beside_an_orphan_is_not_one_while_its_attempt_is_on(r
     """Two groups in one publication: the first's lease moved on (its group went back to the queue), the second's is
     still on. The first is a released orphan; the second, found in the same receipt, may yet be accepted."""
     first, second = run.lease(), run.lease()
-    published = [
-        GroupToPublish(
-            completed_group(item.assignment.task, RESPONSE),
-            item.assignment.lease.task_id,
-            item.assignment.lease.attempt_id,
-            f"{item.assignment.lease.task_id}-{item.assignment.lease.attempt_id}",
-        )
-        for item in (first, second)
-    ]
-    run.transport.publish_groups(published)
+    run.transport.publish_groups([group_to_publish(item, RESPONSE) for item in (first, second)])
     run.controller.return_partial(first.assignment.lease, first.assignment.task, None)
     run.close()
     books = ledger(run.data_dir)
