@@ -137,27 +137,27 @@ class WriterPublications:
         its continuation prefixes unless ``continuations`` is false. The attempts in ``still_on`` (a live run's
         leases) are not looked for, though a publication found for another may hold their groups. Raises WriterBusy
         when the writer's gate stays held past ``deadline`` (see publication_receipt)."""
-        found = {}
+        found = {}  # digest -> reference
+
+        def look_up(submission: str) -> bool:
+            refs = publication_receipt(store, writer, submission, deadline)
+            found.update((ref.digest, ref) for ref in refs or [])
+            return refs is not None
+
         first_unfound = None  # the earliest lease of a group not accepted and not found under its own id
         for attempt in self.attempts.get(writer, []):  # in the order of their leases
             if attempt.key in still_on:
                 continue
             if continuations:
-                refs = publication_receipt(store, writer, partial_submission_id(*attempt.key), deadline)
-                found.update((ref.digest, ref) for ref in refs or [])
-            if attempt.key in self.accepted_at:
-                continue
-            refs = publication_receipt(store, writer, group_submission_id(*attempt.key), deadline)
-            found.update((ref.digest, ref) for ref in refs or [])
-            if refs is None and first_unfound is None:
-                first_unfound = attempt.at
+                look_up(partial_submission_id(*attempt.key))
+            if attempt.key not in self.accepted_at and not look_up(group_submission_id(*attempt.key)):
+                first_unfound = attempt.at if first_unfound is None else first_unfound
         if first_unfound is not None:
             # Published with a group accepted later, or never published (its writer died while generating it):
             # the leaders of the publications it could have joined.
             for attempt in self.attempts[writer]:
                 if self.accepted_at.get(attempt.key, -1) > first_unfound:
-                    refs = publication_receipt(store, writer, group_submission_id(*attempt.key), deadline)
-                    found.update((ref.digest, ref) for ref in refs or [])
+                    look_up(group_submission_id(*attempt.key))
         return [ref for digest, ref in found.items() if digest not in self.adopted]
 
 

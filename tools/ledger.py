@@ -342,7 +342,7 @@ def compute(
             unchecked += sum(a.key not in publications.accepted_at for a in attempts)
             continue
         for ref in orphans:
-            if publication_owner(store, ref) in still_on:
+            if still_on and publication_owner(store, ref) in still_on:  # (a stopped run has none: no read)
                 continue  # published beside a group looked for, by an attempt still on
             count(Fate.RELEASED_ORPHAN, read_facts(store, ref))
 
