@@ -14,9 +14,10 @@ resolves it itself, before the next publication, and releases it: nothing refere
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from straw import Publication, RecordSetRef
@@ -43,6 +44,7 @@ class GroupTransport(Protocol):
     def publish(self, samples: list[Sample], *, task_id: str, attempt_id: str, submission_id: str) -> Any: ...
     def publish_groups(self, groups: Sequence[GroupToPublish]) -> list[Any]: ...
     def read(self, ref: Any) -> list[Sample]: ...
+    def reading(self) -> contextlib.AbstractContextManager[Callable[[Any], list[Sample]]]: ...
     def discard(self, ref: Any) -> None: ...
     def close(self) -> None: ...
 
@@ -113,6 +115,14 @@ class StrawTransport:
     def read(self, ref: RecordSetRef) -> list[Sample]:
         return decode_group(list(self.store.read(ref)))
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[RecordSetRef], list[Sample]]]:
+        """A reader of several groups in one straw read session: the groups of a publication share a pack, whose
+        index the session reads once instead of once a group (a trainer's step reads a few packs' groups). Every
+        record is still checked as it is read. One thread at a time; the reader is for this block only."""
+        with self.store.read_session() as session:
+            yield lambda ref: decode_group(list(session.read(ref)))
+
     def discard(self, ref: RecordSetRef) -> None:
         """Give up a publication no queue entry adopted (its pack becomes reclaimable)."""
         self.store.release_publications([ref])
@@ -148,6 +158,9 @@ class ObjectStoreTransport:
         import ray
 
         return ray.get(ref.ref, timeout=120)
+
+    def reading(self) -> contextlib.AbstractContextManager[Callable[[ObjectRefBox], list[Sample]]]:
+        return contextlib.nullcontext(self.read)
 
     def discard(self, ref: ObjectRefBox) -> None:
         pass  # the object store frees it when the last reference goes

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from straw.errors import CorruptData, InvalidReference
@@ -22,7 +23,7 @@ from vime.backends.trainer_spec import TorchTrainerSpec
 from vime.errors import UserError
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.tasks import AcceptedGroup
-from vime.queue.transport import make_transport
+from vime.queue.transport import GroupTransport, make_transport
 from vime.recovery.faults import fault_point
 from vime.recovery.lineage import Lineage
 from vime.rollout.rewards import reward_by_source
@@ -214,9 +215,9 @@ class TrainerWorker:
     def ready(self) -> bool:
         return True
 
-    def _read_group(self, index: int, group: AcceptedGroup) -> list[Sample]:
+    def _read_group(self, read: Callable[[Any], list[Sample]], group: AcceptedGroup) -> list[Sample]:
         try:
-            members = self.readers[index % len(self.readers)].read(group.ref)
+            members = read(group.ref)
         except (CorruptData, InvalidReference) as error:
             raise CorruptGroup(
                 f"accepted group {group.task_id} (queue position {group.position}) cannot be "
@@ -225,11 +226,16 @@ class TrainerWorker:
             ) from None
         return sorted(members, key=lambda s: s.index)
 
+    def _read_share(self, reader: GroupTransport, groups: list[AcceptedGroup]) -> list[list[Sample]]:
+        with reader.reading() as read:
+            return [self._read_group(read, g) for g in groups]
+
     def read_groups(self, groups: list[AcceptedGroup]) -> list[Sample]:
-        """All samples of ``groups``, in group order (--rollout-io-concurrency reads at once)."""
-        batches = [groups[i :: len(self.readers)] for i in range(len(self.readers))]
-        read = self.pool.map(lambda i: [self._read_group(i, g) for g in batches[i]], range(len(self.readers)))
-        by_position = {g.position: members for batch, result in zip(batches, read) for g, members in zip(batch, result)}
+        """All samples of ``groups``, in group order (--rollout-io-concurrency readers at once, each reading its
+        share in one read session)."""
+        shares = [groups[i :: len(self.readers)] for i in range(len(self.readers))]
+        read = self.pool.map(self._read_share, self.readers, shares)
+        by_position = {g.position: members for share, result in zip(shares, read) for g, members in zip(share, result)}
         return [sample for group in groups for sample in by_position[group.position]]
 
     def train_rollout(

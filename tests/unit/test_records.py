@@ -177,8 +177,35 @@ def test_corrupted_payload_is_detected(tmp_path):
     data[at] ^= 0xFF
     with open(pack, "wb") as f:
         f.write(data)
+    reader = StrawTransport(StoreOptions(str(tmp_path), "run"))
     with pytest.raises(CorruptData):
-        StrawTransport(StoreOptions(str(tmp_path), "run")).read(ref)
+        reader.read(ref)
+    with pytest.raises(CorruptData), reader.reading() as read:  # the trainer's path: one session for a step
+        read(ref)
+
+
+def test_groups_read_in_one_session_are_the_groups_published(tmp_path):
+    """The trainer reads a step's groups in one straw read session (index of a pack read once): each group comes back
+    whole and its own, in whatever order they are asked for, as a read of each alone gives it."""
+    from vime.queue.transport import GroupToPublish
+
+    writer = StrawTransport(StoreOptions(str(tmp_path), "run"))
+    groups = []
+    for g in range(5):
+        samples = [full_sample(index=i) for i in range(3)]
+        for s in samples:
+            s.group_index, s.reward = g, float(10 * g + s.index)
+        groups.append(GroupToPublish(samples, f"t{g}", "a", f"sub-{g}"))
+    refs = writer.publish_groups(groups[:3]) + writer.publish_groups(groups[3:])  # two packs' worth of publications
+    reader = StrawTransport(StoreOptions(str(tmp_path), "run"))
+    order = [4, 0, 3, 1, 2, 0]
+    with reader.reading() as read:
+        together = [read(refs[g]) for g in order]
+    alone = [reader.read(refs[g]) for g in order]
+    assert [[(s.group_index, s.index, s.reward) for s in group] for group in together] == [
+        [(g, i, float(10 * g + i)) for i in range(3)] for g in order
+    ]
+    assert [[s.tokens for s in group] for group in together] == [[s.tokens for s in group] for group in alone]
 
 
 @pytest.mark.parametrize(
