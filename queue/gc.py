@@ -11,6 +11,8 @@ queue as well, so releasing their staging frees nothing that is still needed.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -18,6 +20,8 @@ from collections import defaultdict
 from straw.errors import StorageUnavailable, UnsafeRecovery, WriterBusy
 
 from vime.queue.journal_view import JournalView
+
+logger = logging.getLogger(__name__)
 
 
 def group_submission_id(task_id: str, attempt_id: str) -> str:
@@ -110,25 +114,43 @@ class WriterPublications:
     attempts: dict[str, list[Attempt]]
     accepted_at: dict[tuple[str, str], int]  # attempt -> the index of its Completed event
     adopted: frozenset[str]  # digests
+    continued: frozenset[tuple[str, str]] = frozenset()  # attempts that gave their task back with a prefix
+    returned_at: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    # ^ attempt -> the index of the call its worker ended it with (gave it back, with or without a prefix, or failed it)
 
     @classmethod
     def of(cls, view: JournalView) -> WriterPublications:
         attempts: dict[str, list[Attempt]] = defaultdict(list)
         accepted_at: dict[tuple[str, str], int] = {}
-        adopted = set()
+        adopted, continued = set(), set()
+        returned_at: dict[tuple[str, str], int] = {}
+        current: dict[str, tuple[str, str]] = {}  # task -> its latest attempt (an ending event names the task only)
         for at, event in enumerate(view.events):
             kind = event.get("type")
             if kind == "Leased":
                 for lease in event["leases"]:
+                    current[lease["task_id"]] = (lease["task_id"], lease["attempt_id"])
                     writer = writer_of(lease["worker_id"])
                     if writer:
                         attempts[writer].append(Attempt(at, lease["task_id"], lease["attempt_id"]))
             elif kind == "Completed":
                 accepted_at[(event["lease"]["task_id"], event["lease"]["attempt_id"])] = at
                 adopted.add(event["receipt"]["result_ref"]["digest"])
-            elif kind == "Yielded" and event.get("input_ref"):
-                adopted.add(event["input_ref"]["digest"])
-        return cls(dict(attempts), accepted_at, frozenset(adopted))
+            elif kind == "Yielded":  # return_partial: with the prefix it names, or untouched
+                attempt = current.get(event.get("task_id"))
+                if attempt is not None:
+                    returned_at[attempt] = at
+                if event.get("input_ref"):
+                    adopted.add(event["input_ref"]["digest"])
+                    if attempt is not None:
+                        continued.add(attempt)
+            elif kind == "Failed" and isinstance(event.get("failure"), str):
+                # A worker's fail or reject call carries its reason; the queue's own failures (the leases of a retired
+                # worker) a category, and are not the worker's: it may have gone on with the group meanwhile.
+                for task_id in event.get("task_ids", []):
+                    if (attempt := current.get(task_id)) is not None:
+                        returned_at[attempt] = at
+        return cls(dict(attempts), accepted_at, frozenset(adopted), frozenset(continued), returned_at)
 
     def unadopted(
         self, store, writer: str, deadline: float, *, continuations: bool = True, still_on: frozenset = frozenset()
@@ -144,21 +166,62 @@ class WriterPublications:
             found.update((ref.digest, ref) for ref in refs or [])
             return refs is not None
 
-        first_unfound = None  # the earliest lease of a group not accepted and not found under its own id
+        # Each lookup reads the writer's whole record of publications (straw), so the attempts whose outcome is known
+        # are not looked for: an accepted one's group and a continued one's prefix are the queue's, and neither
+        # published anything else (a worker publishes either the whole group or, giving the task back, its prefix).
+        unfound: list[Attempt] = []  # not accepted, and no publication under its own id
         for attempt in self.attempts.get(writer, []):  # in the order of their leases
-            if attempt.key in still_on:
+            if attempt.key in still_on or attempt.key in self.accepted_at or attempt.key in self.continued:
                 continue
             if continuations:
                 look_up(partial_submission_id(*attempt.key))
-            if attempt.key not in self.accepted_at and not look_up(group_submission_id(*attempt.key)):
-                first_unfound = attempt.at if first_unfound is None else first_unfound
-        if first_unfound is not None:
-            # Published with a group accepted later, or never published (its writer died while generating it):
-            # the leaders of the publications it could have joined.
-            for attempt in self.attempts[writer]:
-                if self.accepted_at.get(attempt.key, -1) > first_unfound:
-                    look_up(group_submission_id(*attempt.key))
+            if not look_up(group_submission_id(*attempt.key)):
+                unfound.append(attempt)
+        # Published with a group that led the publication, or never published (its writer died while generating it,
+        # or it failed before): the leaders of the publications it could have joined. A leader was accepted after the
+        # group was leased; and where the worker ended the group's attempt itself, it had leased the leader before:
+        # a publication is made before the calls that end its groups (workers/group_publisher.py), and its leader
+        # joined the publication before any other group did.
+        never = math.inf  # an attempt its worker did not end itself: its leader may have been leased at any time
+
+        def could_lead(leader: Attempt, accepted: int) -> bool:
+            return any(g.at < accepted and leader.at < self.returned_at.get(g.key, never) for g in unfound)
+
+        for leader in self.attempts.get(writer, []) if unfound else []:
+            accepted = self.accepted_at.get(leader.key)
+            if accepted is not None and could_lead(leader, accepted):
+                look_up(group_submission_id(*leader.key))
         return [ref for digest, ref in found.items() if digest not in self.adopted]
+
+
+# vime's record of the dead writers already reaped, one id a line (beside straw's own files in the queue's folder): a
+# retired writer publishes nothing more, so what was released once stays released, and a later reap (every rollout
+# worker's death asks for one) does not look up its publications again.
+REAPED_FILE = "reaped_writers"
+
+
+def reaped_writers(data_dir: str) -> set[str]:
+    """The writers a reap has finished with (a line cut short by a crash names no writer, and that one is reaped
+    again)."""
+    try:
+        with open(os.path.join(data_dir, REAPED_FILE)) as f:
+            return {line.strip() for line in f if line.endswith("\n")}
+    except FileNotFoundError:
+        return set()
+
+
+def _mark_reaped(data_dir: str, writer: str) -> None:
+    """Record ``writer`` as reaped. Only a saving: where the record cannot be written (a full volume), the writer is
+    reaped again next time, which releases nothing twice."""
+    try:
+        fd = os.open(os.path.join(data_dir, REAPED_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{writer}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        logger.warning("could not record writer %s as reaped (%s); a later reap looks at it again", writer, error)
 
 
 def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
@@ -167,9 +230,13 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
     A group publication is adopted when its attempt completed; a continuation prefix when a
     Yielded event names it as the task's input. A writer that is still busy raises WriterBusy
     inside straw and is skipped (a later reap, or ``vime queue gc``, retires it); so is one whose gate stays
-    held past :data:`GATE_WAIT_SECONDS` after its retirement (``writers_busy``).
+    held past :data:`GATE_WAIT_SECONDS` after its retirement (``writers_busy``). A writer reaped before is
+    skipped (``writers_reaped_before``; see REAPED_FILE).
     """
-    publications = WriterPublications.of(JournalView.read(data_dir))
+    done = reaped_writers(data_dir)
+    before = len(dead)
+    dead = [writer for writer in dead if writer not in done]
+    publications = WriterPublications.of(JournalView.read(data_dir)) if dead else None  # None: nothing to look up
     retired = released = unstarted = busy = 0
     deadline = time.monotonic() + GATE_WAIT_SECONDS
     for writer in dead:
@@ -191,11 +258,13 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
         if orphans:
             store.release_publications(orphans)
             released += len(orphans)
+        _mark_reaped(data_dir, writer)
     return {
         "writers_retired": retired,
         "publications_released": released,
         "writers_never_started": unstarted,
         "writers_busy": busy,
+        "writers_reaped_before": before - len(dead),
     }
 
 

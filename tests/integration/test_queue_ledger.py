@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tests.controller_spec import completed_group, controller_spec, group_to_publish, write_prompts
+from vime.queue.gc import group_submission_id, partial_submission_id
 from vime.queue.rollout_queue import StoreOptions
 from vime.queue.transport import StrawTransport
 from vime.recovery.checkpoint import CheckpointState, save_checkpoint
@@ -198,6 +199,110 @@ def test_groups_published_together_and_never_accepted_are_released_orphans(run, 
     try:
         assert controller.reap_writers([])["publications_released"] == 2
         assert list(controller.queue.store.read(refs[accepted]))  # the accepted group is still whole
+    finally:
+        controller.shutdown()
+
+
+@pytest.fixture
+def long_run(tmp_path):
+    """``run`` with room for a dozen groups outstanding: a worker that leases on while nothing is trained."""
+    prompts = write_prompts(tmp_path, 12)
+    store = StoreOptions(str(tmp_path / "queue"), RUN_ID, 1.0)
+    return Run(controller_spec(tmp_path, prompts, store=store, max_staleness=10))
+
+
+@pytest.fixture
+def receipt_lookups(monkeypatch):
+    """Every straw receipt lookup the reaping makes (each reads the writer's whole record of publications, so how
+    many there are is what a reap costs: tests below count them); the real lookup answers each."""
+    from vime.queue import gc
+
+    made: list[str] = []
+    real = gc.publication_receipt
+
+    def counted(store, writer, submission, deadline, *args):
+        made.append(submission)
+        return real(store, writer, submission, deadline, *args)
+
+    monkeypatch.setattr(gc, "publication_receipt", counted)
+    return made
+
+
+def test_a_dead_writer_s_reap_looks_up_only_the_attempts_whose_outcome_is_unknown(long_run, receipt_lookups):
+    run = long_run
+    """A long-lived worker's accepted groups and continued prefixes are the queue's: its reap looks none of them up.
+    What it left unaccepted (a group published behind an accepted one, then the worker died) is found through the
+    one leader accepted after that group was leased, and released; the leader stays the queue's."""
+    for _ in range(6):
+        run.accept()
+    continued = run.lease()
+    lease, task = continued.assignment.lease, continued.assignment.task
+    prefix = run.transport.publish(
+        completed_group(task, RESPONSE), task_id=lease.task_id, attempt_id=lease.attempt_id,
+        submission_id=partial_submission_id(lease.task_id, lease.attempt_id),
+    )  # fmt: skip
+    assert run.controller.return_partial(lease, task.as_continuation(0), prefix)
+    leader, follower = run.lease(), run.lease()
+    together = [group_to_publish(item, RESPONSE) for item in (leader, follower)]
+    refs = run.transport.publish_groups(together)
+    assert run.controller.complete(leader.assignment.lease, together[0].submission_id, refs[0], 2, 2 * RESPONSE, 0)
+    run.close()  # the worker dies before asking for the follower's acceptance
+    controller = Controller(run.spec)  # revokes the dead run's leases
+    try:
+        assert controller.reap_writers([])["publications_released"] == 1
+        follower_key = (follower.assignment.lease.task_id, follower.assignment.lease.attempt_id)
+        assert receipt_lookups == [
+            partial_submission_id(*follower_key),
+            group_submission_id(*follower_key),
+            together[0].submission_id,  # the only group accepted after the follower was leased
+        ]
+        assert list(controller.queue.store.read(refs[0]))  # the accepted leader is still whole
+    finally:
+        controller.shutdown()
+
+
+def test_a_group_its_worker_ended_is_looked_for_only_behind_leaders_leased_before(long_run, receipt_lookups):
+    run = long_run
+    """A group the worker failed itself (or gave back) was published, if at all, before that call, with a leader
+    leased before it: the many groups accepted afterwards are not looked up on its account."""
+    failed = run.lease()
+    assert run.controller.fail(failed.assignment.lease, "the reward raised")
+    for _ in range(5):
+        run.accept()
+    run.close()
+    controller = Controller(run.spec)
+    try:
+        assert controller.reap_writers([])["publications_released"] == 0
+        failed_key = (failed.assignment.lease.task_id, failed.assignment.lease.attempt_id)
+        assert receipt_lookups == [partial_submission_id(*failed_key), group_submission_id(*failed_key)]
+    finally:
+        controller.shutdown()
+
+
+def test_a_writer_is_reaped_once(run, receipt_lookups):
+    """Every worker's death asks for a reap of every dead writer: one reaped before is skipped (vime's record in the
+    queue's folder), unless the record of it was cut short by a crash."""
+    from vime.queue.gc import REAPED_FILE
+
+    item = run.lease()
+    run.publish(item, 0)  # the worker dies before asking for acceptance
+    run.close()
+    controller = Controller(run.spec)
+    try:
+        first = controller.reap_writers([])  # the worker's writer and the first controller's
+        assert (first["writers_retired"], first["publications_released"], first["writers_reaped_before"]) == (2, 1, 0)
+        made = len(receipt_lookups)
+        again = controller.reap_writers([])
+        assert (again["writers_retired"], again["writers_reaped_before"]) == (0, 2)
+        assert len(receipt_lookups) == made  # nothing looked up again
+        record = os.path.join(run.data_dir, REAPED_FILE)
+        with open(record) as f:
+            writers = f.read().split()
+        assert run.transport.writer_id in writers and len(writers) == 2
+        others = [w for w in writers if w != run.transport.writer_id]
+        with open(record, "w") as f:
+            f.write("".join(f"{w}\n" for w in others) + run.transport.writer_id[:10])  # a crash mid-line
+        assert controller.reap_writers([])["writers_retired"] == 1  # reaped again: releasing again is harmless
     finally:
         controller.shutdown()
 
