@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections import defaultdict
@@ -169,28 +168,30 @@ class WriterPublications:
         # Each lookup reads the writer's whole record of publications (straw), so the attempts whose outcome is known
         # are not looked for: an accepted one's group and a continued one's prefix are the queue's, and neither
         # published anything else (a worker publishes either the whole group or, giving the task back, its prefix).
-        unfound: list[Attempt] = []  # not accepted, and no publication under its own id
-        for attempt in self.attempts.get(writer, []):  # in the order of their leases
+        # Nor is an attempt its worker ended itself (gave back untouched, or failed) before leasing a group that was
+        # accepted: a worker gives up a payload whose hand-over call raised (workers/rollout_worker.py), and a
+        # publication that failed is published again and given up before the worker's next one goes through
+        # (queue/transport.py); the accepted group was published after that call. What is left is what the worker's
+        # last calls may have left, and the attempts whose lease the queue ended (a retired worker's, an expired or
+        # revoked lease) while the worker may have gone on with the group.
+        attempts = self.attempts.get(writer, [])
+        last_accepted_lease = max((a.at for a in attempts if a.key in self.accepted_at), default=-1)
+        first_unfound = None  # the earliest lease of an attempt looked for and not found under its own id
+        for attempt in attempts:  # in the order of their leases
             if attempt.key in still_on or attempt.key in self.accepted_at or attempt.key in self.continued:
+                continue
+            if self.returned_at.get(attempt.key, last_accepted_lease) < last_accepted_lease:
                 continue
             if continuations:
                 look_up(partial_submission_id(*attempt.key))
             if not look_up(group_submission_id(*attempt.key)):
-                unfound.append(attempt)
-        # Published with a group that led the publication, or never published (its writer died while generating it,
-        # or it failed before): the leaders of the publications it could have joined. A leader was accepted after the
-        # group was leased; and where the worker ended the group's attempt itself, it had leased the leader before:
-        # a publication is made before the calls that end its groups (workers/group_publisher.py), and its leader
-        # joined the publication before any other group did.
-        never = math.inf  # an attempt its worker did not end itself: its leader may have been leased at any time
-
-        def could_lead(leader: Attempt, accepted: int) -> bool:
-            return any(g.at < accepted and leader.at < self.returned_at.get(g.key, never) for g in unfound)
-
-        for leader in self.attempts.get(writer, []) if unfound else []:
-            accepted = self.accepted_at.get(leader.key)
-            if accepted is not None and could_lead(leader, accepted):
-                look_up(group_submission_id(*leader.key))
+                first_unfound = attempt.at if first_unfound is None else first_unfound
+        if first_unfound is not None:
+            # Published with a group accepted later, or never published (its writer died while generating it, or it
+            # failed before): the leaders of the publications it could have joined.
+            for attempt in attempts:
+                if self.accepted_at.get(attempt.key, -1) > first_unfound:
+                    look_up(group_submission_id(*attempt.key))
         return [ref for digest, ref in found.items() if digest not in self.adopted]
 
 

@@ -37,7 +37,10 @@ Where each number comes from:
   lease moved on, so the worker released it; or its writer died before acceptance, and the reaping
   of dead writers or ``vime queue gc`` releases it), found by the group's submission id in the
   writer's publication receipts. Attempts leased by a worker id without ``@<writer>`` cannot be
-  looked up, nor those of a writer busy publishing right now (a live run).
+  looked up, nor those of a writer busy publishing right now (a live run). Nor, as in the reaping, those
+  whose outcome leaves nothing to release (``WriterPublications.unadopted``): an attempt its worker failed
+  or gave back untouched before it leased a group that was accepted is not looked up, so a payload the
+  worker gave up there (a hand-over call that raised) is not counted, as a generated group either.
 
 Lineages: the run's start and each restore in place of the trainer (``Lineage.restores`` in the
 checkpoint or in the queue's committed state) begin a lineage; a group belongs to the lineage whose

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -593,7 +595,9 @@ class RolloutWorker:
                 samples, task_id=lease.task_id, attempt_id=lease.attempt_id, submission_id=submission_id
             ),
         )
-        if await self.controller.return_partial.remote(lease, task, ref):
+        async with self._unless_answered(ref):
+            returned = await self.controller.return_partial.remote(lease, task, ref)
+        if returned:
             self.stats.groups_yielded += 1
         else:  # the lease moved on meanwhile
             await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
@@ -637,13 +641,32 @@ class RolloutWorker:
         fault_point("rollout.after_publish")  # payload durable, not yet accepted
         tokens = sum(s.response_length for s in samples)
         min_version = min((v for s in samples for v in s.weight_versions), default=item.version)
-        position = await self.controller.complete.remote(lease, submission_id, ref, len(samples), tokens, min_version)
+        async with self._unless_answered(ref):
+            position = await self.controller.complete.remote(
+                lease, submission_id, ref, len(samples), tokens, min_version
+            )
         if position is None:  # the lease moved on: this payload will never be referenced
             await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
             self.stats.groups_discarded += 1
         else:
             self.stats.groups_accepted += 1
             self.stats.response_tokens += tokens
+
+    @contextlib.asynccontextmanager
+    async def _unless_answered(self, ref) -> AsyncIterator[None]:
+        """The call to the controller that hands ``ref`` over (an acceptance, a continuation): when it raises (the
+        controller lost, the group cancelled), the worker gives its hold on the payload up before the error goes on.
+        Whether or not the queue took it, nothing it owns is freed (straw: a publication adopted is the queue's), and
+        a payload it did not take is never left behind by a worker that lives on: the reaping of a dead writer only
+        looks at what its last calls may have left (queue/gc.py)."""
+        try:
+            yield
+        except BaseException:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
+            except Exception as error:  # noqa: BLE001 - the call's own error is the one to report
+                logger.warning("could not give up the payload of an unanswered call (%s); the reaping will", error)
+            raise
 
     async def _attach_teacher(self, samples: list[Sample]) -> None:
         """--use-opd: the teacher's log-probs of the samples that have none yet. After the dynamic filter,

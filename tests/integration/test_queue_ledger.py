@@ -261,20 +261,25 @@ def test_a_dead_writer_s_reap_looks_up_only_the_attempts_whose_outcome_is_unknow
         controller.shutdown()
 
 
-def test_a_group_its_worker_ended_is_looked_for_only_behind_leaders_leased_before(long_run, receipt_lookups):
+def test_a_group_its_worker_ended_before_a_later_acceptance_is_not_looked_up(long_run, receipt_lookups):
+    """A group the worker failed itself (or gave back untouched) left nothing behind once the worker went on to
+    publish a group that was accepted (it gives up a payload whose hand-over raised, and a failed publication goes
+    before its next one): only the group it failed after its last accepted lease is looked for."""
     run = long_run
-    """A group the worker failed itself (or gave back) was published, if at all, before that call, with a leader
-    leased before it: the many groups accepted afterwards are not looked up on its account."""
-    failed = run.lease()
-    assert run.controller.fail(failed.assignment.lease, "the reward raised")
-    for _ in range(5):
+    early = run.lease()
+    assert run.controller.fail(early.assignment.lease, "the reward raised")
+    given_back = run.lease()
+    assert run.controller.return_partial(given_back.assignment.lease, given_back.assignment.task, None)
+    for _ in range(3):
         run.accept()
+    last = run.lease()
+    assert run.controller.fail(last.assignment.lease, "the reward raised")
     run.close()
     controller = Controller(run.spec)
     try:
         assert controller.reap_writers([])["publications_released"] == 0
-        failed_key = (failed.assignment.lease.task_id, failed.assignment.lease.attempt_id)
-        assert receipt_lookups == [partial_submission_id(*failed_key), group_submission_id(*failed_key)]
+        last_key = (last.assignment.lease.task_id, last.assignment.lease.attempt_id)
+        assert receipt_lookups == [partial_submission_id(*last_key), group_submission_id(*last_key)]
     finally:
         controller.shutdown()
 

@@ -261,3 +261,53 @@ def test_a_generated_group_waiting_for_its_acceptance_leaves_its_slot_to_the_nex
     finally:
         controller.shutdown()
     assert (stats.groups_accepted, stats.groups_discarded) == (4, 0)
+
+
+class ControllerLost(RuntimeError):
+    """What a call raises when the controller's process is gone (Ray's RayActorError), here by the handle."""
+
+
+@pytest.mark.parametrize("accepted", [False, True], ids=["call-lost", "reply-lost"])
+def test_a_payload_whose_acceptance_went_unanswered_is_given_up_by_its_worker(queue, accepted):
+    """The acceptance call raises: before the controller saw it, or after it accepted the group (the reply lost). The
+    worker gives its hold on the payload up either way, so that nothing it published waits for the reaping of a
+    writer that lives on (queue/gc.py looks only at a dead writer's last calls); an accepted group stays whole."""
+    controller, store = queue
+
+    class LosingHandle(ControllerHandle):
+        def __getattr__(self, name):
+            if name != "complete":
+                return super().__getattr__(name)
+
+            async def call(*args):
+                if accepted:
+                    self.controller.complete(*args)
+                raise ControllerLost("the controller's actor died")
+
+            return types.SimpleNamespace(remote=call)
+
+    async def scenario():
+        async def generate(args, sample, sampling):
+            return answered(sample)
+
+        worker = worker_on(LosingHandle(controller), store, generate)
+        given_up = []
+        real_discard = worker.transport.discard
+
+        def discard(ref):
+            given_up.append(ref)
+            real_discard(ref)
+
+        worker.transport.discard = discard
+        (item,) = controller.lease("w", 1)
+        await asyncio.wait_for(start(worker, item), 30)
+        worker.transport.close()
+        return worker.stats, given_up
+
+    stats, given_up = asyncio.run(scenario())
+    assert len(given_up) == 1 and stats.errors == 1 and "the controller's actor died" in stats.last_error
+    assert controller.stats().accepted == int(accepted)
+    if accepted:
+        (group,) = controller.take_groups(0, 1, 0, 0, allow_partial=True).groups
+        assert group.ref.digest == given_up[0].digest
+        assert len(list(controller.queue.store.read(group.ref))) > 0  # still the queue's, whole
