@@ -116,6 +116,8 @@ class WriterPublications:
     continued: frozenset[tuple[str, str]] = frozenset()  # attempts that gave their task back with a prefix
     returned_at: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     # ^ attempt -> the index of the call its worker ended it with (gave it back, with or without a prefix, or failed it)
+    ended_at: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    # ^ attempt -> the index of the event that ended it (the worker's call, the queue's), or of its task's next lease
 
     @classmethod
     def of(cls, view: JournalView) -> WriterPublications:
@@ -123,11 +125,20 @@ class WriterPublications:
         accepted_at: dict[tuple[str, str], int] = {}
         adopted, continued = set(), set()
         returned_at: dict[tuple[str, str], int] = {}
+        ended_at: dict[tuple[str, str], int] = {}
         current: dict[str, tuple[str, str]] = {}  # task -> its latest attempt (an ending event names the task only)
+
+        def ended(task_id: str | None, at: int) -> tuple[str, str] | None:
+            attempt = current.get(task_id)
+            if attempt is not None:
+                ended_at.setdefault(attempt, at)
+            return attempt
+
         for at, event in enumerate(view.events):
             kind = event.get("type")
             if kind == "Leased":
                 for lease in event["leases"]:
+                    ended(lease["task_id"], at)  # a task is leased again once its attempt before has ended
                     current[lease["task_id"]] = (lease["task_id"], lease["attempt_id"])
                     writer = writer_of(lease["worker_id"])
                     if writer:
@@ -136,28 +147,45 @@ class WriterPublications:
                 accepted_at[(event["lease"]["task_id"], event["lease"]["attempt_id"])] = at
                 adopted.add(event["receipt"]["result_ref"]["digest"])
             elif kind == "Yielded":  # return_partial: with the prefix it names, or untouched
-                attempt = current.get(event.get("task_id"))
+                attempt = ended(event.get("task_id"), at)
                 if attempt is not None:
                     returned_at[attempt] = at
                 if event.get("input_ref"):
                     adopted.add(event["input_ref"]["digest"])
                     if attempt is not None:
                         continued.add(attempt)
-            elif kind == "Failed" and isinstance(event.get("failure"), str):
+            elif kind == "Failed":
                 # A worker's fail or reject call carries its reason; the queue's own failures (the leases of a retired
                 # worker) a category, and are not the worker's: it may have gone on with the group meanwhile.
                 for task_id in event.get("task_ids", []):
-                    if (attempt := current.get(task_id)) is not None:
+                    attempt = ended(task_id, at)
+                    if attempt is not None and isinstance(event.get("failure"), str):
                         returned_at[attempt] = at
-        return cls(dict(attempts), accepted_at, frozenset(adopted), frozenset(continued), returned_at)
+            elif kind == "Epoch":  # a controller's restart revoked the leases in flight
+                for task_id in event.get("revoked", []):
+                    ended(task_id, at)
+        return cls(dict(attempts), accepted_at, frozenset(adopted), frozenset(continued), returned_at, ended_at)
 
     def unadopted(
-        self, store, writer: str, deadline: float, *, continuations: bool = True, still_on: frozenset = frozenset()
+        self,
+        store,
+        writer: str,
+        deadline: float,
+        *,
+        continuations: bool = True,
+        still_on: frozenset = frozenset(),
+        thorough: bool = True,
     ) -> list:
         """The publications of ``writer`` that the queue did not adopt (references, each once): its groups, and
         its continuation prefixes unless ``continuations`` is false. The attempts in ``still_on`` (a live run's
         leases) are not looked for, though a publication found for another may hold their groups. Raises WriterBusy
-        when the writer's gate stays held past ``deadline`` (see publication_receipt)."""
+        when the writer's gate stays held past ``deadline`` (see publication_receipt).
+
+        ``thorough=False`` (the reaping inside a run, which holds up the controller) looks only at what the writer's
+        last calls may have left: not at an attempt whose lease the queue ended (a controller's restart, an expired
+        lease) before the writer leased a group that was accepted. Such a group was let go by a worker that went on
+        working; only one published in the moment between that and the worker's death is missed, and ``vime queue
+        gc`` (thorough) finds it."""
         found = {}  # digest -> reference
 
         def look_up(submission: str) -> bool:
@@ -182,6 +210,8 @@ class WriterPublications:
                 continue
             if self.returned_at.get(attempt.key, last_accepted_lease) < last_accepted_lease:
                 continue
+            if not thorough and self.ended_at.get(attempt.key, last_accepted_lease) < last_accepted_lease:
+                continue
             if continuations:
                 look_up(partial_submission_id(*attempt.key))
             if not look_up(group_submission_id(*attempt.key)):
@@ -195,29 +225,32 @@ class WriterPublications:
         return [ref for digest, ref in found.items() if digest not in self.adopted]
 
 
-# vime's record of the dead writers already reaped, one id a line (beside straw's own files in the queue's folder): a
-# retired writer publishes nothing more, so what was released once stays released, and a later reap (every rollout
-# worker's death asks for one) does not look up its publications again.
+# vime's record of the dead writers already reaped, a line each: the writer's id and how (beside straw's own files in
+# the queue's folder). A retired writer publishes nothing more, so what was released once stays released, and a later
+# reap (every rollout worker's death asks for one) does not look up its publications again; a thorough one (`vime
+# queue gc`) looks again at a writer the run's own reaping went through (see WriterPublications.unadopted).
 REAPED_FILE = "reaped_writers"
+THOROUGH, IN_RUN = "thorough", "in-run"
 
 
-def reaped_writers(data_dir: str) -> set[str]:
-    """The writers a reap has finished with (a line cut short by a crash names no writer, and that one is reaped
-    again)."""
+def reaped_writers(data_dir: str, *, thorough: bool = False) -> set[str]:
+    """The writers a reap has finished with (only the thorough reaps' when ``thorough``). A line cut short by a crash
+    names no writer, and that one is reaped again."""
     try:
         with open(os.path.join(data_dir, REAPED_FILE)) as f:
-            return {line.strip() for line in f if line.endswith("\n")}
+            lines = [line.split() for line in f if line.endswith("\n")]
     except FileNotFoundError:
         return set()
+    return {words[0] for words in lines if len(words) == 2 and (words[1] == THOROUGH or not thorough)}
 
 
-def _mark_reaped(data_dir: str, writer: str) -> None:
+def _mark_reaped(data_dir: str, writer: str, thorough: bool) -> None:
     """Record ``writer`` as reaped. Only a saving: where the record cannot be written (a full volume), the writer is
     reaped again next time, which releases nothing twice."""
     try:
         fd = os.open(os.path.join(data_dir, REAPED_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, f"{writer}\n".encode())
+            os.write(fd, f"{writer} {THOROUGH if thorough else IN_RUN}\n".encode())
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -225,16 +258,16 @@ def _mark_reaped(data_dir: str, writer: str) -> None:
         logger.warning("could not record writer %s as reaped (%s); a later reap looks at it again", writer, error)
 
 
-def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
+def reap_writers(store, data_dir: str, dead: list[str], *, thorough: bool = True) -> dict[str, int]:
     """Fence the given (dead) writers and release the publications the queue never adopted.
 
     A group publication is adopted when its attempt completed; a continuation prefix when a
     Yielded event names it as the task's input. A writer that is still busy raises WriterBusy
     inside straw and is skipped (a later reap, or ``vime queue gc``, retires it); so is one whose gate stays
     held past :data:`GATE_WAIT_SECONDS` after its retirement (``writers_busy``). A writer reaped before is
-    skipped (``writers_reaped_before``; see REAPED_FILE).
+    skipped (``writers_reaped_before``; see REAPED_FILE). ``thorough``: see WriterPublications.unadopted.
     """
-    done = reaped_writers(data_dir)
+    done = reaped_writers(data_dir, thorough=thorough)
     before = len(dead)
     dead = [writer for writer in dead if writer not in done]
     publications = WriterPublications.of(JournalView.read(data_dir)) if dead else None  # None: nothing to look up
@@ -252,14 +285,14 @@ def reap_writers(store, data_dir: str, dead: list[str]) -> dict[str, int]:
             continue
         retired += 1
         try:
-            orphans = publications.unadopted(store, writer, deadline)
+            orphans = publications.unadopted(store, writer, deadline, thorough=thorough)
         except WriterBusy:
             busy += 1
             continue
         if orphans:
             store.release_publications(orphans)
             released += len(orphans)
-        _mark_reaped(data_dir, writer)
+        _mark_reaped(data_dir, writer, thorough)
     return {
         "writers_retired": retired,
         "publications_released": released,

@@ -668,12 +668,13 @@ class Controller:
     @on_the_queue
     def reap_writers(self, alive: list[str]) -> dict[str, int]:
         """Release what dead producers published but never got accepted (every straw writer of
-        this queue except ours and those in ``alive``)."""
+        this queue except ours and those in ``alive``): what their last calls may have left, since this holds up the
+        queue (``thorough=False``, queue/gc.py; `vime queue gc` after the run looks at everything)."""
         if not isinstance(self.queue, StrawRolloutQueue):
             return {}
         keep = set(alive) | {self.queue.store.writer_id}
         dead = [w for w in writer_ids(self.spec.store.data_dir) if w not in keep]
-        return reap_writers(self.queue.store, self.spec.store.data_dir, dead)
+        return reap_writers(self.queue.store, self.spec.store.data_dir, dead, thorough=False)
 
     @on_the_queue
     def stats(self) -> ControllerStats:

@@ -302,14 +302,40 @@ def test_a_writer_is_reaped_once(run, receipt_lookups):
         assert len(receipt_lookups) == made  # nothing looked up again
         record = os.path.join(run.data_dir, REAPED_FILE)
         with open(record) as f:
-            writers = f.read().split()
-        assert run.transport.writer_id in writers and len(writers) == 2
-        others = [w for w in writers if w != run.transport.writer_id]
+            lines = f.read().splitlines()
+        assert f"{run.transport.writer_id} in-run" in lines and len(lines) == 2
+        others = [line for line in lines if not line.startswith(run.transport.writer_id)]
         with open(record, "w") as f:
-            f.write("".join(f"{w}\n" for w in others) + run.transport.writer_id[:10])  # a crash mid-line
+            f.write("".join(f"{line}\n" for line in others) + run.transport.writer_id[:10])  # a crash mid-line
         assert controller.reap_writers([])["writers_retired"] == 1  # reaped again: releasing again is harmless
     finally:
         controller.shutdown()
+
+
+def test_the_run_s_reaping_leaves_a_lease_the_queue_ended_earlier_to_vime_queue_gc(long_run, receipt_lookups):
+    """A restarted controller revokes the leases in flight; the worker goes on and has groups accepted. A group of a
+    revoked lease it published in the moment before it died is not looked for by the run's own reaping, which must
+    not hold up the queue reading the worker's whole life; `vime queue gc` after the run finds and releases it."""
+    from vime.queue.gc import collect_stopped
+
+    run = long_run
+    revoked = run.lease()
+    run.controller.shutdown()
+    run.controller = Controller(run.spec)  # the restart revokes the lease
+    for _ in range(3):
+        run.accept()
+    run.publish(revoked, 0)  # published late, and the worker died before giving it up
+    run.close()
+    controller = Controller(run.spec)
+    try:
+        in_run = controller.reap_writers([])
+    finally:
+        controller.shutdown()
+    assert in_run["publications_released"] == 0
+    revoked_key = (revoked.assignment.lease.task_id, revoked.assignment.lease.attempt_id)
+    assert group_submission_id(*revoked_key) not in receipt_lookups
+    after = collect_stopped(run.data_dir, RUN_ID)
+    assert after["publications_released"] == 1 and group_submission_id(*revoked_key) in receipt_lookups
 
 
 def test_a_group_published_beside_an_orphan_is_not_one_while_its_attempt_is_on(run):
