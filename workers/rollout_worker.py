@@ -600,7 +600,7 @@ class RolloutWorker:
         if returned:
             self.stats.groups_yielded += 1
         else:  # the lease moved on meanwhile
-            await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
+            await self._discard(ref)
             self.stats.groups_discarded += 1
 
     async def _finish_group(self, item, samples: list[Sample]) -> None:
@@ -646,11 +646,15 @@ class RolloutWorker:
                 lease, submission_id, ref, len(samples), tokens, min_version
             )
         if position is None:  # the lease moved on: this payload will never be referenced
-            await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
+            await self._discard(ref)
             self.stats.groups_discarded += 1
         else:
             self.stats.groups_accepted += 1
             self.stats.response_tokens += tokens
+
+    async def _discard(self, ref) -> None:
+        """Give up a payload this worker published (on its writer thread: one straw write at a time per handle)."""
+        await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
 
     @contextlib.asynccontextmanager
     async def _unless_answered(self, ref) -> AsyncIterator[None]:
@@ -663,7 +667,7 @@ class RolloutWorker:
             yield
         except BaseException:
             try:
-                await asyncio.get_running_loop().run_in_executor(self.writer, self.transport.discard, ref)
+                await self._discard(ref)
             except Exception as error:  # noqa: BLE001 - the call's own error is the one to report
                 logger.warning("could not give up the payload of an unanswered call (%s); the reaping will", error)
             raise
