@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable
 
-from vime.recovery.disk_full import WrittenVolume
+from vime.recovery.disk_full import WrittenVolume, volume_lost_cause
 
 # How long a new controller waits for the queue's volume to take a write again before it gives up (the run stops).
 # A metadata server restarted, a network blip: seconds to a minute or two.
@@ -81,8 +81,9 @@ def wait_until_writable(
     say: Callable[[str], None] = print,
 ) -> None:
     """Return once ``data_dir`` takes a synced write; raise the volume's last error if it has not within
-    ``wait_seconds`` (each failed try said). A directory that does not exist yet is not waited for (a new queue:
-    the caller creates it)."""
+    ``wait_seconds`` (each failed try said), and at once where its file system is gone (a mount whose client died
+    answers ENOTCONN until it is mounted again, which no wait does). A directory that does not exist yet is not
+    waited for (a new queue: the caller creates it)."""
     try:
         os.stat(data_dir)
     except FileNotFoundError:
@@ -99,6 +100,9 @@ def wait_until_writable(
                 say(f"the queue's volume {data_dir} takes writes again (after {tries - 1} failed tries)")
             return
         except OSError as error:
+            if volume_lost_cause(error) is not None:  # its client is gone: no wait brings a dead mount back
+                say(f"the queue's volume {data_dir} is not reachable any more: {error}")
+                raise
             left = deadline - time.monotonic()
             if left <= 0:
                 say(f"the queue's volume {data_dir} still fails after {wait_seconds:.0f}s: {error}")

@@ -85,6 +85,30 @@ def test_a_volume_still_failing_after_the_wait_stops_the_run_naming_the_flag(tmp
             raise elsewhere
 
 
+def test_a_volume_whose_client_is_gone_is_not_waited_for(tmp_path, monkeypatch):
+    """A mount whose client died answers ENOTCONN until it is mounted again: the wait gives up at once, and the new
+    incarnation's refusal is the lost volume's. Stand-in: the probe's error (a plain directory cannot lose its client;
+    the real mount's is tests/faults/test_juicefs_storage_faults.py, where a 300-s wait outlived its bound)."""
+    import time
+
+    from vime.recovery import volume_failure
+
+    lost = OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(tmp_path / PROBE_NAME))
+    tries = []
+
+    def probe(data_dir):
+        tries.append(data_dir)
+        raise lost
+
+    monkeypatch.setattr(volume_failure, "probe", probe)
+    said: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(OSError) as raised:
+        wait_until_writable(str(tmp_path), wait_seconds=30, retry_seconds=0.1, say=said.append)
+    assert raised.value is lost and len(tries) == 1 and time.monotonic() - started < 5
+    assert said == [f"the queue's volume {tmp_path} is not reachable any more: {lost}"]
+
+
 class Ended(BaseException):
     """Stands in for the end of the controller's process (os._exit would end pytest's); the real one: the e2e."""
 
